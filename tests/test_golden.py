@@ -1,0 +1,165 @@
+"""The figures of shared/design.md and of the cited papers, out of the code."""
+
+import math
+
+import pytest
+
+from zplan import arch, presets
+from zplan.comm import collective_seconds
+from zplan.specs import TrainSpec
+from tests.helpers import est, scenario
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("name,expected_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
+def test_zero_paper_7_5b_on_64(name, expected_gb):
+    """Rajbhandari et al. 2020, figure 1: 7.5B params, N = 64, K = 12."""
+    r = est(name, params="7.5e9", gpus=64)
+    assert round(r.memory.model_state_bytes / GB, 1) == expected_gb
+
+
+def test_70b_model_state_total_and_zero3_share():
+    r = est("ddp", params="70e9", gpus=64)
+    assert r.memory.model_state_bytes == 16 * 70 * 10**9  # 1.12 TB
+    z3 = est("zero3", params="70e9", gpus=64)
+    assert z3.memory.model_state_bytes == pytest.approx(17.5e9, rel=1e-6)
+
+
+def test_70b_block_all_gather_times():
+    """A 70B block of ~0.87e9 params, ~1.75 GB in bf16: ~4 ms at 400 GB/s, ~35 ms at 50 GB/s."""
+    m = presets.model("llama-3.1-70b")
+    block = arch.units(m)[1]
+    assert block.numel == pytest.approx(0.87e9, rel=0.02)
+    assert 2 * block.numel == pytest.approx(1.75e9, rel=0.03)
+    intra = est("zero3", model="llama-3.1-70b", gpus=8).timing.units[1].all_gather_s
+    inter = est("zero3", model="llama-3.1-70b", gpus=64).timing.units[1].all_gather_s
+    assert intra == pytest.approx(4e-3, rel=0.1)
+    assert inter == pytest.approx(35e-3, rel=0.05)
+
+
+def test_70b_block_compute():
+    """6 x 0.87e9 x 8k tokens ~ 42 TFLOP, ~60 ms at 70% of an H100's 989 TFLOP/s."""
+    r = est("zero3", model="llama-3.1-70b", gpus=64, seq_len=8192)
+    u = r.timing.units[1]
+    matmul_flop = 6 * arch.units(presets.model("llama-3.1-70b"))[1].matmul_params * 8192
+    assert matmul_flop == pytest.approx(42e12, rel=0.03)
+    rate = 989.4e12 * 0.7
+    assert matmul_flop / rate == pytest.approx(60e-3, rel=0.03)
+    attention_flop = 12 * 8192 * 8192 * 8192  # QK^T and AV, forward and backward
+    assert u.forward_s + u.backward_s == pytest.approx((matmul_flop + attention_flop) / rate, rel=1e-9)
+
+
+def test_zero3_peak_extra_is_two_units_of_bf16_weights():
+    r = est("zero3", model="llama-3.1-70b", gpus=64)
+    block = arch.units(presets.model("llama-3.1-70b"))[1].numel
+    # embedding + first block is the largest consecutive pair; blocks are equal otherwise
+    assert r.memory.gather_buffer_bytes == pytest.approx(2 * 2 * block, rel=0.2)
+    no_pf = est("zero3", model="llama-3.1-70b", gpus=64, prefetch=False)
+    assert no_pf.memory.gather_buffer_bytes < r.memory.gather_buffer_bytes
+
+
+@pytest.mark.parametrize("name,factor", [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 3),
+                                         ("zero3-noreshard", 2)])
+def test_traffic_volumes(name, factor):
+    # 64 ranks and a unit size divisible by 64: no padding, so the ZeRO paper's volumes exactly
+    r = est(name, params="6.4e9", gpus=64)
+    assert r.elements_per_step == factor * 6_400_000_000
+
+
+def test_torch_zero1_is_all_reduce_plus_gather():
+    r = est("zero1", params="6.4e9", gpus=64, layout="torch")
+    assert r.elements_per_step == 3 * 6_400_000_000
+
+
+def test_hsdp_adds_replica_all_reduce_of_the_shard():
+    r = est("hsdp", params="6.4e9", gpus=64)  # shard over 8, replicate over 8
+    assert r.elements_per_step == 3 * 6_400_000_000 + 2 * 6_400_000_000 // 8
+
+
+def test_nccl_tests_ring_formula():
+    # t = S (n-1) / (n busbw): 1 GB over 8 ranks at 100 GB/s, no latency
+    assert collective_seconds("all_gather", 10**9, 8, 100e9, 0) == pytest.approx(8.75e-3)
+    assert collective_seconds("all_reduce", 10**9, 8, 100e9, 0) == pytest.approx(17.5e-3)
+    assert collective_seconds("all_gather", 10**9, 1, 100e9, 1) == 0
+
+
+def _gpt_block():
+    m = presets.model("gpt3-175b")
+    return m, TrainSpec(seq_len=2048, micro_batch=1, flash_attention=False)
+
+
+def test_korthikanti_eq1_no_recompute():
+    """sbh(34 + 5as/h) bytes per layer, 16-bit, GPT-3 block (Korthikanti et al. 2022, eq. 1)."""
+    m, t = _gpt_block()
+    s, b, h, a = 2048, 1, m.hidden, m.num_heads
+    expect = s * b * h * (34 + 5 * a * s / h)
+    got = arch.block_saved_bytes(m, t, "none")
+    assert got == pytest.approx(expect, rel=1e-3)  # + the norms' fp32 statistics (8sb each)
+
+
+def test_korthikanti_selective_recompute():
+    """34·sbh per layer when the attention core is recomputed (section 5)."""
+    m, t = _gpt_block()
+    got = arch.block_saved_bytes(m, t, "attention")
+    assert got == pytest.approx(2048 * m.hidden * 34, rel=1e-3)
+
+
+def test_full_checkpointing_keeps_block_inputs():
+    m, t = _gpt_block()
+    assert arch.block_saved_bytes(m, t, "full") == 2 * 2048 * m.hidden
+
+
+def test_flash_attention_drops_the_quadratic_term():
+    m = presets.model("llama-3.1-8b")
+    flash = arch.block_saved_bytes(m, TrainSpec(seq_len=8192), "none")
+    plain = arch.block_saved_bytes(m, TrainSpec(seq_len=8192, flash_attention=False), "none")
+    assert plain - flash == 2 * m.num_heads * 8192 * 8192 - 4 * m.num_heads * 8192
+
+
+def test_every_k_checkpoints_l_over_k_blocks():
+    m = presets.model("llama-3.1-8b")
+    t = TrainSpec(seq_len=4096, checkpointing="every-k", checkpoint_every=4)
+    none_b = arch.block_saved_bytes(m, t, "none")
+    full_b = arch.block_saved_bytes(m, t, "full")
+    saved = arch.activation_breakdown(m, t)["blocks_saved"]
+    assert saved == 8 * full_b + 24 * none_b
+
+
+def test_ordering_of_checkpointing_modes():
+    m = presets.model("llama-3.1-8b")
+    acts = {mode: arch.activation_breakdown(m, TrainSpec(seq_len=4096, checkpointing=mode))["total"]
+            for mode in ("none", "attention", "selective", "every-k", "full")}
+    assert acts["full"] < acts["selective"] < acts["none"]
+    assert acts["full"] < acts["every-k"] < acts["none"]
+
+
+def test_mfu_formula_palm():
+    m = presets.model("llama-3.1-8b")
+    per_token = arch.model_flop_per_token(m, 4096)
+    mm = arch.param_count(m) - m.vocab_size * m.hidden - 65 * m.hidden  # embedding & norms excluded
+    assert per_token == 6 * mm + 12 * 32 * 4096 * 4096
+
+
+def test_adam8bit_and_sgd_state():
+    from zplan.memory import optimizer_state_bytes
+    assert optimizer_state_bytes(2048 * 10, "adam8bit", "fp32") == 2 * (2048 * 10 + 4 * 10)
+    assert optimizer_state_bytes(1000, "sgd", "fp32") == 4000
+    assert optimizer_state_bytes(1000, "adamw", "bf16") == 4000
+
+
+def test_fsdp2_layout_keeps_fp32_shards_as_master():
+    r = est("zero3", params="6.4e9", gpus=64, layout="torch")
+    m = r.memory
+    assert m.master_bytes == 0
+    assert m.params_bytes == 4 * 6_400_000_000 // 64 and m.grads_bytes == m.params_bytes
+    assert m.model_state_bytes == 16 * 6_400_000_000 // 64
+
+
+def test_zero1_torch_partition_is_greedy_per_parameter():
+    from zplan.memory import zero1_torch_max_rank
+    sc = scenario(model="tiny", gpus=3, layout="torch")
+    biggest = max(math.prod(s) for u in sc.units for s in u.shapes)
+    total = sc.params
+    got = zero1_torch_max_rank(sc)
+    assert total / 3 <= got <= total / 3 + biggest

@@ -1,0 +1,115 @@
+import json
+import math
+
+import pytest
+
+from zplan import arch, presets
+from zplan.errors import UsageError
+
+# Counts from each model's safetensors index (total_size / 2 bytes per bf16 weight).
+EXACT = {
+    "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800, "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192,
+    "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
+    "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_param_count_matches_published_exactly(name):
+    assert arch.param_count(presets.model(name)) == EXACT[name]
+
+
+def test_gpt3_within_rounding_of_175b():
+    n = arch.param_count(presets.model("gpt3-175b"))
+    assert abs(n / 175e9 - 1) < 0.005  # the paper rounds to 175B
+
+
+def test_every_preset_loads_and_cites_a_source():
+    for kind in presets.KINDS:
+        found = presets.names(kind)
+        assert found, kind
+        for name in found:
+            spec = presets.load(kind, name)
+            assert spec.source, f"{kind}/{name} cites no source"
+    assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x", "l40s",
+            "rtx-4090"} <= set(presets.names("gpus"))
+
+
+def test_units_sum_to_the_model():
+    for name in ("llama-3.1-8b", "gpt3-175b", "mixtral-8x7b", "tiny"):
+        m = presets.model(name)
+        for k in (1, 2, 4):
+            us = arch.units(m, k)
+            assert sum(u.numel for u in us) == arch.param_count(m)
+            assert sum(u.blocks for u in us) == m.num_layers
+
+
+def test_tied_embeddings_share_one_unit():
+    us = arch.units(presets.model("gpt3-175b"))
+    assert us[0].name == "embed+head" and us[0].held
+    assert not any(u.name == "norm+head" for u in us)
+
+
+def test_hf_config_json_is_read_offline(tmp_path):
+    cfg = {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "tie_word_embeddings": False, "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+    }
+    d = tmp_path / "Llama-3.1-8B"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert arch.param_count(presets.model(str(d))) == EXACT["llama-3.1-8b"]
+    assert arch.param_count(presets.model(str(d / "config.json"))) == EXACT["llama-3.1-8b"]
+
+
+def test_qwen2_config_gets_qkv_bias(tmp_path):
+    cfg = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+           "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+           "vocab_size": 152064, "tie_word_embeddings": False}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    assert arch.param_count(presets.model(str(p))) == EXACT["qwen2.5-7b"]
+
+
+def test_user_folder_overrides_and_extends(tmp_path):
+    (tmp_path / "gpus").mkdir()
+    (tmp_path / "gpus" / "my-gpu.toml").write_text(
+        'name = "my-gpu"\nmemory_bytes = 1000\npeak_flops = { fp32 = 1e12, bf16 = 2e12 }\n'
+        'hbm_bytes_per_s = 1e12\nhost_link_bytes_per_s = 1e10\nsource = "mine"\n'
+    )
+    g = presets.gpu("my-gpu", (str(tmp_path),))
+    assert g.memory_bytes == 1000
+    assert "my-gpu" in presets.names("gpus", (str(tmp_path),))
+
+
+def test_unknown_name_suggests_close_ones():
+    with pytest.raises(UsageError, match="did you mean.*h100-sxm"):
+        presets.gpu("h100-smx")
+
+
+def test_malformed_file_names_file_field_and_reason(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('name = "x"\nmemory_bytes = -5\npeak_flops = { fp32 = 1e12, bf16 = 2e12 }\n'
+                 'hbm_bytes_per_s = 1e12\nhost_link_bytes_per_s = 1e10\nsource = "s"\n')
+    with pytest.raises(UsageError, match=r"bad\.toml: field 'memory_bytes': .*greater than 0"):
+        presets.gpu(str(p))
+
+
+def test_extra_fields_are_refused(tmp_path):
+    p = tmp_path / "extra.toml"
+    p.write_text('name = "x"\ngpus_per_node = 8\nintra_node_busbw_bytes_per_s = 1e9\n'
+                 'inter_node_busbw_bytes_per_s = 1e9\nintra_node_latency_s = 0\n'
+                 'inter_node_latency_s = 0\nhost_ram_bytes = 10\nsource = "s"\nbandwith = 3\n')
+    with pytest.raises(UsageError, match="field 'bandwith': Extra inputs are not permitted"):
+        presets.cluster(str(p))
+
+
+def test_synthetic_model_keeps_the_exact_count():
+    m = arch.synthetic(70_000_000_000)
+    assert arch.param_count(m) == 70_000_000_000
+    assert sum(u.numel for u in arch.units(m)) == 70_000_000_000
+    assert math.isclose(m.hidden / m.num_layers, 128, rel_tol=0.1)

@@ -1,0 +1,286 @@
+"""What a model's architecture implies: parameter shapes, sharding units, activations and FLOPs.
+
+Sources: parameter shapes follow the Hugging Face Llama / Mixtral / Qwen2 / GPT-2 modules;
+activations follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large
+Transformer Models, section 4.1), generalised to GQA, SwiGLU, flash attention and MoE;
+FLOPs follow Chowdhery et al. 2022 (PaLM), appendix B. Derivations: docs/formulas.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from .specs import ModelSpec, TrainSpec
+from .units import DTYPE_BITS
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sharding unit: the parameters FSDP groups into one all-gather."""
+
+    name: str
+    shapes: tuple[Shape, ...]
+    blocks: int  # transformer blocks inside (0 for embeddings / head)
+    first_block: int  # global index of its first block (checkpoint placement)
+    matmul_params: int  # weights that take part in a matmul per token (MoE: active experts only)
+    held: bool = False  # gathered for the whole step (the root under FSDP2, e.g. tied embeddings)
+
+    @cached_property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def _norm(m: ModelSpec) -> list[Shape]:
+    return [(m.hidden,), (m.hidden,)] if m.norm == "layernorm" else [(m.hidden,)]
+
+
+def _mlp(m: ModelSpec) -> list[Shape]:
+    h, f = m.hidden, m.ffn_hidden
+    if m.mlp == "swiglu":
+        shapes: list[Shape] = [(f, h), (f, h), (h, f)]
+    else:
+        shapes = [(f, h), (h, f)]
+    if m.linear_bias:
+        shapes += [(f,), (h,)]
+    return shapes
+
+
+def block_shapes(m: ModelSpec) -> list[Shape]:
+    """Parameter shapes of one transformer block, as torch Linear weights (out, in)."""
+    h, kv = m.hidden, m.kv_hidden
+    shapes: list[Shape] = _norm(m) + [(h, h), (kv, h), (kv, h), (h, h)]
+    if m.qkv_bias:
+        shapes += [(h,), (kv,), (kv,)]
+    if m.linear_bias:
+        shapes += [(h,)]
+    shapes += _norm(m)
+    if m.num_experts:
+        shapes += [(m.num_experts, h)]  # router
+        shapes += _mlp(m) * m.num_experts
+    else:
+        shapes += _mlp(m)
+    return shapes
+
+
+def _block_matmul_params(m: ModelSpec) -> int:
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    attn = 2 * h * h + 2 * kv * h
+    mlp = (3 if m.mlp == "swiglu" else 2) * h * f
+    if m.num_experts:
+        return attn + m.num_experts * h + m.experts_per_token * mlp
+    return attn + mlp
+
+
+def embed_shapes(m: ModelSpec) -> list[Shape]:
+    shapes: list[Shape] = [(m.vocab_size, m.hidden)]
+    if m.position == "learned":
+        shapes.append((m.max_seq_len, m.hidden))
+    return shapes
+
+
+def head_shapes(m: ModelSpec) -> list[Shape]:
+    return _norm(m) + ([] if m.tied_embeddings else [(m.vocab_size, m.hidden)])
+
+
+def param_count(m: ModelSpec) -> int:
+    """Total parameters, derived from the architecture (or the bare count of a synthetic model)."""
+    if m.total_params is not None:
+        return m.total_params
+    per = lambda shapes: sum(math.prod(s) for s in shapes)  # noqa: E731
+    return per(embed_shapes(m)) + m.num_layers * per(block_shapes(m)) + per(head_shapes(m))
+
+
+def units(m: ModelSpec, blocks_per_unit: int = 1) -> list[Unit]:
+    """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's order).
+
+    Tied embeddings share one weight between the first and the last module, so both sit in one
+    unit that stays gathered for the whole step (FSDP2's root). A synthetic model (bare --params)
+    is `num_layers` flat units of equal size.
+    """
+    L = m.num_layers
+    groups = [min(blocks_per_unit, L - i) for i in range(0, L, blocks_per_unit)]
+    if m.total_params is not None:
+        per_block, rem = divmod(m.total_params, L)
+        out, done = [], 0
+        for i, g in enumerate(groups):
+            n = per_block * g + sum(1 for j in range(done, done + g) if j < rem)
+            name = f"blocks.{done}" if g == 1 else f"blocks.{done}-{done + g - 1}"
+            out.append(Unit(name, ((n,),), g, done, n))
+            done += g
+        return out
+    bs = tuple(block_shapes(m))
+    bmm = _block_matmul_params(m)
+    blocks = []
+    done = 0
+    for g in groups:
+        name = f"blocks.{done}" if g == 1 else f"blocks.{done}-{done + g - 1}"
+        blocks.append(Unit(name, bs * g, g, done, bmm * g))
+        done += g
+    head_mm = m.vocab_size * m.hidden
+    if m.tied_embeddings:
+        root = Unit("embed+head", tuple(embed_shapes(m) + head_shapes(m)), 0, 0, head_mm, held=True)
+        return [root] + blocks
+    return [Unit("embed", tuple(embed_shapes(m)), 0, 0, 0)] + blocks + [
+        Unit("norm+head", tuple(head_shapes(m)), 0, L, head_mm)
+    ]
+
+
+def synthetic(params: int) -> ModelSpec:
+    """A stand-in decoder for a bare parameter count (an assumption, printed as such).
+
+    Depth from Ψ ≈ 12·L·h² with the aspect ratio h/L = 128 (Kaplan et al. 2020 found the loss
+    flat for h/L between about 50 and 200); hidden rounded to a multiple of 128, heads of 128.
+    """
+    L = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+    h = max(128, round(math.sqrt(params / (12 * L)) / 128) * 128)
+    return ModelSpec(
+        name=f"{params:.3g}-params",
+        num_layers=L,
+        hidden=h,
+        ffn_hidden=4 * h,
+        num_heads=h // 128,
+        num_kv_heads=h // 128,
+        vocab_size=32000,
+        mlp="gelu",
+        total_params=params,
+        source="synthesized from --params (depth and width are assumptions; pass --model for exact figures)",
+    )
+
+
+# ---------------------------------------------------------------- activations
+
+def _act_bytes(train: TrainSpec) -> int:
+    return DTYPE_BITS[train.precision.param] // 8
+
+
+def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
+    """Bytes one block saves for backward with no recomputation, term by term.
+
+    Korthikanti et al. 2022 eq. (1) gives sbh(34 + 5as/h) for a GPT block (MHA, GELU, f = 4h,
+    dropout, 16-bit); these terms reduce to exactly that and generalise it.
+    """
+    s, b, h, f, a = train.seq_len, train.micro_batch, m.hidden, m.ffn_hidden, m.num_heads
+    kv, B = m.kv_hidden, _act_bytes(train)
+    sb = s * b
+    stats = 8 * sb if m.norm == "layernorm" else 4 * sb  # fp32 mean/rstd saved by each norm
+    t: dict[str, int] = {
+        "norm_inputs": 2 * (B * sb * h + stats),
+        "qkv_input": B * sb * h,
+        "q_k_v": B * sb * (h + 2 * kv),
+        "attn_out_proj_input": B * sb * h,
+        "mlp_input": B * sb * h,
+    }
+    if train.flash_attention:
+        t["attn_logsumexp"] = 4 * a * sb
+    else:
+        t["attn_softmax"] = B * a * s * sb
+        if m.dropout:
+            t["attn_dropout"] = (1 + B) * a * s * sb
+    if m.dropout:
+        t["residual_dropout_masks"] = 2 * sb * h
+    per_mlp = (4 if m.mlp == "swiglu" else 2) * B * sb * f
+    if m.num_experts:
+        k = m.experts_per_token
+        t["router_logits"] = 4 * sb * m.num_experts
+        t["expert_inputs"] = k * B * sb * h
+        t["mlp_hidden"] = k * per_mlp
+    else:
+        t["mlp_hidden"] = per_mlp
+    return t
+
+
+def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
+    """What one block keeps between forward and backward under a recomputation mode."""
+    s, b, h, f = train.seq_len, train.micro_batch, m.hidden, m.ffn_hidden
+    B, sb = _act_bytes(train), train.seq_len * train.micro_batch
+    full = block_activation_terms(m, train)
+    if mode == "none":
+        return sum(full.values())
+    if mode == "full":
+        return B * sb * h  # the block's input only
+    if mode == "attention":  # Megatron's selective: the attention core is recomputed
+        return sum(v for k, v in full.items() if k not in ("attn_softmax", "attn_dropout"))
+    if mode == "selective":
+        # torchtitan op-level SAC: matmul outputs saved except every second one (wq, wv, w1, w2
+        # kept; wk, wo, w3 recomputed), attention kernel outputs saved, pointwise ops recomputed.
+        k = m.experts_per_token if m.num_experts else 1
+        saved = B * sb * (h + h + m.kv_hidden) + B * sb * h + k * B * sb * (f + h)
+        if train.flash_attention:
+            saved += 4 * m.num_heads * sb
+        return saved
+    raise ValueError(mode)
+
+
+def logits_bytes(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> int:
+    """Logits, their fp32 copy and log_softmax's output, alive together at the loss."""
+    sbv = train.seq_len * train.micro_batch * m.vocab_size
+    B = _act_bytes(train)
+    upcast = 4 if loss_fp32 and B != 4 else 0
+    return sbv * (B + upcast + (4 if loss_fp32 else B))
+
+
+def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
+    """Peak activation bytes per GPU for one micro-batch (data parallelism does not shard them)."""
+    L, mode = m.num_layers, train.checkpointing
+    none_b = block_saved_bytes(m, train, "none")
+    if mode == "every-k":
+        n_ckpt = L // train.checkpoint_every
+        ck_b = block_saved_bytes(m, train, "full")
+        saved = n_ckpt * ck_b + (L - n_ckpt) * none_b
+        recompute = none_b - ck_b if n_ckpt else 0
+    else:
+        per = block_saved_bytes(m, train, mode)
+        saved = L * per
+        recompute = none_b - per
+    h_bytes = _act_bytes(train) * train.seq_len * train.micro_batch * m.hidden
+    head = 2 * h_bytes  # final norm input and head input
+    lg = logits_bytes(m, train, loss_fp32)
+    return {
+        "blocks_saved": saved,
+        "head_inputs": head,
+        "loss_or_recompute": max(lg, recompute),
+        "total": saved + head + max(lg, recompute),
+    }
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def unit_forward_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
+    """Forward FLOPs of one unit for one micro-batch: 2 per matmul weight per token, plus
+    attention's QK^T and AV, 4·s·h per token per layer (PaLM appendix B; causal masking not
+    subtracted, as PaLM's MFU does)."""
+    T = train.seq_len * train.micro_batch
+    return 2 * u.matmul_params * T + u.blocks * 4 * train.seq_len * m.hidden * T
+
+
+def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
+    """Extra forward work that activation checkpointing adds in backward."""
+    mode, T = train.checkpointing, train.seq_len * train.micro_batch
+    if u.blocks == 0 or mode == "none":
+        return 0
+    fwd = unit_forward_flop(m, u, train)
+    if mode == "full":
+        return fwd
+    if mode == "every-k":  # torchtitan checkpoints blocks k, 2k, ... counting from 1
+        k = train.checkpoint_every
+        n_ckpt = sum(1 for i in range(u.first_block, u.first_block + u.blocks) if (i + 1) % k == 0)
+        return fwd * n_ckpt // u.blocks
+    if mode == "attention":
+        return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.hidden * T
+    # selective: wk, wo and (SwiGLU) w3 are recomputed
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    k = m.experts_per_token if m.num_experts else 1
+    per_block = kv * h + h * h + (k * h * f if m.mlp == "swiglu" else 0)
+    return 2 * per_block * T * u.blocks
+
+
+def model_flop_per_token(m: ModelSpec, seq_len: int) -> int:
+    """6·N_matmul + 12·L·h·s per token: the MFU numerator (PaLM appendix B)."""
+    mm = m.num_layers * _block_matmul_params(m) + m.vocab_size * m.hidden
+    if m.total_params is not None:
+        mm = m.total_params
+    return 6 * mm + 12 * m.num_layers * m.hidden * seq_len

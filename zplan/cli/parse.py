@@ -1,0 +1,44 @@
+"""Parsing of user-typed values into validated numbers; every failure is one UsageError line."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..errors import UsageError
+
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+MAX_PARAMS = 10**13  # larger is absurd for this planner; the cost models stay exact far beyond
+MAX_GPUS = 10**6
+
+
+def parse_count(text: str, flag: str, maximum: int = MAX_PARAMS, integer: bool = False) -> int:
+    """'70e9', '70B', '7.5b', '1.2T', '3033344' -> int, refusing zero, negatives and absurd sizes."""
+    s = str(text).strip().lower().replace("_", "").replace(",", "")
+    m = re.fullmatch(r"([+-]?[0-9.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)", s)
+    if not m:
+        raise UsageError(f"{flag} {text!r} is not a number; write it like 70e9 or 70B")
+    try:
+        value = float(m.group(1)) * _SUFFIX[m.group(2)]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a number; write it like 70e9 or 70B") from None
+    if not math.isfinite(value) or value < 1:
+        raise UsageError(f"{flag} {text!r} must be a positive count; write it like 70e9")
+    if integer and value != int(value):
+        raise UsageError(f"{flag} {text!r} must be a whole number")
+    if value > maximum:
+        raise UsageError(f"{flag} {text!r} is absurdly large (limit {maximum:.0e}); check the exponent")
+    return int(round(value))
+
+
+def check_range(value: int | float | None, flag: str, lo: float, hi: float) -> None:
+    if value is None:
+        return
+    if not (lo <= value <= hi):
+        raise UsageError(f"{flag} {value} is out of range; use a value in {lo:g}..{hi:g}")
+
+
+def check_choice(value: str, flag: str, choices: tuple[str, ...] | list[str]) -> str:
+    if value not in choices:
+        raise UsageError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+    return value

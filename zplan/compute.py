@@ -1,0 +1,142 @@
+"""Compute per unit, the overlap of each gather with compute, and the predicted step time.
+
+A unit's forward costs 2·P·T FLOPs plus attention (PaLM appendix B), its backward twice that,
+plus what checkpointing recomputes. A gather hides when the compute it runs beside is longer:
+in forward the gather of unit i+1 runs beside the compute of unit i (prefetch); in backward the
+gather of unit i-1 and the reduce-scatter of unit i+1 run beside the backward of unit i
+(FSDP2's schedule, Zhao et al. 2023, PyTorch FSDP, section 3.3). Derivations: docs/formulas.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from . import arch
+from .comm import Collective, UnitComm, unit_comm
+from .memory import Memory
+from .scenario import Scenario
+from .strategies import Strategy
+
+
+@dataclass(frozen=True)
+class UnitOverlap:
+    name: str
+    forward_s: float
+    backward_s: float  # including recompute
+    all_gather_s: float
+    reduce_s: float
+    forward_exposed_s: float  # this unit's gather not hidden in forward
+    backward_exposed_s: float  # communication not hidden behind this unit's backward
+    forward_hidden: bool
+    backward_hidden: bool
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Timing:
+    compute_s: float  # per step, all micro-batches, recompute included
+    exposed_comm_s: float
+    optimizer_s: float
+    offload_s: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    units: list[UnitOverlap]
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["units"] = [u.as_dict() for u in self.units]
+        return d
+
+
+def _flop_rate(sc: Scenario) -> float:
+    dtype = sc.train.precision.param
+    return sc.hw.gpu.flops(dtype) * sc.assume.compute_efficiency
+
+
+def _overlap(sc: Scenario, st: Strategy, fwd: list[float], bwd: list[float],
+             comms: list[UnitComm], with_reduce: bool) -> list[UnitOverlap]:
+    """Exposed communication per unit for one micro-batch."""
+    k = len(fwd)
+    ov = sc.assume.overlap and sc.train.prefetch
+    out = []
+    for i in range(k):
+        c = comms[i]
+        ag = c.all_gather_s + c.h2d_s
+        # forward: my gather runs beside the previous unit's forward (the first has nothing)
+        if ov and i > 0:
+            f_exp = max(0.0, ag - fwd[i - 1])
+        else:
+            f_exp = ag
+        # backward (reverse order): beside my backward run the gather of unit i-1 and the
+        # reduce-scatter of unit i+1; the last reduce-scatter (unit 0) has nothing to hide behind
+        nxt = comms[i - 1] if i > 0 else None
+        bg = (nxt.all_gather_s + nxt.h2d_s) if (nxt and nxt.gathers_in_backward) else 0.0
+        br = comms[i + 1].reduce_s if (with_reduce and i + 1 < k) else 0.0
+        busy = bg + br
+        b_exp = max(0.0, busy - bwd[i]) if ov else busy
+        if i == 0 and with_reduce:
+            b_exp += c.reduce_s
+        if i == k - 1 and c.gathers_in_backward:  # backward begins by re-gathering the last unit
+            b_exp += ag
+        out.append(UnitOverlap(c.name, fwd[i], bwd[i], ag, c.reduce_s if with_reduce else 0.0,
+                               f_exp, b_exp, f_exp <= 1e-12, b_exp <= 1e-12))
+    return out
+
+
+def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:
+    t, m = sc.train, sc.model
+    rate = _flop_rate(sc)
+    fwd = [arch.unit_forward_flop(m, u, t) / rate for u in sc.units]
+    bwd = [(2 * arch.unit_forward_flop(m, u, t) + arch.unit_recompute_flop(m, u, t)) / rate
+           for u in sc.units]
+    A = t.grad_accum
+    mb_compute = sum(fwd) + sum(bwd)
+    overlaps: list[UnitOverlap] = []
+    if st.fsdp:
+        comms = unit_comm(sc, st)
+        last = _overlap(sc, st, fwd, bwd, comms, with_reduce=True)
+        quiet = _overlap(sc, st, fwd, bwd, comms, with_reduce=t.reduce_every_microbatch)
+        exp_last = sum(u.forward_exposed_s + u.backward_exposed_s for u in last)
+        exp_quiet = sum(u.forward_exposed_s + u.backward_exposed_s for u in quiet)
+        exposed = exp_last + (A - 1) * exp_quiet
+        overlaps = last
+    else:
+        # DDP-style: gradient buckets reduce during backward; the last bucket and whatever does
+        # not fit beside backward are exposed; the weight all-gather after the step is exposed.
+        exposed = 0.0
+        for c in colls:
+            if c.op not in ("all_reduce", "reduce_scatter"):
+                continue
+            per = c.seconds_per_call
+            size = max(1, c.bytes_per_step // (c.volume_factor * c.calls_per_step))
+            last_bucket = per * min(1.0, sc.assume.ddp_bucket_bytes / size)
+            call = max(last_bucket, per - sum(bwd)) if sc.assume.overlap else per
+            exposed += c.calls_per_step * call
+        exposed += sum(c.seconds_per_call * c.calls_per_step for c in colls if c.op == "all_gather")
+    # optimizer step: memory-bound, reads and writes every byte of the local state once
+    local = mem.params_bytes + mem.grads_bytes + mem.master_bytes + mem.optimizer_bytes
+    opt_s = 2 * local / sc.hw.gpu.hbm_bytes_per_s
+    offload_s = 0.0
+    if st.offload_optimizer:
+        ranks = min(sc.n, sc.hw.cluster.gpus_per_node)
+        shard = sum(sc.shard_elems(u, sc.shard_degree(st.hsdp)) for u in sc.units)
+        offload_s = shard / (sc.hw.cluster.cpu_adam_params_per_s / ranks)
+        offload_s += sum(c.seconds_per_call * c.calls_per_step for c in colls
+                         if c.op in ("d2h",) or (c.op == "h2d" and not st.offload_params))
+    step = A * mb_compute + exposed + opt_s + offload_s
+    tokens = t.micro_batch * t.seq_len * A
+    flop = arch.model_flop_per_token(m, t.seq_len) * tokens
+    peak = sc.hw.gpu.flops(t.precision.param)
+    return Timing(
+        compute_s=A * mb_compute,
+        exposed_comm_s=exposed,
+        optimizer_s=opt_s,
+        offload_s=offload_s,
+        step_s=step,
+        tokens_per_s_per_gpu=tokens / step,
+        mfu=flop / (step * peak),
+        units=overlaps,
+    )

@@ -1,0 +1,178 @@
+"""One estimate: every requested strategy's memory, traffic and time for one scenario."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import arch
+from .comm import Collective, collectives
+from .compute import Timing, timing
+from .memory import Memory, memory
+from .scenario import Scenario
+from .strategies import STRATEGIES, Strategy, effective
+from .units import GB
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StrategyEstimate:
+    name: str
+    strategy: Strategy
+    memory: Memory | None
+    collectives: list[Collective] = field(default_factory=list)
+    timing: Timing | None = None
+    fits: bool = False
+    headroom_bytes: int = 0
+    host_fits: bool | None = None
+    unavailable: str | None = None  # why this strategy cannot run here at all
+
+    @property
+    def elements_per_step(self) -> int:
+        return sum(c.elements_per_step for c in self.collectives)
+
+    @property
+    def bytes_per_step(self) -> int:
+        return sum(c.bytes_per_step for c in self.collectives if c.op not in ("h2d", "d2h"))
+
+    def as_dict(self) -> dict:
+        d: dict = {
+            "name": self.name,
+            "pytorch": self.strategy.torch,
+            "deepspeed": self.strategy.deepspeed,
+            "available": self.unavailable is None,
+        }
+        if self.unavailable is not None:
+            d["reason"] = self.unavailable
+            return d
+        assert self.memory is not None and self.timing is not None
+        d["per_gpu"] = self.memory.as_dict()
+        d["fits"] = self.fits
+        d["headroom_bytes"] = self.headroom_bytes
+        d["host_fits"] = self.host_fits
+        d["comm"] = {
+            "elements_per_step": self.elements_per_step,
+            "bytes_per_step": self.bytes_per_step,
+            "collectives": [c.as_dict() for c in self.collectives],
+        }
+        tm = self.timing.as_dict()
+        d["overlap"] = tm.pop("units")
+        d["time"] = tm
+        return d
+
+
+def unavailable_reason(sc: Scenario, name: str) -> str | None:
+    if name == "offload-opt" and sc.train.layout == "torch":
+        return "FSDP2 offloads parameters and optimizer together (CPUOffloadPolicy); optimizer-only offload is DeepSpeed's (use --layout zero)"
+    if name == "hsdp":
+        S = sc.hsdp_shard
+        if sc.n % S:
+            return f"shard size {S} does not divide {sc.n} GPUs"
+    return None
+
+
+def estimate_one(sc: Scenario, name: str) -> StrategyEstimate:
+    st = effective(name, sc.train.layout)
+    why = unavailable_reason(sc, name)
+    if why:
+        return StrategyEstimate(name, st, None, unavailable=why)
+    mem = memory(sc, st)
+    colls = collectives(sc, st)
+    tm = timing(sc, st, mem, colls)
+    cap = sc.hw.gpu.memory_bytes
+    host_fits = None
+    if mem.host_bytes_per_node:
+        host_fits = mem.host_bytes_per_node <= sc.hw.cluster.host_ram_bytes
+    fits = mem.total_bytes <= cap and host_fits is not False
+    return StrategyEstimate(name, st, mem, colls, tm, fits, cap - mem.total_bytes, host_fits)
+
+
+def estimate(sc: Scenario, names: list[str] | None = None) -> list[StrategyEstimate]:
+    return [estimate_one(sc, n) for n in (names or list(STRATEGIES))]
+
+
+def assumptions(sc: Scenario) -> dict:
+    """Every figure that is assumed rather than derived, with the flag that changes it."""
+    a = sc.assume
+    out = {
+        "compute_efficiency": {"value": a.compute_efficiency, "flag": "--efficiency",
+                               "meaning": "achieved fraction of dense peak FLOP/s"},
+        "cuda_context_bytes": {"value": a.cuda_context_bytes, "flag": "--context-gib",
+                               "meaning": "CUDA context and library workspaces per GPU"},
+        "fragmentation": {"value": a.fragmentation, "flag": "--fragmentation",
+                          "meaning": "allocator fragmentation, fraction of tensor bytes"},
+        "ddp_bucket_bytes": {"value": a.ddp_bucket_bytes, "flag": "--bucket-mib",
+                             "meaning": "gradient bucket of DDP-style reduction"},
+        "overlap": {"value": a.overlap, "flag": "--no-overlap",
+                    "meaning": "communication runs concurrently with compute"},
+        "cpu_adam_params_per_s": {"value": sc.hw.cluster.cpu_adam_params_per_s, "flag": "cluster preset",
+                                  "meaning": "CPU optimizer throughput per node (offload)"},
+    }
+    if sc.model.total_params is not None:
+        m = sc.model
+        out["architecture"] = {
+            "value": f"{m.num_layers} layers, hidden {m.hidden}, vocab {m.vocab_size}, GELU MLP 4h",
+            "flag": "--model", "meaning": "synthesized from --params; activations and units follow it",
+        }
+    return out
+
+
+def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
+    m, t, hw = sc.model, sc.train, sc.hw
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "inputs": {
+            "model": m.name,
+            "params": sc.params,
+            "units": [{"name": u.name, "params": u.numel} for u in sc.units],
+            "gpu": hw.gpu.name,
+            "gpu_memory_bytes": hw.gpu.memory_bytes,
+            "cluster": hw.cluster.name,
+            "num_gpus": hw.num_gpus,
+            "gpus_per_node": hw.cluster.gpus_per_node,
+            "hsdp_shard_size": sc.hsdp_shard,
+            "train": t.model_dump(),
+            "activations": arch.activation_breakdown(m, t, sc.assume.loss_fp32),
+        },
+        "assumptions": assumptions(sc),
+        "strategies": [r.as_dict() for r in results],
+    }
+
+
+def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
+    """What would make a model that fits nowhere fit: more GPUs, checkpointing, a smaller batch."""
+    from dataclasses import replace
+
+    best = min((r for r in results if r.memory), key=lambda r: r.memory.total_bytes, default=None)
+    hints = []
+    if best is not None:
+        need = best.memory.total_bytes - sc.hw.gpu.memory_bytes
+        hints.append(f"{best.name} needs {need / GB:.1f} GB more per GPU")
+    full = sc.train.model_copy(update={"checkpointing": "full"})
+    ckpt_fits = sc.train.checkpointing != "full" and any(
+        estimate_one(replace(sc, train=full), r.name).fits for r in results if r.memory)
+    if ckpt_fits:
+        hints.append("--checkpointing full makes it fit")
+    for train, extra in ((sc.train, ""), (full, " --checkpointing full")):
+        n = _smallest_n(sc, train)
+        if n is not None:
+            hints.append(f"zero3 fits on --gpus {n}{extra}")
+            break
+    if sc.train.micro_batch > 1:
+        tr = sc.train.model_copy(update={"micro_batch": 1})
+        if any(estimate_one(replace(sc, train=tr), r.name).fits for r in results if r.memory):
+            hints.append("--micro-batch 1 makes it fit")
+    return "; ".join(hints) or "no change zplan tried makes it fit"
+
+
+def _smallest_n(sc: Scenario, train) -> int | None:
+    """The smallest power-of-two multiple of N at which zero3 fits, up to 2^20 GPUs."""
+    from dataclasses import replace
+
+    n = sc.n
+    while n < 2**20:
+        n *= 2
+        hw = sc.hw.model_copy(update={"num_gpus": n})
+        if estimate_one(replace(sc, hw=hw, train=train), "zero3").fits:
+            return n
+    return None

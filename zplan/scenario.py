@@ -1,0 +1,65 @@
+"""A scenario: one model on one piece of hardware with one training configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+
+from . import arch
+from .specs import Assumptions, Hardware, ModelSpec, TrainSpec
+from .units import ceil_div
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: ModelSpec
+    hw: Hardware
+    train: TrainSpec
+    assume: Assumptions = field(default_factory=Assumptions)
+    shard_size: int | None = None  # HSDP shard group; default one node
+
+    @cached_property
+    def units(self) -> list[arch.Unit]:
+        return arch.units(self.model, self.train.blocks_per_unit)
+
+    @cached_property
+    def params(self) -> int:
+        return arch.param_count(self.model)
+
+    @property
+    def n(self) -> int:
+        return self.hw.num_gpus
+
+    @property
+    def hsdp_shard(self) -> int:
+        if self.shard_size is not None:
+            return self.shard_size
+        return min(self.hw.cluster.gpus_per_node, self.n)
+
+    def shard_degree(self, hsdp: bool) -> int:
+        return self.hsdp_shard if hsdp else self.n
+
+    def shard_elems(self, unit: arch.Unit, degree: int) -> int:
+        """Elements each rank holds of one unit.
+
+        zero layout (DeepSpeed): the unit's flat buffer padded to a multiple of the degree.
+        torch layout (FSDP2): each parameter is split on dim 0, padded to a multiple of the degree.
+        """
+        if self.train.layout == "zero" or degree == 1:
+            return ceil_div(unit.numel, degree)
+        return _dim0_shard(unit.shapes, degree)
+
+    def padded_elems(self, unit: arch.Unit, degree: int) -> int:
+        """The unit's gathered size including padding: what one all-gather moves."""
+        return self.shard_elems(unit, degree) * degree
+
+
+@lru_cache(maxsize=4096)
+def _dim0_shard(shapes: tuple[tuple[int, ...], ...], degree: int) -> int:
+    total = 0
+    for s in shapes:
+        rest = 1
+        for d in s[1:]:
+            rest *= d
+        total += ceil_div(s[0], degree) * rest
+    return total

@@ -1,0 +1,174 @@
+"""Validated, frozen specs: what a GPU, a cluster, a model and a training run are.
+
+Every spec is a pydantic model that refuses unknown fields and is checked once, at the edge
+(CLI flags, preset files, plan files). Cost models take these and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+DTypeName = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "int4"]
+StrategyName = Literal[
+    "ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all"
+]
+STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
+Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
+CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
+OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
+Layout = Literal["zero", "torch"]
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GPUSpec(Spec):
+    """One accelerator, from its vendor's datasheet."""
+
+    name: str
+    memory_bytes: PositiveInt
+    peak_flops: dict[DTypeName, float] = Field(description="dense peak FLOP/s per dtype (no sparsity)")
+    hbm_bytes_per_s: float = Field(gt=0)
+    host_link_bytes_per_s: float = Field(gt=0, description="GPU<->host, one direction")
+    source: str
+
+    @model_validator(mode="after")
+    def _needs_bf16_and_fp32(self) -> GPUSpec:
+        for k in ("bf16", "fp32"):
+            if k not in self.peak_flops:
+                raise ValueError(f"peak_flops needs a '{k}' entry")
+        return self
+
+    def flops(self, dtype: str) -> float:
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]  # type: ignore[index]
+        return self.peak_flops["fp16" if dtype == "fp16" and "fp16" in self.peak_flops else "bf16"]
+
+
+class ClusterSpec(Spec):
+    """Nodes of GPUs and the links between them. Bandwidths are nccl-tests bus bandwidths."""
+
+    name: str
+    gpu: str | None = Field(None, description="default GPU preset for this cluster")
+    gpus_per_node: PositiveInt
+    intra_node_busbw_bytes_per_s: float = Field(gt=0)
+    inter_node_busbw_bytes_per_s: float = Field(gt=0, description="per GPU")
+    intra_node_latency_s: float = Field(ge=0)
+    inter_node_latency_s: float = Field(ge=0)
+    host_ram_bytes: PositiveInt = Field(description="per node")
+    cpu_adam_params_per_s: float = Field(2e9, gt=0, description="CPU optimizer throughput per node")
+    source: str
+
+
+class ModelSpec(Spec):
+    """A decoder-only transformer described by its architecture; parameter counts are derived."""
+
+    name: str
+    num_layers: PositiveInt
+    hidden: PositiveInt
+    ffn_hidden: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    vocab_size: PositiveInt
+    tied_embeddings: bool = False
+    mlp: Literal["gelu", "swiglu"] = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    position: Literal["rope", "learned"] = "rope"
+    max_seq_len: PositiveInt = 4096
+    linear_bias: bool = False
+    qkv_bias: bool = False
+    dropout: bool = False
+    num_experts: int = Field(0, ge=0, description="0 for a dense model")
+    experts_per_token: int = Field(0, ge=0)
+    total_params: int | None = Field(
+        None, description="set only for a model synthesized from a bare --params count"
+    )
+    published_params: int | None = None
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.hidden % self.num_heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError("experts_per_token must be in 1..num_experts for an MoE model")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def kv_hidden(self) -> int:
+        return self.head_dim * self.num_kv_heads
+
+
+class Precision(Spec):
+    """Dtypes of each piece of training state.
+
+    param: the working copy used in matmuls (and gathered under ZeRO-3 / FSDP2).
+    reduce: gradients as reduced across ranks. master: the optimizer's copy of the weights.
+    optimizer: the optimizer's state tensors (AdamW's m and v).
+    Activations are kept in the param dtype (the dtype the matmuls run in).
+    """
+
+    param: DTypeName = "bf16"
+    reduce: DTypeName = "fp32"
+    master: DTypeName = "fp32"
+    optimizer: DTypeName = "fp32"
+
+
+class Assumptions(Spec):
+    """Figures zplan cannot derive; every one is printed and can be changed."""
+
+    compute_efficiency: float = Field(
+        0.7, gt=0, le=1, description="achieved fraction of dense peak FLOP/s in the block matmuls"
+    )
+    cuda_context_bytes: int = Field(
+        600 * 2**20, ge=0, description="CUDA context + cuBLAS/NCCL workspaces, per GPU"
+    )
+    fragmentation: float = Field(
+        0.05, ge=0, lt=1, description="caching-allocator fragmentation, fraction of tensor bytes"
+    )
+    ddp_bucket_bytes: int = Field(25 * 2**20, ge=0, description="DDP gradient bucket size")
+    loss_fp32: bool = Field(True, description="logits upcast to fp32 for the loss")
+    overlap: bool = Field(True, description="communication runs concurrently with compute")
+
+
+class TrainSpec(Spec):
+    """One training configuration on the model."""
+
+    seq_len: PositiveInt = 4096
+    micro_batch: PositiveInt = 1
+    grad_accum: PositiveInt = 1
+    checkpointing: Checkpointing = "none"
+    checkpoint_every: PositiveInt = Field(2, description="every-k: one block in k is checkpointed")
+    flash_attention: bool = True
+    optimizer: OptimizerName = "adamw"
+    precision: Precision = Precision()
+    layout: Layout = Field(
+        "zero", description="zero: the ZeRO paper / DeepSpeed layout; torch: DDP, ZeRO-RO and FSDP2"
+    )
+    blocks_per_unit: PositiveInt = 1
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    reduce_every_microbatch: bool = Field(
+        True, description="reduce-scatter on every micro-batch (False: only the last; holds grads)"
+    )
+
+
+class Hardware(Spec):
+    gpu: GPUSpec
+    cluster: ClusterSpec
+    num_gpus: PositiveInt
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_gpus // self.cluster.gpus_per_node)
