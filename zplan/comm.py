@@ -16,6 +16,9 @@ from .strategies import Strategy
 from .units import nbytes
 
 
+WHOLE_MATRIX = "all-gather (whole matrices for the optimizer)"
+
+
 @dataclass(frozen=True)
 class Collective:
     name: str  # e.g. "all-gather (forward)"
@@ -113,6 +116,9 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     spans_world = N > gpn
     rs_calls = A if t.reduce_every_microbatch else 1
     out: list[Collective] = []
+    if t.optimizer == "muon" and st.optim_sharded and N > 1:
+        # Muon orthogonalises whole matrices: each sharded update gathers its matrix first
+        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", psi, p.param, N, spans_world, 1))
     if not st.fsdp:
         torch = t.layout == "torch"
         if st.name == "ddp" or (st.name == "zero1" and torch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from . import arch
-from .comm import Collective, UnitComm, unit_comm
+from .comm import WHOLE_MATRIX, Collective, UnitComm, unit_comm
 from .memory import Memory
 from .scenario import Scenario
 from .strategies import Strategy
@@ -102,6 +102,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         exp_last = sum(u.forward_exposed_s + u.backward_exposed_s for u in last)
         exp_quiet = sum(u.forward_exposed_s + u.backward_exposed_s for u in quiet)
         exposed = exp_last + (A - 1) * exp_quiet
+        exposed += sum(c.seconds_per_call for c in colls if c.name == WHOLE_MATRIX)
         overlaps = last
     else:
         # DDP-style: gradient buckets reduce during backward; the last bucket and whatever does

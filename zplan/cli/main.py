@@ -2,62 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from typing import Annotated, Optional
 
-import typer
-
-from ..errors import PlanError, UsageError, ZplanError
-from .options import ScenarioOptions, build, scenario_options
-
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    help="Plan, launch and verify sharded data-parallel training (ZeRO, FSDP2, HSDP, offload).",
-)
-
-
-@app.callback()
-def _root() -> None:
-    """zplan: does it fit, which strategy, how fast; then launch it and measure."""
-
-
-def _emit_json(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
-
-
-@app.command()
-@scenario_options
-def estimate(
-    opts: ScenarioOptions,
-    strategy: Annotated[Optional[list[str]], typer.Option(help="Strategy to show (repeatable; default all)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
-    unit: Annotated[str, typer.Option(help="GB (10^9 bytes) or GiB (2^30)")] = "GB",
-) -> None:
-    """Per-GPU memory, traffic, overlap and step time of every strategy."""
-    from ..estimate import estimate as run_estimate, fit_hints, to_json
-    from ..strategies import STRATEGIES
-    from .parse import check_choice
-
-    check_choice(unit, "--unit", ("GB", "GiB"))
-    names = strategy or list(STRATEGIES)
-    for s in names:
-        check_choice(s, "--strategy", tuple(STRATEGIES))
-    sc = build(opts)
-    results = run_estimate(sc, names)
-    if as_json:
-        _emit_json(to_json(sc, results))
-    else:
-        from ..estimate import assumptions
-        from .render import print_estimate
-
-        print_estimate(sc, results, assumptions(sc), unit)
-    if not any(r.fits for r in results):
-        raise PlanError(f"no strategy fits {sc.hw.gpu.name} with {sc.n} GPUs: {fit_hints(sc, results)}")
-
+from ..errors import ZplanError
+from . import estimate_cmd, recommend_cmd  # noqa: F401  (commands register on the app)
+from .app import app
 
 def _kind(e: BaseException) -> str:
     """Classify click's exceptions by name: Typer vendors click, so its classes move between

@@ -98,10 +98,22 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.gpus_per_node is not None:
         check_range(o.gpus_per_node, "--gpus-per-node", 1, 1024)
         cluster = cluster.model_copy(update={"gpus_per_node": o.gpus_per_node})
-    gpu_name = o.gpu or cluster.gpu or "h100-sxm"
+    gpus_found = None
+    if o.gpu == "auto":
+        from ..hardware import detect
+
+        found = detect()
+        if not found.gpus:
+            raise UsageError(f"--gpu auto found no GPU ({found.gpu_reason}); name one with --gpu, e.g. --gpu h100-sxm")
+        if found.gpu_preset is None:
+            names = ", ".join(sorted({g.name for g in found.gpus}))
+            raise UsageError(f"--gpu auto found {names}, which has no preset; pass --gpu FILE.toml")
+        gpu_name, gpus_found = found.gpu_preset, len(found.gpus)
+    else:
+        gpu_name = o.gpu or cluster.gpu or "h100-sxm"
     gpu = presets.gpu(gpu_name, extra)
     if o.gpus is None:
-        n = cluster.gpus_per_node
+        n = gpus_found or cluster.gpus_per_node
     else:
         n = parse_count(o.gpus, "--gpus", MAX_GPUS, integer=True)
     if o.model is not None:
@@ -149,3 +161,40 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         err = e.errors()[0]
         raise UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     return Scenario(model, hw, train, assume, o.shard_size)
+
+
+PROJECT_FILE = "zplan.toml"
+
+
+def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE) -> list[str]:
+    """Fill options the user left at their defaults from ./zplan.toml; return what was taken.
+
+    Keys are the long option names with underscores (model, gpus, cluster, seq_len, ...), plus
+    the command's own (e.g. global_batch), which land in `extra`.
+    """
+    import tomllib
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        return []
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{p}: not valid TOML ({e}); fix the file") from None
+    defaults = ScenarioOptions()
+    taken = []
+    for k, v in data.items():
+        key = k.replace("-", "_")
+        if key in _FIELDS:
+            if getattr(o, key) == getattr(defaults, key):
+                setattr(o, key, str(v) if key in ("params", "gpus") else v)
+                taken.append(f"{key}={v}")
+        elif key in extra:
+            if extra[key] is None:
+                extra[key] = v
+                taken.append(f"{key}={v}")
+        else:
+            known = ", ".join(sorted(_FIELDS + list(extra)))
+            raise UsageError(f"{p}: unknown key {k!r}; known keys: {known}")
+    return taken

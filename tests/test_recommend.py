@@ -1,0 +1,161 @@
+"""recommend reaches the choices an expert would; plans round-trip; exports use documented keys."""
+
+import json
+
+import pytest
+
+from zplan.errors import PlanError, UsageError
+from zplan.recommend import search
+from tests.helpers import scenario
+
+
+def rec(global_batch, **kw):
+    return search(scenario(**kw), global_batch)
+
+
+def test_small_model_fast_network_picks_replicated():
+    r = rec(64, params="1e9", gpus=8)
+    assert r.winner.family in ("ddp", "zero1")
+    assert r.winner.result.fits
+
+
+def test_70b_on_a_fast_domain_hides_zero3_gathers():
+    r = rec(64, model="llama-3.1-70b", gpus=64, cluster="gb200-nvl72", seq_len=8192)
+    w = r.winner
+    assert w.family == "zero3"
+    units = w.result.timing.units
+    assert units[0].name == "embed" and units[1].name == "blocks.0"
+    # the embedding lookup has no FLOPs to hide block 0's gather; every later gather hides
+    assert all(u.forward_hidden for u in units[2:])
+    assert all(u.backward_hidden for u in units[1:-1])
+    assert w.result.timing.exposed_comm_s < 0.02 * w.step_s
+
+
+def test_across_nodes_small_batch_prefers_hsdp():
+    r = rec(64, model="llama-3.1-8b", gpus=64)  # 8 nodes at 50 GB/s, 1 sequence per GPU
+    assert r.winner.family == "hsdp"
+    z3 = r.best_by_family["zero3"].result.timing
+    assert z3.exposed_comm_s > r.winner.result.timing.exposed_comm_s
+    assert "exposed communication" in r.lost["zero3"]
+
+
+def test_too_big_for_few_gpus_offloads_and_pays_pcie():
+    r = rec(4, model="llama-3.1-70b", gpus=4)
+    assert r.winner.family.startswith("offload")
+    t = r.winner.result.timing
+    assert t.offload_s > 0 and t.step_s >= t.compute_s + t.offload_s
+    assert "model state alone" in r.rejected["zero3"]
+
+
+def test_nothing_fits_is_an_honest_no():
+    with pytest.raises(PlanError, match=r"nothing fits .* try --gpus \d+"):
+        rec(2, model="llama-3.1-405b", gpus=2)
+
+
+def test_zero2_rejection_names_the_replicated_weights():
+    r = rec(64, model="llama-3.1-70b", gpus=64)
+    assert r.rejected["zero2"].startswith("zero2: replicated bf16 weights alone are 141 GB >")
+
+
+def test_muon_under_sharding_is_flagged_and_priced():
+    r = rec(64, model="llama-3.1-8b", gpus=16, optimizer="muon")
+    assert any("whole matrices" in f for f in r.flags)
+    from zplan.estimate import estimate_one
+    sc = scenario(model="llama-3.1-8b", gpus=16)
+    muon = estimate_one(scenario(model="llama-3.1-8b", gpus=16, optimizer="muon"), "zero3")
+    adam = estimate_one(sc, "zero3")
+    assert muon.elements_per_step - adam.elements_per_step == sc.params
+
+
+def test_global_batch_must_divide():
+    with pytest.raises(UsageError, match="not a multiple of 8 GPUs"):
+        rec(12, model="tiny", gpus=8)
+
+
+def test_ranked_by_step_time_and_feasible():
+    r = rec(64, model="llama-3.1-8b", gpus=8)
+    steps = [c.step_s for c in r.ranked[1:]]
+    assert steps == sorted(steps)
+    assert all(c.total_bytes <= c.usable_bytes for c in r.ranked)
+    per_gpu = 64 // 8
+    assert all(c.sc.train.micro_batch * c.sc.train.grad_accum == per_gpu for c in r.ranked)
+
+
+def test_memory_objective_minimises_memory():
+    r = search(scenario(model="llama-3.1-8b", gpus=8), 64, objective="memory")
+    assert r.winner.total_bytes == min(c.total_bytes for c in r.ranked)
+
+
+# ----------------------------------------------------------------- through the CLI
+
+def test_plan_round_trips(run_zplan, tmp_path):
+    plan = tmp_path / "plan.json"
+    p = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "16", "--global-batch", "64",
+                  "--write", str(plan), "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    w = out["winner"]
+    assert w["rank"] == 1 and w["per_gpu"]["total_bytes"] > 0
+    data = json.loads(plan.read_text())
+    assert data["plan_version"] == 1 and data["strategy"] == w["name"]
+    assert data["predicted"]["per_gpu"]["total_bytes"] == w["per_gpu"]["total_bytes"]
+    from zplan.plan import load
+    assert load(plan).model_dump() == data
+    e = run_zplan("estimate", "--plan", str(plan), "--json")
+    assert e.returncode == 0, e.stderr
+    again = json.loads(e.stdout)["strategies"][0]
+    assert again["name"] == w["name"]
+    assert again["per_gpu"] == w["per_gpu"]
+    assert again["time"]["step_s"] == pytest.approx(w["time"]["step_s"])
+    assert {r["family"] for r in out["rejected"]} | set(out["best_by_family"]) >= {"ddp", "zero3"}
+
+
+def test_bad_plan_file_is_one_line(run_zplan, tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"plan_version": 1, "strategy": "zero9"}')
+    p = run_zplan("estimate", "--plan", str(bad))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "plan.json" in p.stderr
+
+
+def test_bare_recommend_states_its_defaults(run_zplan, tmp_path):
+    p = run_zplan("recommend", cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "model llama-3.1-8b (default" in p.stderr
+    assert "global batch" in p.stderr
+    assert "Recommended:" in p.stdout
+
+
+def test_project_file_is_read(run_zplan, tmp_path):
+    (tmp_path / "zplan.toml").write_text('model = "tiny"\ngpus = 2\nglobal_batch = 8\nseq_len = 256\n')
+    p = run_zplan("recommend", "--json", cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["plan"]["model"]["name"] == "tiny" and out["plan"]["num_gpus"] == 2
+    assert out["global_batch"] == 8
+    (tmp_path / "zplan.toml").write_text('modle = "tiny"\n')
+    p = run_zplan("recommend", cwd=str(tmp_path))
+    assert p.returncode == 2 and "unknown key 'modle'" in p.stderr
+
+
+def test_explain_substitutes_numbers(run_zplan):
+    p = run_zplan("explain", "--params", "7.5e9", "--gpus", "64", "--strategy", "zero3")
+    assert p.returncode == 0, p.stderr
+    assert "Ψ = " in p.stdout and "7,500,000,000" in p.stdout
+    assert "t = S(n-1)/(n busbw)" in p.stdout
+    assert "1.875 GB" in p.stdout  # 16 x 7.5e9 / 64
+
+
+def test_plot_writes_a_png(run_zplan, tmp_path):
+    png = tmp_path / "scaling.png"
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--global-batch", "4",
+                  "--seq-len", "256", "--plot", str(png))
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scaling_series_memory_falls_with_n():
+    from zplan.plot import scaling_series
+    s = scaling_series(scenario(model="llama-3.1-8b", gpus=8))
+    z3 = [p[1] for p in s["zero3"]]
+    assert z3 == sorted(z3, reverse=True) and len(z3) >= 7

@@ -1,0 +1,149 @@
+"""zplan recommend, export and explain."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import UsageError
+from .app import app, emit_json
+from .options import ScenarioOptions, apply_project_file, build, scenario_options
+from .parse import check_choice, check_range, parse_count
+
+DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_PER_GPU = 8  # sequences per GPU per step when no global batch is given
+
+
+def _defaults(opts: ScenarioOptions, extra: dict) -> list[str]:
+    """Bare `zplan recommend`: zplan.toml, then this machine's GPUs, then stated defaults."""
+    used = [f"zplan.toml: {', '.join(t)}" for t in [apply_project_file(opts, extra)] if t]
+    if opts.model is None and opts.params is None:
+        opts.model = DEFAULT_MODEL
+        used.append(f"model {DEFAULT_MODEL} (default; --model to change)")
+    if opts.gpu is None and opts.gpus is None:
+        from ..hardware import detect
+
+        found = detect()
+        if found.gpus and found.gpu_preset:
+            opts.gpu, opts.gpus = found.gpu_preset, str(len(found.gpus))
+            used.append(f"{len(found.gpus)} x {found.gpu_preset} detected on this machine")
+        else:
+            used.append(f"no usable GPU here ({found.gpu_reason}): planning for one node of "
+                        f"{opts.cluster} (--gpu, --gpus, --cluster to change)")
+    return used
+
+
+@app.command()
+@scenario_options
+def recommend(
+    opts: ScenarioOptions,
+    global_batch: Annotated[Optional[str], typer.Option(help="Sequences per optimizer step, all GPUs (default 8 per GPU)")] = None,
+    global_batch_tokens: Annotated[Optional[str], typer.Option(help="Tokens per optimizer step, all GPUs")] = None,
+    objective: Annotated[str, typer.Option(help="throughput (fastest step) or memory (least per GPU)")] = "throughput",
+    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free")] = 0.1,
+    write: Annotated[Optional[str], typer.Option(help="Write the winning plan to this file (JSON)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    plot: Annotated[Optional[str], typer.Option(help="Draw memory and step time against N to this PNG")] = None,
+    top: Annotated[int, typer.Option(help="Runners-up to list")] = 8,
+) -> None:
+    """The fastest configuration that fits, and why every other one lost."""
+    from ..plan import make_plan, save
+    from ..recommend import search
+
+    extra = {"global_batch": global_batch, "global_batch_tokens": global_batch_tokens,
+             "objective": None, "headroom": None}
+    used = _defaults(opts, extra)
+    objective = extra["objective"] or objective
+    headroom = extra["headroom"] if extra["headroom"] is not None else headroom
+    check_choice(objective, "--objective", ("throughput", "memory"))
+    check_range(headroom, "--headroom", 0.0, 0.9)
+    check_range(top, "--top", 0, 1000)
+    sc = build(opts)
+    gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
+    if gb is not None and gbt is not None:
+        raise UsageError("give --global-batch or --global-batch-tokens, not both")
+    if gbt is not None:
+        tokens = parse_count(str(gbt), "--global-batch-tokens")
+        if tokens % sc.train.seq_len:
+            raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {sc.train.seq_len}")
+        batch = tokens // sc.train.seq_len
+    elif gb is not None:
+        batch = parse_count(str(gb), "--global-batch")
+    else:
+        batch = DEFAULT_PER_GPU * sc.n
+        used.append(f"global batch {batch} sequences ({DEFAULT_PER_GPU} per GPU; --global-batch to change)")
+    for line in used:
+        print(f"zplan: using {line}", file=sys.stderr)
+    rec = search(sc, batch, objective, headroom)
+    plan = make_plan(rec.winner.sc, rec.winner.family, batch, rec.winner.result)
+    if write:
+        save(plan, write)
+    if plot:
+        from ..plot import plot_scaling
+
+        plot_scaling(rec.winner.sc, plot)
+    if as_json:
+        emit_json(_json(rec, plan, top))
+    else:
+        from .render_recommend import print_recommendation
+
+        print_recommendation(rec, top, write, plot)
+
+
+def _json(rec, plan, top: int) -> dict:
+    from ..estimate import SCHEMA_VERSION
+
+    def cand(c, rank):
+        d = c.result.as_dict()
+        d.update(rank=rank, family=c.family, label=c.label(), hsdp_shard_size=c.sc.hsdp_shard,
+                 train=c.sc.train.model_dump(), usable_bytes=c.usable_bytes)
+        return d
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "global_batch": rec.global_batch,
+        "evaluated": rec.evaluated,
+        "winner": cand(rec.winner, 1),
+        "candidates": [cand(c, i + 1) for i, c in enumerate(rec.ranked[: max(1, top + 1)])],
+        "best_by_family": {f: cand(c, rec.ranked.index(c) + 1) for f, c in rec.best_by_family.items()},
+        "lost": rec.lost,
+        "rejected": [{"family": f, "reason": r} for f, r in rec.rejected.items()],
+        "flags": rec.flags,
+        "plan": plan.model_dump(),
+    }
+
+
+@app.command()
+def export(
+    plan: Annotated[str, typer.Option(help="Plan file written by recommend --write")],
+    to: Annotated[str, typer.Option(help="deepspeed | accelerate | torchrun")],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Write here instead of stdout")] = None,
+    zeropp: Annotated[bool, typer.Option(help="DeepSpeed: add ZeRO++ (hpZ, int8 weights, int4 grads)")] = False,
+) -> None:
+    """Write a plan as a DeepSpeed config, an accelerate config, or a torchrun command."""
+    from ..export import export as do_export
+    from ..plan import load, write_atomic
+
+    check_choice(to, "--to", ("deepspeed", "accelerate", "torchrun"))
+    text = do_export(load(plan), to, plan, zeropp)
+    if output:
+        write_atomic(output, text)
+    else:
+        sys.stdout.write(text)
+
+
+@app.command()
+@scenario_options
+def explain(
+    opts: ScenarioOptions,
+    strategy: Annotated[str, typer.Option(help="The strategy to derive")] = "zero3",
+) -> None:
+    """The derivation of one strategy's figures, with your numbers substituted."""
+    from ..explain import explain_lines
+    from ..strategies import STRATEGIES
+
+    check_choice(strategy, "--strategy", tuple(STRATEGIES))
+    for line in explain_lines(build(opts), strategy):
+        print(line)

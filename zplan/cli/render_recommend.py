@@ -1,0 +1,48 @@
+"""Rich output of a recommendation."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ..recommend import Recommendation
+from ..units import fmt_bytes, fmt_s
+from .render import bar
+
+
+def print_recommendation(rec: Recommendation, top: int, written: str | None, plot: str | None) -> None:
+    console = Console(width=max(Console().width, 140))
+    w = rec.winner
+    sc, t, m = w.sc, w.result.timing, w.result.memory
+    console.print(f"[bold]{sc.model.name}[/] on {sc.n} x {sc.hw.gpu.name} ({sc.hw.cluster.name}), "
+                  f"global batch {rec.global_batch} x {sc.train.seq_len} tokens; "
+                  f"{rec.evaluated} configurations searched. Sizes in GB (10^9 bytes).")
+    console.print(f"[bold green]Recommended:[/] {w.label()}")
+    console.print(f"  per GPU {fmt_bytes(m.total_bytes)} of {fmt_bytes(sc.hw.gpu.memory_bytes)} "
+                  f"|{bar(m.as_dict(), sc.hw.gpu.memory_bytes)}|")
+    console.print(f"  step {fmt_s(t.step_s)} (compute {fmt_s(t.compute_s)}, exposed comm "
+                  f"{fmt_s(t.exposed_comm_s)}, optimizer {fmt_s(t.optimizer_s)}, offload {fmt_s(t.offload_s)}); "
+                  f"{t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU {t.mfu:.1%}")
+    if t.units:
+        hidden = sum(u.forward_hidden for u in t.units[1:])
+        console.print(f"  all-gathers hidden in forward for {hidden} of {len(t.units) - 1} units after the first")
+    for f in rec.flags:
+        console.print(f"[yellow]  note: {f}[/]")
+    if top:
+        tb = Table(title="Runners-up", title_justify="left")
+        for col in ("#", "configuration", "per GPU", "step", "tokens/s/GPU", "MFU"):
+            tb.add_column(col, justify="left" if col == "configuration" else "right")
+        for i, c in enumerate(rec.ranked[1: top + 1], start=2):
+            ct = c.result.timing
+            tb.add_row(str(i), c.label(), fmt_bytes(c.total_bytes), fmt_s(ct.step_s),
+                       f"{ct.tokens_per_s_per_gpu:,.0f}", f"{ct.mfu:.1%}")
+        console.print(tb)
+    console.print("[bold]Each strategy family:[/]")
+    for fam, why in rec.lost.items():
+        console.print(f"  {fam}: {why}")
+    for fam, why in rec.rejected.items():
+        console.print(f"  [red]infeasible[/] {why}")
+    if written:
+        console.print(f"Plan written to {written} (zplan launch --plan {written} runs it).")
+    if plot:
+        console.print(f"Plot written to {plot}.")

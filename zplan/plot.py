@@ -1,0 +1,67 @@
+"""Pictures: per-GPU memory and step time against N for each strategy (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .errors import UsageError
+from .estimate import estimate_one
+from .scenario import Scenario
+from .strategies import STRATEGIES
+from .units import GB
+
+
+def scaling_series(sc: Scenario, max_n: int | None = None) -> dict[str, list[tuple[int, float, float]]]:
+    """(N, total GB per GPU, step seconds) for N = 1, 2, 4, ... up to max(64, 8 x N)."""
+    max_n = max_n or max(64, 8 * sc.n)
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    n = 1
+    while n <= max_n:
+        hw = sc.hw.model_copy(update={"num_gpus": n})
+        shard = min(sc.hw.cluster.gpus_per_node, n)
+        s = replace(sc, hw=hw, shard_size=shard if n % shard == 0 else None)
+        for name in STRATEGIES:
+            r = estimate_one(s, name)
+            if r.memory is not None:
+                series.setdefault(name, []).append((n, r.memory.total_bytes / GB, r.timing.step_s))
+        n *= 2
+    return series
+
+
+def plot_scaling(sc: Scenario, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'zplan[plot]'") from None
+    series = scaling_series(sc)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, pts in series.items():
+        ns = [p[0] for p in pts]
+        a.plot(ns, [p[1] for p in pts], marker="o", label=name)
+        b.plot(ns, [p[2] for p in pts], marker="o", label=name)
+    a.axhline(sc.hw.gpu.memory_bytes / GB, color="k", ls="--", label=f"{sc.hw.gpu.name} memory")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs (N)")
+        ax.grid(True, alpha=0.3)
+    a.set_yscale("log")
+    a.set_ylabel("per-GPU memory (GB = 1e9 bytes)")
+    b.set_ylabel("predicted step time (s)")
+    a.set_title(f"{sc.model.name}: memory per GPU")
+    b.set_title(f"step time, {sc.train.micro_batch} x {sc.train.seq_len} tokens per GPU")
+    a.legend(fontsize=7)
+    fig.tight_layout()
+    from .plan import write_atomic  # noqa: F401  (PNG is binary: write beside, then rename)
+    import os
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, target)
+    plt.close(fig)

@@ -1,0 +1,232 @@
+"""The search: every configuration, ranked by predicted step time for the same global batch.
+
+A candidate is a strategy (HSDP once per shard size that divides N and fits a node) x activation
+checkpointing x micro-batch (the largest that fits, and the next smaller) x gradient accumulation
+(to reach the global batch) x blocks per unit x prefetch. It is feasible when it fits GPU memory
+less the headroom and, with offload, the node's host RAM. Memory is checked first; only feasible
+candidates are timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .errors import PlanError, UsageError
+from .estimate import StrategyEstimate, estimate_one, unavailable_reason
+from .memory import memory
+from .scenario import Scenario
+from .strategies import STRATEGIES, effective
+from .units import GB, fmt_bytes, fmt_s
+
+CHECKPOINTING = ("none", "selective", "every-k", "full")
+BLOCKS_PER_UNIT = (1, 2, 4)
+SIMPLICITY = {n: i for i, n in enumerate(STRATEGIES)}
+TIE = 0.03  # within the model's resolution, a simpler strategy within 3% of the fastest wins
+WHOLE_MATRIX_OPTIMIZERS = ("muon",)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    family: str
+    sc: Scenario
+    result: StrategyEstimate
+    usable_bytes: int
+
+    @property
+    def step_s(self) -> float:
+        return self.result.timing.step_s
+
+    @property
+    def total_bytes(self) -> int:
+        return self.result.memory.total_bytes
+
+    def label(self) -> str:
+        t = self.sc.train
+        parts = [self.family if self.family != "hsdp" else f"hsdp(S={self.sc.hsdp_shard})",
+                 f"mb={t.micro_batch}", f"accum={t.grad_accum}", f"ckpt={t.checkpointing}"]
+        if t.blocks_per_unit > 1:
+            parts.append(f"blocks/unit={t.blocks_per_unit}")
+        if not t.prefetch:
+            parts.append("no-prefetch")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    winner: Candidate
+    ranked: list[Candidate]
+    best_by_family: dict[str, Candidate]
+    rejected: dict[str, str]  # family -> the exact reason none is feasible
+    lost: dict[str, str]  # family -> why its best lost to the winner
+    flags: list[str]
+    evaluated: int
+    global_batch: int
+
+
+def _micro_batches(per_gpu: int) -> list[int]:
+    """Divisors of the per-GPU batch, largest first (micro-batch x accumulation = per-GPU batch)."""
+    return [d for d in range(per_gpu, 0, -1) if per_gpu % d == 0]
+
+
+def _usable(sc: Scenario, headroom: float) -> int:
+    return int(sc.hw.gpu.memory_bytes * (1 - headroom))
+
+
+def _fits_memory(sc: Scenario, family: str, usable: int) -> bool:
+    st = effective(family, sc.train.layout)
+    m = memory(sc, st)
+    if m.total_bytes > usable:
+        return False
+    return not m.host_bytes_per_node or m.host_bytes_per_node <= sc.hw.cluster.host_ram_bytes
+
+
+def _variants(base: Scenario, family: str) -> list[Scenario]:
+    if family != "hsdp":
+        return [base]
+    gpn, n = base.hw.cluster.gpus_per_node, base.n
+    sizes = [s for s in range(2, min(gpn, n) + 1) if n % s == 0 and s < n]
+    return [replace(base, shard_size=s) for s in sizes]
+
+
+def search(base: Scenario, global_batch: int, objective: str = "throughput",
+           headroom: float = 0.1, families: list[str] | None = None) -> Recommendation:
+    """Search every configuration; raise PlanError with what would help when nothing fits."""
+    n = base.n
+    if global_batch % n:
+        raise UsageError(f"--global-batch {global_batch} is not a multiple of {n} GPUs; "
+                         f"use {max(n, global_batch // n * n)} or another multiple of {n}")
+    per_gpu = global_batch // n
+    families = families or list(STRATEGIES)
+    feasible: list[Candidate] = []
+    rejected: dict[str, str] = {}
+    evaluated = 0
+    L = base.model.num_layers
+    for family in families:
+        why = unavailable_reason(base, family) if family != "hsdp" else None
+        if why:
+            rejected[family] = why
+            continue
+        found = []
+        for sc0 in _variants(base, family):
+            usable = _usable(sc0, headroom)
+            for ckpt in CHECKPOINTING:
+                for bpu in BLOCKS_PER_UNIT:
+                    if bpu > L or (bpu > 1 and family in ("ddp", "zero1", "zero2")):
+                        continue  # units only matter where weights are gathered per unit
+                    taken = 0
+                    for mb in _micro_batches(per_gpu):
+                        for prefetch in (True, False):
+                            tr = base.train.model_copy(update={
+                                "checkpointing": ckpt, "blocks_per_unit": bpu, "micro_batch": mb,
+                                "grad_accum": per_gpu // mb, "prefetch": prefetch})
+                            sc = replace(sc0, train=tr)
+                            evaluated += 1
+                            if _fits_memory(sc, family, usable):
+                                found.append(Candidate(family, sc, estimate_one(sc, family), usable))
+                                taken += 1
+                                break  # prefetch off only when prefetch on does not fit
+                        if taken >= 2:
+                            break
+        if found:
+            feasible += found
+        else:
+            rejected[family] = _why_not(base, family, headroom)
+    if not feasible:
+        raise PlanError(_nothing_fits(base, global_batch, headroom, rejected))
+    key = (lambda c: (c.step_s, c.total_bytes)) if objective == "throughput" else \
+          (lambda c: (c.total_bytes, c.step_s))
+    ranked = sorted(feasible, key=key)
+    winner = ranked[0]
+    if objective == "throughput":  # prefer the simplest strategy among near-ties
+        near = [c for c in ranked if c.step_s <= winner.step_s * (1 + TIE)]
+        winner = min(near, key=lambda c: (SIMPLICITY[c.family], c.step_s))
+        ranked.remove(winner)
+        ranked.insert(0, winner)
+    best: dict[str, Candidate] = {}
+    for c in ranked:
+        best.setdefault(c.family, c)
+    lost = {f: _why_lost(c, winner, objective) for f, c in best.items() if c is not winner}
+    return Recommendation(winner, ranked, best, rejected, lost, _flags(base, winner),
+                          evaluated, global_batch)
+
+
+def _why_not(base: Scenario, family: str, headroom: float) -> str:
+    """The exact reason no configuration of this family fits: the smallest one, explained."""
+    variants = _variants(base, family)
+    if not variants:
+        return f"no shard size in 2..{min(base.hw.cluster.gpus_per_node, base.n)} divides {base.n} GPUs below N"
+    tr = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1, "grad_accum": 1,
+                                       "blocks_per_unit": 1, "prefetch": False})
+    best = None
+    for v in variants:
+        sc = replace(v, train=tr)
+        m = memory(sc, effective(family, sc.train.layout))
+        if best is None or m.total_bytes < best[1].total_bytes:
+            best = (sc, m)
+    sc, m = best
+    usable = _usable(sc, headroom)
+    cap = f"{fmt_bytes(usable)} usable ({fmt_bytes(sc.hw.gpu.memory_bytes)} less {headroom:.0%} headroom)"
+    name = family if family != "hsdp" else f"hsdp (S={sc.hsdp_shard})"
+    if m.host_bytes_per_node and m.host_bytes_per_node > sc.hw.cluster.host_ram_bytes:
+        return (f"{name}: host RAM {fmt_bytes(m.host_bytes_per_node)} per node > "
+                f"{fmt_bytes(sc.hw.cluster.host_ram_bytes)}")
+    p = sc.train.precision
+    if not effective(family, sc.train.layout).params_sharded and m.params_bytes > usable:
+        return f"{name}: replicated {p.param if sc.train.layout == 'zero' else p.master} weights alone are {fmt_bytes(m.params_bytes)} > {cap}"
+    if m.model_state_bytes > usable:
+        return (f"{name}: model state alone is {fmt_bytes(m.model_state_bytes)} (weights "
+                f"{fmt_bytes(m.params_bytes)}, grads {fmt_bytes(m.grads_bytes)}, optimizer "
+                f"{fmt_bytes(m.master_bytes + m.optimizer_bytes)}) > {cap}")
+    return (f"{name}: needs {fmt_bytes(m.total_bytes)} even at micro-batch 1 with full "
+            f"checkpointing (model state {fmt_bytes(m.model_state_bytes)}, gathered weights "
+            f"{fmt_bytes(m.gather_buffer_bytes)}, activations {fmt_bytes(m.activation_bytes)}) > {cap}")
+
+
+def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
+    if objective == "memory":
+        return f"uses {fmt_bytes(c.total_bytes)} per GPU vs {fmt_bytes(w.total_bytes)}"
+    if c.step_s <= w.step_s * (1 + TIE):
+        return f"as fast ({fmt_s(c.step_s)}) but {w.family} is simpler"
+    a, b = c.result.timing, w.result.timing
+    deltas = {
+        "exposed communication": a.exposed_comm_s - b.exposed_comm_s,
+        "compute (recomputation, smaller micro-batches)": a.compute_s - b.compute_s,
+        "optimizer step": a.optimizer_s - b.optimizer_s,
+        "offload (CPU optimizer and PCIe)": a.offload_s - b.offload_s,
+    }
+    what, d = max(deltas.items(), key=lambda kv: kv[1])
+    pct = (c.step_s / w.step_s - 1) * 100
+    return f"{fmt_s(c.step_s)} per step, {pct:+.0f}%: more {what} (+{fmt_s(d)}); best: {c.label()}"
+
+
+def _flags(base: Scenario, w: Candidate) -> list[str]:
+    flags = []
+    t = base.train
+    if t.optimizer in WHOLE_MATRIX_OPTIMIZERS and effective(w.family, t.layout).optim_sharded:
+        psi, n = base.params, base.n
+        flags.append(
+            f"{t.optimizer} needs whole matrices, but {w.family} shards flat buffers "
+            f"(zero layout) or dim 0 (FSDP2), splitting them; priced instead as per-parameter "
+            f"sharding: each update gathers its whole matrix, +{psi:,} elements "
+            f"({fmt_bytes(psi * 2)} in bf16) of all-gather per step, and the fullest rank holds "
+            f"more than 1/{n} of the state (greedy whole-parameter partition)")
+    return flags
+
+
+def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict) -> str:
+    from .estimate import _smallest_n
+
+    hints = []
+    full = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1})
+    n = _smallest_n(base, full)
+    if n is not None:
+        hints.append(f"--gpus {n} (zero3, full checkpointing, micro-batch 1)")
+    if base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw":
+        hints.append("--optimizer adam8bit")
+    order = ("offload-all", "zero3", "offload-opt", "hsdp")
+    tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
+    return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "
+            f"({tight}); try " + (" or ".join(hints) if hints else "a larger GPU"))
+
+
+__all__ = ["search", "Recommendation", "Candidate", "GB"]
