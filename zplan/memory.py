@@ -120,7 +120,9 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     else:
         cast = psi * pb if (torch and p.master != p.param) else 0  # autocast's low-precision weights
         gather_b = cast
-        reduce_b = 2 * sc.assume.ddp_bucket_bytes
+        # DeepSpeed holds reduce buckets; zplan's DDP uses gradient_as_bucket_view=True, so the
+        # gradients are the buckets and nothing extra is held
+        reduce_b = 0 if torch else 2 * sc.assume.ddp_bucket_bytes
     accum_b = 0
     if t.grad_accum > 1 and not t.reduce_every_microbatch and st.grads_sharded:
         accum_b = psi * rb  # FSDP2 keeps unsharded grads in the reduce dtype across micro-batches

@@ -47,6 +47,7 @@ def recommend(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     plot: Annotated[Optional[str], typer.Option(help="Draw memory and step time against N to this PNG")] = None,
     top: Annotated[int, typer.Option(help="Runners-up to list")] = 8,
+    strategy: Annotated[Optional[list[str]], typer.Option(help="Search only these strategies (repeatable)")] = None,
 ) -> None:
     """The fastest configuration that fits, and why every other one lost."""
     from ..plan import make_plan, save
@@ -60,6 +61,10 @@ def recommend(
     check_choice(objective, "--objective", ("throughput", "memory"))
     check_range(headroom, "--headroom", 0.0, 0.9)
     check_range(top, "--top", 0, 1000)
+    from ..strategies import STRATEGIES
+
+    for name in strategy or ():
+        check_choice(name, "--strategy", tuple(STRATEGIES))
     sc = build(opts)
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
     if gb is not None and gbt is not None:
@@ -76,7 +81,7 @@ def recommend(
         used.append(f"global batch {batch} sequences ({DEFAULT_PER_GPU} per GPU; --global-batch to change)")
     for line in used:
         print(f"zplan: using {line}", file=sys.stderr)
-    rec = search(sc, batch, objective, headroom)
+    rec = search(sc, batch, objective, headroom, families=strategy or None)
     plan = make_plan(rec.winner.sc, rec.winner.family, batch, rec.winner.result)
     if write:
         save(plan, write)

@@ -1,0 +1,97 @@
+"""The FSDP2 trainer through real torchrun and gloo: training, equality, resume, resharding."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.timeout(240)
+
+SEQ = "64"
+
+
+def make_plan(run_zplan, path, strategy, gpus, batch, param_dtype="fp32"):
+    p = run_zplan("recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--gpus", str(gpus), "--global-batch", str(batch), "--seq-len", SEQ,
+                  "--layout", "torch", "--context-gib", "0", "--fragmentation", "0",
+                  "--param-dtype", param_dtype, "--strategy", strategy, "--write", str(path), "--json")
+    assert p.returncode == 0, p.stderr
+    return json.loads(Path(path).read_text())
+
+
+def launch(run_zplan, plan, run_dir, steps, *extra, resume=False, save_every=0):
+    args = ["launch", "--plan", str(plan), "--run-dir", str(run_dir), "--steps", str(steps),
+            "--save-every", str(save_every)]
+    if resume:
+        args.append("--resume")
+    if extra:
+        args += ["--", *extra]
+    p = run_zplan(*args, timeout=200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads((Path(run_dir) / "run_report.json").read_text()), p
+
+
+def weights(run_zplan, run_dir, tmp):
+    out = tmp / f"{Path(run_dir).name}.safetensors"
+    p = run_zplan("consolidate", str(run_dir), str(out))
+    assert p.returncode == 0, p.stderr
+    return load_file(str(out))
+
+
+def test_launch_without_arguments_trains_and_compares(run_zplan, tmp_path):
+    p = run_zplan("launch", "--run-dir", str(tmp_path / "r"), "--steps", "6", timeout=200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "predicted" in p.stdout and "measured" in p.stdout
+    rep = json.loads((tmp_path / "r" / "run_report.json").read_text())
+    assert rep["losses"][-1] < rep["losses"][0] - 0.3
+    assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
+    assert rep["measured"]["peak_memory_bytes"] > 0
+
+
+def test_zero3_matches_ddp(run_zplan, tmp_path):
+    for s in ("ddp", "zero3"):
+        make_plan(run_zplan, tmp_path / f"{s}.json", s, 2, 8)
+        rep, _ = launch(run_zplan, tmp_path / f"{s}.json", tmp_path / s, 4, save_every=4)
+        assert rep["strategy"] == s
+        assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
+    a, b = weights(run_zplan, tmp_path / "ddp", tmp_path), weights(run_zplan, tmp_path / "zero3", tmp_path)
+    assert a.keys() == b.keys() and len(a) == 39
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-4, worst  # AdamW amplifies last-bit differences of the reductions
+    moved = max((a[k] - weights_init(k, a[k].shape)).abs().max().item() for k in a)
+    assert moved > 1e-3  # and training did change the weights
+
+
+def weights_init(name, shape):
+    from zplan.trainer.model import full_init
+    return full_init(name, shape, 0, 4)
+
+
+def test_stop_and_resume_equals_uninterrupted(run_zplan, tmp_path):
+    make_plan(run_zplan, tmp_path / "p.json", "zero3", 2, 8)
+    launch(run_zplan, tmp_path / "p.json", tmp_path / "straight", 6, save_every=6)
+    launch(run_zplan, tmp_path / "p.json", tmp_path / "broken", 6, "--stop-after", "3", save_every=3)
+    assert not (tmp_path / "broken" / "step_00000006").exists()
+    rep, _ = launch(run_zplan, tmp_path / "p.json", tmp_path / "broken", 6, resume=True, save_every=6)
+    assert rep["start_step"] == 3 and rep["end_step"] == 6
+    a = weights(run_zplan, tmp_path / "straight", tmp_path)
+    b = weights(run_zplan, tmp_path / "broken", tmp_path)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
+
+
+def test_save_at_4_resume_at_2(run_zplan, tmp_path):
+    make_plan(run_zplan, tmp_path / "p4.json", "zero3", 4, 8)
+    make_plan(run_zplan, tmp_path / "p2.json", "zero3", 2, 8)
+    r4, _ = launch(run_zplan, tmp_path / "p4.json", tmp_path / "run", 3, save_every=3)
+    assert r4["world_size"] == 4
+    r2, _ = launch(run_zplan, tmp_path / "p2.json", tmp_path / "run", 5, resume=True, save_every=5)
+    assert r2["world_size"] == 2 and r2["start_step"] == 3 and r2["end_step"] == 5
+    assert r2["losses"][0] < r4["losses"][0]  # it continued from trained weights
+
+
+def test_plan_world_size_mismatch_is_refused(run_zplan, tmp_path):
+    make_plan(run_zplan, tmp_path / "p.json", "zero3", 2, 8)
+    p = run_zplan("launch", "--plan", str(tmp_path / "p.json"), "--nproc", "3", "--dry-run")
+    assert p.returncode == 2 and "the plan is for 2 ranks" in p.stderr

@@ -1,0 +1,167 @@
+"""A Llama-style decoder sized by a zplan ModelSpec: RMSNorm, RoPE, GQA through
+scaled_dot_product_attention, SwiGLU (or GELU), optionally tied embeddings and MoE-free.
+
+Built on the meta device; `init_weights_` materialises each parameter from a seed that depends
+only on its name, so every strategy and world size starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..specs import ModelSpec
+
+ROPE_THETA = 500000.0
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rope(seq: int, head_dim: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]); x is (batch, heads, seq, head_dim)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
+        self.wq = nn.Linear(m.hidden, m.hidden, bias=m.qkv_bias)
+        self.wk = nn.Linear(m.hidden, m.kv_hidden, bias=m.qkv_bias)
+        self.wv = nn.Linear(m.hidden, m.kv_hidden, bias=m.qkv_bias)
+        self.wo = nn.Linear(m.hidden, m.hidden, bias=m.linear_bias)
+        self.checkpoint_core = False  # Megatron-style selective recomputation of the core
+
+    def core(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.n_kv != self.n_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = _rope(s, self.head_dim, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.checkpoint_core and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            o = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            o = self.core(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.swiglu = m.mlp == "swiglu"
+        self.w1 = nn.Linear(m.hidden, m.ffn_hidden, bias=m.linear_bias)
+        self.w2 = nn.Linear(m.ffn_hidden, m.hidden, bias=m.linear_bias)
+        self.w3 = nn.Linear(m.hidden, m.ffn_hidden, bias=False) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.attention_norm = RMSNorm(m.hidden)
+        self.attention = Attention(m)
+        self.ffn_norm = RMSNorm(m.hidden)
+        self.feed_forward = FeedForward(m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        if m.num_experts or m.position != "rope" or m.norm != "rmsnorm":
+            raise ValueError(f"the trainer builds RoPE/RMSNorm dense decoders; {m.name} is not one")
+        self.spec = m
+        self.tok_embeddings = nn.Embedding(m.vocab_size, m.hidden)
+        self.layers = nn.ModuleList(Block(m) for _ in range(m.num_layers))
+        self.norm = RMSNorm(m.hidden)
+        self.output = nn.Linear(m.hidden, m.vocab_size, bias=False)
+        if m.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def param_seed(name: str, seed: int) -> int:
+    return (zlib.crc32(name.encode()) + 1_000_003 * seed) % 2**63
+
+
+def full_init(name: str, shape: torch.Size, seed: int, num_layers: int) -> torch.Tensor:
+    """The full initial value of one parameter, from its name alone (fp32, CPU)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed(param_seed(name, seed))
+    std = INIT_STD
+    if name.endswith(("wo.weight", "w2.weight")):
+        std = INIT_STD / math.sqrt(2 * num_layers)  # GPT-2's scaled residual projections
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def local_slice(full: torch.Tensor, param) -> torch.Tensor:
+    """This rank's piece of `full` for a DTensor parameter (Shard(0) / Replicate placements)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return full
+    out = full
+    coord = param.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            dim = placement.dim
+            n = param.device_mesh.size(mesh_dim)
+            chunk = -(-out.shape[dim] // n)
+            start = min(coord[mesh_dim] * chunk, out.shape[dim])
+            out = out.narrow(dim, start, max(0, min(chunk, out.shape[dim] - start)))
+    return out
+
+
+@torch.no_grad()
+def init_weights_(model: nn.Module, seed: int = 0) -> None:
+    """Materialise every parameter from its name: one full tensor at a time, local piece kept."""
+    layers = getattr(model, "spec", None).num_layers if hasattr(model, "spec") else 1
+    for name, p in model.named_parameters():
+        full = full_init(name, p.shape, seed, layers)
+        piece = local_slice(full, p)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        local.copy_(piece.to(local.dtype))

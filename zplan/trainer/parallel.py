@@ -1,0 +1,167 @@
+"""Apply a plan to a model: FSDP2 for the sharded strategies, DDP (+ ZeroRedundancyOptimizer)
+for ddp and zero1. Follows torchtitan: embeddings, each unit of blocks, norm + head, then the
+root, one MixedPrecisionPolicy for all, explicit forward and backward prefetch.
+
+Strategy -> torch calls (docs/trainer.md):
+  ddp              DistributedDataParallel(gradient_as_bucket_view=True) + autocast
+  zero1            DDP + ZeroRedundancyOptimizer(AdamW)
+  zero2            fully_shard(reshard_after_forward=False)  (weights sharded between steps)
+  zero3            fully_shard(reshard_after_forward=True)
+  zero3-noreshard  fully_shard(reshard_after_forward=False)
+  hsdp             fully_shard(mesh=init_device_mesh(dev, (R, S), ("replicate", "shard")))
+  offload-all      fully_shard(offload_policy=CPUOffloadPolicy())
+  offload-opt      refused: FSDP2 has no optimizer-only offload
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan import Plan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FSDP_STRATEGIES = ("zero2", "zero3", "zero3-noreshard", "hsdp", "offload-all")
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module  # what forward is called on (FSDP root, or the DDP wrapper)
+    inner: nn.Module  # the Transformer itself
+    fsdp: bool
+    units: list[nn.Module]
+    autocast_dtype: torch.dtype | None  # DDP's mixed precision
+
+
+def device_for(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def apply_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+    """Wrap blocks for activation checkpointing (before fully_shard, as torchtitan does)."""
+    if mode == "none":
+        return
+    if mode == "attention":
+        for block in model.layers:
+            block.attention.checkpoint_core = True
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.layers):
+        if mode == "every-k" and (i + 1) % every:
+            continue
+        kw = {}
+        if mode == "selective":
+            kw["context_fn"] = _selective_context
+        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kw)
+
+
+def _selective_context():
+    """torchtitan's op-level SAC: save matmul outputs except every second one, and attention."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    count = {"forward": 0, "recompute": 0}
+    save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None:
+            save.add(op.default)
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            count[mode] += 1
+            if count[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def build_mesh(plan: Plan, device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if plan.strategy == "hsdp":
+        r, s = plan.mesh.shape
+        return init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+
+
+def parallelize(model: nn.Module, plan: Plan, device: torch.device) -> Parallelized:
+    """Shard (or replicate) the meta-device model as the plan says; parameters stay empty."""
+    t = plan.train
+    apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
+    if plan.strategy in ("ddp", "zero1"):
+        model.to_empty(device=device)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
+        cast = DTYPES[t.precision.param] if t.precision.param != t.precision.master else None
+        return Parallelized(ddp, model, False, [], cast)
+    if plan.strategy not in FSDP_STRATEGIES:
+        raise ValueError(f"strategy {plan.strategy} cannot run under FSDP2 (optimizer-only offload is DeepSpeed's)")
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = build_mesh(plan, device)
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.precision.param], reduce_dtype=DTYPES[t.precision.reduce])
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.strategy == "offload-all" else OffloadPolicy()
+    reshard = plan.strategy not in ("zero2", "zero3-noreshard")
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard)
+    units: list[nn.Module] = []
+    tied = model.spec.tied_embeddings
+    if not tied:
+        shard(model.tok_embeddings)
+        units.append(model.tok_embeddings)
+    blocks = list(model.layers)
+    k = t.blocks_per_unit
+    for i in range(0, len(blocks), k):
+        group = blocks[i: i + k]
+        shard(group if len(group) > 1 else group[0])
+        units.append(group[0])  # the FSDP state lives on the first module of a group
+    if not tied:
+        shard([model.norm, model.output])
+        units.append(model.norm)
+    shard(model)  # the root: whatever is left (tied embeddings + head)
+    if t.prefetch and len(units) > 1:
+        for a, b in zip(units, units[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    target = torch.device("cpu") if plan.strategy == "offload-all" else device
+    model.to_empty(device=target)
+    return Parallelized(model, model, True, units, None)
+
+
+def set_sync(p: Parallelized, sync: bool):
+    """Whether this micro-batch reduces gradients (False: accumulate locally, no collective)."""
+    if p.fsdp:
+        p.model.set_requires_gradient_sync(sync)
+        import contextlib
+
+        return contextlib.nullcontext()
+    if sync:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return p.model.no_sync()
+
+
+def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1):
+    params = [q for q in p.model.parameters() if q.requires_grad]
+    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8, foreach=False)
+    if plan.strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
+    if plan.train.optimizer != "adamw":
+        raise ValueError(f"the trainer runs AdamW; the plan asks for {plan.train.optimizer}")
+    return torch.optim.AdamW(params, **kw)
