@@ -95,3 +95,21 @@ def test_plan_world_size_mismatch_is_refused(run_zplan, tmp_path):
     make_plan(run_zplan, tmp_path / "p.json", "zero3", 2, 8)
     p = run_zplan("launch", "--plan", str(tmp_path / "p.json"), "--nproc", "3", "--dry-run")
     assert p.returncode == 2 and "the plan is for 2 ranks" in p.stderr
+
+
+def test_example_script_runs_under_launch(run_zplan, tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    p = run_zplan("launch", str(root / "examples" / "train_custom.py"), "--run-dir", str(tmp_path / "ex"),
+                  "--strategy", "zero3", timeout=200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    losses = [float(l.split()[-1]) for l in p.stdout.splitlines() if l.startswith("step ")]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0
+    assert "full weights on rank 0: 593,664 parameters" in p.stdout
+    assert any(d.name.startswith("step_") for d in (tmp_path / "ex").iterdir())
+
+
+def test_failing_script_exit_code_passes_through(run_zplan, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nsys.exit(3)\n")
+    p = run_zplan("launch", str(bad), "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert p.returncode != 0

@@ -25,8 +25,14 @@ KINDS = {"gpus": GPUSpec, "clusters": ClusterSpec, "models": ModelSpec}
 T = TypeVar("T", bound=BaseModel)
 
 
+@lru_cache(maxsize=1)
 def _shipped_dir() -> Path:
-    return Path(str(resources.files("zplan.preset_files")))
+    """The installed presets (package zplan.preset_files), or presets/ of a source checkout
+    run without installing (PYTHONPATH=. as on the GPU check)."""
+    try:
+        return Path(str(resources.files("zplan.preset_files")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "presets"
 
 
 def _search_dirs(extra: tuple[str, ...] = ()) -> list[Path]:

@@ -23,8 +23,8 @@ def run(argv: list[str] | None = None) -> int:
     """Entry point: the one place that turns errors into one line and an exit code."""
     debug = os.environ.get("ZPLAN_DEBUG") == "1"
     try:
-        app(args=argv, standalone_mode=False, prog_name="zplan")
-        return 0
+        rv = app(args=argv, standalone_mode=False, prog_name="zplan")
+        return rv if isinstance(rv, int) else 0  # click returns an Exit's code in this mode
     except ZplanError as e:
         if debug:
             raise

@@ -100,17 +100,43 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device) -> Paralleli
     t = plan.train
     apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
     if plan.strategy in ("ddp", "zero1"):
-        model.to_empty(device=device)
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        return replicate(model, plan, device)
+    groups: list[list[nn.Module]] = []
+    if not model.spec.tied_embeddings:
+        groups.append([model.tok_embeddings])
+    blocks = list(model.layers)
+    k = t.blocks_per_unit
+    groups += [blocks[i: i + k] for i in range(0, len(blocks), k)]
+    if not model.spec.tied_embeddings:
+        groups.append([model.norm, model.output])
+    return shard_units(model, groups, plan, device)
 
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
-        cast = DTYPES[t.precision.param] if t.precision.param != t.precision.master else None
-        return Parallelized(ddp, model, False, [], cast)
-    if plan.strategy not in FSDP_STRATEGIES:
-        raise ValueError(f"strategy {plan.strategy} cannot run under FSDP2 (optimizer-only offload is DeepSpeed's)")
+
+def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelized:
+    """ddp and zero1: DistributedDataParallel with the gradients as its buckets, autocast for
+    mixed precision (the optimizer of zero1 is sharded by build_optimizer)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    t = plan.train
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    else:
+        model.to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
+    cast = DTYPES[t.precision.param] if t.precision.param != t.precision.master else None
+    return Parallelized(ddp, model, False, [], cast)
+
+
+def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
+                device: torch.device) -> Parallelized:
+    """fully_shard each group of modules (one all-gather each), then the root; one
+    MixedPrecisionPolicy; explicit prefetch along the order given; parameters left empty."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    t = plan.train
+    if plan.strategy not in FSDP_STRATEGIES:
+        raise ValueError(f"strategy {plan.strategy} cannot run under FSDP2 (optimizer-only offload is DeepSpeed's)")
     mesh = build_mesh(plan, device)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.precision.param], reduce_dtype=DTYPES[t.precision.reduce])
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.strategy == "offload-all" else OffloadPolicy()
@@ -118,26 +144,19 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device) -> Paralleli
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard)
     units: list[nn.Module] = []
-    tied = model.spec.tied_embeddings
-    if not tied:
-        shard(model.tok_embeddings)
-        units.append(model.tok_embeddings)
-    blocks = list(model.layers)
-    k = t.blocks_per_unit
-    for i in range(0, len(blocks), k):
-        group = blocks[i: i + k]
+    for group in groups:
         shard(group if len(group) > 1 else group[0])
         units.append(group[0])  # the FSDP state lives on the first module of a group
-    if not tied:
-        shard([model.norm, model.output])
-        units.append(model.norm)
-    shard(model)  # the root: whatever is left (tied embeddings + head)
+    shard(model)  # the root: whatever is left (e.g. tied embeddings and head)
     if t.prefetch and len(units) > 1:
         for a, b in zip(units, units[1:]):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
     target = torch.device("cpu") if plan.strategy == "offload-all" else device
-    model.to_empty(device=target)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=target)
+    elif plan.strategy != "offload-all":
+        model.to(target)
     return Parallelized(model, model, True, units, None)
 
 

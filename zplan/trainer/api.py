@@ -1,0 +1,136 @@
+"""The small API a user's own train.py calls to run under a zplan plan.
+
+    from zplan.trainer import api
+
+    ctx = api.init()                                  # process group + the plan of $ZPLAN_PLAN
+    with torch.device("meta"):
+        model = MyModel()
+    model = ctx.apply(model, units=list(model.blocks), init=my_init)   # shard or replicate
+    opt = ctx.optimizer(model, lr=3e-4)
+    for step in range(ctx.resume(model, opt), steps):
+        for micro, batch in enumerate(batches):
+            with ctx.accumulate(model, last=micro == ctx.grad_accum - 1):
+                loss = loss_fn(model(batch)) / ctx.grad_accum
+            loss.backward()
+        opt.step(); opt.zero_grad()
+        ctx.save(model, opt, step + 1)                # every rank writes its shard; atomic publish
+    weights = ctx.full_state_dict(model)              # full tensors on rank 0 (None elsewhere)
+    ctx.close()
+
+The user never touches DTensor: `full_state_dict` gathers one parameter at a time to rank 0's
+CPU memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan import Plan, load
+from . import checkpoint as ckpt
+from .parallel import Parallelized, build_optimizer, device_for, replicate, set_sync, shard_units
+
+
+@dataclass
+class Context:
+    plan: Plan
+    rank: int
+    world: int
+    device: torch.device
+    ckpt_dir: str
+    _par: Parallelized | None = None
+
+    @property
+    def grad_accum(self) -> int:
+        return self.plan.train.grad_accum
+
+    @property
+    def micro_batch(self) -> int:
+        return self.plan.train.micro_batch
+
+    def apply(self, model: nn.Module, units: list[nn.Module] | None = None,
+              init: Callable[[nn.Module], None] | None = None) -> nn.Module:
+        """Shard (FSDP2) or replicate (DDP) `model` as the plan says, then initialise it.
+
+        units: the modules that each get their own all-gather (default: the model's direct
+        children that hold parameters). init: called on the model after materialisation
+        (default: every submodule's reset_parameters)."""
+        if self.plan.strategy in ("ddp", "zero1"):
+            self._par = replicate(model, self.plan, self.device)
+        else:
+            groups = [[u] for u in (units if units is not None else
+                                    [c for c in model.children() if any(True for _ in c.parameters())])]
+            self._par = shard_units(model, groups, self.plan, self.device)
+        with torch.no_grad():
+            if init is not None:
+                init(self._par.inner)
+            else:
+                for m in self._par.inner.modules():
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+        return self._par.model
+
+    def optimizer(self, model: nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
+        assert self._par is not None, "call ctx.apply(model) first"
+        return build_optimizer(self._par, self.plan, lr, weight_decay)
+
+    def accumulate(self, model: nn.Module, last: bool):
+        """Skip the gradient reduction on non-final micro-batches when the plan says so; under
+        DDP also autocast to the plan's param dtype."""
+        assert self._par is not None
+        sync = last or self.plan.train.reduce_every_microbatch
+        stack = contextlib.ExitStack()
+        stack.enter_context(set_sync(self._par, sync))
+        if self._par.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self._par.autocast_dtype))
+        return stack
+
+    def save(self, model, optim, step: int) -> Path:
+        return ckpt.save(self.ckpt_dir, step, model, optim, {"step": step, "data_seed": 0},
+                         {"world_size": self.world, "strategy": self.plan.strategy},
+                         zero1=self.plan.strategy == "zero1")
+
+    def resume(self, model, optim) -> int:
+        """Load the newest complete checkpoint (at any world size); return its step (0: none)."""
+        path = ckpt.newest(self.ckpt_dir)
+        if path is None:
+            return 0
+        return int(ckpt.load(path, model, optim, self.world, zero1=self.plan.strategy == "zero1")["step"])
+
+    def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.rank == 0 else None
+
+    def close(self) -> None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def init(ckpt_dir: str | None = None) -> Context:
+    """Join the process group torchrun set up and read the plan named by $ZPLAN_PLAN."""
+    path = os.environ.get("ZPLAN_PLAN")
+    if not path:
+        raise RuntimeError("$ZPLAN_PLAN is not set: start this script with zplan launch")
+    plan = load(path)
+    from .__main__ import check_plan
+
+    cuda = torch.cuda.is_available()
+    why = check_plan(plan, int(os.environ.get("WORLD_SIZE", "1")), cuda)
+    if why:
+        raise RuntimeError(why)
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    run_dir = ckpt_dir or os.environ.get("ZPLAN_RUN_DIR") or str(Path(path).parent)
+    return Context(plan, dist.get_rank(), dist.get_world_size(), device_for(backend), run_dir)
