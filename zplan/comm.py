@@ -35,13 +35,20 @@ class Collective:
         return 2 if self.op == "all_reduce" else 1
 
     @property
+    def moves(self) -> bool:
+        """A collective over one rank moves nothing (FSDP2 and the reference skip it)."""
+        return self.group_size > 1 or self.op in ("h2d", "d2h")
+
+    @property
     def elements_per_step(self) -> int:
-        if self.op in ("h2d", "d2h"):
+        if self.op in ("h2d", "d2h") or not self.moves:
             return 0
         return self.volume_factor * self.elements * self.calls_per_step
 
     @property
     def bytes_per_step(self) -> int:
+        if not self.moves:
+            return 0
         return self.volume_factor * nbytes(self.elements, self.dtype) * self.calls_per_step
 
     def as_dict(self) -> dict:
@@ -124,13 +131,17 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         if st.name == "ddp" or (st.name == "zero1" and torch):
             out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.reduce, N,
                              spans_world, rs_calls))
-        else:
-            grad_calls = rs_calls if st.name == "zero2" else 1
-            out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", psi, p.reduce,
-                             N, spans_world, grad_calls))
-        if st.name != "ddp":
-            out.append(_coll(sc, "all-gather (updated weights)", "all_gather", psi, p.param, N,
-                             spans_world, 1))
+            if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters
+                out.append(_coll(sc, "broadcast (updated weights)", "all_gather", psi, p.param, N,
+                                 spans_world, 1))
+            return out
+        # DeepSpeed pads each flat partition to a multiple of N, as the reference does
+        padded = sum(sc.padded_elems(u, N) for u in sc.units)
+        grad_calls = rs_calls if st.name == "zero2" else 1
+        out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", padded, p.reduce,
+                         N, spans_world, grad_calls))
+        out.append(_coll(sc, "all-gather (updated weights)", "all_gather", padded, p.param, N,
+                         spans_world, 1))
         return out
     D = sc.shard_degree(st.hsdp)
     spans = D > gpn

@@ -128,7 +128,21 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         accum_b = psi * rb  # FSDP2 keeps unsharded grads in the reduce dtype across micro-batches
 
     act_b = arch.activation_breakdown(sc.model, t, sc.assume.loss_fp32)["total"]
-    tensors = model_state + gather_b + reduce_b + accum_b + act_b
+    transient = gather_b + reduce_b + accum_b + act_b
+    if torch and st.fsdp:
+        # FSDP2 allocates each sharded gradient at its unit's reduce-scatter (after zero_grad
+        # set_to_none), while that unit's activations are being freed. Without recomputation
+        # the peak is at the start of backward, before any gradient: rest + max(the two). With
+        # recomputation it is late in backward, re-running the first blocks, when all but the
+        # first two units' gradients exist.
+        if t.checkpointing == "none":
+            tensors = model_state - grads_b + max(grads_b, transient)
+        else:
+            early = sum(sc.shard_elems(u, D) for u in sc.units[:2])
+            late_grads = grads_b * max(0, shard - early) // max(1, shard)
+            tensors = model_state - grads_b + late_grads + transient
+    else:
+        tensors = model_state + transient
     overhead = sc.assume.cuda_context_bytes + int(sc.assume.fragmentation * tensors)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     return Memory(

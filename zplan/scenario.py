@@ -17,9 +17,12 @@ class Scenario:
     train: TrainSpec
     assume: Assumptions = field(default_factory=Assumptions)
     shard_size: int | None = None  # HSDP shard group; default one node
+    custom_units: tuple[arch.Unit, ...] | None = None  # a model that is not a decoder (reference)
 
     @cached_property
     def units(self) -> list[arch.Unit]:
+        if self.custom_units is not None:
+            return list(self.custom_units)
         return arch.units(self.model, self.train.blocks_per_unit)
 
     @cached_property

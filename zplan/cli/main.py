@@ -6,7 +6,7 @@ import os
 import sys
 
 from ..errors import ZplanError
-from . import estimate_cmd, launch_cmd, recommend_cmd  # noqa: F401  (commands register on the app)
+from . import estimate_cmd, launch_cmd, recommend_cmd, verify_cmd  # noqa: F401  (commands register on the app)
 from .app import app
 
 def _kind(e: BaseException) -> str:

@@ -210,8 +210,11 @@ class Trainer:
             "memory_by_category_rank0": self.memory_by_category,
         }
         pred = plan.predicted
+        pred_mem = None if pred is None else pred.per_gpu["total_bytes"]
+        if pred is not None and self.device.type == "cpu":
+            pred_mem += pred.per_gpu.get("host_bytes_per_rank", 0)  # offload: the host is the device
         predicted = None if pred is None else {
-            "peak_memory_bytes": pred.per_gpu["total_bytes"], "step_s": pred.step_s,
+            "peak_memory_bytes": pred_mem, "step_s": pred.step_s,
             "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, "mfu": pred.mfu,
             "elements_per_step": pred.elements_per_step, "bytes_per_step": pred.bytes_per_step,
         }
