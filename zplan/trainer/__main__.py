@@ -23,6 +23,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory tracker (CPU)")
     ap.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping by the global norm")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="FSDP2: rank-ordered reduce-scatter, bit for bit the rank-ordered mean gradient")
     return ap.parse_args(argv)
 
 
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig(steps=args.steps, lr=args.lr, seed=args.seed, save_every=args.save_every,
                     ckpt_dir=args.ckpt_dir, resume=args.resume, data=args.data,
                     measure_memory=not args.no_memory, stop_after=args.stop_after,
-                    progress=not args.no_progress and sys.stderr.isatty())
+                    progress=not args.no_progress and sys.stderr.isatty(), clip=args.clip,
+                    deterministic=args.deterministic)
     try:
         report = Trainer(plan, cfg, backend).run()
         if dist.get_rank() == 0:

@@ -36,6 +36,7 @@ class RunConfig:
     measure_memory: bool = True
     stop_after: int | None = None  # end the run after this step, as if killed (tests)
     progress: bool = True
+    deterministic: bool = False  # FSDP2: rank-ordered reduce-scatter (bit for bit at any N)
 
 
 def _memory_tracker(p: Parallelized, optim, device):
@@ -60,7 +61,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device("meta"):
             model = Transformer(plan.model)
-        self.par = parallelize(model, plan, self.device)
+        if cfg.deterministic and plan.strategy in ("ddp", "zero1"):
+            raise ValueError("--deterministic applies to the FSDP2 strategies")
+        self.par = parallelize(model, plan, self.device, cfg.deterministic)
         init_weights_(self.par.inner, cfg.seed)
         self.optim = build_optimizer(self.par, plan, cfg.lr)
         self.counter: CommCounter | None = None

@@ -95,7 +95,8 @@ def build_mesh(plan: Plan, device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
 
 
-def parallelize(model: nn.Module, plan: Plan, device: torch.device) -> Parallelized:
+def parallelize(model: nn.Module, plan: Plan, device: torch.device,
+                deterministic: bool = False) -> Parallelized:
     """Shard (or replicate) the meta-device model as the plan says; parameters stay empty."""
     t = plan.train
     apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
@@ -109,7 +110,7 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device) -> Paralleli
     groups += [blocks[i: i + k] for i in range(0, len(blocks), k)]
     if not model.spec.tied_embeddings:
         groups.append([model.norm, model.output])
-    return shard_units(model, groups, plan, device)
+    return shard_units(model, groups, plan, device, deterministic)
 
 
 def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelized:
@@ -129,7 +130,7 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
 
 
 def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
-                device: torch.device) -> Parallelized:
+                device: torch.device, deterministic: bool = False) -> Parallelized:
     """fully_shard each group of modules (one all-gather each), then the root; one
     MixedPrecisionPolicy; explicit prefetch along the order given; parameters left empty."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -148,6 +149,12 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
         shard(group if len(group) > 1 else group[0])
         units.append(group[0])  # the FSDP state lives on the first module of a group
     shard(model)  # the root: whatever is left (e.g. tied embeddings and head)
+    if deterministic:
+        if plan.strategy == "hsdp":
+            raise ValueError("--deterministic covers 1-D meshes; HSDP's replica all-reduce is not ordered")
+        from .deterministic import make_deterministic
+
+        make_deterministic(units + [model])
     if t.prefetch and len(units) > 1:
         for a, b in zip(units, units[1:]):
             a.set_modules_to_forward_prefetch([b])
