@@ -48,3 +48,28 @@ def test_verify_fails_loudly_past_tolerance(run_zplan, tmp_path):
                   "--checkpointing", "none", "--tolerance", "0.0001",
                   "--workdir", str(tmp_path / "w"), timeout=200)
     assert p.returncode == 1 and "outside tolerance" in p.stderr
+
+
+def test_calibrate_writes_usable_presets(run_zplan, tmp_path):
+    out = tmp_path / "cal"
+    p = run_zplan("calibrate", "--output", str(out), "--max-mb", "1", "--json", timeout=200)
+    assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads(p.stdout)
+    assert d["gpu"]["measured"] and d["gpu"]["device"] == "cpu"
+    assert d["gpu"]["peak_flops"]["fp32"] > 1e9 and d["cluster"]["intra_node_busbw_bytes_per_s"] > 1e6
+    e = run_zplan("estimate", "--presets", str(out), "--gpu", "calibrated", "--cluster", "calibrated",
+                  "--model", "tiny", "--gpus", "2", "--seq-len", "128", "--json")
+    assert e.returncode == 0, e.stderr
+    est = json.loads(e.stdout)
+    assert est["assumptions"]["compute_efficiency"]["value"] == 1.0  # measured rates: no derating
+    assert est["inputs"]["gpu"] == "calibrated"
+
+
+def test_verify_fake_traces_at_scale_without_memory(run_zplan):
+    """The planner against PyTorch's own tracker under FakeTensorMode and a fake process group."""
+    p = run_zplan("verify", "--fake", "--model", "tiny", "--world-size", "64", "--seq-len", "512",
+                  "--strategy", "zero3", "--tolerance", "0.08", timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    row = next(l for l in p.stdout.splitlines() if l.startswith("zero3"))
+    err = float(row.split("%")[0].split()[-1])
+    assert abs(err) <= 8.0

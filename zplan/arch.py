@@ -157,6 +157,13 @@ def _act_bytes(train: TrainSpec) -> int:
     return DTYPE_BITS[train.precision.param] // 8
 
 
+def norm_saved_per_token(train: TrainSpec, B: int) -> int:
+    """Bytes per element a norm keeps besides its statistics: its input (fused kernel), or the
+    fp32 upcast input and the fp32 normalized output (the composite implementation F.rms_norm
+    falls back to on CPU, as torch 2.13's saved tensors show)."""
+    return B if train.fused_norm else 8
+
+
 def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     """Bytes one block saves for backward with no recomputation, term by term.
 
@@ -168,7 +175,7 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     sb = s * b
     stats = 8 * sb if m.norm == "layernorm" else 4 * sb  # fp32 mean/rstd saved by each norm
     t: dict[str, int] = {
-        "norm_inputs": 2 * (B * sb * h + stats),
+        "norm_inputs": 2 * (norm_saved_per_token(train, B) * sb * h + stats),
         "qkv_input": B * sb * h,
         "q_k_v": B * sb * (h + 2 * kv),
         "attn_out_proj_input": B * sb * h,
@@ -195,7 +202,7 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
 
 def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     """What one block keeps between forward and backward under a recomputation mode."""
-    s, b, h, f = train.seq_len, train.micro_batch, m.hidden, m.ffn_hidden
+    h, f = m.hidden, m.ffn_hidden
     B, sb = _act_bytes(train), train.seq_len * train.micro_batch
     full = block_activation_terms(m, train)
     if mode == "none":
@@ -236,8 +243,9 @@ def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True)
         per = block_saved_bytes(m, train, mode)
         saved = L * per
         recompute = none_b - per
-    h_bytes = _act_bytes(train) * train.seq_len * train.micro_batch * m.hidden
-    head = 2 * h_bytes  # final norm input and head input
+    sbh = train.seq_len * train.micro_batch * m.hidden
+    # the final norm keeps what a block's norm keeps; the head keeps the norm's output
+    head = norm_saved_per_token(train, _act_bytes(train)) * sbh + _act_bytes(train) * sbh
     lg = logits_bytes(m, train, loss_fp32)
     return {
         "blocks_saved": saved,

@@ -22,7 +22,7 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     m, t, p, hw = sc.model, sc.train, sc.train.precision, sc.hw
     psi, N = sc.params, sc.n
     out = [f"# {name} for {m.name} on {N} x {hw.gpu.name} ({hw.cluster.name}), layout {t.layout}",
-           f"Sizes in GB = 10^9 bytes. Formulas: docs/formulas.md.", ""]
+           "Sizes in GB = 10^9 bytes. Formulas: docs/formulas.md.", ""]
     if r.unavailable:
         return out + [f"{name} is unavailable: {r.unavailable}"]
     mem, st = r.memory, r.strategy

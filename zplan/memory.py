@@ -136,6 +136,10 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         # recomputation it is late in backward, re-running the first blocks, when all but the
         # first two units' gradients exist.
         if t.checkpointing == "none":
+            # the first reduce-scatter buffer appears once the last unit's backward has freed
+            # that unit's activations: only its excess over them adds to the forward's peak
+            unit_act = arch.block_saved_bytes(sc.model, t, "none") * t.blocks_per_unit
+            transient = gather_b + accum_b + act_b + max(0, reduce_b - unit_act)
             tensors = model_state - grads_b + max(grads_b, transient)
         else:
             early = sum(sc.shard_elems(u, D) for u in sc.units[:2])

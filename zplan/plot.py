@@ -54,8 +54,7 @@ def plot_scaling(sc: Scenario, path: str) -> None:
     b.set_title(f"step time, {sc.train.micro_batch} x {sc.train.seq_len} tokens per GPU")
     a.legend(fontsize=7)
     fig.tight_layout()
-    from .plan import write_atomic  # noqa: F401  (PNG is binary: write beside, then rename)
-    import os
+    import os  # a PNG is binary: write beside the target, then rename over it
     import tempfile
     from pathlib import Path
 

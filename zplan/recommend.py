@@ -16,7 +16,7 @@ from .estimate import StrategyEstimate, estimate_one, unavailable_reason
 from .memory import memory
 from .scenario import Scenario
 from .strategies import STRATEGIES, effective
-from .units import GB, fmt_bytes, fmt_s
+from .units import fmt_bytes, fmt_s
 
 CHECKPOINTING = ("none", "selective", "every-k", "full")
 BLOCKS_PER_UNIT = (1, 2, 4)
@@ -228,5 +228,3 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
     return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "
             f"({tight}); try " + (" or ".join(hints) if hints else "a larger GPU"))
 
-
-__all__ = ["search", "Recommendation", "Candidate", "GB"]

@@ -33,6 +33,8 @@ class GPUSpec(Spec):
     peak_flops: dict[DTypeName, float] = Field(description="dense peak FLOP/s per dtype (no sparsity)")
     hbm_bytes_per_s: float = Field(gt=0)
     host_link_bytes_per_s: float = Field(gt=0, description="GPU<->host, one direction")
+    measured: bool = Field(False, description="peak_flops are achieved rates from zplan calibrate")
+    device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: a CPU rank standing in for a GPU")
     source: str
 
     @model_validator(mode="after")
@@ -156,6 +158,9 @@ class TrainSpec(Spec):
     layout: Layout = Field(
         "zero", description="zero: the ZeRO paper / DeepSpeed layout; torch: DDP, ZeRO-RO and FSDP2"
     )
+    fused_norm: bool = Field(
+        True, description="RMSNorm saves its input and rstd (fused kernel); False: the composite "
+        "fp32 implementation (CPU) also saves the fp32 input and normalized output")
     blocks_per_unit: PositiveInt = 1
     reshard_after_forward: bool = True
     prefetch: bool = True

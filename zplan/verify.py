@@ -67,12 +67,16 @@ def matrix(strategies=DEFAULT_STRATEGIES, worlds=(1, 2, 4), dtypes=("fp32", "bf1
 
 def plan_for(cell: Cell, model: str = "tiny", seq_len: int = 128, per_rank: int = 2,
              calibrated: str | None = None):
+    """calibrated: a folder written by zplan calibrate (preset name "calibrated")."""
     from .cli.options import ScenarioOptions, build
     from .estimate import estimate_one
     from .plan import make_plan
 
-    opts = ScenarioOptions(model=model, gpu=calibrated or "cpu", cluster="cpu-local",
-                           gpus=str(cell.world), layout="torch", context_gib=0.0, fragmentation=0.0,
+    opts = ScenarioOptions(model=model, gpu="calibrated" if calibrated else "cpu",
+                           cluster="calibrated" if calibrated else "cpu-local",
+                           presets_dir=[calibrated] if calibrated else None,
+                           gpus=str(cell.world), gpus_per_node=max(2, cell.world), layout="torch",
+                           context_gib=0.0, fragmentation=0.0,
                            seq_len=seq_len, micro_batch=per_rank, param_dtype=cell.param_dtype,
                            checkpointing=cell.checkpointing, shard_size=cell.shard_size)
     sc = build(opts)
@@ -82,7 +86,6 @@ def plan_for(cell: Cell, model: str = "tiny", seq_len: int = 128, per_rank: int 
 
 def run_cell(cell: Cell, workdir: Path, calibrated: str | None = None) -> CellResult:
     from .launch.command import LaunchSpec, torchrun_argv
-    from .launch.runner import run as run_process
     from .plan import save
 
     res = CellResult(cell)
@@ -116,8 +119,8 @@ def run_cell(cell: Cell, workdir: Path, calibrated: str | None = None) -> CellRe
 
 
 def table(results: list[CellResult], tolerance: float) -> list[str]:
-    head = (f"| cell | predicted memory | measured | error | traffic predicted | measured | "
-            f"step predicted | measured | ok |")
+    head = ("| cell | predicted memory | measured | error | traffic predicted | measured | "
+            "step predicted | measured | ok |")
     lines = [head, "|" + "---|" * 9]
     for r in results:
         if r.error:

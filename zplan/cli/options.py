@@ -48,8 +48,9 @@ class ScenarioOptions:
     layout: Annotated[str, typer.Option(help="zero (ZeRO paper / DeepSpeed) | torch (DDP, ZeRO-RO, FSDP2)")] = "zero"
     blocks_per_unit: Annotated[int, typer.Option(help="Transformer blocks per sharding unit")] = 1
     prefetch: Annotated[bool, typer.Option(help="Prefetch the next unit's all-gather")] = True
+    fused_norm: Annotated[Optional[bool], typer.Option(help="RMSNorm as one fused kernel (default: yes on GPUs, no on CPU ranks)")] = None
     shard_size: Annotated[Optional[int], typer.Option(help="HSDP shard group size (default: one node)")] = None
-    efficiency: Annotated[float, typer.Option(help="Assumed achieved fraction of peak FLOP/s")] = 0.7
+    efficiency: Annotated[Optional[float], typer.Option(help="Assumed achieved fraction of peak FLOP/s (default 0.7; 1 for a calibrated preset)")] = None
     context_gib: Annotated[float, typer.Option(help="Assumed CUDA context per GPU, GiB")] = 600 / 1024
     fragmentation: Annotated[float, typer.Option(help="Assumed allocator fragmentation fraction")] = 0.05
     bucket_mib: Annotated[float, typer.Option(help="DDP gradient bucket, MiB")] = 25.0
@@ -127,7 +128,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_range(o.blocks_per_unit, "--blocks-per-unit", 1, model.num_layers)
     if o.checkpointing == "every-k":
         check_range(o.checkpoint_every, "--checkpoint-every", 1, model.num_layers)
-    check_range(o.efficiency, "--efficiency", 0.01, 1.0)
+    efficiency = o.efficiency if o.efficiency is not None else (1.0 if gpu.measured else 0.7)
+    check_range(efficiency, "--efficiency", 0.01, 1.0)
     check_range(o.fragmentation, "--fragmentation", 0.0, 0.9)
     check_range(o.context_gib, "--context-gib", 0.0, 1024)
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
@@ -149,10 +151,11 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
             layout=o.layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
+            fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             reduce_every_microbatch=not o.reduce_last_only,
         )
         assume = Assumptions(
-            compute_efficiency=o.efficiency, cuda_context_bytes=int(o.context_gib * GiB),
+            compute_efficiency=efficiency, cuda_context_bytes=int(o.context_gib * GiB),
             fragmentation=o.fragmentation, ddp_bucket_bytes=int(o.bucket_mib * MiB),
             overlap=o.overlap,
         )

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from ..estimate import StrategyEstimate
 from ..scenario import Scenario
-from ..units import GB, GiB, fmt_bytes, fmt_count, fmt_s
+from ..units import GiB, fmt_bytes, fmt_count, fmt_s
 
 BAR_WIDTH = 24
 COMPONENTS = (
@@ -89,7 +89,7 @@ def bars(console: Console, results: list[StrategyEstimate], sc: Scenario, unit: 
 
 def comm_table(results: list[StrategyEstimate], sc: Scenario, unit: str) -> Table:
     tb = Table(title="Communication and time per step", title_justify="left")
-    for col in ("strategy", "elements/step", "x params", f"bytes/step", "links",
+    for col in ("strategy", "elements/step", "x params", "bytes/step", "links",
                 "compute", "exposed comm", "optimizer", "offload", "step", "tokens/s/GPU", "MFU"):
         tb.add_column(col, justify="left" if col in ("strategy", "links") else "right")
     psi = sc.params
@@ -148,5 +148,3 @@ def print_estimate(sc: Scenario, results: list[StrategyEstimate], assumed: dict,
         console.print(overlap_table(pick))
     assumptions_lines(console, assumed)
 
-
-__all__ = ["print_estimate", "GB"]

@@ -58,9 +58,16 @@ def verify(
     tolerance: Annotated[float, typer.Option(help="Allowed relative error of peak memory")] = 0.05,
     workdir: Annotated[Optional[str], typer.Option(help="Where runs go (default: a temporary folder)")] = None,
     markdown: Annotated[Optional[str], typer.Option(help="Also write the table to this Markdown file")] = None,
+    fake: Annotated[bool, typer.Option(help="Trace at real scale under FakeTensorMode and a fake process group instead")] = False,
+    world_size: Annotated[int, typer.Option(help="--fake: ranks to trace")] = 8,
+    model: Annotated[str, typer.Option(help="--fake: model preset")] = "llama-3.1-8b",
+    seq_len: Annotated[int, typer.Option(help="--fake: sequence length")] = 4096,
+    micro_batch: Annotated[int, typer.Option(help="--fake: micro-batch")] = 1,
 ) -> None:
     """Short real trainings over a matrix, predicted against measured; exit 1 past tolerance."""
     _need_torch("verify")
+    if fake:
+        return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance)
     import tempfile
     from pathlib import Path
 
@@ -92,3 +99,108 @@ def verify(
     if bad:
         raise PlanError(f"{len(bad)} of {len(results)} cells outside tolerance "
                         f"({tolerance:.0%} memory, exact traffic): first {bad[0].cell.name}")
+
+
+@app.command()
+def calibrate(
+    output: Annotated[str, typer.Option(help="Folder for the presets (gpus/NAME.toml, clusters/NAME.toml)")] = "zplan-presets",
+    name: Annotated[str, typer.Option(help="Preset name to write")] = "calibrated",
+    ranks: Annotated[Optional[int], typer.Option(help="Processes for the collective test (default: GPUs, or 2 CPU ranks)")] = None,
+    max_mb: Annotated[Optional[int], typer.Option(help="Largest message, MB (default 1024 on GPUs, 64 on CPUs)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Measure matmul FLOP/s, memory bandwidth and collective bus bandwidth; write presets."""
+    _need_torch("calibrate")
+    from pathlib import Path
+
+    import torch
+
+    from .. import calibrate as cal
+    from ..hardware import detect
+    from .parse import check_range
+
+    found = detect()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(1)  # as each torchrun rank runs (OMP_NUM_THREADS=1)
+    world = ranks or (torch.cuda.device_count() if cuda else 2)
+    check_range(world, "--ranks", 1, 1024)
+    top_mb = max_mb or (1024 if cuda else 64)
+    check_range(top_mb, "--max-mb", 1, 1 << 20)
+    sizes, mb = [], 1
+    while mb <= top_mb:
+        sizes.append(mb * 2**20)
+        mb *= 4
+    flops = cal.matmul_flops(device)
+    hbm = cal.memory_bandwidth(device)
+    adam = cal.adamw_params_per_s()
+    link = {}
+    if world > 1:
+        times = cal.collective_times(world, sizes, backend="nccl" if cuda else "gloo")
+        bw, alpha, busbw = cal.fit_link(times, world)
+        link = {"busbw_bytes_per_s": bw, "latency_s": alpha,
+                "per_size": {op: {str(k): v for k, v in d.items()} for op, d in busbw.items()}}
+    else:
+        bw, alpha = hbm, 0.0
+    peak = {d: max(v.values()) for d, v in flops.items()}
+    mem = torch.cuda.get_device_properties(0).total_memory if cuda else found.host_ram_bytes // world
+    host_link = hbm
+    if cuda:
+        x = torch.empty(64 * 2**20 // 4).pin_memory()
+        y = torch.empty_like(x, device=device)
+        host_link = 64 * 2**20 / cal._timeit(lambda: y.copy_(x, non_blocking=False), device, 5)
+    source = (f"measured by zplan calibrate on {torch.cuda.get_device_name(0) if cuda else 'CPU (1 thread per rank)'}, "
+              f"torch {torch.__version__}")
+    gpu = {"name": name, "memory_bytes": int(mem), "peak_flops": {k: float(f"{v:.4g}") for k, v in peak.items()},
+           "hbm_bytes_per_s": float(f"{hbm:.4g}"), "host_link_bytes_per_s": float(f"{host_link:.4g}"),
+           "measured": True, "device": "gpu" if cuda else "cpu", "source": source}
+    cluster = {"name": name, "gpu": name, "gpus_per_node": int(world),
+               "intra_node_busbw_bytes_per_s": float(f"{bw:.4g}"),
+               "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),
+               "intra_node_latency_s": float(f"{alpha:.3g}"), "inter_node_latency_s": float(f"{alpha * 4:.3g}"),
+               "host_ram_bytes": int(found.host_ram_bytes), "cpu_adam_params_per_s": float(f"{adam * found.cpus:.4g}"),
+               "source": source + "; inter-node figures are not measured (assumed 1/10 and 4x)"}
+    g, c = cal.write_presets(Path(output), name, gpu, cluster)
+    if as_json:
+        emit_json({"gpu": gpu, "cluster": cluster, "matmul_flops": {d: {str(k): v for k, v in x.items()} for d, x in flops.items()},
+                   "link": link, "files": [str(g), str(c)]})
+        return
+    for d, per in flops.items():
+        print(f"matmul {d}: " + ", ".join(f"{n}: {v / 1e9:,.1f} GFLOP/s" for n, v in per.items()))
+    print(f"memory bandwidth: {hbm / 1e9:,.1f} GB/s; CPU AdamW: {adam / 1e6:,.0f} M params/s per thread")
+    if link:
+        print(f"collectives over {world} ranks: bus bandwidth {bw / 1e9:,.2f} GB/s, latency {alpha * 1e6:,.0f} us per step")
+    print(f"wrote {g} and {c}; use --presets {output} --gpu {name} --cluster {name}")
+
+
+def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float) -> None:
+    """One traced step per strategy at real scale, against the planner (torch layout)."""
+    from ..cli.options import ScenarioOptions, build
+    from ..estimate import estimate_one
+    from ..plan import make_plan
+    from ..trainer.fake_trace import trace_peak
+    from .parse import check_range
+
+    check_range(world, "--world-size", 1, 1 << 20)
+    names = strategy or ["zero3"]
+    bad = []
+    print(f"{'strategy':16s} {'predicted':>12s} {'traced':>12s} {'error':>8s}   traced by category (GiB)")
+    for name in names:
+        # the trace runs CPU kernels: F.rms_norm is the composite, not the fused CUDA kernel
+        sc = build(ScenarioOptions(model=model, gpus=str(world), layout="torch", context_gib=0.0,
+                                   fragmentation=0.0, seq_len=seq_len, micro_batch=micro_batch,
+                                   fused_norm=False))
+        r = estimate_one(sc, name)
+        if r.memory is None:
+            raise UsageError(f"{name}: {r.unavailable}")
+        peak = trace_peak(make_plan(sc, name, world * micro_batch, r))
+        err = (r.memory.total_bytes - peak["Total"]) / peak["Total"]
+        cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in peak.items() if v and k != "Total")
+        print(f"{name:16s} {r.memory.total_bytes / 2**30:>8.2f} GiB {peak['Total'] / 2**30:>8.2f} GiB "
+              f"{err:>+8.1%}   {cats}")
+        if abs(err) > tolerance:
+            bad.append(name)
+    if bad:
+        raise PlanError(f"{', '.join(bad)}: predicted peak outside {tolerance:.0%} of PyTorch's tracker "
+                        f"at {world} ranks")

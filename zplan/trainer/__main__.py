@@ -43,7 +43,7 @@ def check_plan(plan, world: int, cuda: bool) -> str | None:
         if plan.gpu.name not in (found, "auto") and not os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
             return (f"the plan is for {plan.gpu.name} but this GPU is {torch.cuda.get_device_name()} "
                     f"({found or 'no preset'}); plan again with --gpu auto, or set ZPLAN_ALLOW_GPU_MISMATCH=1")
-    elif plan.gpu.name != "cpu":
+    elif plan.gpu.device != "cpu":
         return (f"the plan is for {plan.gpu.name} GPUs but this machine has none; plan for CPU ranks "
                 f"with zplan recommend --gpu cpu --cluster cpu-local")
     return None

@@ -53,8 +53,6 @@ def consolidate(path: str | Path, out: str | Path) -> int:
         raise ValueError(f"{path} holds no model tensors (is it a zplan checkpoint?)")
     out = Path(out)
     if out.suffix == ".pt":
-        from .checkpoint import _fsync_dir  # noqa: F401
-
         full = {n: load_tensor(path, n, s, d) for n, (s, d) in tensors.items()}
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
         os.close(fd)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -132,7 +131,7 @@ class Trainer:
                          zero1=self.plan.strategy == "zero1")
 
     def run(self) -> dict:
-        cfg, t = self.cfg, self.plan.train
+        cfg = self.cfg
         start = self.resume() if cfg.resume else 0
         last = cfg.steps - 1 if cfg.stop_after is None else min(cfg.steps, cfg.stop_after) - 1
         # traffic is counted on step 3 when there is one (DDP rebuilds its buckets after step 1,
@@ -214,8 +213,11 @@ class Trainer:
         }
         pred = plan.predicted
         pred_mem = None if pred is None else pred.per_gpu["total_bytes"]
-        if pred is not None and self.device.type == "cpu":
-            pred_mem += pred.per_gpu.get("host_bytes_per_rank", 0)  # offload: the host is the device
+        if pred is not None and self.device.type == "cpu" and plan.strategy == "offload-all":
+            # a CPU rank has no device memory to offload from: offload-all holds what zero3 does
+            from ..estimate import estimate_one
+
+            pred_mem = estimate_one(plan.scenario(), "zero3").memory.total_bytes
         predicted = None if pred is None else {
             "peak_memory_bytes": pred_mem, "step_s": pred.step_s,
             "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, "mfu": pred.mfu,

@@ -96,7 +96,7 @@ def build_mesh(plan: Plan, device: torch.device):
 
 
 def parallelize(model: nn.Module, plan: Plan, device: torch.device,
-                deterministic: bool = False) -> Parallelized:
+                deterministic: bool = False, mesh=None) -> Parallelized:
     """Shard (or replicate) the meta-device model as the plan says; parameters stay empty."""
     t = plan.train
     apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
@@ -110,7 +110,7 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device,
     groups += [blocks[i: i + k] for i in range(0, len(blocks), k)]
     if not model.spec.tied_embeddings:
         groups.append([model.norm, model.output])
-    return shard_units(model, groups, plan, device, deterministic)
+    return shard_units(model, groups, plan, device, deterministic, mesh)
 
 
 def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelized:
@@ -130,7 +130,7 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
 
 
 def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
-                device: torch.device, deterministic: bool = False) -> Parallelized:
+                device: torch.device, deterministic: bool = False, mesh=None) -> Parallelized:
     """fully_shard each group of modules (one all-gather each), then the root; one
     MixedPrecisionPolicy; explicit prefetch along the order given; parameters left empty."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -138,7 +138,7 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
     t = plan.train
     if plan.strategy not in FSDP_STRATEGIES:
         raise ValueError(f"strategy {plan.strategy} cannot run under FSDP2 (optimizer-only offload is DeepSpeed's)")
-    mesh = build_mesh(plan, device)
+    mesh = mesh if mesh is not None else build_mesh(plan, device)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.precision.param], reduce_dtype=DTYPES[t.precision.reduce])
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.strategy == "offload-all" else OffloadPolicy()
     reshard = plan.strategy not in ("zero2", "zero3-noreshard")

@@ -1,0 +1,60 @@
+"""Trace a training step at real scale without real memory: FakeTensorMode plus the fake
+process group, in one process, with PyTorch's FSDPMemTracker counting what FSDP2 would hold on
+one rank (shared/notes: a 6.7B model at 64 ranks in about 10 s and 300 MiB).
+
+Used by `zplan verify --fake` to hold the planner against PyTorch's own accounting at sizes no
+test machine can run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def trace_peak(plan, steps: int = 2) -> dict:
+    """Peak bytes per category on rank 0 of plan.num_gpus fake ranks (FSDP2 strategies)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .model import Transformer
+    from .parallel import build_optimizer, parallelize
+
+    if plan.strategy in ("ddp", "zero1"):
+        raise ValueError("--fake traces the FSDP2 strategies; ddp and zero1 replicate the model")
+    dist.init_process_group("fake", rank=0, world_size=plan.num_gpus, store=FakeStore())
+    try:
+        device = torch.device("cpu")
+        from .parallel import build_mesh
+
+        mesh = build_mesh(plan, device)  # outside the fake mode: the mesh is real bookkeeping
+        with FakeTensorMode():
+            with torch.device("meta"):
+                model = Transformer(plan.model)
+            par = parallelize(model, plan, device, mesh=mesh)
+            optim = build_optimizer(par, plan, lr=1e-4)
+            tracker = FSDPMemTracker(par.model, optim)
+            t = plan.train
+            with tracker:
+                for step in range(steps):
+                    for micro in range(t.grad_accum):
+                        x = torch.randint(0, plan.model.vocab_size, (t.micro_batch, t.seq_len))
+                        sync = micro == t.grad_accum - 1 or t.reduce_every_microbatch
+                        par.model.set_requires_gradient_sync(sync)
+                        logits = par.model(x)
+                        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.reshape(-1))
+                        (loss / t.grad_accum).backward()
+                        if micro < t.grad_accum - 1:
+                            tracker.reset_mod_stats()
+                    optim.step()
+                    optim.zero_grad(set_to_none=True)
+                    tracker.reset_mod_stats()
+            snap = tracker.get_tracker_snapshot("peak")
+        per = next(iter(snap.values()))
+        return {str(getattr(k, "value", k)): int(v) for k, v in per.items()}
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
