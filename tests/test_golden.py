@@ -163,3 +163,11 @@ def test_zero1_torch_partition_is_greedy_per_parameter():
     total = sc.params
     got = zero1_torch_max_rank(sc)
     assert total / 3 <= got <= total / 3 + biggest
+
+
+def test_unit_size_given_with_params():
+    r = est("zero3", params="70e9", gpus=64, unit_params="0.875e9")
+    sc = scenario(params="70e9", gpus=64, unit_params="0.875e9")
+    assert len(sc.units) == 80 and all(u.numel == 875_000_000 for u in sc.units)
+    # two units of bf16 weights gathered at the peak: the design's ~2 x 1.75 GB
+    assert r.memory.gather_buffer_bytes == 2 * 2 * 875_000_000

@@ -126,3 +126,32 @@ def test_detect_cli(run_zplan):
     import json
     d = json.loads(p.stdout)
     assert d["cpus"] >= 1 and d["host_ram_bytes"] > 0
+
+
+def test_sigterm_ends_every_rank(tmp_path):
+    """Ctrl-C or SIGTERM to zplan launch ends torchrun and every rank; nothing is left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = f"zplan-sleeper-{os.getpid()}"
+    script = tmp_path / f"{marker}.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-m", "zplan", "launch", str(script), "--run-dir",
+                          str(tmp_path / "r")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def ranks():
+        out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        return [int(x) for x in out.split() if int(x) != p.pid]
+
+    deadline = time.time() + 60
+    while time.time() < deadline and len(ranks()) < 2:
+        time.sleep(0.5)
+    assert len(ranks()) >= 2, "the two ranks never started"
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=60)
+    assert rc != 0
+    time.sleep(1)
+    assert ranks() == [], "ranks outlived the launcher"

@@ -129,13 +129,17 @@ def units(m: ModelSpec, blocks_per_unit: int = 1) -> list[Unit]:
     ]
 
 
-def synthetic(params: int) -> ModelSpec:
+def synthetic(params: int, unit_params: int | None = None) -> ModelSpec:
     """A stand-in decoder for a bare parameter count (an assumption, printed as such).
 
     Depth from Ψ ≈ 12·L·h² with the aspect ratio h/L = 128 (Kaplan et al. 2020 found the loss
     flat for h/L between about 50 and 200); hidden rounded to a multiple of 128, heads of 128.
+    With `unit_params` the depth is ⌈Ψ / unit_params⌉ instead (one block per unit).
     """
-    L = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+    if unit_params:
+        L = max(1, -(-params // unit_params))
+    else:
+        L = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
     h = max(128, round(math.sqrt(params / (12 * L)) / 128) * 128)
     return ModelSpec(
         name=f"{params:.3g}-params",

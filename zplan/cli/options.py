@@ -28,6 +28,7 @@ DEFAULT_CLUSTER = "dgx-h100"
 @dataclass
 class ScenarioOptions:
     params: Annotated[Optional[str], typer.Option(help="Parameter count, e.g. 70e9 or 70B (a synthetic decoder is assumed)")] = None
+    unit_params: Annotated[Optional[str], typer.Option(help="With --params: parameters per sharding unit (default: a decoder of aspect ratio 128)")] = None
     model: Annotated[Optional[str], typer.Option(help="Model preset name, a .toml file, or a local Hugging Face config.json")] = None
     gpus: Annotated[Optional[str], typer.Option(help="Data-parallel GPUs N (default: one node)")] = None
     gpu: Annotated[Optional[str], typer.Option(help="GPU preset (default: the cluster's)")] = None
@@ -95,6 +96,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     extra = tuple(o.presets_dir or ())
     if o.params is not None and o.model is not None:
         raise UsageError("give either --params or --model, not both")
+    if o.unit_params is not None and o.params is None:
+        raise UsageError("--unit-params goes with --params; a --model has its own units")
     cluster = presets.cluster(o.cluster, extra)
     if o.gpus_per_node is not None:
         check_range(o.gpus_per_node, "--gpus-per-node", 1, 1024)
@@ -120,7 +123,11 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.model is not None:
         model = presets.model(o.model, extra)
     else:
-        model = arch.synthetic(parse_count(o.params or "7e9", "--params"))
+        psi = parse_count(o.params or "7e9", "--params")
+        unit = parse_count(o.unit_params, "--unit-params") if o.unit_params else None
+        if unit is not None and unit > psi:
+            raise UsageError(f"--unit-params {o.unit_params} is larger than --params {o.params}; a unit is part of the model")
+        model = arch.synthetic(psi, unit)
     seq = o.seq_len if o.seq_len is not None else min(4096, model.max_seq_len)
     check_range(seq, "--seq-len", 1, 10**7)
     check_range(o.micro_batch, "--micro-batch", 1, 10**5)
