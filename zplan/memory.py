@@ -135,15 +135,20 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         # the peak is at the start of backward, before any gradient: rest + max(the two). With
         # recomputation it is late in backward, re-running the first blocks, when all but the
         # first two units' gradients exist.
+        # A unit's reduce-scatter buffers appear once its backward has freed its (recomputed)
+        # activations: only their excess over those adds to the peak.
+        unit_act = arch.block_saved_bytes(sc.model, t, "none") * t.blocks_per_unit
+        transient = gather_b + accum_b + act_b + max(0, reduce_b - unit_act)
         if t.checkpointing == "none":
-            # the first reduce-scatter buffer appears once the last unit's backward has freed
-            # that unit's activations: only its excess over them adds to the forward's peak
-            unit_act = arch.block_saved_bytes(sc.model, t, "none") * t.blocks_per_unit
-            transient = gather_b + accum_b + act_b + max(0, reduce_b - unit_act)
             tensors = model_state - grads_b + max(grads_b, transient)
         else:
             early = sum(sc.shard_elems(u, D) for u in sc.units[:2])
             late_grads = grads_b * max(0, shard - early) // max(1, shard)
+            if not st.reshard_after_forward:
+                # late in backward, the units already done have released their weights: what
+                # remains gathered is about the current and the next unit, as with resharding
+                pair = max((a + b for a, b in zip(moving, moving[1:])), default=biggest)
+                transient += (held + pair) * pb - gather_b
             tensors = model_state - grads_b + late_grads + transient
     else:
         tensors = model_state + transient

@@ -140,7 +140,7 @@ class Trainer:
         track = cfg.measure_memory and last - 1 > at
         tracker = _memory_tracker(self.par, self.optim, self.device) if track else None
         losses, times, norms = [], [], []
-        self.counter = CommCounter()
+        self.counter = CommCounter(self.world)
         counted = 0
         stack_open = False
         progress = _progress(self.rank == 0 and cfg.progress, cfg.steps - start)

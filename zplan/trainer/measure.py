@@ -47,14 +47,17 @@ def _elem_bytes(x) -> int:
 class CommCounter(TorchDispatchMode):
     """Counts elements and bytes per collective kind while active."""
 
-    def __init__(self):
+    def __init__(self, world: int = 2):
         super().__init__()
+        self.world = world  # a collective over one rank moves nothing: not recorded
         self.elements: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.pause = False
 
     def record(self, kind: str, elements: int, nbytes: int) -> None:
+        if self.world <= 1:
+            return
         self.elements[kind] += elements
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
