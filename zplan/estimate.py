@@ -132,7 +132,7 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
             "gpus_per_node": hw.cluster.gpus_per_node,
             "hsdp_shard_size": sc.hsdp_shard,
             "train": t.model_dump(),
-            "activations": arch.activation_breakdown(m, t, sc.assume.loss_fp32),
+            "activations": dict(arch.activation_breakdown(m, t, sc.assume.loss_fp32)),
         },
         "assumptions": assumptions(sc),
         "strategies": [r.as_dict() for r in results],
