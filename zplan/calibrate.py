@@ -11,7 +11,6 @@ OUT/gpus/NAME.toml and OUT/clusters/NAME.toml; use them with --presets OUT --gpu
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -71,12 +70,6 @@ def adamw_params_per_s(n: int = 4_000_000, reps: int = 3) -> float:
     return n / t
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _collective_worker(rank, world, init, sizes, reps, backend, out):
     import torch
     import torch.distributed as dist
@@ -114,6 +107,8 @@ def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str =
     """Seconds per collective per message size (bytes of the full tensor)."""
     import torch
     import torch.multiprocessing as mp
+
+    from .reference.selfcheck import _free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
