@@ -56,7 +56,7 @@ def _flop_rate(sc: Scenario) -> float:
     return sc.hw.gpu.flops(dtype) * sc.assume.compute_efficiency
 
 
-def _overlap(sc: Scenario, st: Strategy, fwd: list[float], bwd: list[float],
+def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
              comms: list[UnitComm], with_reduce: bool) -> list[UnitOverlap]:
     """Exposed communication per unit for one micro-batch."""
     k = len(fwd)
@@ -97,8 +97,8 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     overlaps: list[UnitOverlap] = []
     if st.fsdp:
         comms = unit_comm(sc, st)
-        last = _overlap(sc, st, fwd, bwd, comms, with_reduce=True)
-        quiet = _overlap(sc, st, fwd, bwd, comms, with_reduce=t.reduce_every_microbatch)
+        last = _overlap(sc, fwd, bwd, comms, with_reduce=True)
+        quiet = _overlap(sc, fwd, bwd, comms, with_reduce=t.reduce_every_microbatch)
         exp_last = sum(u.forward_exposed_s + u.backward_exposed_s for u in last)
         exp_quiet = sum(u.forward_exposed_s + u.backward_exposed_s for u in quiet)
         exposed = exp_last + (A - 1) * exp_quiet

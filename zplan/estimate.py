@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import arch
 from .comm import Collective, collectives
@@ -141,8 +141,6 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
 
 def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     """What would make a model that fits nowhere fit: more GPUs, checkpointing, a smaller batch."""
-    from dataclasses import replace
-
     best = min((r for r in results if r.memory), key=lambda r: r.memory.total_bytes, default=None)
     hints = []
     if best is not None:
@@ -167,8 +165,6 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
 
 def _smallest_n(sc: Scenario, train) -> int | None:
     """The smallest power-of-two multiple of N at which zero3 fits, up to 2^20 GPUs."""
-    from dataclasses import replace
-
     n = sc.n
     while n < 2**20:
         n *= 2

@@ -15,6 +15,7 @@ Strategy -> torch calls (docs/trainer.md):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -171,14 +172,8 @@ def set_sync(p: Parallelized, sync: bool):
     """Whether this micro-batch reduces gradients (False: accumulate locally, no collective)."""
     if p.fsdp:
         p.model.set_requires_gradient_sync(sync)
-        import contextlib
-
         return contextlib.nullcontext()
-    if sync:
-        import contextlib
-
-        return contextlib.nullcontext()
-    return p.model.no_sync()
+    return contextlib.nullcontext() if sync else p.model.no_sync()
 
 
 def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1):
