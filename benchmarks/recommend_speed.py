@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from zplan.cli.options import ScenarioOptions, build
+from zplan.scenario_options import ScenarioOptions, build
 from zplan.recommend import search
 
 CASES = [

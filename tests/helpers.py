@@ -1,6 +1,6 @@
 """Builders for scenarios in tests, through the same path as the CLI."""
 
-from zplan.cli.options import ScenarioOptions, build
+from zplan.scenario_options import ScenarioOptions, build
 from zplan.estimate import estimate_one
 
 

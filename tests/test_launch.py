@@ -128,6 +128,7 @@ def test_detect_cli(run_zplan):
     assert d["cpus"] >= 1 and d["host_ram_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_sigterm_ends_every_rank(tmp_path):
     """Ctrl-C or SIGTERM to zplan launch ends torchrun and every rank; nothing is left behind."""
     import os

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # spawned ranks and torchrun
 
 
 def test_selfcheck_bitwise_at_1_to_4(run_zplan):

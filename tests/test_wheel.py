@@ -3,7 +3,11 @@
 import os
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # multi-process: torchrun, spawn or a pip build
 
 ROOT = Path(__file__).resolve().parent.parent
 

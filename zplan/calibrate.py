@@ -109,13 +109,13 @@ def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str =
     import torch
     import torch.multiprocessing as mp
 
-    from .reference.selfcheck import _free_port
+    from .netutil import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "res.pt")
         mp.start_processes(_collective_worker,
-                           args=(world, f"tcp://127.0.0.1:{_free_port()}", sizes, reps, backend, out),
+                           args=(world, f"tcp://127.0.0.1:{free_port()}", sizes, reps, backend, out),
                            nprocs=world, join=True, start_method="spawn")
         return torch.load(out)
 

@@ -152,7 +152,7 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     if ckpt_fits:
         hints.append("--checkpointing full makes it fit")
     for train, extra in ((sc.train, ""), (full, " --checkpointing full")):
-        n = _smallest_n(sc, train)
+        n = smallest_n(sc, train)
         if n is not None:
             hints.append(f"zero3 fits on --gpus {n}{extra}")
             break
@@ -163,7 +163,7 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     return "; ".join(hints) or "no change zplan tried makes it fit"
 
 
-def _smallest_n(sc: Scenario, train) -> int | None:
+def smallest_n(sc: Scenario, train) -> int | None:
     """The smallest power-of-two multiple of N at which zero3 fits, up to 2^20 GPUs."""
     n = sc.n
     while n < 2**20:

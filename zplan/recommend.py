@@ -214,11 +214,11 @@ def _flags(base: Scenario, w: Candidate) -> list[str]:
 
 
 def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict) -> str:
-    from .estimate import _smallest_n
+    from .estimate import smallest_n
 
     hints = []
     full = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1})
-    n = _smallest_n(base, full)
+    n = smallest_n(base, full)
     if n is not None:
         hints.append(f"--gpus {n} (zero3, full checkpointing, micro-batch 1)")
     if base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw":

@@ -68,17 +68,16 @@ def matrix(strategies=DEFAULT_STRATEGIES, worlds=(1, 2, 4), dtypes=("fp32", "bf1
 def plan_for(cell: Cell, model: str = "tiny", seq_len: int = 128, per_rank: int = 2,
              calibrated: str | None = None):
     """calibrated: a folder written by zplan calibrate (preset name "calibrated")."""
-    from .cli.options import ScenarioOptions, build
+    from .scenario_options import build, cpu_ranks
     from .estimate import estimate_one
     from .plan import make_plan
 
-    opts = ScenarioOptions(model=model, gpu="calibrated" if calibrated else "cpu",
-                           cluster="calibrated" if calibrated else "cpu-local",
-                           presets_dir=[calibrated] if calibrated else None,
-                           gpus=str(cell.world), gpus_per_node=max(2, cell.world), layout="torch",
-                           context_gib=0.0, fragmentation=0.0,
-                           seq_len=seq_len, micro_batch=per_rank, param_dtype=cell.param_dtype,
-                           checkpointing=cell.checkpointing, shard_size=cell.shard_size)
+    opts = cpu_ranks(model=model, gpu="calibrated" if calibrated else "cpu",
+                     cluster="calibrated" if calibrated else "cpu-local",
+                     presets_dir=[calibrated] if calibrated else None,
+                     gpus=str(cell.world), gpus_per_node=max(2, cell.world),
+                     seq_len=seq_len, micro_batch=per_rank, param_dtype=cell.param_dtype,
+                     checkpointing=cell.checkpointing, shard_size=cell.shard_size)
     sc = build(opts)
     r = estimate_one(sc, cell.strategy)
     return make_plan(sc, cell.strategy, per_rank * cell.world, r)

@@ -8,7 +8,8 @@ import typer
 
 from ..errors import PlanError
 from .app import app, emit_json
-from .options import ScenarioOptions, build, scenario_options
+from ..scenario_options import ScenarioOptions, build
+from .options import scenario_options
 
 
 @app.command()
@@ -23,7 +24,7 @@ def estimate(
     """Per-GPU memory, traffic, overlap and step time of every strategy."""
     from ..estimate import estimate as run_estimate, fit_hints, to_json
     from ..strategies import STRATEGIES
-    from .parse import check_choice
+    from ..parse import check_choice
 
     check_choice(unit, "--unit", ("GB", "GiB"))
     for s in strategy or ():

@@ -11,7 +11,7 @@ import typer
 
 from ..errors import UsageError
 from .app import app, emit_json
-from .parse import check_range
+from ..parse import check_range
 
 CPU_RANKS = 2
 CPU_MODEL = "tiny"
@@ -41,7 +41,7 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, gpus_found: int, gpu
     """A recommendation for this machine (or CPU ranks), as the plan to run."""
     from ..plan import make_plan
     from ..recommend import search
-    from .options import ScenarioOptions, build
+    from ..scenario_options import ScenarioOptions, build, cpu_ranks
 
     if gpus_found:
         per_node = nproc or gpus_found
@@ -49,9 +49,8 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, gpus_found: int, gpu
                                gpus_per_node=per_node, layout="torch", seq_len=seq_len)
     else:
         per_node = nproc or CPU_RANKS
-        opts = ScenarioOptions(model=model, gpu="cpu", cluster="cpu-local", gpus=str(per_node * nnodes),
-                               gpus_per_node=per_node, layout="torch", context_gib=0.0,
-                               fragmentation=0.0, seq_len=seq_len)
+        opts = cpu_ranks(model=model, gpus=str(per_node * nnodes), gpus_per_node=per_node,
+                         seq_len=seq_len)
     sc = build(opts)
     batch = global_batch or 4 * sc.n
     rec = search(sc, batch, families=strategy or None)

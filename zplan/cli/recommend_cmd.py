@@ -9,8 +9,9 @@ import typer
 
 from ..errors import UsageError
 from .app import app, emit_json
-from .options import ScenarioOptions, apply_project_file, build, scenario_options
-from .parse import check_choice, check_range, parse_count
+from ..scenario_options import ScenarioOptions, apply_project_file, build
+from .options import scenario_options
+from ..parse import check_choice, check_range, parse_count
 
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_PER_GPU = 8  # sequences per GPU per step when no global batch is given

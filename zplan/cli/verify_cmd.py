@@ -73,7 +73,7 @@ def verify(
 
     from ..plan import write_atomic
     from ..verify import DEFAULT_STRATEGIES, matrix, progress, run_cell, table
-    from .parse import check_choice, check_range
+    from ..parse import check_choice, check_range
 
     check_range(tolerance, "--tolerance", 0.0, 10.0)
     for s in strategy or ():
@@ -117,7 +117,7 @@ def calibrate(
 
     from .. import calibrate as cal
     from ..hardware import detect
-    from .parse import check_range
+    from ..parse import check_range
 
     found = detect()
     cuda = torch.cuda.is_available()
@@ -176,11 +176,11 @@ def calibrate(
 
 def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float) -> None:
     """One traced step per strategy at real scale, against the planner (torch layout)."""
-    from ..cli.options import ScenarioOptions, build
+    from ..scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
     from ..estimate import estimate_one
     from ..plan import make_plan
     from ..trainer.fake_trace import trace_peak
-    from .parse import check_range
+    from ..parse import check_range
 
     check_range(world, "--world-size", 1, 1 << 20)
     names = strategy or ["zero3"]
@@ -188,9 +188,9 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     print(f"{'strategy':16s} {'predicted':>12s} {'traced':>12s} {'error':>8s}   traced by category (GiB)")
     for name in names:
         # the trace runs CPU kernels: F.rms_norm is the composite, not the fused CUDA kernel
-        sc = build(ScenarioOptions(model=model, gpus=str(world), layout="torch", context_gib=0.0,
-                                   fragmentation=0.0, seq_len=seq_len, micro_batch=micro_batch,
-                                   fused_norm=False))
+        # a GPU preset (not the CPU one) with the CPU's composite norm and no CUDA context
+        sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
+                             seq_len=seq_len, micro_batch=micro_batch, fused_norm=False))
         r = estimate_one(sc, name)
         if r.memory is None:
             raise UsageError(f"{name}: {r.unavailable}")

@@ -8,10 +8,11 @@ so padding is exercised; each Linear layer is a sharding unit.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..netutil import free_port
 
 SIZES = (11, 37, 29, 23, 5)
 PER_RANK = 3  # samples per rank per step
@@ -163,12 +164,6 @@ class StageResult:
         return self.bitwise and self.traffic_ok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, stages: tuple[int, ...] = (1, 2, 3), ring: bool = False) -> list[StageResult]:
     """All stages on `world` spawned processes (one process group), each against the reference."""
     import torch
@@ -177,7 +172,7 @@ def run(world: int, stages: tuple[int, ...] = (1, 2, 3), ring: bool = False) -> 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "rank0.pt")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         mp.start_processes(_worker, args=(world, stages, init, out, ring), nprocs=world, join=True,
                            start_method="spawn")
         got = torch.load(out)

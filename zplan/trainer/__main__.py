@@ -29,26 +29,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def check_plan(plan, world: int, cuda: bool) -> str | None:
-    """Why this plan cannot run in this world, or None."""
-    if plan.num_gpus != world:
-        return (f"the plan is for {plan.num_gpus} ranks but torchrun started {world}; run it with "
-                f"zplan launch --plan (it sets --nproc), or plan again with --gpus {world}")
-    if cuda:
-        import torch
-
-        from ..hardware import preset_for
-
-        found = preset_for(torch.cuda.get_device_name())
-        if plan.gpu.name not in (found, "auto") and not os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
-            return (f"the plan is for {plan.gpu.name} but this GPU is {torch.cuda.get_device_name()} "
-                    f"({found or 'no preset'}); plan again with --gpu auto, or set ZPLAN_ALLOW_GPU_MISMATCH=1")
-    elif plan.gpu.device != "cpu":
-        return (f"the plan is for {plan.gpu.name} GPUs but this machine has none; plan for CPU ranks "
-                f"with zplan recommend --gpu cpu --cluster cpu-local")
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     path = os.environ.get("ZPLAN_PLAN")
@@ -56,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print("zplan trainer: error: $ZPLAN_PLAN is not set; start runs with zplan launch", file=sys.stderr)
         return 2
     from ..errors import ZplanError
+    from .plan_check import check_plan
     from ..plan import load
 
     try:

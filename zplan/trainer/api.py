@@ -121,7 +121,7 @@ def init(ckpt_dir: str | None = None) -> Context:
     if not path:
         raise RuntimeError("$ZPLAN_PLAN is not set: start this script with zplan launch")
     plan = load(path)
-    from .__main__ import check_plan
+    from .plan_check import check_plan
 
     cuda = torch.cuda.is_available()
     why = check_plan(plan, int(os.environ.get("WORLD_SIZE", "1")), cuda)

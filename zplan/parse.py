@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..errors import UsageError
+from .errors import UsageError
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 MAX_PARAMS = 10**13  # larger is absurd for this planner; the cost models stay exact far beyond

@@ -1,0 +1,187 @@
+"""The scenario factory: user-level options (as typed on the command line or in zplan.toml)
+validated and assembled into a Scenario. Library code: the CLI, verify, launch and the tests call
+it; it never imports the CLI. Every bad value raises one UsageError line naming it and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+from pydantic import ValidationError
+
+from . import arch, presets
+from .errors import UsageError
+from .parse import MAX_GPUS, check_choice, check_range, parse_count
+from .scenario import Scenario
+from .specs import CHECKPOINTING, Assumptions, Hardware, Precision, TrainSpec
+from .units import DTYPE_BITS, MiB, GiB
+
+DTYPES = tuple(DTYPE_BITS)
+DEFAULT_CLUSTER = "dgx-h100"
+
+
+@dataclass
+class ScenarioOptions:
+    """Every model, hardware and training option, with the CLI's defaults (help: zplan/cli/options.py)."""
+
+    params: Optional[str] = None
+    unit_params: Optional[str] = None
+    model: Optional[str] = None
+    gpus: Optional[str] = None
+    gpu: Optional[str] = None
+    cluster: str = DEFAULT_CLUSTER
+    gpus_per_node: Optional[int] = None
+    seq_len: Optional[int] = None
+    micro_batch: int = 1
+    grad_accum: int = 1
+    reduce_last_only: bool = False
+    checkpointing: str = "none"
+    checkpoint_every: int = 2
+    flash: bool = True
+    optimizer: str = "adamw"
+    param_dtype: str = "bf16"
+    reduce_dtype: str = "fp32"
+    master_dtype: str = "fp32"
+    optimizer_dtype: str = "fp32"
+    layout: str = "zero"
+    blocks_per_unit: int = 1
+    prefetch: bool = True
+    fused_norm: Optional[bool] = None
+    shard_size: Optional[int] = None
+    efficiency: Optional[float] = None
+    context_gib: float = 600 / 1024
+    fragmentation: float = 0.05
+    bucket_mib: float = 25.0
+    overlap: bool = True
+    presets_dir: Optional[list[str]] = None
+
+
+FIELDS = [f.name for f in fields(ScenarioOptions)]
+
+
+def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
+    """Validate every option and assemble the Scenario; bad input raises one-line UsageErrors."""
+    extra = tuple(o.presets_dir or ())
+    if o.params is not None and o.model is not None:
+        raise UsageError("give either --params or --model, not both")
+    if o.unit_params is not None and o.params is None:
+        raise UsageError("--unit-params goes with --params; a --model has its own units")
+    cluster = presets.cluster(o.cluster, extra)
+    if o.gpus_per_node is not None:
+        check_range(o.gpus_per_node, "--gpus-per-node", 1, 1024)
+        cluster = cluster.model_copy(update={"gpus_per_node": o.gpus_per_node})
+    gpus_found = None
+    if o.gpu == "auto":
+        from .hardware import detect
+
+        found = detect()
+        if not found.gpus:
+            raise UsageError(f"--gpu auto found no GPU ({found.gpu_reason}); name one with --gpu, e.g. --gpu h100-sxm")
+        if found.gpu_preset is None:
+            names = ", ".join(sorted({g.name for g in found.gpus}))
+            raise UsageError(f"--gpu auto found {names}, which has no preset; pass --gpu FILE.toml")
+        gpu_name, gpus_found = found.gpu_preset, len(found.gpus)
+    else:
+        gpu_name = o.gpu or cluster.gpu or "h100-sxm"
+    gpu = presets.gpu(gpu_name, extra)
+    if o.gpus is None:
+        n = gpus_found or cluster.gpus_per_node
+    else:
+        n = parse_count(o.gpus, "--gpus", MAX_GPUS, integer=True)
+    if o.model is not None:
+        model = presets.model(o.model, extra)
+    else:
+        psi = parse_count(o.params or "7e9", "--params")
+        unit = parse_count(o.unit_params, "--unit-params") if o.unit_params else None
+        if unit is not None and unit > psi:
+            raise UsageError(f"--unit-params {o.unit_params} is larger than --params {o.params}; a unit is part of the model")
+        model = arch.synthetic(psi, unit)
+    seq = o.seq_len if o.seq_len is not None else min(4096, model.max_seq_len)
+    check_range(seq, "--seq-len", 1, 10**7)
+    check_range(o.micro_batch, "--micro-batch", 1, 10**5)
+    check_range(o.grad_accum, "--grad-accum", 1, 10**6)
+    check_range(o.blocks_per_unit, "--blocks-per-unit", 1, model.num_layers)
+    if o.checkpointing == "every-k":
+        check_range(o.checkpoint_every, "--checkpoint-every", 1, model.num_layers)
+    efficiency = o.efficiency if o.efficiency is not None else (1.0 if gpu.measured else 0.7)
+    check_range(efficiency, "--efficiency", 0.01, 1.0)
+    check_range(o.fragmentation, "--fragmentation", 0.0, 0.9)
+    check_range(o.context_gib, "--context-gib", 0.0, 1024)
+    check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
+    check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
+    check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))
+    check_choice(o.layout, "--layout", ("zero", "torch"))
+    for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
+                    ("--master-dtype", o.master_dtype), ("--optimizer-dtype", o.optimizer_dtype)):
+        check_choice(v, flag, DTYPES)
+    if o.shard_size is not None:
+        check_range(o.shard_size, "--shard-size", 1, MAX_GPUS)
+        if n % o.shard_size:
+            raise UsageError(f"--shard-size {o.shard_size} does not divide --gpus {n}; pick a divisor of {n}")
+    try:
+        train = TrainSpec(
+            seq_len=seq, micro_batch=o.micro_batch, grad_accum=o.grad_accum,
+            checkpointing=o.checkpointing, checkpoint_every=o.checkpoint_every,
+            flash_attention=o.flash, optimizer=o.optimizer,
+            precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
+                                master=o.master_dtype, optimizer=o.optimizer_dtype),
+            layout=o.layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
+            fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
+            reduce_every_microbatch=not o.reduce_last_only,
+        )
+        assume = Assumptions(
+            compute_efficiency=efficiency, cuda_context_bytes=int(o.context_gib * GiB),
+            fragmentation=o.fragmentation, ddp_bucket_bytes=int(o.bucket_mib * MiB),
+            overlap=o.overlap,
+        )
+        hw = Hardware(gpu=gpu, cluster=cluster, num_gpus=n)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    return Scenario(model, hw, train, assume, o.shard_size)
+
+
+def cpu_ranks(**kw) -> ScenarioOptions:
+    """Options for CPU ranks standing in for GPUs (verify, launch without a GPU, fake traces):
+    the torch layout, no CUDA context and no fragmentation; `kw` overrides any field."""
+    base = ScenarioOptions(gpu="cpu", cluster="cpu-local", layout="torch", context_gib=0.0,
+                           fragmentation=0.0)
+    return replace(base, **kw)
+
+
+PROJECT_FILE = "zplan.toml"
+
+
+def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE) -> list[str]:
+    """Fill options the user left at their defaults from ./zplan.toml; return what was taken.
+
+    Keys are the long option names with underscores (model, gpus, cluster, seq_len, ...), plus
+    the command's own (e.g. global_batch), which land in `extra`.
+    """
+    import tomllib
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        return []
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{p}: not valid TOML ({e}); fix the file") from None
+    defaults = ScenarioOptions()
+    taken = []
+    for k, v in data.items():
+        key = k.replace("-", "_")
+        if key in FIELDS:
+            if getattr(o, key) == getattr(defaults, key):
+                setattr(o, key, str(v) if key in ("params", "gpus") else v)
+                taken.append(f"{key}={v}")
+        elif key in extra:
+            if extra[key] is None:
+                extra[key] = v
+                taken.append(f"{key}={v}")
+        else:
+            known = ", ".join(sorted(FIELDS + list(extra)))
+            raise UsageError(f"{p}: unknown key {k!r}; known keys: {known}")
+    return taken
