@@ -1,0 +1,186 @@
+"""Load and validate the public validation set: one TOML file per source in this folder.
+
+A file has a [source] table (where the figures come from, exactly) and [[row]] tables, one per
+measured run. Every bad row is an error naming the file, the row's number and the field: the rows
+are data typed by hand from public documents, and a silent typo would become a wrong accuracy figure.
+Files are read with tomllib (data, never code). No zplan import here: the loader is usable alone.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+FOLDER = Path(__file__).resolve().parent
+SOURCE_KEYS = {"name", "org", "who", "url", "file", "date", "memory_kind", "tokens", "notes"}
+SOURCE_OPTIONAL = {"repository", "commit"}
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all")
+CHECKPOINTING = ("none", "full", "selective", "blocks-fraction-unstated")
+FLOAT8 = ("none", "tensorwise", "tensorwise-fp8-allgather", "rowwise", "te-delayed")
+DTYPES = ("fp32", "bf16", "fp16")
+MEMORY_UNITS = {"GiB": 2**30, "GB": 10**9}
+MEMORY_KINDS = ("reserved", "allocated")
+GPU_KINDS = {"a100-40gb": "A100", "a100-80gb": "A100", "h100-sxm": "H100", "h200": "H200"}
+
+
+class RowError(ValueError):
+    """A bad file or row: the message names the file, the row and the fix."""
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    org: str
+    who: str
+    url: str
+    file: str
+    date: str
+    memory_kind: str
+    tokens: str
+    notes: str
+    path: str  # the TOML file this came from
+    repository: str = ""
+    commit: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    source: Source
+    model: str
+    gpu: str
+    num_gpus: int
+    gpus_per_node: int
+    parallelism: str
+    strategy: str
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    checkpointing: str
+    compile: bool
+    float8: str
+    param_dtype: str
+    reduce_dtype: str
+    table: str
+    shard_size: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    expressible: bool = True
+    why_not: str = ""
+    memory: float | None = None
+    memory_unit: str = ""
+    memory_kind: str = ""
+    tokens_per_s_per_gpu: float | None = None
+    tokens_per_s_global: float | None = None
+    mfu_pct: float | None = None
+    published_params: int | None = None
+    notes: str = ""
+
+    @property
+    def gpu_kind(self) -> str:
+        return GPU_KINDS[self.gpu]
+
+    @property
+    def memory_bytes(self) -> int | None:
+        if self.memory is None:
+            return None
+        return round(self.memory * MEMORY_UNITS[self.memory_unit])
+
+
+FIELD_TYPES = {
+    "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
+    "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
+    "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
+    "shard_size": int, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
+    "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
+}
+REQUIRED = ("id", "model", "gpu", "num_gpus", "gpus_per_node", "parallelism", "strategy", "micro_batch",
+            "grad_accum", "seq_len", "checkpointing", "compile", "float8", "param_dtype", "reduce_dtype", "table")
+CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLOAT8, "param_dtype": DTYPES,
+           "reduce_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
+           "gpu": tuple(GPU_KINDS)}
+
+
+def _typed(key: str, value, where: str):
+    want = FIELD_TYPES[key]
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise RowError(f"{where}: {key} = {value!r} is not a {want.__name__}; fix the value")
+    if want is float and not (math.isfinite(value) and value > 0):
+        raise RowError(f"{where}: {key} = {value!r} must be a finite number above 0")
+    if want is int and value < 1:
+        raise RowError(f"{where}: {key} = {value!r} must be at least 1")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise RowError(f"{where}: {key} = {value!r} is not one of {', '.join(CHOICES[key])}")
+    return value
+
+
+def _row(raw: dict, source: Source, where: str) -> Row:
+    unknown = set(raw) - set(FIELD_TYPES)
+    if unknown:
+        raise RowError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(FIELD_TYPES)}")
+    missing = [k for k in REQUIRED if k not in raw]
+    if missing:
+        raise RowError(f"{where}: missing field(s) {', '.join(missing)}")
+    kw = {k: _typed(k, v, where) for k, v in raw.items()}
+    r = Row(source=source, **kw)
+    if r.memory is None and r.tokens_per_s_per_gpu is None:
+        raise RowError(f"{where}: a row needs a measured memory or tokens_per_s_per_gpu")
+    if r.memory is not None and not (r.memory_unit and r.memory_kind):
+        raise RowError(f"{where}: memory needs memory_unit (GiB or GB) and memory_kind (reserved or allocated)")
+    if r.memory is None and (r.memory_unit or r.memory_kind):
+        raise RowError(f"{where}: memory_unit/memory_kind given without a memory figure")
+    if max(r.tp, r.pp, r.cp) > 1 and r.expressible:
+        raise RowError(f"{where}: tp/pp/cp above 1 cannot be expressed in zplan; set expressible = false and why_not")
+    if r.checkpointing == "blocks-fraction-unstated" and r.expressible:
+        raise RowError(f"{where}: checkpointing of an unstated fraction cannot be expressed; set expressible = false")
+    if not r.expressible and not r.why_not:
+        raise RowError(f"{where}: expressible = false needs why_not")
+    if r.num_gpus > r.gpus_per_node and r.num_gpus % r.gpus_per_node:
+        raise RowError(f"{where}: num_gpus {r.num_gpus} is not a whole number of nodes of {r.gpus_per_node}")
+    if (r.strategy == "hsdp") != (r.shard_size is not None):
+        raise RowError(f"{where}: shard_size goes with strategy hsdp, and hsdp needs it")
+    if r.shard_size is not None and r.num_gpus % r.shard_size:
+        raise RowError(f"{where}: shard_size {r.shard_size} does not divide num_gpus {r.num_gpus}")
+    return r
+
+
+def load_file(path: Path) -> list[Row]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RowError(f"{path.name}: not valid TOML ({e})") from None
+    src = data.get("source")
+    if not isinstance(src, dict):
+        raise RowError(f"{path.name}: no [source] table; every file names its source")
+    missing = SOURCE_KEYS - set(src)
+    unknown = set(src) - SOURCE_KEYS - SOURCE_OPTIONAL
+    if missing or unknown:
+        raise RowError(f"{path.name}: [source] missing {sorted(missing)} / unknown {sorted(unknown)}")
+    if not all(isinstance(v, str) for v in src.values()) or not src["url"].startswith("https://"):
+        raise RowError(f"{path.name}: [source] values are strings and url is an https:// address")
+    source = Source(path=path.name, **src)
+    raws = data.get("row")
+    if not isinstance(raws, list) or not raws:
+        raise RowError(f"{path.name}: no [[row]] tables")
+    return [_row(raw, source, f"{path.name} row {i + 1} ({raw.get('id', 'no id')})") for i, raw in enumerate(raws)]
+
+
+def load(folder: Path = FOLDER) -> list[Row]:
+    """Every row of every *.toml file in `folder`; ids are unique across files."""
+    rows: list[Row] = []
+    for path in sorted(folder.glob("*.toml")):
+        rows += load_file(path)
+    seen: dict[str, str] = {}
+    for r in rows:
+        if r.id in seen:
+            raise RowError(f"{r.source.path}: row id {r.id!r} is also in {seen[r.id]}; ids must be unique")
+        seen[r.id] = r.source.path
+    if not rows:
+        raise RowError(f"{folder}: no *.toml files with rows")
+    return rows
