@@ -84,6 +84,12 @@ class Row:
         return GPU_KINDS[self.gpu]
 
     @property
+    def flags(self) -> str:
+        """compile / float8 / compile+float8 / plain."""
+        on = [k for k, v in (("compile", self.compile), ("float8", self.float8 != "none")) if v]
+        return "+".join(on) or "plain"
+
+    @property
     def memory_bytes(self) -> int | None:
         if self.memory is None:
             return None

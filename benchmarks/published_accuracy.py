@@ -1,0 +1,173 @@
+"""Predicted against measured on the public validation set (benchmarks/published/*.toml).
+
+Usage: python benchmarks/published_accuracy.py [--markdown [FILE]] [--rows ID ...]
+
+For every row it builds the scenario through the library with the row's facts only (model, GPU,
+GPU count and per node, strategy, micro-batch, accumulation, sequence, checkpointing, dtypes, the
+HSDP shard size) and zplan's DEFAULT assumptions, then compares tokens/s per GPU and peak memory.
+Rows zplan cannot express (tensor, pipeline, context parallelism; an unstated checkpointing
+fraction) are listed with the reason and kept out of the statistics. --markdown writes
+docs/accuracy.md. The set is a test set: nothing here may be tuned to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "published"))
+sys.path.insert(0, str(ROOT))
+
+import accuracy_report  # noqa: E402
+from published_rows import Row, load  # noqa: E402
+
+from zplan.errors import UsageError  # noqa: E402
+from zplan.estimate import estimate_one  # noqa: E402
+from zplan.scenario_options import FIELDS, ScenarioOptions, build  # noqa: E402
+
+CLUSTER = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "hgx-h200"}
+COMMAND = "python benchmarks/published_accuracy.py --markdown"
+
+
+@dataclass(frozen=True)
+class Result:
+    row: Row
+    tokens_pred: float | None = None
+    memory_pred_bytes: int | None = None
+    memory_compared_to: str = ""  # which predicted figure the measured memory is held against
+    ignored: tuple[str, ...] = ()  # row facts zplan has no option for (compile, float8)
+    error: str = ""  # the scenario could not be built: the one-line reason
+
+    @property
+    def tokens_err(self) -> float | None:
+        r = self.row.tokens_per_s_per_gpu
+        return None if r is None or self.tokens_pred is None else self.tokens_pred / r - 1
+
+    @property
+    def memory_err(self) -> float | None:
+        m = self.row.memory_bytes
+        return None if m is None or self.memory_pred_bytes is None else self.memory_pred_bytes / m - 1
+
+
+def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
+    """The row's facts as scenario options; what zplan has no option for is returned as ignored."""
+    o = ScenarioOptions(
+        model=row.model, gpu=row.gpu, cluster=CLUSTER[row.gpu_kind], gpus=str(row.num_gpus),
+        gpus_per_node=row.gpus_per_node, seq_len=row.seq_len, micro_batch=row.micro_batch,
+        grad_accum=row.grad_accum, checkpointing=row.checkpointing, param_dtype=row.param_dtype,
+        reduce_dtype=row.reduce_dtype, layout="torch", shard_size=row.shard_size,
+    )
+    ignored = []
+    if row.compile:
+        if "compile" in FIELDS:
+            o = replace(o, compile=True)
+        else:
+            ignored.append("compile")
+    if row.float8 != "none":
+        if "float8" in FIELDS:
+            default = getattr(ScenarioOptions(), "float8")
+            o = replace(o, float8=True if isinstance(default, bool) else row.float8)
+        else:
+            ignored.append("float8")
+    return o, tuple(ignored)
+
+
+def predict(row: Row) -> Result:
+    """One row through the library: build the scenario, estimate the row's strategy."""
+    o, ignored = options(row)
+    try:
+        sc = build(o)
+    except UsageError as e:
+        return Result(row, ignored=ignored, error=str(e))
+    if sc.model.position == "learned" and sc.model.max_seq_len != row.seq_len:
+        # a learned position table is built for the run's sequence (llm-foundry sets model.max_seq_len)
+        sc = replace(sc, model=sc.model.model_copy(update={"max_seq_len": row.seq_len}))
+    est = estimate_one(sc, row.strategy)
+    if est.memory is None or est.timing is None:
+        return Result(row, ignored=ignored, error=est.unavailable or "no estimate")
+    mem, compared = _memory_figure(est.memory, sc)
+    return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored)
+
+
+def _memory_figure(memory, sc) -> tuple[int, str]:
+    """The predicted figure comparable to a measured peak reserved by PyTorch's caching allocator.
+
+    Reserved memory excludes the CUDA context (not allocator memory), so the context assumption
+    is taken off. A reserved prediction, where the planner offers one, is used as it is.
+    """
+    reserved = getattr(memory, "reserved_bytes", None)
+    if reserved is not None:
+        return int(reserved), "reserved_bytes"
+    return memory.total_bytes - sc.assume.cuda_context_bytes, "total_bytes - context"
+
+
+def run(rows: list[Row]) -> list[Result]:
+    return [predict(r) if r.expressible else Result(r) for r in rows]
+
+
+def stats(errs: list[float]) -> tuple[int, float, float, float]:
+    """n, mean |error|, max |error|, mean signed error (bias), as fractions."""
+    if not errs:
+        return 0, math.nan, math.nan, math.nan
+    return len(errs), sum(map(abs, errs)) / len(errs), max(map(abs, errs)), sum(errs) / len(errs)
+
+
+GROUPS = {
+    "all": lambda r: "all",
+    "GPU": lambda r: r.row.gpu_kind,
+    "source": lambda r: r.row.source.name,
+    "compile/float8": lambda r: r.row.flags,
+    "checkpointing": lambda r: r.row.checkpointing,
+    "memory kind": lambda r: r.row.memory_kind or "-",
+}
+
+
+def group_table(results: list[Result], metric: str) -> list[tuple[str, str, tuple]]:
+    """(group, value, stats) for every grouping of the scored rows."""
+    scored = [r for r in results if r.row.expressible and not r.error]
+    out = []
+    for gname, key in GROUPS.items():
+        if metric == "tokens" and gname == "memory kind":
+            continue
+        values = sorted({key(r) for r in scored})
+        for v in values:
+            errs = [getattr(r, f"{metric}_err") for r in scored if key(r) == v]
+            errs = [e for e in errs if e is not None]
+            if errs:
+                out.append((gname, v, stats(errs)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--markdown", nargs="?", const=str(ROOT / "docs" / "accuracy.md"), default=None,
+                    help="write the report as Markdown (default docs/accuracy.md)")
+    ap.add_argument("--rows", nargs="+", metavar="ID", help="only these row ids")
+    a = ap.parse_args(argv)
+    rows = load()
+    if a.rows:
+        unknown = sorted(set(a.rows) - {r.id for r in rows})
+        if unknown:
+            print(f"unknown row id(s): {', '.join(unknown)}; ids are in benchmarks/published/*.toml", file=sys.stderr)
+            return 2
+        rows = [r for r in rows if r.id in a.rows]
+    results = run(rows)
+    groups = {"tokens/s per GPU": group_table(results, "tokens"), "peak memory": group_table(results, "memory")}
+    print(accuracy_report.text(results, groups))
+    if a.markdown:
+        compared = sorted({r.memory_compared_to for r in results if r.memory_compared_to}) or ["total_bytes - context"]
+        text = accuracy_report.markdown(results, groups, COMMAND, ", ".join(compared))
+        out = Path(a.markdown)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
