@@ -38,7 +38,7 @@ def row_cells(r) -> list[str]:
 
 
 ROW_HEAD = ["id", "run", "flags", "tok/s meas", "tok/s pred", "tok err", "mem meas GiB", "mem pred GiB", "mem err"]
-STAT_HEAD = ["group", "value", "n", "mean |err|", "max |err|", "bias"]
+STAT_HEAD = ["group", "value", "n", "mean abs err", "max abs err", "bias"]
 
 
 def stat_cells(gname: str, value: str, s) -> list[str]:
@@ -68,7 +68,25 @@ def text(results, groups: dict) -> str:
     lines.append(f"{len(skipped)} rows zplan cannot express (listed in docs/accuracy.md): "
                  + ", ".join(sorted({r.row.why_not.split(' (')[0] for r in skipped})))
     lines.append("* = compile/float8 not modelled by this zplan; predicted without them")
+    lines += ["", "issue 8 targets:"] + ["  " + t for t in targets(results)]
     return "\n".join(lines)
+
+
+TARGETS = {"tokens": (0.12, 0.25), "memory": (0.05, 0.10)}  # issue 8: mean and each, as fractions
+
+
+def targets(results) -> list[str]:
+    """Issue 8's 'done when' line for each metric, over the scored rows."""
+    out = []
+    for metric, (mean_max, each_max) in TARGETS.items():
+        errs = [getattr(r, f"{metric}_err") for r in results if r.row.expressible and not r.error]
+        errs = [abs(e) for e in errs if e is not None]
+        if not errs:
+            continue
+        over = sum(e > each_max for e in errs)
+        out.append(f"{metric}: mean abs error {100 * sum(errs) / len(errs):.1f}% (target <= {100 * mean_max:.0f}%), "
+                   f"{over} of {len(errs)} rows beyond {100 * each_max:.0f}% (target: none)")
+    return out
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -102,6 +120,8 @@ def markdown(results, groups: dict, command: str, compared_to: str) -> str:
         f"organisations); {len(scored)} expressible, {len(skipped)} not (listed at the end).",
         "",
     ]
+    out += ["Against issue 8's targets (all scored rows, compile/float8 rows included):", ""]
+    out += ["- " + t for t in targets(results)] + [""]
     out += _md_table(["source", "who", "A100", "H100", "H200", "file"],
                      [[s.name, s.org, str(per[(s.name, 'A100')]), str(per[(s.name, 'H100')]), str(per[(s.name, 'H200')]),
                        f"[{s.file}]({s.url})"] for s in sources.values()])
