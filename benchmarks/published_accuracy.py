@@ -59,7 +59,8 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         model=row.model, gpu=row.gpu, cluster=CLUSTER[row.gpu_kind], gpus=str(row.num_gpus),
         gpus_per_node=row.gpus_per_node, seq_len=row.seq_len, micro_batch=row.micro_batch,
         grad_accum=row.grad_accum, checkpointing=row.checkpointing, param_dtype=row.param_dtype,
-        reduce_dtype=row.reduce_dtype, layout="torch", shard_size=row.shard_size,
+        reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,
+        optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout="torch", shard_size=row.shard_size,
     )
     ignored = []
     if row.compile:
@@ -89,19 +90,23 @@ def predict(row: Row) -> Result:
     est = estimate_one(sc, row.strategy)
     if est.memory is None or est.timing is None:
         return Result(row, ignored=ignored, error=est.unavailable or "no estimate")
-    mem, compared = _memory_figure(est.memory, sc)
+    mem, compared = _memory_figure(est.memory, sc, row.memory_kind or "reserved")
     return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored)
 
 
-def _memory_figure(memory, sc) -> tuple[int, str]:
-    """The predicted figure comparable to a measured peak reserved by PyTorch's caching allocator.
+def _memory_figure(memory, sc, kind: str) -> tuple[int, str]:
+    """The predicted figure comparable to a measured peak of PyTorch's caching allocator.
 
-    Reserved memory excludes the CUDA context (not allocator memory), so the context assumption
-    is taken off. A reserved prediction, where the planner offers one, is used as it is.
+    reserved: reserved memory excludes the CUDA context (not allocator memory), so the context
+    assumption is taken off the total. allocated: live tensors only, so the whole overhead
+    (context and the fragmentation allowance) is taken off. A reserved or allocated prediction,
+    where the planner offers one, is used as it is.
     """
-    reserved = getattr(memory, "reserved_bytes", None)
-    if reserved is not None:
-        return int(reserved), "reserved_bytes"
+    own = getattr(memory, f"{kind}_bytes", None)
+    if own is not None:
+        return int(own), f"{kind}_bytes"
+    if kind == "allocated":
+        return memory.total_bytes - memory.overhead_bytes, "total_bytes - overhead"
     return memory.total_bytes - sc.assume.cuda_context_bytes, "total_bytes - context"
 
 
@@ -159,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     groups = {"tokens/s per GPU": group_table(results, "tokens"), "peak memory": group_table(results, "memory")}
     print(accuracy_report.text(results, groups))
     if a.markdown:
-        compared = sorted({r.memory_compared_to for r in results if r.memory_compared_to}) or ["total_bytes - context"]
-        text = accuracy_report.markdown(results, groups, COMMAND, ", ".join(compared))
+        compared = sorted({f"{r.row.memory_kind} against `{r.memory_compared_to}`" for r in results
+                           if r.memory_compared_to and r.row.memory is not None})
+        text = accuracy_report.markdown(results, groups, COMMAND, "; ".join(compared))
         out = Path(a.markdown)
         tmp = out.with_suffix(out.suffix + ".tmp")
         tmp.write_text(text)

@@ -32,7 +32,7 @@ def _flags(r) -> str:
 
 def row_cells(r) -> list[str]:
     row = r.row
-    mem_meas = _num(row.memory_bytes, GiB, "{:.1f}")
+    mem_meas = _num(row.memory_bytes, GiB, "{:.1f}") + (f" {row.memory_kind[0].upper()}" if row.memory_kind else "")
     return [row.id, _shape(r), _flags(r), _num(row.tokens_per_s_per_gpu), _num(r.tokens_pred), _pct(r.tokens_err),
             mem_meas, _num(r.memory_pred_bytes, GiB, "{:.1f}"), _pct(r.memory_err)]
 
@@ -112,8 +112,9 @@ def markdown(results, groups: dict, command: str, compared_to: str) -> str:
         "Every prediction uses the row's facts (model, GPU, GPUs and GPUs per node, strategy, HSDP shard",
         "size, micro-batch, accumulation, sequence, checkpointing, dtypes) and zplan's default assumptions;",
         "nothing is tuned per row. Errors are predicted / measured - 1 (positive: zplan predicts more).",
-        f"Measured memory is peak reserved (PyTorch's caching allocator); it is held against `{compared_to}`",
-        "(reserved memory does not include the CUDA context). Rows marked * ran with torch.compile or float8,",
+        "Measured memory is a peak of PyTorch's caching allocator, reserved (R) or allocated (A) as the source",
+        f"states; it is held against: {compared_to} (neither includes the CUDA context; allocated excludes the",
+        "fragmentation allowance too). Rows marked * ran with torch.compile or float8,",
         "which this zplan does not model: they are predicted without them and grouped apart below.",
         "",
         f"{len(rows)} rows from {len(sources)} sources ({len({s.org for s in sources.values()})} independent "

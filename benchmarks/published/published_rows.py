@@ -65,6 +65,9 @@ class Row:
     reduce_dtype: str
     table: str
     shard_size: int | None = None
+    master_dtype: str = "fp32"  # the optimizer's copy of the weights (bf16: the params themselves)
+    optimizer_dtype: str = "fp32"  # AdamW's m and v
+    reduce_last_only: bool = False  # gradients reduced on the last micro-batch only (no_sync before)
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -100,14 +103,14 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
 REQUIRED = ("id", "model", "gpu", "num_gpus", "gpus_per_node", "parallelism", "strategy", "micro_batch",
             "grad_accum", "seq_len", "checkpointing", "compile", "float8", "param_dtype", "reduce_dtype", "table")
 CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLOAT8, "param_dtype": DTYPES,
-           "reduce_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
+           "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
            "gpu": tuple(GPU_KINDS)}
 
 
