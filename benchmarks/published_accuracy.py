@@ -77,16 +77,22 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
     return o, tuple(ignored)
 
 
-def predict(row: Row) -> Result:
-    """One row through the library: build the scenario, estimate the row's strategy."""
+def scenario(row: Row):
+    """The row's scenario, built through the library; returns (scenario, ignored facts)."""
     o, ignored = options(row)
-    try:
-        sc = build(o)
-    except UsageError as e:
-        return Result(row, ignored=ignored, error=str(e))
+    sc = build(o)
     if sc.model.position == "learned" and sc.model.max_seq_len != row.seq_len:
         # a learned position table is built for the run's sequence (llm-foundry sets model.max_seq_len)
         sc = replace(sc, model=sc.model.model_copy(update={"max_seq_len": row.seq_len}))
+    return sc, ignored
+
+
+def predict(row: Row) -> Result:
+    """One row through the library: build the scenario, estimate the row's strategy."""
+    try:
+        sc, ignored = scenario(row)
+    except UsageError as e:
+        return Result(row, ignored=options(row)[1], error=str(e))
     est = estimate_one(sc, row.strategy)
     if est.memory is None or est.timing is None:
         return Result(row, ignored=ignored, error=est.unavailable or "no estimate")
