@@ -129,6 +129,11 @@ def markdown(results, groups: dict, command: str, compared_to: str) -> str:
     for metric, table in groups.items():
         out += ["", f"## {metric}: errors by group", ""]
         out += _md_table(STAT_HEAD, [stat_cells(*g) for g in table])
+    for metric in ("tokens", "memory"):
+        worst = sorted((r for r in scored if getattr(r, f"{metric}_err") is not None),
+                       key=lambda r: -abs(getattr(r, f"{metric}_err")))[:8]
+        out += ["", f"## Largest {metric} misses", ""]
+        out += _md_table(ROW_HEAD, [row_cells(r) for r in worst])
     out += ["", "## Every expressible row", ""]
     out += _md_table(ROW_HEAD, [row_cells(r) for r in scored if not r.error])
     errors = [r for r in scored if r.error]
