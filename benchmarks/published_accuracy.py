@@ -130,6 +130,7 @@ def stats(errs: list[float]) -> tuple[int, float, float, float]:
 GROUPS = {
     "all": lambda r: "all",
     "GPU": lambda r: r.row.gpu_kind,
+    "GPU variant": lambda r: r.row.gpu_variant or r.row.gpu,
     "source": lambda r: r.row.source.name,
     "compile/float8": lambda r: r.row.flags,
     "checkpointing": lambda r: r.row.checkpointing,
