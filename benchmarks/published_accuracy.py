@@ -69,9 +69,11 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         else:
             ignored.append("compile")
     if row.float8 != "none":
-        if "float8" in FIELDS:
-            default = getattr(ScenarioOptions(), "float8")
-            o = replace(o, float8=True if isinstance(default, bool) else row.float8)
+        default = getattr(ScenarioOptions(), "float8", None)
+        if "float8" in FIELDS and not isinstance(default, bool):
+            o = replace(o, float8=row.float8)  # a recipe-valued option: build() judges the recipe
+        elif "float8" in FIELDS and row.float8.startswith("tensorwise"):
+            o = replace(o, float8=True)  # a yes/no option models torchao's tensorwise recipe (issue 8)
         else:
             ignored.append("float8")
     return o, tuple(ignored)
