@@ -34,7 +34,8 @@ scripts/train/yamls/pretrain/; learned position table of max_seq_len = SeqLen ro
 embeddings, low_precision_layernorm). Sharding Strategy FULL_SHARD -> zero3, SHARD_GRAD_OP -> zero2
 (FSDP1, flat parameters, torch layout). Activation Checkpointing True -> full (every block).
 MP Mode DEFAULT: bf16 params, fp32 reduce; PURE: bf16 params and reduce (Composer's
-get_mixed_precision in composer/trainer/mosaic_fsdp_utils.py). Precision amp_fp8 is TransformerEngine
+get_mixed_precision in composer/trainer/mosaic_fsdp_utils.py at mosaicml/composer
+2deccf2c8806220fe00e457d053465a049f38407, the last commit before 2024-01-06). Precision amp_fp8 is TransformerEngine
 fp8 (DelayedScaling) on the linear layers. Nodes of 8 GPUs on the MosaicML platform (the README names
 1600 Gbps RoCE between A100 nodes; H100 interconnect not stated). torch.compile not used. No memory figures."""
 '''
