@@ -36,7 +36,7 @@ embeddings, low_precision_layernorm). Sharding Strategy FULL_SHARD -> zero3, SHA
 MP Mode DEFAULT: bf16 params, fp32 reduce; PURE: bf16 params and reduce (Composer's
 get_mixed_precision in composer/trainer/mosaic_fsdp_utils.py at mosaicml/composer
 2deccf2c8806220fe00e457d053465a049f38407, the last commit before 2024-01-06). Precision amp_fp8 is TransformerEngine
-fp8 (DelayedScaling) on the linear layers. Nodes of 8 GPUs on the MosaicML platform (the README names
+fp8 (DelayedScaling) on the linear layers. gpus_per_node 8 is assumed (not stated; the README names
 1600 Gbps RoCE between A100 nodes; H100 interconnect not stated). torch.compile not used. No memory figures."""
 '''
 
