@@ -31,9 +31,16 @@ def test_70b_on_a_fast_domain_hides_zero3_gathers():
     assert w.result.timing.exposed_comm_s < 0.02 * w.step_s
 
 
-def test_across_nodes_small_batch_prefers_hsdp():
-    r = rec(64, model="llama-3.1-8b", gpus=64)  # 8 nodes at 50 GB/s, 1 sequence per GPU
-    assert r.winner.family == "hsdp"
+def test_across_nodes_small_batch_prefers_hsdp(tmp_path):
+    # 8 nodes on a slow network (40 Gb/s Ethernet per GPU), 1 sequence per GPU. (On dgx-h100's
+    # network, where full-node rings use every NIC, zero3 keeps up: issue 8.)
+    slow = tmp_path / "slow.toml"
+    slow.write_text('name = "slow"\ngpus_per_node = 8\nintra_node_busbw_bytes_per_s = 370e9\n'
+                    'inter_node_busbw_bytes_per_s = 5e9\nintra_node_latency_s = 3.4e-6\n'
+                    'inter_node_latency_s = 14e-6\nhost_ram_bytes = 2000000000000\nsource = "test"\n')
+    r = rec(64, model="llama-3.1-8b", gpus=64, cluster=str(slow), gpu="h100-sxm")
+    # less traffic across nodes than zero3's 3 psi: HSDP (1/8 of the gradients) or no re-gather
+    assert r.winner.family in ("hsdp", "zero3-noreshard")
     z3 = r.best_by_family["zero3"].result.timing
     assert z3.exposed_comm_s > r.winner.result.timing.exposed_comm_s
     assert "exposed communication" in r.lost["zero3"]

@@ -2,21 +2,23 @@
 
 Volume convention (Rajbhandari et al. 2020, section 7): an all-gather or a reduce-scatter of a
 tensor of S elements counts S, an all-reduce counts 2S; so DDP moves 2Ψ per step and ZeRO-3 3Ψ.
-Time is the ring model of nccl-tests (doc/PERFORMANCE.md): busbw = algbw·(n-1)/n for all-gather
-and reduce-scatter, algbw·2(n-1)/n for all-reduce, so t = S·(n-1)/(n·busbw) (twice that for an
-all-reduce), plus a latency α per ring step. Derivations: docs/formulas.md.
+Time is NCCL's own cost model with the cluster's nccl-tests bandwidths (zplan.nccl), charged per
+call as the framework issues them: FSDP one all-gather and one reduce-scatter per unit, DDP and
+DeepSpeed ZeRO-1/2 one per gradient bucket. Derivations: docs/formulas.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .nccl import collective_time, contiguous_shape, strided_shape
 from .scenario import Scenario
 from .strategies import Strategy
 from .units import nbytes
 
 
 WHOLE_MATRIX = "all-gather (whole matrices for the optimizer)"
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce_bucket_size / allgather_bucket_size defaults
 
 
 @dataclass(frozen=True)
@@ -65,16 +67,24 @@ def collective_seconds(op: str, nbytes_: int, n: int, busbw: float, latency_s: f
     return factor * (nbytes_ * (n - 1) / (n * busbw) + (n - 1) * latency_s)
 
 
-def link(sc: Scenario, group_size: int, spans_nodes: bool) -> tuple[str, float, float]:
-    c = sc.hw.cluster
-    if spans_nodes:
-        return "inter-node", c.inter_node_busbw_bytes_per_s, c.inter_node_latency_s
-    return "intra-node", c.intra_node_busbw_bytes_per_s, c.intra_node_latency_s
+def call_seconds(sc: Scenario, op: str, nbytes_: int, n: int, per_node: int) -> float:
+    """One call as NCCL runs it on this cluster (zplan.nccl)."""
+    return collective_time(sc.hw.cluster, op, nbytes_, n, per_node).seconds
 
 
-def _coll(sc, name, op, elements, dtype, group, spans, calls) -> Collective:
-    scope, bw, lat = link(sc, group, spans)
-    t = collective_seconds(op, nbytes(elements, dtype), group, bw, lat)
+def bucketed_seconds(sc: Scenario, op: str, total_bytes: int, n: int, per_node: int,
+                     bucket_bytes: int) -> float:
+    """A reduction issued in buckets (DDP, DeepSpeed ZeRO-1/2): each bucket pays its latency."""
+    if bucket_bytes <= 0 or total_bytes <= bucket_bytes:
+        return call_seconds(sc, op, total_bytes, n, per_node)
+    full, rest = divmod(total_bytes, bucket_bytes)
+    t = full * call_seconds(sc, op, bucket_bytes, n, per_node)
+    return t + (call_seconds(sc, op, rest, n, per_node) if rest else 0.0)
+
+
+def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0) -> Collective:
+    scope = "intra-node" if group <= per_node else "inter-node"
+    t = bucketed_seconds(sc, op, nbytes(elements, dtype), group, per_node, bucket_bytes)
     return Collective(name, op, elements, dtype, group, scope, calls, t)
 
 
@@ -90,22 +100,25 @@ class UnitComm:
     gathers_in_backward: bool
 
 
-def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
-    """Gathers and reductions of each sharded unit (FSDP-style strategies only)."""
-    p = sc.train.precision
+def _shapes(sc: Scenario, st: Strategy) -> tuple[int, int, int, int]:
+    """(D, GPUs per node of the shard group, R, GPUs per node of the replica group)."""
     gpn = sc.hw.cluster.gpus_per_node
     D = sc.shard_degree(st.hsdp)
-    spans = D > gpn
-    _, bw, lat = link(sc, D, spans)
+    R = sc.n // D if st.hsdp else 1
+    return D, contiguous_shape(D, gpn), R, strided_shape(R, D, gpn)
+
+
+def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
+    """Gathers and reductions of each sharded unit (FSDP-style strategies only), one call each."""
+    p = sc.train.precision
+    D, g, R, g_rep = _shapes(sc, st)
     out = []
     for u in sc.units:
         full = sc.padded_elems(u, D)
-        ag = collective_seconds("all_gather", nbytes(full, p.param), D, bw, lat)
-        rs = collective_seconds("reduce_scatter", nbytes(full, p.reduce), D, bw, lat)
-        if st.hsdp and sc.n > D:
-            R = sc.n // D
-            _, bw2, lat2 = link(sc, R, True)
-            rs += collective_seconds("all_reduce", nbytes(full // D, p.reduce), R, bw2, lat2)
+        ag = call_seconds(sc, "all_gather", nbytes(full, gather_dtype(sc, u)), D, g)
+        rs = call_seconds(sc, "reduce_scatter", nbytes(full, p.reduce), D, g)
+        if st.hsdp and R > 1:
+            rs += call_seconds(sc, "all_reduce", nbytes(full // D, p.reduce), R, g_rep)
         h2d = 0.0
         if st.offload_params:
             store = p.master if sc.train.layout == "torch" else p.param
@@ -115,48 +128,73 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
     return out
 
 
+def gather_dtype(sc: Scenario, u) -> str:
+    """What an FSDP all-gather moves per element: the param dtype, or float8 for the linear
+    weights of a block under --float8 (torchao's float8 all-gather; norms stay in bf16, which
+    is a fraction of a percent of a block and is neglected)."""
+    if getattr(sc.train, "float8", False) and u.blocks > 0:
+        return "fp8"
+    return sc.train.precision.param
+
+
+def _per_unit_sum(sc: Scenario, units, op: str, dtype_of, D: int, g: int) -> float:
+    return sum(call_seconds(sc, op, nbytes(sc.padded_elems(u, D), dtype_of(u)), D, g)
+               for u in units)
+
+
 def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     """Every collective of one optimizer step (grad_accum micro-batches)."""
     t, p, psi, N = sc.train, sc.train.precision, sc.params, sc.n
     A = t.grad_accum
     gpn = sc.hw.cluster.gpus_per_node
-    spans_world = N > gpn
+    g_world = contiguous_shape(N, gpn)
     rs_calls = A if t.reduce_every_microbatch else 1
     out: list[Collective] = []
     if t.optimizer == "muon" and st.optim_sharded and N > 1:
         # Muon orthogonalises whole matrices: each sharded update gathers its matrix first
-        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", psi, p.param, N, spans_world, 1))
+        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", psi, p.param, N, g_world, 1))
     if not st.fsdp:
         torch = t.layout == "torch"
+        ddp_bucket = sc.assume.ddp_bucket_bytes
         if st.name == "ddp" or (st.name == "zero1" and torch):
             out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.reduce, N,
-                             spans_world, rs_calls))
+                             g_world, rs_calls, ddp_bucket))
             if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters
                 out.append(_coll(sc, "broadcast (updated weights)", "all_gather", psi, p.param, N,
-                                 spans_world, 1))
+                                 g_world, 1))
             return out
-        # DeepSpeed pads each flat partition to a multiple of N, as the reference does
+        # DeepSpeed pads each flat partition to a multiple of N, as the reference does, and
+        # reduces in buckets of reduce_bucket_size = 5e8 elements (its default)
         padded = sum(sc.padded_elems(u, N) for u in sc.units)
         grad_calls = rs_calls if st.name == "zero2" else 1
+        ds_bucket = nbytes(DEEPSPEED_BUCKET_ELEMENTS, p.reduce)
         out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", padded, p.reduce,
-                         N, spans_world, grad_calls))
+                         N, g_world, grad_calls, ds_bucket))
         out.append(_coll(sc, "all-gather (updated weights)", "all_gather", padded, p.param, N,
-                         spans_world, 1))
+                         g_world, 1, nbytes(DEEPSPEED_BUCKET_ELEMENTS, p.param)))
         return out
-    D = sc.shard_degree(st.hsdp)
-    spans = D > gpn
+    D, g, R, g_rep = _shapes(sc, st)
     units = sc.units
+    regather = [u for u in units if st.reshard_after_forward and not u.held]
     gathered = sum(sc.padded_elems(u, D) for u in units)
-    re_gathered = sum(sc.padded_elems(u, D) for u in units if st.reshard_after_forward and not u.held)
-    out.append(_coll(sc, "all-gather (forward)", "all_gather", gathered, p.param, D, spans, A))
+    re_gathered = sum(sc.padded_elems(u, D) for u in regather)
+    gdt = lambda u: gather_dtype(sc, u)  # noqa: E731
+    rdt = lambda u: p.reduce  # noqa: E731
+    scope = "intra-node" if D <= g else "inter-node"
+    gdtype = "fp8" if getattr(t, "float8", False) else p.param
+    out.append(Collective("all-gather (forward)", "all_gather", gathered, gdtype, D, scope, A,
+                          _per_unit_sum(sc, units, "all_gather", gdt, D, g)))
     if re_gathered:
-        out.append(_coll(sc, "all-gather (backward)", "all_gather", re_gathered, p.param, D,
-                         spans, A))
-    out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", gathered, p.reduce, D,
-                     spans, rs_calls))
-    if st.hsdp and N > D:
-        out.append(_coll(sc, "all-reduce (replicas, 1/S shard)", "all_reduce", gathered // D,
-                         p.reduce, N // D, True, rs_calls))
+        out.append(Collective("all-gather (backward)", "all_gather", re_gathered, gdtype, D,
+                              scope, A, _per_unit_sum(sc, regather, "all_gather", gdt, D, g)))
+    out.append(Collective("reduce-scatter (gradients)", "reduce_scatter", gathered, p.reduce, D,
+                          scope, rs_calls, _per_unit_sum(sc, units, "reduce_scatter", rdt, D, g)))
+    if st.hsdp and R > 1:
+        ar = sum(call_seconds(sc, "all_reduce", nbytes(sc.padded_elems(u, D) // D, p.reduce),
+                              R, g_rep) for u in units)
+        out.append(Collective("all-reduce (replicas, 1/S shard)", "all_reduce", gathered // D,
+                              p.reduce, R, "intra-node" if R <= g_rep else "inter-node",
+                              rs_calls, ar))
     shard = gathered // D
     link_bw = sc.hw.gpu.host_link_bytes_per_s
     if st.offload_params:

@@ -6,9 +6,9 @@ Every spec is a pydantic model that refuses unknown fields and is checked once, 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PositiveInt, model_validator
 
 DTypeName = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "int4"]
 StrategyName = Literal[
@@ -50,16 +50,42 @@ class GPUSpec(Spec):
         return self.peak_flops["fp16" if dtype == "fp16" and "fp16" in self.peak_flops else "bf16"]
 
 
+class NcclTestFigure(Spec):
+    """One nccl-tests measurement the cluster preset's link figures come from."""
+
+    op: Literal["all_gather", "reduce_scatter", "all_reduce"]
+    gpus: PositiveInt
+    gpus_per_node: PositiveInt
+    bytes: PositiveInt = Field(description="nccl-tests 'size' column: the whole tensor")
+    busbw_bytes_per_s: float = Field(gt=0, description="nccl-tests 'busbw' column")
+    source: str
+
+
 class ClusterSpec(Spec):
-    """Nodes of GPUs and the links between them. Bandwidths are nccl-tests bus bandwidths."""
+    """Nodes of GPUs and the links between them, as NCCL drives them (zplan/nccl.py).
+
+    Bandwidths are nccl-tests bus bandwidths at large messages (NCCL's Simple protocol, ring);
+    latencies are NCCL's own tuning constants (src/graph/tuning.cc) for the link type.
+    """
 
     name: str
     gpu: str | None = Field(None, description="default GPU preset for this cluster")
     gpus_per_node: PositiveInt
-    intra_node_busbw_bytes_per_s: float = Field(gt=0)
-    inter_node_busbw_bytes_per_s: float = Field(gt=0, description="per GPU")
-    intra_node_latency_s: float = Field(ge=0)
-    inter_node_latency_s: float = Field(ge=0)
+    intra_node_busbw_bytes_per_s: float = Field(
+        gt=0, description="ring all-gather/reduce-scatter busbw inside one node, large messages")
+    intra_node_allreduce_busbw_bytes_per_s: float | None = Field(
+        None, gt=0, description="all-reduce busbw inside one node where NCCL picks NVLS "
+        "(NVLink SHARP); None: the ring figure")
+    inter_node_busbw_bytes_per_s: float = Field(
+        gt=0, description="per GPU: what each GPU's share of the network adds to a ring that "
+        "spans nodes; a group with g GPUs in each node gets g times this")
+    intra_node_latency_s: float = Field(ge=0, description="per ring step inside a node")
+    inter_node_latency_s: float = Field(ge=0, description="per ring step that crosses nodes")
+    base_latency_s: float = Field(0.0, ge=0, description="per call (NCCL's baseLat)")
+    link: Literal["nvlink", "pcie", "loopback"] = Field(
+        "nvlink", description="intra-node link type: selects NCCL's LL latencies")
+    nccl_tests: Annotated[tuple[NcclTestFigure, ...],
+                          PlainSerializer(lambda v: [f.model_dump() for f in v])] = ()
     host_ram_bytes: PositiveInt = Field(description="per node")
     cpu_adam_params_per_s: float = Field(2e9, gt=0, description="CPU optimizer throughput per node")
     source: str

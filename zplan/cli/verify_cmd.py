@@ -159,6 +159,7 @@ def calibrate(
                "intra_node_busbw_bytes_per_s": float(f"{bw:.4g}"),
                "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),
                "intra_node_latency_s": float(f"{alpha:.3g}"), "inter_node_latency_s": float(f"{alpha * 4:.3g}"),
+               "link": "nvlink" if cuda else "loopback",
                "host_ram_bytes": int(found.host_ram_bytes), "cpu_adam_params_per_s": float(f"{adam * found.cpus:.4g}"),
                "source": source + "; inter-node figures are not measured (assumed 1/10 and 4x)"}
     g, c = cal.write_presets(Path(output), name, gpu, cluster)

@@ -1,0 +1,119 @@
+"""Collectives as NCCL runs them (zplan/nccl.py) against published nccl-tests figures and
+hand computations from NCCL's tuning constants (src/graph/tuning.cc)."""
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from zplan import comm, presets
+from zplan.nccl import busbw_at, collective_time, strided_shape
+from tests.helpers import est, scenario
+
+CSV = Path(__file__).parent.parent / "benchmarks/published/nccl-tests/nccl-tests.csv"
+PRESET_CLUSTERS = set(presets.names("clusters"))
+
+
+def _rows():
+    with CSV.open() as f:
+        return [r for r in csv.DictReader(f) if r["cluster"] in PRESET_CLUSTERS]
+
+
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: f"{r['cluster']}-{r['op']}-{r['gpus']}-{r['bytes']}")
+def test_model_reproduces_published_nccl_tests_figure(row):
+    """An all-gather (or all-reduce) of a given size on a preset cluster takes the time its
+    nccl-tests figure implies, within 10%."""
+    c = presets.cluster(row["cluster"])
+    n, g, size = int(row["gpus"]), int(row["gpus_per_node"]), int(row["bytes"])
+    measured = float(row["busbw_GBps"]) * 1e9
+    factor = 2 if row["op"] == "all_reduce" else 1
+    t_measured = factor * size * (n - 1) / (n * measured)
+    t_model = collective_time(c, row["op"], size, n, g).seconds
+    assert t_model == pytest.approx(t_measured, rel=0.10)
+
+
+def test_presets_carry_their_figures_and_match_them():
+    seen = 0
+    for name in PRESET_CLUSTERS:
+        c = presets.cluster(name)
+        for f in c.nccl_tests:
+            seen += 1
+            assert busbw_at(c, f.op, f.bytes, f.gpus, f.gpus_per_node) == pytest.approx(
+                f.busbw_bytes_per_s, rel=0.10)
+    assert seen >= 4
+
+
+def test_issue_datum_full_nodes_use_every_nic():
+    """10 x 8 H100: ~160 GB/s at 134 MB and ~265 GB/s at 1 GB (issue 8), far above one NIC."""
+    c = presets.cluster("dgx-h100")
+    assert busbw_at(c, "all_gather", 134217728, 80, 8) == pytest.approx(160e9, rel=0.1)
+    assert busbw_at(c, "all_gather", 1 << 30, 80, 8) == pytest.approx(265e9, rel=0.1)
+    # one GPU per node (an HSDP replica group): one NIC's share, about 8x less
+    one = busbw_at(c, "all_gather", 1 << 30, 10, 1)
+    assert one < 50e9 and one > 25e9
+
+
+def test_small_message_is_latency_bound_with_ncclS_ll_constants():
+    """1 KiB all-gather on 8 NVLink GPUs: LL protocol, 6.6 + 7 x 0.6 us (tuning.cc)."""
+    c = presets.cluster("dgx-h100")
+    t = collective_time(c, "all_gather", 1024, 8, 8)
+    assert t.protocol == "LL"
+    wire = 1024 * 7 / 8 / (0.5 * 370e9)
+    assert t.seconds == pytest.approx(6.6e-6 + 7 * 0.6e-6 + wire, rel=1e-9)
+
+
+def test_ring_simple_latency_by_hand():
+    """256 MiB all-gather over 2 nodes x 8: 8.4 + 14 x 3.4 + 1 x 14 us, busbw min(370, 8 x 36.5)."""
+    c = presets.cluster("dgx-h100")
+    S = 256 << 20
+    t = collective_time(c, "all_gather", S, 16, 8)
+    assert (t.protocol, t.algorithm, t.nodes) == ("Simple", "ring", 2)
+    assert t.seconds == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14e-6 + S * 15 / 16 / 292e9, rel=1e-9)
+
+
+def test_nvls_all_reduce_inside_a_node_ring_across():
+    c = presets.cluster("dgx-h100")
+    assert collective_time(c, "all_reduce", 1 << 30, 8, 8).algorithm == "nvls"
+    assert collective_time(c, "all_reduce", 1 << 30, 16, 8).algorithm == "ring"
+    a100 = presets.cluster("dgx-a100")  # no NVLS on A100
+    assert collective_time(a100, "all_reduce", 1 << 30, 8, 8).algorithm == "ring"
+
+
+def test_replica_group_shapes():
+    # shard over 8 (a node), replicas 8 apart: one GPU per node
+    assert strided_shape(4, 8, 8) == 1
+    # shard over 4 on 8-GPU nodes: two replicas share each node
+    assert strided_shape(2, 4, 8) == 2
+    assert strided_shape(4, 4, 8) == 2
+
+
+def test_hsdp_replica_all_reduce_is_intra_node_when_the_group_is():
+    """HSDP with shard 4 on one 8-GPU node: the replica all-reduce never leaves the node."""
+    r = est("hsdp", model="llama-3.2-1b", gpus=8, cluster="dgx-h100", shard_size=4)
+    rep = [c for c in r.collectives if c.op == "all_reduce"][0]
+    assert rep.scope == "intra-node"
+    r16 = est("hsdp", model="llama-3.2-1b", gpus=16, cluster="dgx-h100")
+    rep16 = [c for c in r16.collectives if c.op == "all_reduce"][0]
+    assert rep16.scope == "inter-node"
+
+
+def test_fsdp_latency_charged_per_unit_call():
+    """The forward all-gather of a step costs the sum of one call per unit, not one big call."""
+    sc = scenario(model="llama-3.2-1b", gpus=16, cluster="dgx-h100")
+    r = est("zero3", model="llama-3.2-1b", gpus=16, cluster="dgx-h100")
+    fwd = [c for c in r.collectives if c.name == "all-gather (forward)"][0]
+    one_call = comm.call_seconds(sc, "all_gather", fwd.elements * 2, 16, 8)
+    lat = 8.4e-6 + 14 * 3.4e-6 + 14e-6
+    assert fwd.seconds_per_call == pytest.approx(one_call + (len(sc.units) - 1) * lat, rel=0.02)
+
+
+def test_ddp_buckets_pay_latency_each():
+    sc = scenario(model="llama-3.2-1b", gpus=16, cluster="dgx-h100")
+    total = sc.params * 4
+    bucket = 25 * 2**20
+    t = comm.bucketed_seconds(sc, "all_reduce", total, 16, 8, bucket)
+    full, rest = divmod(total, bucket)
+    by_hand = (full * comm.call_seconds(sc, "all_reduce", bucket, 16, 8)
+               + comm.call_seconds(sc, "all_reduce", rest, 16, 8))
+    assert t == pytest.approx(by_hand, rel=1e-12)
+    assert t > comm.call_seconds(sc, "all_reduce", total, 16, 8)

@@ -1,0 +1,105 @@
+"""Collectives as NCCL runs them: algorithm, protocol, bus bandwidth and latency per call.
+
+NCCL's tuner (src/graph/tuning.cc, NVIDIA/nccl at 5067397c) prices each collective as
+t = latency + S / algbw for every (algorithm, protocol) it may use and runs the fastest. This
+module mirrors that model, with the bandwidths a cluster really sustains (nccl-tests busbw,
+from the cluster preset) in place of NCCL's internal estimates:
+
+- ring, Simple protocol: latency = baseLat + (steps - inter)·intraLat + inter·interLat, with
+  steps = n-1 for all-gather/reduce-scatter and 2(n-1) for all-reduce, inter = the steps that
+  cross nodes (nodes-1, or 2(nodes-1)); time = latency + S·(n-1)/(n·busbw) (x2 for all-reduce).
+- ring, LL protocol: NCCL's LL latencies, half the bandwidth (tuning.cc: busBw * .5); it wins
+  for small messages only.
+- NVLS (NVLink SHARP) for all-reduce inside an NVSwitch node where the preset gives its busbw,
+  latency hwLat[NVLINK][NVLS][Simple] = 25 µs.
+
+The bus bandwidth of a group depends on its shape: inside one node, the NVLink figure; across
+nodes, each node's share of the ring goes through the NICs of the group's GPUs in that node,
+so busbw = min(NVLink, g x per-GPU network figure) for g GPUs per node (a full node's rings use
+every NIC at once; HSDP's replica groups have one or a few GPUs per node). Derivation:
+docs/formulas.md, section 5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .specs import ClusterSpec
+
+# NCCL's LL-protocol latencies (tuning.cc, baseLatencies and hwLatencies[*][RING][LL]), µs.
+_LL_BASE_S = 6.6e-6
+_LL_STEP_S = {"nvlink": 0.6e-6, "pcie": 1.0e-6}
+_LL_NET_STEP_S = 2.7e-6
+_NET_OVERHEAD_S = 1.0e-6  # getNetOverhead (x86 Intel); a ring spanning nodes pays it per step
+_NVLS_LATENCY_S = 25e-6  # hwLatencies[NVLINK][NVLS][SIMPLE]
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    seconds: float
+    algorithm: str  # ring | nvls
+    protocol: str  # Simple | LL
+    busbw_bytes_per_s: float  # the large-message bus bandwidth of this group's shape
+    nodes: int
+    per_node: int
+
+    @property
+    def scope(self) -> str:
+        return "intra-node" if self.nodes == 1 else "inter-node"
+
+
+def _factor(op: str) -> int:
+    return 2 if op == "all_reduce" else 1
+
+
+def group_busbw(c: ClusterSpec, op: str, n: int, per_node: int) -> tuple[float, str]:
+    """Bus bandwidth (large messages) and algorithm for a group of n ranks, per_node in a node."""
+    nodes = -(-n // per_node)
+    if nodes == 1:
+        if op == "all_reduce" and c.intra_node_allreduce_busbw_bytes_per_s:
+            return c.intra_node_allreduce_busbw_bytes_per_s, "nvls"
+        return c.intra_node_busbw_bytes_per_s, "ring"
+    return min(c.intra_node_busbw_bytes_per_s, per_node * c.inter_node_busbw_bytes_per_s), "ring"
+
+
+def collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> CollectiveTime:
+    """Seconds of one collective call over n ranks (S = nbytes, the whole tensor as nccl-tests
+    counts it), with per_node of them in each node: the fastest of NCCL's options."""
+    per_node = max(1, min(per_node, n))
+    nodes = -(-n // per_node)
+    if n <= 1:
+        return CollectiveTime(0.0, "none", "none", 0.0, 1, 1)
+    f = _factor(op)
+    bw, algo = group_busbw(c, op, n, per_node)
+    wire = f * nbytes * (n - 1) / n
+    if algo == "nvls":
+        return CollectiveTime(_NVLS_LATENCY_S + wire / bw, algo, "Simple", bw, nodes, per_node)
+    steps = f * (n - 1)
+    inter = 0 if nodes == 1 else f * (nodes - 1)
+    simple = (c.base_latency_s + (steps - inter) * c.intra_node_latency_s
+              + inter * c.inter_node_latency_s + wire / bw)
+    best = CollectiveTime(simple, "ring", "Simple", bw, nodes, per_node)
+    if c.link in _LL_STEP_S:
+        intra = _LL_STEP_S[c.link] if nodes == 1 else max(_LL_STEP_S[c.link], _NET_OVERHEAD_S)
+        ll = _LL_BASE_S + (steps - inter) * intra + inter * _LL_NET_STEP_S + wire / (0.5 * bw)
+        if ll < simple:
+            best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
+    return best
+
+
+def busbw_at(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> float:
+    """The busbw nccl-tests would print for this call: S/t x (n-1)/n (x2 for all-reduce)."""
+    t = collective_time(c, op, nbytes, n, per_node).seconds
+    return _factor(op) * nbytes * (n - 1) / (n * t) if t > 0 else 0.0
+
+
+def contiguous_shape(n: int, gpus_per_node: int) -> int:
+    """GPUs per node of a group of n consecutive ranks (a shard group, the world)."""
+    return min(n, gpus_per_node)
+
+
+def strided_shape(n: int, stride: int, gpus_per_node: int) -> int:
+    """GPUs per node of a group of n ranks `stride` apart (HSDP's replica group)."""
+    if stride >= gpus_per_node:
+        return 1
+    return max(1, min(n, gpus_per_node // stride))
