@@ -44,8 +44,9 @@ def test_70b_block_all_gather_times():
 
 
 def test_70b_block_compute():
-    """6 x 0.87e9 x 8k tokens ~ 42 TFLOP, ~60 ms at 70% of an H100's 989 TFLOP/s."""
-    r = est("zero3", model="llama-3.1-70b", gpus=64, seq_len=8192)
+    """6 x 0.87e9 x 8k tokens ~ 42 TFLOP, ~60 ms at 70% of an H100's 989 TFLOP/s (--efficiency
+    0.7: one assumed efficiency instead of the kernel model)."""
+    r = est("zero3", model="llama-3.1-70b", gpus=64, seq_len=8192, efficiency=0.7)
     u = r.timing.units[1]
     matmul_flop = 6 * arch.units(presets.model("llama-3.1-70b"))[1].matmul_params * 8192
     assert matmul_flop == pytest.approx(42e12, rel=0.03)

@@ -149,7 +149,7 @@ def test_explain_substitutes_numbers(run_zplan):
     p = run_zplan("explain", "--params", "7.5e9", "--gpus", "64", "--strategy", "zero3")
     assert p.returncode == 0, p.stderr
     assert "Ψ = " in p.stdout and "7,500,000,000" in p.stdout
-    assert "t = S(n-1)/(n busbw)" in p.stdout
+    assert "t = latency + S(n-1)/(n busbw)" in p.stdout and "Compute from kernels" in p.stdout
     assert "1.875 GB" in p.stdout  # 16 x 7.5e9 / 64
 
 

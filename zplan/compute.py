@@ -9,10 +9,12 @@ gather of unit i-1 and the reduce-scatter of unit i+1 run beside the backward of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from . import arch
-from .comm import WHOLE_MATRIX, Collective, UnitComm, unit_comm
+from . import kernels as K
+from . import unit_ops
+from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
 from .memory import Memory
 from .scenario import Scenario
 from .strategies import Strategy
@@ -44,6 +46,8 @@ class Timing:
     tokens_per_s_per_gpu: float
     mfu: float
     units: list[UnitOverlap]
+    contention_s: float = 0.0  # compute slowed by NCCL kernels holding SMs beside it
+    breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by kind of op
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -51,9 +55,55 @@ class Timing:
         return d
 
 
+def uses_kernel_model(sc: Scenario) -> bool:
+    """The per-op kernel model, unless the user assumed one efficiency or the GPU preset has no
+    kernel constants (a calibrate-written or hand-made preset): then FLOPs / (peak x efficiency)."""
+    return sc.assume.compute_efficiency is None and sc.hw.gpu.kernels is not None
+
+
+def _efficiency(sc: Scenario) -> float:
+    if sc.assume.compute_efficiency is not None:
+        return sc.assume.compute_efficiency
+    return 1.0 if sc.hw.gpu.measured else 0.7
+
+
 def _flop_rate(sc: Scenario) -> float:
     dtype = sc.train.precision.param
-    return sc.hw.gpu.flops(dtype) * sc.assume.compute_efficiency
+    return sc.hw.gpu.flops(dtype) * _efficiency(sc)
+
+
+def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], dict[str, float]]:
+    """Forward and backward (recompute included) seconds per unit for one micro-batch, and the
+    micro-batch's seconds by kind of op (gemm, attention, memory, recompute)."""
+    t, m = sc.train, sc.model
+    if not uses_kernel_model(sc):
+        rate = _flop_rate(sc)
+        fwd = [arch.unit_forward_flop(m, u, t) / rate for u in sc.units]
+        bwd = [(2 * arch.unit_forward_flop(m, u, t) + arch.unit_recompute_flop(m, u, t)) / rate
+               for u in sc.units]
+        return fwd, bwd, {"flops at efficiency": sum(fwd) + sum(bwd)}
+    D = sc.shard_degree(st.hsdp)
+    memo: dict = {}
+    fwd, bwd, kinds = [], [], {}
+    for u in sc.units:
+        key = (u.blocks, u.name if not u.blocks else "", u.first_block if t.checkpointing == "every-k" else 0,
+               u.held, sc.padded_elems(u, D) if st.fsdp else 0)
+        if key not in memo:
+            f_ops = unit_ops.unit_ops(sc, u, False)
+            b_ops = unit_ops.unit_ops(sc, u, True)
+            r_ops, r_n = unit_ops.recompute_ops(sc, u)
+            if st.fsdp:
+                cf, cb = unit_ops.fsdp_copies(sc, st, u, D, gather_dtype(sc, u))
+                f_ops, b_ops = f_ops + cf, b_ops + cb
+            k = K.by_kind(f_ops + b_ops)
+            k["recompute"] = r_n * K.total(r_ops)
+            memo[key] = (K.total(f_ops), K.total(b_ops) + k["recompute"], k)
+        f, b, k = memo[key]
+        fwd.append(f)
+        bwd.append(b)
+        for name, v in k.items():
+            kinds[name] = kinds.get(name, 0.0) + v
+    return fwd, bwd, kinds
 
 
 def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
@@ -86,15 +136,26 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
     return out
 
 
+def _optimizer_s(sc: Scenario, st: Strategy, mem: Memory) -> float:
+    if not uses_kernel_model(sc):
+        # memory-bound: reads and writes every byte of the local state once
+        local = mem.params_bytes + mem.grads_bytes + mem.master_bytes + mem.optimizer_bytes
+        return 2 * local / sc.hw.gpu.hbm_bytes_per_s
+    if st.offload_optimizer:
+        return 0.0  # the CPU runs it (offload_s)
+    D = sc.shard_degree(st.hsdp) if st.optim_sharded else 1
+    local = sum(sc.shard_elems(u, D) for u in sc.units)
+    tensors = sum(len(u.shapes) for u in sc.units)
+    return K.total(unit_ops.optimizer_ops(sc, local, tensors))
+
+
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:
     t, m = sc.train, sc.model
-    rate = _flop_rate(sc)
-    fwd = [arch.unit_forward_flop(m, u, t) / rate for u in sc.units]
-    bwd = [(2 * arch.unit_forward_flop(m, u, t) + arch.unit_recompute_flop(m, u, t)) / rate
-           for u in sc.units]
+    fwd, bwd, kinds = unit_seconds(sc, st)
     A = t.grad_accum
     mb_compute = sum(fwd) + sum(bwd)
     overlaps: list[UnitOverlap] = []
+    comm_total = 0.0  # seconds of collectives that run beside compute, per step
     if st.fsdp:
         comms = unit_comm(sc, st)
         last = _overlap(sc, fwd, bwd, comms, with_reduce=True)
@@ -102,6 +163,10 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         exp_last = sum(u.forward_exposed_s + u.backward_exposed_s for u in last)
         exp_quiet = sum(u.forward_exposed_s + u.backward_exposed_s for u in quiet)
         exposed = exp_last + (A - 1) * exp_quiet
+        for ov in (last, quiet):
+            mult = 1 if ov is last else A - 1
+            comm_total += mult * sum(u.all_gather_s * (2 if c.gathers_in_backward else 1) + u.reduce_s
+                                     for u, c in zip(ov, comms))
         exposed += sum(c.seconds_per_call for c in colls if c.name == WHOLE_MATRIX)
         overlaps = last
     else:
@@ -116,10 +181,12 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
             last_bucket = per * min(1.0, sc.assume.ddp_bucket_bytes / size)
             call = max(last_bucket, per - sum(bwd)) if sc.assume.overlap else per
             exposed += c.calls_per_step * call
+            comm_total += c.calls_per_step * per
         exposed += sum(c.seconds_per_call * c.calls_per_step for c in colls if c.op == "all_gather")
-    # optimizer step: memory-bound, reads and writes every byte of the local state once
-    local = mem.params_bytes + mem.grads_bytes + mem.master_bytes + mem.optimizer_bytes
-    opt_s = 2 * local / sc.hw.gpu.hbm_bytes_per_s
+    hidden = max(0.0, comm_total - exposed)
+    k = sc.hw.gpu.kernels
+    contention = hidden * k.nccl_sm_fraction if (k is not None and uses_kernel_model(sc)) else 0.0
+    opt_s = _optimizer_s(sc, st, mem)
     offload_s = 0.0
     if st.offload_optimizer:
         ranks = min(sc.n, sc.hw.cluster.gpus_per_node)
@@ -127,10 +194,12 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         offload_s = shard / (sc.hw.cluster.cpu_adam_params_per_s / ranks)
         offload_s += sum(c.seconds_per_call * c.calls_per_step for c in colls
                          if c.op in ("d2h",) or (c.op == "h2d" and not st.offload_params))
-    step = A * mb_compute + exposed + opt_s + offload_s
+    step = A * mb_compute + exposed + opt_s + offload_s + contention
     tokens = t.micro_batch * t.seq_len * A
     flop = arch.model_flop_per_token(m, t.seq_len) * tokens
     peak = sc.hw.gpu.flops(t.precision.param)
+    breakdown = {name: A * v for name, v in kinds.items()}
+    breakdown.update(optimizer=opt_s, contention=contention)
     return Timing(
         compute_s=A * mb_compute,
         exposed_comm_s=exposed,
@@ -140,4 +209,6 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         tokens_per_s_per_gpu=tokens / step,
         mfu=flop / (step * peak),
         units=overlaps,
+        contention_s=contention,
+        breakdown=breakdown,
     )

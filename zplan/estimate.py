@@ -95,7 +95,8 @@ def assumptions(sc: Scenario) -> dict:
     """Every figure that is assumed rather than derived, with the flag that changes it."""
     a = sc.assume
     out = {
-        "compute_efficiency": {"value": a.compute_efficiency, "flag": "--efficiency",
+        "compute_efficiency": {"value": a.compute_efficiency if a.compute_efficiency is not None
+                               else "per-op kernel model (GPU preset)", "flag": "--efficiency",
                                "meaning": "achieved fraction of dense peak FLOP/s"},
         "cuda_context_bytes": {"value": a.cuda_context_bytes, "flag": "--context-gib",
                                "meaning": "CUDA context and library workspaces per GPU"},

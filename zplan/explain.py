@@ -8,6 +8,9 @@ the arithmetic): this module only prints their inputs beside their outputs.
 from __future__ import annotations
 
 from . import arch
+from . import kernels as K
+from . import unit_ops
+from .compute import uses_kernel_model
 from .estimate import estimate_one
 from .scenario import Scenario
 from .units import DTYPE_BITS, GB, fmt_s
@@ -75,7 +78,8 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                f"{sc.assume.fragmentation:.0%} fragmentation) = {_gb(mem.total_bytes)} of "
                f"{_gb(hw.gpu.memory_bytes)}: {'fits' if r.fits else 'does NOT fit'}")
     out.append("")
-    out.append("## 6. Communication per step: t = S(n-1)/(n busbw) + (n-1)α, doubled for all-reduce")
+    out.append("## 6. Communication per step, as NCCL runs it (zplan/nccl.py): per call t = latency + "
+               "S(n-1)/(n busbw), twice the volume for all-reduce; FSDP one call per unit, DDP per bucket")
     for c in r.collectives:
         if c.op in ("h2d", "d2h"):
             out.append(f"{c.name}: {c.elements:,} x {c.dtype}, {c.calls_per_step} per step, {fmt_s(c.seconds_per_call)} each")
@@ -86,20 +90,49 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                f"bytes = {_gb(r.bytes_per_step)}")
     out.append("")
     tm = r.timing
-    rate = hw.gpu.flops(p.param) * sc.assume.compute_efficiency
-    out.append(f"## 7. Compute at {hw.gpu.flops(p.param) / 1e12:,.0f} TFLOP/s x {sc.assume.compute_efficiency} = {rate / 1e12:,.0f} TFLOP/s")
-    if len(us) > 1:
-        u = us[1] if len(us) > 2 else us[0]
+    out += _compute_lines(sc, r)
+    out.append(f"step = {t.grad_accum} x compute + exposed comm + optimizer + offload + contention = "
+               f"{fmt_s(tm.compute_s)} + {fmt_s(tm.exposed_comm_s)} + {fmt_s(tm.optimizer_s)} + "
+               f"{fmt_s(tm.offload_s)} + {fmt_s(tm.contention_s)} = {fmt_s(tm.step_s)}")
+    out.append(f"tokens/s per GPU = {t.micro_batch * t.seq_len * t.grad_accum} / step = {tm.tokens_per_s_per_gpu:,.0f}; "
+               f"MFU = {tm.mfu:.1%}")
+    return out
+
+
+def _compute_lines(sc: Scenario, r) -> list[str]:
+    """Section 7: the kernels of one block (or the FLOP rate of --efficiency) and the step's
+    seconds by kind of op."""
+    m, t, hw = sc.model, sc.train, sc.hw
+    us, tm = sc.units, r.timing
+    u = us[1] if len(us) > 2 else us[0]
+    if not uses_kernel_model(sc):
+        eff = sc.assume.compute_efficiency or 1.0
+        rate = hw.gpu.flops(t.precision.param) * eff
+        out = [f"## 7. Compute at {hw.gpu.flops(t.precision.param) / 1e12:,.0f} TFLOP/s x {eff} = "
+               f"{rate / 1e12:,.0f} TFLOP/s (one assumed efficiency)"]
         f = arch.unit_forward_flop(m, u, t)
         out.append(f"unit {u.name}: forward 2 x {u.matmul_params:,} x {t.seq_len * t.micro_batch} tokens "
                    f"+ attention = {f / 1e12:.3f} TFLOP -> {fmt_s(f / rate)}; backward 2x")
-        if tm.units:
-            o = tm.units[1 if len(tm.units) > 2 else 0]
-            out.append(f"  its all-gather {fmt_s(o.all_gather_s)} vs the previous unit's forward: "
-                       f"{'hidden' if o.forward_hidden else 'exposed ' + fmt_s(o.forward_exposed_s)}")
-    out.append(f"step = {t.grad_accum} x compute + exposed comm + optimizer + offload = "
-               f"{fmt_s(tm.compute_s)} + {fmt_s(tm.exposed_comm_s)} + {fmt_s(tm.optimizer_s)} + "
-               f"{fmt_s(tm.offload_s)} = {fmt_s(tm.step_s)}")
-    out.append(f"tokens/s per GPU = {t.micro_batch * t.seq_len * t.grad_accum} / step = {tm.tokens_per_s_per_gpu:,.0f}; "
-               f"MFU = {tm.mfu:.1%}")
+    else:
+        k = hw.gpu.kernels
+        out = [f"## 7. Compute from kernels (docs/formulas.md section 6): GEMM {K.gemm_rate(hw.gpu, k, t.precision.param) / 1e12:,.0f} "
+               f"TFLOP/s x wave efficiency, attention {k.attention_forward_flops / 1e12:,.0f}/"
+               f"{k.attention_backward_flops / 1e12:,.0f} TFLOP/s fwd/bwd x s/(s+{k.attention_half_seq:g}), "
+               f"HBM {k.hbm_achieved_bytes_per_s / 1e9:,.0f} GB/s, floor {k.kernel_floor_s * 1e6:g} us per kernel"]
+        for phase, backward in (("forward", False), ("backward", True)):
+            ops = unit_ops.unit_ops(sc, u, backward)
+            out.append(f"unit {u.name}, {phase}, one micro-batch of {t.seq_len * t.micro_batch} tokens:")
+            for o in ops[:24]:
+                what = f"{o.flop / 1e9:,.1f} GFLOP" if o.flop else f"{o.bytes / 1e6:,.1f} MB"
+                out.append(f"  {o.name:32s} {o.kind:9s} {what:>14s} x{o.kernels:<3d} -> {fmt_s(o.seconds)}")
+            out.append(f"  = {fmt_s(K.total(ops))}")
+        rec, n = unit_ops.recompute_ops(sc, u)
+        if n:
+            out.append(f"recompute ({t.checkpointing}): {n:g} x {fmt_s(K.total(rec))}")
+    if tm.units:
+        o = tm.units[1 if len(tm.units) > 2 else 0]
+        out.append(f"  its all-gather {fmt_s(o.all_gather_s)} vs the previous unit's forward: "
+                   f"{'hidden' if o.forward_hidden else 'exposed ' + fmt_s(o.forward_exposed_s)}")
+    if tm.breakdown:
+        out.append("per step by kind: " + ", ".join(f"{k_} {fmt_s(v)}" for k_, v in tm.breakdown.items()))
     return out

@@ -104,8 +104,11 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_range(o.blocks_per_unit, "--blocks-per-unit", 1, model.num_layers)
     if o.checkpointing == "every-k":
         check_range(o.checkpoint_every, "--checkpoint-every", 1, model.num_layers)
-    efficiency = o.efficiency if o.efficiency is not None else (1.0 if gpu.measured else 0.7)
-    check_range(efficiency, "--efficiency", 0.01, 1.0)
+    efficiency = o.efficiency
+    if efficiency is None and gpu.kernels is None:  # no kernel constants: one efficiency
+        efficiency = 1.0 if gpu.measured else 0.7
+    if efficiency is not None:
+        check_range(efficiency, "--efficiency", 0.01, 1.0)
     check_range(o.fragmentation, "--fragmentation", 0.0, 0.9)
     check_range(o.context_gib, "--context-gib", 0.0, 1024)
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)

@@ -25,6 +25,28 @@ class Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class KernelSpec(Spec):
+    """What kernels achieve on this GPU (zplan/kernels.py); each figure names its source."""
+
+    gemm_flops: dict[DTypeName, float] = Field(
+        description="achieved FLOP/s of a large, well-shaped GEMM per dtype (a MAMF measurement)")
+    gemm_tile_m: PositiveInt = Field(128, description="output tile rows of one GEMM thread block")
+    gemm_tile_n: PositiveInt = Field(256, description="output tile columns (wave quantization)")
+    sm_count: PositiveInt
+    attention_forward_flops: float = Field(gt=0, description="flash attention forward, FLOP/s "
+                                           "at long sequences (head dim 128)")
+    attention_backward_flops: float = Field(gt=0, description="flash attention backward, FLOP/s")
+    attention_half_seq: float = Field(
+        0.0, ge=0, description="sequence length at which attention reaches half its rate")
+    hbm_achieved_bytes_per_s: float = Field(gt=0, description="a large copy (STREAM-like)")
+    kernel_floor_s: float = Field(ge=0, description="least time of one kernel as eager "
+                                  "PyTorch issues it (launch and dispatch)")
+    nccl_sm_fraction: float = Field(
+        0.0, ge=0, lt=1, description="share of the SMs NCCL's kernels hold while they run "
+        "(one block per channel): compute beside a collective runs this much slower")
+    source: str
+
+
 class GPUSpec(Spec):
     """One accelerator, from its vendor's datasheet."""
 
@@ -35,6 +57,8 @@ class GPUSpec(Spec):
     host_link_bytes_per_s: float = Field(gt=0, description="GPU<->host, one direction")
     measured: bool = Field(False, description="peak_flops are achieved rates from zplan calibrate")
     device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: a CPU rank standing in for a GPU")
+    kernels: KernelSpec | None = Field(
+        None, description="the per-op kernel model's constants; None: FLOPs x efficiency")
     source: str
 
     @model_validator(mode="after")
@@ -156,9 +180,9 @@ class Precision(Spec):
 class Assumptions(Spec):
     """Figures zplan cannot derive; every one is printed and can be changed."""
 
-    compute_efficiency: float = Field(
-        0.7, gt=0, le=1, description="achieved fraction of dense peak FLOP/s in the block matmuls"
-    )
+    compute_efficiency: float | None = Field(
+        None, gt=0, le=1, description="achieved fraction of dense peak FLOP/s for all FLOPs (a "
+        "user assumption); None: the per-op kernel model of the GPU preset")
     cuda_context_bytes: int = Field(
         600 * 2**20, ge=0, description="CUDA context + cuBLAS/NCCL workspaces, per GPU"
     )
@@ -193,6 +217,9 @@ class TrainSpec(Spec):
     reduce_every_microbatch: bool = Field(
         True, description="reduce-scatter on every micro-batch (False: only the last; holds grads)"
     )
+    compile: bool = Field(False, description="torch.compile: elementwise work fused")
+    float8: bool = Field(False, description="float8 linears (tensorwise scaling) with float8 "
+                         "all-gather of their weights (torchao)")
 
 
 class Hardware(Spec):

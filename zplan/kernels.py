@@ -1,0 +1,106 @@
+"""Time from kernels: each unit's forward, backward and recompute as the kernels eager PyTorch
+(or torch.compile) runs for it, each timed from the GPU preset's measured constants.
+
+- GEMM (M, N, K): max(2MNK / (achieved GEMM rate x wave efficiency), bytes / achieved HBM
+  bandwidth, kernel floor). The rate is a MAMF measurement (the best large GEMM); the wave
+  efficiency is tiles / (waves x SMs) for the output tiles of one thread block (NVIDIA, "Matrix
+  Multiplication Background User's Guide", wave quantization); skinny GEMMs turn memory-bound.
+  Backward of a linear is two GEMMs: dX (M, K, N) and dW (N, K, M).
+- Flash attention: forward 2·s·h FLOPs per token with the causal half skipped (4·s·h halved),
+  backward 2.5x forward (FlashAttention-2: five matmuls to two), at the preset's FlashAttention
+  rates x s/(s + s_half) (the measured ramp with sequence length).
+- Memory-bound work (norms, RoPE, activation functions, residual adds, gradient sums, the loss
+  over the vocabulary, the embedding, FSDP2's copy-out and reduce-scatter copy-in) at achieved
+  HBM bandwidth, bytes read + written as the eager kernels move them; never less than one
+  kernel floor per kernel. torch.compile fuses each chain into one pass.
+Byte counts are derived in docs/formulas.md, section 6.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .specs import GPUSpec, KernelSpec
+from .units import DTYPE_BITS
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    kind: str  # gemm | attention | memory
+    kernels: int
+    flop: int
+    bytes: int
+    seconds: float
+
+
+def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
+    """Achieved FLOP/s of a large GEMM in dtype: the measured figure, else the dtype's peak
+    scaled by the bf16 measurement's fraction of the bf16 peak."""
+    if dtype in k.gemm_flops:
+        return k.gemm_flops[dtype]  # type: ignore[index]
+    frac = k.gemm_flops.get("bf16", gpu.flops("bf16")) / gpu.flops("bf16")
+    return gpu.flops(dtype) * frac
+
+
+def wave_efficiency(k: KernelSpec, M: int, N: int) -> float:
+    tm, tn = k.gemm_tile_m, k.gemm_tile_n
+    tiles = math.ceil(M / tm) * math.ceil(N / tn)
+    waves = math.ceil(tiles / k.sm_count)
+    return tiles / (waves * k.sm_count)
+
+
+def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype: str) -> Op:
+    k = gpu.kernels
+    assert k is not None
+    flop = 2 * M * N * K
+    b_in, b_out = DTYPE_BITS[dtype] // 8, DTYPE_BITS[out_dtype] // 8
+    nbytes = (M * K + K * N) * b_in + M * N * b_out
+    t = max(flop / (gemm_rate(gpu, k, dtype) * wave_efficiency(k, M, N)),
+            nbytes / k.hbm_achieved_bytes_per_s, k.kernel_floor_s)
+    return Op(name, "gemm", 1, flop, nbytes, t)
+
+
+def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, act: str,
+           backward: bool) -> list[Op]:
+    """A linear layer y = x Wᵀ over T tokens: one GEMM forward, dX and dW backward."""
+    if not backward:
+        return [gemm(gpu, name, T, n_out, n_in, dtype, act)]
+    return [gemm(gpu, f"{name} dX", T, n_in, n_out, dtype, act),
+            gemm(gpu, f"{name} dW", n_out, n_in, T, dtype, "fp32" if dtype == "fp8" else act)]
+
+
+def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int) -> Op:
+    k = gpu.kernels
+    assert k is not None
+    t = max(nbytes / k.hbm_achieved_bytes_per_s, kernels * k.kernel_floor_s)
+    return Op(name, "memory", kernels, 0, int(nbytes), t)
+
+
+def attention_flop(seq: int, hidden: int, tokens: int, causal: bool = True) -> int:
+    """Forward FLOPs of QKᵀ and AV: 4·s·h per token, half of it for causal attention."""
+    f = 4 * seq * hidden * tokens
+    return f // 2 if causal else f
+
+
+def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool) -> Op:
+    k = gpu.kernels
+    assert k is not None
+    fwd = attention_flop(seq, hidden, tokens)
+    flop = int(2.5 * fwd) if backward else fwd
+    rate = k.attention_backward_flops if backward else k.attention_forward_flops
+    rate *= seq / (seq + k.attention_half_seq)
+    t = max(flop / rate, k.kernel_floor_s)
+    return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t)
+
+
+def total(ops: list[Op]) -> float:
+    return sum(o.seconds for o in ops)
+
+
+def by_kind(ops: list[Op]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for o in ops:
+        out[o.kind] = out.get(o.kind, 0.0) + o.seconds
+    return out

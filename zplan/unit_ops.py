@@ -1,0 +1,170 @@
+"""The kernels of one sharding unit's forward, backward and recompute, and of the optimizer
+step, as the trainer runs them (zplan/trainer/model.py, parallel.py); timed by zplan.kernels.
+
+Bytes per token of the memory-bound kernels (B = activation bytes, h hidden, kv the K/V width,
+f the MLP width, V the vocabulary), eager first, then torch.compile's fused pass:
+  forward : RMSNorm 2hB x2; RoPE on q and k 9(h+kv)B (mul x4, add/sub, stack over halves) or
+            2(h+kv)B fused; the attention output transpose copy 2hB; SwiGLU silu + mul 5fB
+            (3fB fused), GELU 2fB; two residual adds 6hB (fused into the norms: 8hB for both).
+  backward: RMSNorm 3hB x2; RoPE 9(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
+            GELU 3fB; residual and shared-input gradient sums 15hB (8hB + 6hB fused).
+  loss    : logits to fp32, log_softmax, nll: 14V bytes forward, 22V backward (fused: 2V, 4V).
+Derivation: docs/formulas.md, section 6.
+"""
+
+from __future__ import annotations
+
+from . import kernels as K
+from .arch import Unit
+from .scenario import Scenario
+from .strategies import Strategy
+from .units import DTYPE_BITS
+
+Ops = list[K.Op]
+
+
+def _b(dtype: str) -> int:
+    return DTYPE_BITS[dtype] // 8
+
+
+def _linears(sc: Scenario) -> list[tuple[str, int, int]]:
+    """(name, out, in) of one block's linears as the trainer builds them; MoE: the active experts."""
+    m = sc.model
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    out = [("wq", h, h), ("wk", kv, h), ("wv", kv, h), ("wo", h, h)]
+    mlp = [("w1", f, h), ("w3", f, h), ("w2", h, f)] if m.mlp == "swiglu" else [("w1", f, h), ("w2", h, f)]
+    k = m.experts_per_token if m.num_experts else 1
+    for name, o, i in mlp:
+        out += [(name if k == 1 else f"{name} x{k} experts", o, i)] * k
+    return out
+
+
+def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
+           with_memory: bool = True, with_attention: bool = True) -> Ops:
+    m, t, gpu = sc.model, sc.train, sc.hw.gpu
+    T, s = t.seq_len * t.micro_batch, t.seq_len
+    act = t.precision.param
+    B = _b(act)
+    lin = "fp8" if t.float8 else act
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    ops: Ops = []
+    for name, o, i in _linears(sc):
+        if only is None or name.split()[0] in only:
+            ops += K.linear(gpu, name, T, o, i, lin, act, backward)
+            if t.float8:  # tensorwise scaling: amax + cast of the input (or grad), 5 B/element
+                ops.append(K.memory(gpu, f"{name} float8 casts", 5 * T * (o if backward else i)
+                                    + 3 * o * i, 3))
+    if m.num_experts and (only is None):
+        ops += K.linear(gpu, "router", T, m.num_experts, h, act, act, backward)
+    if with_attention:
+        if t.flash_attention:
+            ops.append(K.attention(gpu, s, h, T, backward))
+        else:
+            heads = m.num_heads * t.micro_batch
+            for _ in range(2 if backward else 1):
+                ops.append(K.gemm(gpu, "attention QKᵀ", s * heads, s, m.head_dim, act, act))
+                ops.append(K.gemm(gpu, "attention AV", s * heads, m.head_dim, s, act, act))
+            ops.append(K.memory(gpu, "attention softmax", 4 * m.num_heads * s * T * B, 3))
+    if not with_memory:
+        return ops
+    swiglu = m.mlp == "swiglu"
+    if t.compile:
+        if backward:
+            rows = [("norms + residual (fused)", 8 * h, 2), ("gradient sums", 6 * h, 2),
+                    ("RoPE (fused)", 2 * (h + kv), 1), ("attention output copy", 2 * h, 1),
+                    ("activation (fused)", (5 if swiglu else 3) * f, 1)]
+        else:
+            rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (h + kv), 1),
+                    ("attention output copy", 2 * h, 1), ("activation (fused)", (3 if swiglu else 2) * f, 1)]
+    elif backward:
+        rows = [("RMSNorm", 6 * h, 4), ("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
+                ("SwiGLU" if swiglu else "GELU", (9 if swiglu else 3) * f, 3 if swiglu else 1),
+                ("residual + gradient sums", 15 * h, 5)]
+    else:
+        rows = [("RMSNorm", 4 * h, 2), ("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
+                ("SwiGLU" if swiglu else "GELU", (5 if swiglu else 2) * f, 2 if swiglu else 1),
+                ("residual adds", 6 * h, 2)]
+    ops += [K.memory(gpu, n, per * B * T, kern) for n, per, kern in rows]
+    return ops
+
+
+def _head(sc: Scenario, backward: bool) -> Ops:
+    m, t, gpu = sc.model, sc.train, sc.hw.gpu
+    T, act = t.seq_len * t.micro_batch, t.precision.param
+    B, V, h = _b(act), m.vocab_size, m.hidden
+    ops = [K.memory(gpu, "final RMSNorm", (3 if backward else 2) * h * B * T, 2 if backward else 1)]
+    ops += K.linear(gpu, "output", T, V, h, act, act, backward)
+    if t.compile:
+        per, kern = (4 * V, 1) if backward else (2 * V, 1)
+    elif sc.assume.loss_fp32 and B != 4:
+        per, kern = (22 * V, 4) if backward else (14 * V, 3)
+    else:
+        per, kern = (4 * B * V, 3) if backward else (2 * B * V, 2)
+    ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern))
+    return ops
+
+
+def _embed(sc: Scenario, backward: bool) -> Ops:
+    m, t, gpu = sc.model, sc.train, sc.hw.gpu
+    T, B = t.seq_len * t.micro_batch, _b(t.precision.param)
+    if backward:
+        return [K.memory(gpu, "embedding backward", m.vocab_size * m.hidden * B + 3 * T * m.hidden * B, 4)]
+    return [K.memory(gpu, "embedding lookup", 2 * T * m.hidden * B, 1)]
+
+
+def unit_ops(sc: Scenario, u: Unit, backward: bool) -> Ops:
+    """The kernels of one unit's forward (or backward) for one micro-batch."""
+    if u.blocks:
+        return _block(sc, backward) * u.blocks
+    ops: Ops = []
+    if "embed" in u.name:
+        ops += _embed(sc, backward)
+    if "head" in u.name:
+        ops += _head(sc, backward)
+    return ops
+
+
+def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
+    """What checkpointing recomputes in this unit's backward, and the share of blocks it covers."""
+    mode = sc.train.checkpointing
+    if not u.blocks or mode == "none":
+        return [], 0.0
+    if mode == "full":
+        return _block(sc, False), float(u.blocks)
+    if mode == "every-k":
+        k = sc.train.checkpoint_every
+        n = sum(1 for i in range(u.first_block, u.first_block + u.blocks) if (i + 1) % k == 0)
+        return _block(sc, False), float(n)
+    if mode == "attention":  # the trainer checkpoints the attention core (SDPA) and reruns it
+        return _block(sc, False, only=(), with_memory=False), float(u.blocks)
+    # selective (torchtitan op-level SAC): wk, wo, w3 and every pointwise op are recomputed
+    return _block(sc, False, only=("wk", "wo", "w3"), with_attention=False), float(u.blocks)
+
+
+def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) -> tuple[Ops, Ops]:
+    """FSDP2's copies around one unit's collectives (forward ops, backward ops): all-gather
+    copy-in (the fp32 shard cast into the send buffer) and copy-out (the gathered flat buffer
+    split into parameters), reduce-scatter copy-in (gradients cast to the reduce dtype) and the
+    sharded result accumulated into the gradient."""
+    gpu, p = sc.hw.gpu, sc.train.precision
+    n = sc.padded_elems(u, D)
+    g, r, store = _b(gather_dtype), _b(p.reduce), _b(p.master if sc.train.layout == "torch" else p.param)
+    gather = [K.memory(gpu, "all-gather copy-in", (store + g) * n // D, 1),
+              K.memory(gpu, "all-gather copy-out", 2 * g * n, 1)]
+    bwd = list(gather) if st.reshard_after_forward and not u.held else []
+    bwd += [K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1),
+            K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1)]
+    return gather, bwd
+
+
+def optimizer_ops(sc: Scenario, local_elems: int, tensors: int) -> Ops:
+    """AdamW's step over the local state. torch layout: the trainer's single-tensor AdamW
+    (foreach=False) runs 8 kernels per tensor and moves 80 bytes per fp32 parameter (mul_ 8,
+    lerp_ 12, mul_ + addcmul_ 20, sqrt + div + add_ 24, addcdiv_ 16); zero layout: DeepSpeed's
+    fused multi-tensor Adam, 28 bytes per parameter plus the 16-bit copy of the weights (6)."""
+    gpu, t = sc.hw.gpu, sc.train
+    if t.optimizer not in ("adamw", "adam8bit"):
+        return [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
+    if t.layout == "torch":
+        return [K.memory(gpu, "AdamW (single-tensor)", 80 * local_elems, 8 * tensors)]
+    return [K.memory(gpu, "fused Adam + weight copy", 34 * local_elems, 2 * tensors)]
