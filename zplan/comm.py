@@ -177,16 +177,17 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     units = sc.units
     regather = [u for u in units if st.reshard_after_forward and not u.held]
     gathered = sum(sc.padded_elems(u, D) for u in units)
-    re_gathered = sum(sc.padded_elems(u, D) for u in regather)
-    gdt = lambda u: gather_dtype(sc, u)  # noqa: E731
     rdt = lambda u: p.reduce  # noqa: E731
     scope = "intra-node" if D <= g else "inter-node"
-    gdtype = "fp8" if getattr(t, "float8", False) else p.param
-    out.append(Collective("all-gather (forward)", "all_gather", gathered, gdtype, D, scope, A,
-                          _per_unit_sum(sc, units, "all_gather", gdt, D, g)))
-    if re_gathered:
-        out.append(Collective("all-gather (backward)", "all_gather", re_gathered, gdtype, D,
-                              scope, A, _per_unit_sum(sc, regather, "all_gather", gdt, D, g)))
+    for label, group in (("forward", units), ("backward", regather)):
+        by_dtype: dict[str, list] = {}
+        for u in group:
+            by_dtype.setdefault(gather_dtype(sc, u), []).append(u)
+        for dt, us in by_dtype.items():
+            name = f"all-gather ({label}{', float8 linears' if dt == 'fp8' and dt != p.param else ''})"
+            out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
+                                  D, scope, A,
+                                  _per_unit_sum(sc, us, "all_gather", lambda u, d=dt: d, D, g)))
     out.append(Collective("reduce-scatter (gradients)", "reduce_scatter", gathered, p.reduce, D,
                           scope, rs_calls, _per_unit_sum(sc, units, "reduce_scatter", rdt, D, g)))
     if st.hsdp and R > 1:

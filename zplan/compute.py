@@ -83,27 +83,54 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
                for u in sc.units]
         return fwd, bwd, {"flops at efficiency": sum(fwd) + sum(bwd)}
     D = sc.shard_degree(st.hsdp)
+    base = _ops_key(sc)
     memo: dict = {}
     fwd, bwd, kinds = [], [], {}
     for u in sc.units:
         key = (u.blocks, u.name if not u.blocks else "", u.first_block if t.checkpointing == "every-k" else 0,
                u.held, sc.padded_elems(u, D) if st.fsdp else 0)
         if key not in memo:
-            f_ops = unit_ops.unit_ops(sc, u, False)
-            b_ops = unit_ops.unit_ops(sc, u, True)
-            r_ops, r_n = unit_ops.recompute_ops(sc, u)
+            f, b, k = _unit_op_seconds(sc, u, base)
             if st.fsdp:
                 cf, cb = unit_ops.fsdp_copies(sc, st, u, D, gather_dtype(sc, u))
-                f_ops, b_ops = f_ops + cf, b_ops + cb
-            k = K.by_kind(f_ops + b_ops)
-            k["recompute"] = r_n * K.total(r_ops)
-            memo[key] = (K.total(f_ops), K.total(b_ops) + k["recompute"], k)
+                k = dict(k)
+                k["memory"] = k.get("memory", 0.0) + K.total(cf) + K.total(cb)
+                f, b = f + K.total(cf), b + K.total(cb)
+            memo[key] = (f, b, k)
         f, b, k = memo[key]
         fwd.append(f)
         bwd.append(b)
         for name, v in k.items():
             kinds[name] = kinds.get(name, 0.0) + v
     return fwd, bwd, kinds
+
+
+_OPS_CACHE: dict = {}
+
+
+def _ops_key(sc: Scenario) -> tuple:
+    # GPUSpec holds dicts (unhashable): key on its identity and keep it alive in the value
+    return (id(sc.hw.gpu), hash((sc.model, sc.train)), sc.assume.loss_fp32)
+
+
+def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[str, float]]:
+    """Forward, backward + recompute seconds of one unit's own kernels (no FSDP copies), cached
+    across strategies and searches: they depend only on the model, the training and the GPU."""
+    key = base + (u.blocks, u.name if not u.blocks else "",
+                  u.first_block if sc.train.checkpointing == "every-k" else 0)
+    hit = _OPS_CACHE.get(key)
+    if hit is not None and hit[0] is sc.hw.gpu and hit[1] == (sc.model, sc.train):
+        return hit[2]
+    f_ops = unit_ops.unit_ops(sc, u, False)
+    b_ops = unit_ops.unit_ops(sc, u, True)
+    r_ops, r_n = unit_ops.recompute_ops(sc, u)
+    k = K.by_kind(f_ops + b_ops)
+    k["recompute"] = r_n * K.total(r_ops)
+    out = (K.total(f_ops), K.total(b_ops) + k["recompute"], k)
+    if len(_OPS_CACHE) > 4096:
+        _OPS_CACHE.clear()
+    _OPS_CACHE[key] = (sc.hw.gpu, (sc.model, sc.train), out)
+    return out
 
 
 def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],

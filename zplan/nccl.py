@@ -23,6 +23,7 @@ docs/formulas.md, section 5.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .specs import ClusterSpec
 
@@ -62,6 +63,7 @@ def group_busbw(c: ClusterSpec, op: str, n: int, per_node: int) -> tuple[float, 
     return min(c.intra_node_busbw_bytes_per_s, per_node * c.inter_node_busbw_bytes_per_s), "ring"
 
 
+@lru_cache(maxsize=65536)
 def collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> CollectiveTime:
     """Seconds of one collective call over n ranks (S = nbytes, the whole tensor as nccl-tests
     counts it), with per_node of them in each node: the fastest of NCCL's options."""

@@ -48,6 +48,8 @@ class ScenarioOptions:
     blocks_per_unit: int = 1
     prefetch: bool = True
     fused_norm: Optional[bool] = None
+    compile: bool = False
+    float8: bool = False
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
     context_gib: float = 600 / 1024
@@ -118,6 +120,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
                     ("--master-dtype", o.master_dtype), ("--optimizer-dtype", o.optimizer_dtype)):
         check_choice(v, flag, DTYPES)
+    if o.float8 and "fp8" not in gpu.peak_flops:
+        raise UsageError(f"--float8 needs float8 tensor cores; {gpu.name} has none "
+                         "(H100, H200, B200 and MI300X do): drop --float8 or pick such a --gpu")
     if o.shard_size is not None:
         check_range(o.shard_size, "--shard-size", 1, MAX_GPUS)
         if n % o.shard_size:
@@ -132,6 +137,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             layout=o.layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             reduce_every_microbatch=not o.reduce_last_only,
+            compile=o.compile, float8=o.float8,
         )
         assume = Assumptions(
             compute_efficiency=efficiency, cuda_context_bytes=int(o.context_gib * GiB),
