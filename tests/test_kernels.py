@@ -113,3 +113,28 @@ def test_selective_recompute_is_wk_wo_w3_and_the_pointwise_ops():
     assert n == 1
     assert {o.name for o in ops if o.kind == "gemm"} == {"wk", "wo", "w3"}
     assert not [o for o in ops if o.kind == "attention"]
+
+
+def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
+    """The [kernels] table zplan calibrate writes on a GPU loads back as the model's input."""
+    import torch
+
+    from zplan import calibrate
+
+    cpu = torch.device("cpu")
+    rates = calibrate.gemm_rates(cpu, shapes=((128, 128, 128),), seconds=0.05)
+    floor = calibrate.kernel_floor_s(cpu, n=50)
+    assert rates[(128, 128, 128)] > 1e6 and 0 < floor < 0.01
+    k = {"gemm_flops": {"bf16": 5e14}, "sm_count": 132, "attention_forward_flops": 3e14,
+         "attention_backward_flops": 2.5e14, "attention_half_seq": 300.0,
+         "hbm_achieved_bytes_per_s": 2.9e12, "kernel_floor_s": 5e-6, "nccl_sm_fraction": 0.121,
+         "source": 'zplan calibrate: "quoted" shapes 8192x8192x8192: 700'}
+    gpu = {"name": "mine", "memory_bytes": 10**10, "peak_flops": {"fp32": 6e13, "bf16": 9e14},
+           "hbm_bytes_per_s": 3e12, "host_link_bytes_per_s": 5e10, "measured": True,
+           "source": "s", "kernels": k}
+    g, _ = calibrate.write_presets(tmp_path, "mine", gpu, {"name": "mine", "gpus_per_node": 1,
+                                   "intra_node_busbw_bytes_per_s": 1e9, "inter_node_busbw_bytes_per_s": 1e8,
+                                   "intra_node_latency_s": 0, "inter_node_latency_s": 0,
+                                   "host_ram_bytes": 10, "source": "s"})
+    spec = presets.gpu(str(g))
+    assert spec.kernels.gemm_flops["bf16"] == 5e14 and spec.kernels.nccl_sm_fraction == 0.121

@@ -78,7 +78,9 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
     if backend == "nccl":
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    # the bookkeeping all-reduce below is of CPU tensors: on GPUs gloo carries it beside NCCL
+    pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+    dist.init_process_group(pg_backend, init_method=init, rank=rank, world_size=world)
     res = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}}
     try:
         for nbytes in sizes:
@@ -135,21 +137,121 @@ def fit_link(times: dict, world: int) -> tuple[float, float, dict]:
     return bw, alpha, busbw
 
 
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def gemm_rates(device, shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 4096),
+                               (16384, 1024, 4096), (2048, 2048, 2048)), seconds: float = 2.0) -> dict:
+    """Sustained bf16 FLOP/s per (M, N, K): each shape run back to back for `seconds`, so the
+    GPU reaches its power-saturated clock (mamf-finder's MSMF, not a boost burst)."""
+    import torch
+
+    out = {}
+    for M, N, K in shapes:
+        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        b = torch.randn(K, N, device=device, dtype=torch.bfloat16)
+        a @ b
+        _sync(device)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(5):
+                a @ b
+            _sync(device)
+            n += 5
+        out[(M, N, K)] = 2 * M * N * K * n / (time.perf_counter() - t0)
+    return out
+
+
+def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
+                    reps: int = 10) -> tuple[float, float]:
+    """Causal scaled_dot_product_attention forward and backward FLOP/s, counted as the flash-attn
+    benchmarks do: forward 4·s²·heads·d / 2, backward 2.5x that."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
+               for _ in range(3))
+    fwd_flop = 4 * seq * seq * heads * head_dim // 2
+    t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    g = torch.randn_like(o)
+
+    def fb():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(g)
+
+    t_fb = _timeit(fb, device, reps)
+    return fwd_flop / t_f, 2.5 * fwd_flop / max(t_fb - t_f, 1e-9)
+
+
+def kernel_floor_s(device, n: int = 2000) -> float:
+    """Seconds per tiny kernel issued back to back from eager PyTorch (launch + dispatch)."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+    x.add_(1)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
+    """The [kernels] table of a GPU preset (zplan/kernels.py), measured on this device."""
+    import torch
+
+    rates = gemm_rates(device, seconds=gemm_seconds)
+    fwd, bwd = attention_rates(device)
+    hbm = memory_bandwidth(device, nbytes=1 << 30)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    half = float(f"{_seq_half(device, fwd):.3g}")
+    shapes = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for (m, n, k), r in rates.items())
+    return {
+        "gemm_flops": {"bf16": float(f"{max(rates.values()):.4g}")},
+        "sm_count": int(sms),
+        "attention_forward_flops": float(f"{fwd:.4g}"),
+        "attention_backward_flops": float(f"{bwd:.4g}"),
+        "attention_half_seq": half,
+        "hbm_achieved_bytes_per_s": float(f"{hbm:.4g}"),
+        "kernel_floor_s": float(f"{kernel_floor_s(device):.3g}"),
+        "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
+        "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
+                  f"at s=4096, head dim 128; 1 GiB copy; tiny-kernel loop",
+    }
+
+
+def _seq_half(device, rate_long: float) -> float:
+    """s_half of rate(s) = rate_long · s/(s + s_half), from the forward rate at s = 512."""
+    r512, _ = attention_rates(device, seq=512, heads=16)
+    if r512 >= rate_long:
+        return 0.0
+    return 512 * (rate_long / r512 - 1)
+
+
 def write_presets(out: Path, name: str, gpu: dict, cluster: dict) -> tuple[Path, Path]:
     from .plan import write_atomic
 
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{a} = {value(b)}" for a, b in v.items()) + " }"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', "'") + '"'
+        return repr(v)
+
     def toml(d: dict) -> str:
-        lines = []
-        for k, v in d.items():
-            if isinstance(v, dict):
-                inner = ", ".join(f"{a} = {b!r}" for a, b in v.items())
-                lines.append(f"{k} = {{ {inner} }}")
-            elif isinstance(v, bool):
-                lines.append(f"{k} = {'true' if v else 'false'}")
-            elif isinstance(v, str):
-                lines.append(f"{k} = {v!r}".replace("'", '"'))
-            else:
-                lines.append(f"{k} = {v!r}")
+        tables = {k: v for k, v in d.items() if k == "kernels" and isinstance(v, dict)}
+        lines = [f"{k} = {value(v)}" for k, v in d.items() if k not in tables]
+        for name, t in tables.items():
+            lines += ["", f"[{name}]"] + [f"{k} = {value(v)}" for k, v in t.items()]
         return "\n".join(lines) + "\n"
 
     g, c = out / "gpus" / f"{name}.toml", out / "clusters" / f"{name}.toml"

@@ -155,6 +155,8 @@ def calibrate(
     gpu = {"name": name, "memory_bytes": int(mem), "peak_flops": {k: float(f"{v:.4g}") for k, v in peak.items()},
            "hbm_bytes_per_s": float(f"{hbm:.4g}"), "host_link_bytes_per_s": float(f"{host_link:.4g}"),
            "measured": True, "device": "gpu" if cuda else "cpu", "source": source}
+    if cuda:  # the per-op kernel model's constants (zplan/kernels.py), measured here
+        gpu["kernels"] = cal.kernel_constants(device)
     cluster = {"name": name, "gpu": name, "gpus_per_node": int(world),
                "intra_node_busbw_bytes_per_s": float(f"{bw:.4g}"),
                "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),
