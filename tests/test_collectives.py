@@ -117,3 +117,12 @@ def test_ddp_buckets_pay_latency_each():
                + comm.call_seconds(sc, "all_reduce", rest, 16, 8))
     assert t == pytest.approx(by_hand, rel=1e-12)
     assert t > comm.call_seconds(sc, "all_reduce", total, 16, 8)
+
+
+def test_explain_shows_how_nccl_runs_the_largest_gather():
+    from zplan.explain import explain_lines
+
+    lines = explain_lines(scenario(model="llama-3.1-70b", gpus=64, cluster="dgx-h100"), "zero3")
+    line = [x for x in lines if x.startswith("one all-gather of")][0]
+    # 8 full nodes: every node's 8 NICs carry the rings, 8 x 36.5 = 292 GB/s < NVLink's 370
+    assert "8 per node (8 node(s)): ring/Simple, busbw 292 GB/s" in line

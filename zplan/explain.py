@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from . import arch
 from . import kernels as K
+from . import nccl
 from . import unit_ops
 from .compute import uses_kernel_model
 from .estimate import estimate_one
 from .scenario import Scenario
-from .units import DTYPE_BITS, GB, fmt_s
+from .units import DTYPE_BITS, GB, fmt_s, nbytes
 
 
 def _gb(b: int) -> str:
@@ -86,6 +87,7 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
             continue
         out.append(f"{c.name}: S = {c.elements:,} x {c.dtype} over n = {c.group_size} ({c.scope}), "
                    f"{c.calls_per_step} per step -> {fmt_s(c.seconds_per_call)} each")
+    out += _nccl_lines(sc, st, D)
     out.append(f"elements per step = {r.elements_per_step:,} = {r.elements_per_step / psi:.4f} Ψ; "
                f"bytes = {_gb(r.bytes_per_step)}")
     out.append("")
@@ -136,3 +138,19 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
     if tm.breakdown:
         out.append("per step by kind: " + ", ".join(f"{k_} {fmt_s(v)}" for k_, v in tm.breakdown.items()))
     return out
+
+
+def _nccl_lines(sc: Scenario, st, D: int) -> list[str]:
+    """How NCCL runs one call of the largest unit's all-gather: shape, algorithm, busbw, latency."""
+    if sc.n <= 1:
+        return []
+    c = sc.hw.cluster
+    n = D if st.fsdp else sc.n
+    g = nccl.contiguous_shape(n, c.gpus_per_node)
+    size = max(sc.padded_elems(u, n) for u in sc.units) if st.fsdp else sc.params
+    b = nbytes(size, sc.train.precision.param)
+    ct = nccl.collective_time(c, "all_gather", b, n, g)
+    wire = b * (n - 1) / (n * ct.busbw_bytes_per_s)
+    return [f"one all-gather of {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
+            f"{ct.algorithm}/{ct.protocol}, busbw {ct.busbw_bytes_per_s / GB:,.0f} GB/s -> "
+            f"latency {fmt_s(ct.seconds - wire)} + transfer {fmt_s(wire)} = {fmt_s(ct.seconds)}"]
