@@ -86,9 +86,12 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
     base = _ops_key(sc)
     memo: dict = {}
     fwd, bwd, kinds = [], [], {}
+    every_k = t.checkpointing == "every-k"
+    custom = sc.custom_units is not None
     for u in sc.units:
-        key = (u.blocks, u.name if not u.blocks else "", u.first_block if t.checkpointing == "every-k" else 0,
-               u.held, sc.padded_elems(u, D) if st.fsdp else 0)
+        # blocks with as many layers have the same shapes (custom units may not: key on size)
+        key = (u.blocks, u.name if not u.blocks else "", u.first_block if every_k else 0, u.held,
+               sc.padded_elems(u, D) if (st.fsdp and custom) else 0)
         if key not in memo:
             f, b, k = _unit_op_seconds(sc, u, base)
             if st.fsdp:

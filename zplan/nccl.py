@@ -23,7 +23,6 @@ docs/formulas.md, section 5.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from .specs import ClusterSpec
 
@@ -63,8 +62,23 @@ def group_busbw(c: ClusterSpec, op: str, n: int, per_node: int) -> tuple[float, 
     return min(c.intra_node_busbw_bytes_per_s, per_node * c.inter_node_busbw_bytes_per_s), "ring"
 
 
-@lru_cache(maxsize=65536)
+_CACHE: dict = {}
+
+
 def collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> CollectiveTime:
+    """Memoized _collective_time (keyed on the preset object: specs with dicts do not hash fast)."""
+    key = (id(c), op, nbytes, n, per_node)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is c:
+        return hit[1]
+    if len(_CACHE) > 65536:
+        _CACHE.clear()
+    out = _collective_time(c, op, nbytes, n, per_node)
+    _CACHE[key] = (c, out)
+    return out
+
+
+def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> CollectiveTime:
     """Seconds of one collective call over n ranks (S = nbytes, the whole tensor as nccl-tests
     counts it), with per_node of them in each node: the fastest of NCCL's options."""
     per_node = max(1, min(per_node, n))
