@@ -126,3 +126,16 @@ def test_explain_shows_how_nccl_runs_the_largest_gather():
     line = [x for x in lines if x.startswith("one all-gather of")][0]
     # 8 full nodes: every node's 8 NICs carry the rings, 8 x 36.5 = 292 GB/s < NVLink's 370
     assert "8 per node (8 node(s)): ring/Simple, busbw 292 GB/s" in line
+
+
+def test_tree_all_reduce_across_many_nodes():
+    """1024 GPUs, 128 nodes: a ring all-reduce pays 2(n-1) steps (~9.7 ms of latency); NCCL's
+    tree pays 8.4 + 2(7 x 4 + 7 x 14) us. At 2 nodes and 4 GB the ring's bandwidth wins."""
+    c = presets.cluster("dgx-h100")
+    S = 64 << 20
+    t = collective_time(c, "all_reduce", S, 1024, 8)
+    assert t.algorithm == "tree"
+    assert t.seconds == pytest.approx(8.4e-6 + 2 * (7 * 4e-6 + 7 * 14e-6) + S / (0.46 * 292e9), rel=1e-9)
+    ring_latency = 8.4e-6 + (2 * 1023 - 254) * 3.4e-6 + 254 * 14e-6
+    assert t.seconds < ring_latency
+    assert collective_time(c, "all_reduce", 4 << 30, 16, 8).algorithm == "ring"

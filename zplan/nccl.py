@@ -12,6 +12,8 @@ from the cluster preset) in place of NCCL's internal estimates:
   for small messages only.
 - NVLS (NVLink SHARP) for all-reduce inside an NVSwitch node where the preset gives its busbw,
   latency hwLat[NVLINK][NVLS][Simple] = 25 µs.
+- tree for all-reduce across nodes: latency base + 2((g-1)·4 µs + ⌊log2 nodes⌋·α_net), algbw
+  0.46 busbw (tree busBw x .92, x .5): it wins at many nodes, where a ring's 2(n-1) steps cost.
 
 The bus bandwidth of a group depends on its shape: inside one node, the NVLink figure; across
 nodes, each node's share of the ring goes through the NICs of the group's GPUs in that node,
@@ -22,6 +24,7 @@ docs/formulas.md, section 5.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .specs import ClusterSpec
@@ -32,12 +35,14 @@ _LL_STEP_S = {"nvlink": 0.6e-6, "pcie": 1.0e-6}
 _LL_NET_STEP_S = 2.7e-6
 _NET_OVERHEAD_S = 1.0e-6  # getNetOverhead (x86 Intel); a ring spanning nodes pays it per step
 _NVLS_LATENCY_S = 25e-6  # hwLatencies[NVLINK][NVLS][SIMPLE]
+_TREE_STEP_S = 4.0e-6  # hwLatencies[NVLINK or PCI][TREE][SIMPLE]
+_TREE_BW = 0.92 * 0.5  # tuning.cc: tree all-reduce busBw * .92; algbw = busBw * .5
 
 
 @dataclass(frozen=True)
 class CollectiveTime:
     seconds: float
-    algorithm: str  # ring | nvls
+    algorithm: str  # ring | tree | nvls
     protocol: str  # Simple | LL
     busbw_bytes_per_s: float  # the large-message bus bandwidth of this group's shape
     nodes: int
@@ -100,6 +105,12 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
         ll = _LL_BASE_S + (steps - inter) * intra + inter * _LL_NET_STEP_S + wire / (0.5 * bw)
         if ll < simple:
             best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
+        if op == "all_reduce" and nodes > 1:  # double binary tree: log-depth latency
+            lat = c.base_latency_s + 2 * ((per_node - 1) * _TREE_STEP_S
+                                          + math.floor(math.log2(nodes)) * c.inter_node_latency_s)
+            tree = lat + nbytes / (_TREE_BW * bw)
+            if tree < best.seconds:
+                best = CollectiveTime(tree, "tree", "Simple", bw, nodes, per_node)
     return best
 
 
