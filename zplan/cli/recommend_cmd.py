@@ -145,11 +145,20 @@ def export(
 def explain(
     opts: ScenarioOptions,
     strategy: Annotated[str, typer.Option(help="The strategy to derive")] = "zero3",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: the figures and the derivation's lines")] = False,
 ) -> None:
     """The derivation of one strategy's figures, with your numbers substituted."""
     from ..explain import explain_lines
     from ..strategies import STRATEGIES
 
     check_choice(strategy, "--strategy", tuple(STRATEGIES))
-    for line in explain_lines(build(opts), strategy):
+    sc = build(opts)
+    lines = explain_lines(sc, strategy)
+    if as_json:
+        from ..estimate import SCHEMA_VERSION, estimate_one
+
+        emit_json({"schema_version": SCHEMA_VERSION, "strategy": strategy,
+                   "figures": estimate_one(sc, strategy).as_dict(), "derivation": lines})
+        return
+    for line in lines:
         print(line)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from rich.console import Console
-from rich.table import Table
 
 from ..recommend import Recommendation
 from ..units import fmt_bytes, fmt_s
-from .render import bar
+from .render import add_columns, bar, make_console, new_table
 
 
 def print_recommendation(rec: Recommendation, top: int, written: str | None, plot: str | None) -> None:
-    console = Console(width=max(Console().width, 140))
+    console = make_console()
     w = rec.winner
     sc, t, m = w.sc, w.result.timing, w.result.memory
     console.print(f"[bold]{sc.model.name}[/] on {sc.n} x {sc.hw.gpu.name} ({sc.hw.cluster.name}), "
@@ -29,9 +27,8 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
     for f in rec.flags:
         console.print(f"[yellow]  note: {f}[/]")
     if top:
-        tb = Table(title="Runners-up", title_justify="left")
-        for col in ("#", "configuration", "per GPU", "step", "tokens/s/GPU", "MFU"):
-            tb.add_column(col, justify="left" if col == "configuration" else "right")
+        tb = new_table("Runners-up")
+        add_columns(tb, ("#", "configuration", "per GPU", "step", "tokens/s/GPU", "MFU"), ("configuration",))
         for i, c in enumerate(rec.ranked[1: top + 1], start=2):
             ct = c.result.timing
             tb.add_row(str(i), c.label(), fmt_bytes(c.total_bytes), fmt_s(ct.step_s),
