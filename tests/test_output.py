@@ -19,6 +19,10 @@ def _no_columns(env=None):
 
 
 def test_estimate_fits_100_columns_when_piped(run_zplan):
+    # the README's first command: nothing fits (exit 1), hsdp spans two links, offload uses the host
+    big = run_zplan("estimate", "--params", "70e9", "--gpus", "64", env=_no_columns())
+    assert big.returncode == 1 and _widths(big.stdout) <= 100 and "…" not in big.stdout
+    assert "Traceback" not in big.stderr and "--checkpointing full" in big.stderr
     p = run_zplan(*ARGS, env=_no_columns())
     assert p.returncode == 0, p.stderr
     assert _widths(p.stdout) <= 100

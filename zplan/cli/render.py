@@ -86,7 +86,9 @@ def header(console: Console, sc: Scenario, unit: str) -> None:
 
 
 def _fit(r: StrategyEstimate) -> str:
-    return "[green]yes[/]" if r.fits else "[red]no[/]"
+    if r.fits:
+        return "[green]yes[/]"
+    return "[red]no (host)[/]" if r.headroom_bytes >= 0 and r.host_fits is False else "[red]no[/]"
 
 
 def _headroom(r: StrategyEstimate, unit: str) -> str:
@@ -119,7 +121,7 @@ def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide:
     gather and reduce buffers into one column (--wide shows each)."""
     tb = new_table("Memory per GPU" + ("" if wide else " (--wide: every component)"))
     cols = MEMORY_WIDE if wide else MEMORY_NARROW
-    host = any(r.host_fits is not None for r in results)
+    host = wide and any(r.host_fits is not None for r in results)  # narrow: "no (host)" in fits
     heads = ("strategy",) + cols + ("total", "fits", "headroom") + (("host/node",) if host else ())
     add_columns(tb, heads, ("strategy", "fits"))
     for r in results:
@@ -162,7 +164,8 @@ def comm_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: b
         scopes = sorted({c.scope for c in r.collectives if c.op not in ("h2d", "d2h")})
         cells = {"elements/step": fmt_count(r.elements_per_step),
                  "x params": f"{r.elements_per_step / psi:.3f}",
-                 "bytes/step": fmt_bytes(r.bytes_per_step, unit), "links": ", ".join(scopes),
+                 "bytes/step": fmt_bytes(r.bytes_per_step, unit),
+                 "links": ", ".join(scopes) if wide else "+".join(x.removesuffix("-node") for x in scopes),
                  "compute": fmt_s(t.compute_s), "exposed comm": fmt_s(t.exposed_comm_s),
                  "optimizer": fmt_s(t.optimizer_s), "offload": fmt_s(t.offload_s),
                  "step": fmt_s(t.step_s), "tokens/s/GPU": f"{t.tokens_per_s_per_gpu:,.0f}",
