@@ -34,13 +34,11 @@ WHY = [
     "  PyTorch's tracker finds it elsewhere (zero2 and zero3-noreshard with recomputation, whose",
     "  gathered weights are released unit by unit during backward), or counts temporaries the",
     "  planner does not model (all-gather outputs kept for the next use, backward temporaries),",
-    "  the error shows here with its sign: negative means the planner predicted too little
-  (error = (predicted - measured) / measured, as everywhere in zplan).
-- offload-all is left out of the CPU matrix: on a CPU rank the device and the host are the same
-  memory, so the planner's per-GPU figure has nothing to be held against; it needs a GPU (no
-  check here covers it yet).",
-    "- At real scale the trace runs CPU kernels under FakeTensorMode; the planner is told so",
-    "  (`--no-fused-norm`: the CPU RMSNorm keeps fp32 copies a fused CUDA kernel does not).",
+    "  the error shows here with its sign: negative means the planner predicted too little",
+    "  (error = (predicted - measured) / measured, as everywhere in zplan).",
+    "- offload-all is left out of the CPU matrix: on a CPU rank the device and the host are the",
+    "  same memory, so the planner's per-GPU figure has nothing to be held against; it needs a",
+    "  GPU (no check here covers it yet).",
     "",
 ]
 
