@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 from ..recommend import Recommendation
 from ..units import fmt_bytes, fmt_s
@@ -39,7 +41,8 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
         console.print(f"  {fam}: {why}")
     for fam, why in rec.rejected.items():
         console.print(f"  [red]infeasible[/] {why}")
+    # messages, not data: stderr
     if written:
-        console.print(f"Plan written to {written} (zplan launch --plan {written} runs it).")
+        print(f"zplan: plan written to {written} (zplan launch --plan {written} runs it)", file=sys.stderr)
     if plot:
-        console.print(f"Plot written to {plot}.")
+        print(f"zplan: plot written to {plot}", file=sys.stderr)
