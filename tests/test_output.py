@@ -78,3 +78,12 @@ def test_explain_json_carries_estimates_figures(run_zplan):
     assert got["figures"]["per_gpu"] == want["per_gpu"]
     assert got["figures"]["comm"]["bytes_per_step"] == want["comm"]["bytes_per_step"]
     assert any("Ψ" in line for line in got["derivation"])
+
+
+def test_recommend_messages_go_to_stderr(run_zplan, tmp_path):
+    plan = tmp_path / "p.json"
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--seq-len", "128", "--write", str(plan), "--top", "1", env=_no_columns())
+    assert p.returncode == 0, p.stderr
+    assert plan.is_file() and f"plan written to {plan}" in p.stderr and "written" not in p.stdout
+    assert "Recommended:" in p.stdout and _widths(p.stdout) <= 100
