@@ -71,6 +71,8 @@ def verify(
     By default a quick matrix: each strategy once (both dtypes across it), about 2 minutes on an
     idle 2-core machine. error = (predicted - measured) / measured."""
     _need_torch("verify")
+    if fake and as_json:
+        raise UsageError("--json covers the real matrix; drop it with --fake (its table is on stdout)")
     if fake:
         return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance)
     import tempfile
