@@ -98,6 +98,8 @@ def verify(
                        tuple(dtype or ("fp32", "bf16")), tuple(checkpointing or ("none", "full")))
     else:
         cells = quick_matrix()
+        progress("zplan: the quick matrix (each strategy once); --full runs all of them, some of which "
+                 "miss 5% (docs/verification.md lists them and says why)")
     if not cells:
         raise UsageError("the matrix is empty (hsdp runs only at 4 ranks, as 2 x 2)")
     root = Path(workdir or tempfile.mkdtemp(prefix="zplan-verify-"))
