@@ -87,3 +87,12 @@ def test_recommend_messages_go_to_stderr(run_zplan, tmp_path):
     assert p.returncode == 0, p.stderr
     assert plan.is_file() and f"plan written to {plan}" in p.stderr and "written" not in p.stdout
     assert "Recommended:" in p.stdout and _widths(p.stdout) <= 100
+
+
+def test_recommend_wide_adds_columns(run_zplan):
+    args = ("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--top", "3")
+    narrow = run_zplan(*args, env=_no_columns()).stdout
+    wide = run_zplan(*args, "--wide", env=_no_columns({"COLUMNS": "160"})).stdout
+    head = lambda text: next(line for line in text.splitlines() if line.startswith("#"))  # noqa: E731
+    assert "exposed comm" in head(wide) and "exposed comm" not in head(narrow)
+    assert _widths(narrow) <= 100

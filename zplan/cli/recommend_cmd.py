@@ -49,6 +49,7 @@ def recommend(
     plot: Annotated[Optional[str], typer.Option(help="Draw memory and step time against N to this PNG")] = None,
     top: Annotated[int, typer.Option(help="Runners-up to list")] = 8,
     strategy: Annotated[Optional[list[str]], typer.Option(help="Search only these strategies (repeatable)")] = None,
+    wide: Annotated[bool, typer.Option(help="Every column of the runners-up (default: the ones that fit 100 columns)")] = False,
 ) -> None:
     """The fastest configuration that fits, and why every other one lost."""
     from ..plan import make_plan, save
@@ -95,7 +96,7 @@ def recommend(
     else:
         from .render_recommend import print_recommendation
 
-        print_recommendation(rec, top, write, plot)
+        print_recommendation(rec, top, write, plot, wide)
 
 
 def _json(rec, plan, top: int) -> dict:
