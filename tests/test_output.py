@@ -96,3 +96,34 @@ def test_recommend_wide_adds_columns(run_zplan):
     head = lambda text: next(line for line in text.splitlines() if line.startswith("#"))  # noqa: E731
     assert "exposed comm" in head(wide) and "exposed comm" not in head(narrow)
     assert _widths(narrow) <= 100
+
+
+def test_estimate_follows_the_terminal_width():
+    """On a terminal (a pseudo-terminal 120 columns wide here) the tables use its width."""
+    import fcntl
+    import os
+    import re
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    p = subprocess.Popen([sys.executable, "-m", "zplan", *ARGS, "--wide"], stdout=slave,
+                         stderr=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert p.wait(timeout=60) == 0
+    os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode()).replace("\r", "")
+    assert 100 < _widths(text) <= 120
