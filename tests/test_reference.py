@@ -35,18 +35,62 @@ def test_ring_reduce_scatter_is_not_bitwise_at_3(run_zplan):
     assert "DIFFERS at unit" in p.stdout
 
 
-def test_verify_small_matrix_within_tolerance(run_zplan, tmp_path):
+def _tiny_params() -> int:
+    """Ψ of the trainer's tiny model, counted on the torch module itself (not by the planner)."""
+    import torch
+
+    from zplan import presets
+    from zplan.trainer.model import Transformer
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(presets.model("tiny")).parameters())
+
+
+# Measured spread (issue 11), zplan verify --strategy zero3 --strategy zero1 --ranks 2 --dtype bf16
+# --checkpointing none, 4 runs on this 2-core machine while 7 other engineers worked on it:
+# zero3 -3.56, -3.58, -3.56, -3.56 %; zero1 -3.92 % all 4 times (memory in bytes: zero3 varies
+# by 8.7 kB in 37.5 MB, zero1 not at all); ddp -2.5 % in the quick matrix. The worst error is
+# 3.92 % and the spread 0.02 points, so verify's own 5 % leaves a margin of over a point, 50x the
+# spread. The test runs at that default: no looser figure of its own.
+TOLERANCE = 0.05
+
+
+def test_verify_cells_within_tolerance(run_zplan, tmp_path):
     md = tmp_path / "table.md"
-    # The measured CPU peak varies by up to ~3% from run to run (when gloo's async gathers
-    # land), and zero3 at N = 2 sits at +4..7% (docs/verification.md): 8% keeps CI honest
-    # without flaking; the whole matrix at the default 5% runs in benchmarks/.
-    p = run_zplan("verify", "--strategy", "zero3", "--strategy", "zero2", "--strategy", "ddp",
-                  "--ranks", "2", "--dtype", "bf16", "--checkpointing", "none", "--tolerance", "0.08",
-                  "--workdir", str(tmp_path / "w"), "--markdown", str(md), timeout=280)
+    p = run_zplan("verify", "--strategy", "zero3", "--strategy", "zero1", "--strategy", "ddp",
+                  "--ranks", "2", "--dtype", "bf16", "--checkpointing", "none",
+                  "--json", "--workdir", str(tmp_path / "w"),
+                  "--markdown", str(md), timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    rows = [l for l in md.read_text().splitlines() if l.startswith(("| zero", "| ddp"))]
+    d = json.loads(p.stdout)
+    assert d["sign"] == "error = (predicted - measured) / measured"
+    cells = {c["strategy"]: c for c in d["cells"]}
+    assert set(cells) == {"zero3", "zero1", "ddp"} and d["ok"]
+    for c in cells.values():
+        pred, meas = c["predicted_memory_bytes"], c["measured_memory_bytes"]
+        assert c["memory_error"] == pytest.approx((pred - meas) / meas)
+        assert abs(c["memory_error"]) <= TOLERANCE
+        assert c["measured_traffic_bytes"] == c["predicted_traffic_bytes"]  # bytes, exactly
+    # bytes by hand, from the module's own parameter count: DDP all-reduces fp32 gradient
+    # buckets (2 x 4 bytes per parameter); ZeroRedundancyOptimizer then broadcasts the fp32
+    # parameters once (4 more), whatever the bf16 compute dtype
+    psi = _tiny_params()
+    assert cells["ddp"]["measured_traffic_bytes"] == 8 * psi
+    assert cells["zero1"]["measured_traffic_bytes"] == 12 * psi
+    # zero3: two bf16 gathers and one fp32 reduce-scatter of the (padded) parameters
+    assert 8 * psi <= cells["zero3"]["measured_traffic_bytes"] < 8 * psi * 1.001
+    rows = [line for line in md.read_text().splitlines() if line.startswith(("| zero", "| ddp"))]
     assert len(rows) == 3 and all(r.endswith("| yes |") for r in rows)
-    assert all(r.split("|")[5].strip() == r.split("|")[6].strip() for r in rows)  # traffic exact
+    assert "error = (predicted - measured) / measured" in md.read_text()
+
+
+def test_verify_leaves_offload_all_out_on_cpu_with_the_reason(run_zplan, tmp_path):
+    p = run_zplan("verify", "--strategy", "offload-all", "--ranks", "2", "--dtype", "bf16",
+                  "--checkpointing", "none", "--json", "--workdir", str(tmp_path / "w"), timeout=60)
+    assert p.returncode == 0, p.stderr
+    (cell,) = json.loads(p.stdout)["cells"]
+    assert cell["skipped"] and "same memory" in cell["skipped"] and cell["measured_memory_bytes"] == 0
+    assert "offload-all N=2 bf16 ckpt=none: left out of the CPU matrix" in p.stderr
 
 
 def test_verify_fails_loudly_past_tolerance(run_zplan, tmp_path):

@@ -157,10 +157,13 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         torch = t.layout == "torch"
         ddp_bucket = sc.assume.ddp_bucket_bytes
         if st.name == "ddp" or (st.name == "zero1" and torch):
-            out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.reduce, N,
-                             g_world, rs_calls, ddp_bucket))
+            # torch layout (DDP with autocast): the parameters are stored in the master dtype, so
+            # DDP's gradient buckets and ZeroRedundancyOptimizer's broadcasts are in that dtype
+            store = p.master if torch else p.param
+            out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi,
+                             p.master if torch else p.reduce, N, g_world, rs_calls, ddp_bucket))
             if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters
-                out.append(_coll(sc, "broadcast (updated weights)", "all_gather", psi, p.param, N,
+                out.append(_coll(sc, "broadcast (updated weights)", "all_gather", psi, store, N,
                                  g_world, 1))
             return out
         # DeepSpeed pads each flat partition to a multiple of N, as the reference does, and

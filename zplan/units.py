@@ -36,6 +36,12 @@ def ceil_div(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured: zplan's one sign convention for predicted against
+    measured (verify, the run report, selfcheck). Negative: the prediction was too small."""
+    return (predicted - measured) / max(abs(measured), 1e-300)
+
+
 def fmt_bytes(n: int | float, unit: str = "GB") -> str:
     """Print bytes in GB (1e9) or GiB (2^30); the unit is always shown."""
     div = GB if unit == "GB" else GiB

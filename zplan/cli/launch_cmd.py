@@ -154,4 +154,4 @@ def consolidate(
     if not output.endswith((".safetensors", ".pt")):
         raise _U(f"output {output!r} must end in .safetensors or .pt")
     n = run_consolidate(src, output)
-    print(f"zplan: wrote {output} ({n / 2**20:.1f} MiB) from {src}")
+    print(f"zplan: wrote {output} ({n / 2**20:.1f} MiB) from {src}", file=sys.stderr)

@@ -49,6 +49,7 @@ def recommend(
     plot: Annotated[Optional[str], typer.Option(help="Draw memory and step time against N to this PNG")] = None,
     top: Annotated[int, typer.Option(help="Runners-up to list")] = 8,
     strategy: Annotated[Optional[list[str]], typer.Option(help="Search only these strategies (repeatable)")] = None,
+    wide: Annotated[bool, typer.Option(help="Every column of the runners-up (default: the ones that fit 100 columns)")] = False,
 ) -> None:
     """The fastest configuration that fits, and why every other one lost."""
     from ..plan import make_plan, save
@@ -95,7 +96,7 @@ def recommend(
     else:
         from .render_recommend import print_recommendation
 
-        print_recommendation(rec, top, write, plot)
+        print_recommendation(rec, top, write, plot, wide)
 
 
 def _json(rec, plan, top: int) -> dict:
@@ -145,11 +146,20 @@ def export(
 def explain(
     opts: ScenarioOptions,
     strategy: Annotated[str, typer.Option(help="The strategy to derive")] = "zero3",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: the figures and the derivation's lines")] = False,
 ) -> None:
     """The derivation of one strategy's figures, with your numbers substituted."""
     from ..explain import explain_lines
     from ..strategies import STRATEGIES
 
     check_choice(strategy, "--strategy", tuple(STRATEGIES))
-    for line in explain_lines(build(opts), strategy):
+    sc = build(opts)
+    lines = explain_lines(sc, strategy)
+    if as_json:
+        from ..estimate import SCHEMA_VERSION, estimate_one
+
+        emit_json({"schema_version": SCHEMA_VERSION, "strategy": strategy,
+                   "figures": estimate_one(sc, strategy).as_dict(), "derivation": lines})
+        return
+    for line in lines:
         print(line)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -10,6 +15,34 @@ from ..scenario import Scenario
 from ..units import GiB, fmt_bytes, fmt_count, fmt_s
 
 BAR_WIDTH = 24
+DEFAULT_WIDTH = 100  # piped output with no COLUMNS: fits a 100-column terminal
+
+
+def console_width() -> int:
+    """COLUMNS if set (also when piped: rich ignores it then), else the terminal's width, else 100."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
+    return DEFAULT_WIDTH
+
+
+def make_console() -> Console:
+    return Console(width=console_width())
+
+
+def new_table(title: str) -> Table:
+    """A table with a rule under the heading and no vertical borders (narrower than rich's box)."""
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                 show_edge=False)
+
+
+def add_columns(tb: Table, heads, left=("strategy",)) -> None:
+    """One column per heading, never wrapped nor cut below its heading's width."""
+    for col in heads:
+        tb.add_column(col, justify="left" if col in left else "right", no_wrap=True,
+                      min_width=len(col))
 COMPONENTS = (
     ("params_bytes", "P", "blue"), ("grads_bytes", "G", "magenta"), ("master_bytes", "M", "cyan"),
     ("optimizer_bytes", "O", "green"), ("gather_buffer_bytes", "W", "yellow"),
@@ -52,26 +85,53 @@ def header(console: Console, sc: Scenario, unit: str) -> None:
     console.print(f"[dim]Sizes in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes).[/]")
 
 
-def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str) -> Table:
-    tb = Table(title="Memory per GPU", title_justify="left")
-    for col in ("strategy", "params", "grads", "master", "optim", "model state", "gather",
-                "reduce", "activ.", "overhead", "total", "fits (headroom)"):
-        tb.add_column(col, justify="left" if col == "strategy" else "right")
+def _fit(r: StrategyEstimate) -> str:
+    if r.fits:
+        return "[green]yes[/]"
+    return "[red]no (host)[/]" if r.headroom_bytes >= 0 and r.host_fits is False else "[red]no[/]"
+
+
+def _headroom(r: StrategyEstimate, unit: str) -> str:
+    return ("" if r.headroom_bytes >= 0 else "-") + fmt_bytes(abs(r.headroom_bytes), unit)
+
+
+def _host(r: StrategyEstimate, d: dict, unit: str) -> str:
+    if r.host_fits is None:
+        return ""
+    return fmt_bytes(d["host_bytes_per_node"], unit) + ("" if r.host_fits else " [red]too much[/]")
+
+
+# (heading, how a row fills it); the narrow table keeps the columns a reader decides by
+MEMORY_WIDE = ("params", "grads", "master", "optim", "model state", "gather", "reduce", "activ.",
+               "overhead")
+MEMORY_NARROW = ("model state", "buffers", "activ.", "overhead")
+
+
+def _memory_cells(d: dict, unit: str) -> dict[str, str]:
+    f = lambda k: fmt_bytes(d[k], unit)  # noqa: E731
+    return {"params": f("params_bytes"), "grads": f("grads_bytes"), "master": f("master_bytes"),
+            "optim": f("optimizer_bytes"), "model state": f("model_state_bytes"),
+            "gather": f("gather_buffer_bytes"), "reduce": f("reduce_buffer_bytes"),
+            "buffers": fmt_bytes(d["gather_buffer_bytes"] + d["reduce_buffer_bytes"], unit),
+            "activ.": f("activation_bytes"), "overhead": f("overhead_bytes")}
+
+
+def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: bool = False) -> Table:
+    """Per GPU; the narrow form folds params/grads/master/optim into model state and the
+    gather and reduce buffers into one column (--wide shows each)."""
+    tb = new_table("Memory per GPU" + ("" if wide else " (--wide: every component)"))
+    cols = MEMORY_WIDE if wide else MEMORY_NARROW
+    host = wide and any(r.host_fits is not None for r in results)  # narrow: "no (host)" in fits
+    heads = ("strategy",) + cols + ("total", "fits", "headroom") + (("host/node",) if host else ())
+    add_columns(tb, heads, ("strategy", "fits"))
     for r in results:
         if r.memory is None:
-            tb.add_row(r.name, *[""] * 10, f"[dim]n/a: {r.unavailable}[/]")
+            tb.add_row(r.name, *[""] * (len(heads) - 2), f"[dim]n/a: {r.unavailable}[/]")
             continue
         d = r.memory.as_dict()
-        f = lambda k: fmt_bytes(d[k], unit)  # noqa: E731
-        ok = "[green]yes[/]" if r.fits else "[red]no[/]"
-        head = fmt_bytes(abs(r.headroom_bytes), unit)
-        fit = f"{ok} ({'' if r.headroom_bytes >= 0 else '-'}{head})"
-        if r.host_fits is not None:
-            fit += f", host {fmt_bytes(d['host_bytes_per_node'], unit)}/node " + ("ok" if r.host_fits else "[red]too much[/]")
-        tb.add_row(r.name, f("params_bytes"), f("grads_bytes"), f("master_bytes"),
-                   f("optimizer_bytes"), f("model_state_bytes"), f("gather_buffer_bytes"),
-                   f("reduce_buffer_bytes"), f("activation_bytes"), f("overhead_bytes"),
-                   f("total_bytes"), fit)
+        cells = _memory_cells(d, unit)
+        tb.add_row(r.name, *[cells[c] for c in cols], fmt_bytes(d["total_bytes"], unit), _fit(r),
+                   _headroom(r, unit), *((_host(r, d, unit),) if host else ()))
     return tb
 
 
@@ -87,29 +147,39 @@ def bars(console: Console, results: list[StrategyEstimate], sc: Scenario, unit: 
         console.print(f"  {r.name:<{width}} |{bar(d, cap)}| {fmt_bytes(d['total_bytes'], unit)}")
 
 
-def comm_table(results: list[StrategyEstimate], sc: Scenario, unit: str) -> Table:
-    tb = Table(title="Communication and time per step", title_justify="left")
-    for col in ("strategy", "elements/step", "x params", "bytes/step", "links",
-                "compute", "exposed comm", "optimizer", "offload", "step", "tokens/s/GPU", "MFU"):
-        tb.add_column(col, justify="left" if col in ("strategy", "links") else "right")
+COMM_WIDE = ("elements/step", "x params", "bytes/step", "links", "compute", "exposed comm",
+             "optimizer", "offload", "step", "tokens/s/GPU", "MFU")
+COMM_NARROW = ("bytes/step", "links", "exposed comm", "step", "tokens/s/GPU", "MFU")
+
+
+def comm_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: bool = False) -> Table:
+    tb = new_table("Communication and time per step" + ("" if wide else " (--wide: every column)"))
+    cols = COMM_WIDE if wide else COMM_NARROW
+    add_columns(tb, ("strategy",) + cols, ("strategy", "links"))
     psi = sc.params
     for r in results:
         if r.timing is None:
             continue
         t = r.timing
         scopes = sorted({c.scope for c in r.collectives if c.op not in ("h2d", "d2h")})
-        tb.add_row(r.name, fmt_count(r.elements_per_step), f"{r.elements_per_step / psi:.3f}",
-                   fmt_bytes(r.bytes_per_step, unit), ", ".join(scopes), fmt_s(t.compute_s),
-                   fmt_s(t.exposed_comm_s), fmt_s(t.optimizer_s), fmt_s(t.offload_s),
-                   fmt_s(t.step_s), f"{t.tokens_per_s_per_gpu:,.0f}", f"{t.mfu:.1%}")
+        cells = {"elements/step": fmt_count(r.elements_per_step),
+                 "x params": f"{r.elements_per_step / psi:.3f}",
+                 "bytes/step": fmt_bytes(r.bytes_per_step, unit),
+                 "links": ", ".join(scopes) if wide else "+".join(x.removesuffix("-node") for x in scopes),
+                 "compute": fmt_s(t.compute_s), "exposed comm": fmt_s(t.exposed_comm_s),
+                 "optimizer": fmt_s(t.optimizer_s), "offload": fmt_s(t.offload_s),
+                 "step": fmt_s(t.step_s), "tokens/s/GPU": f"{t.tokens_per_s_per_gpu:,.0f}",
+                 "MFU": f"{t.mfu:.1%}"}
+        tb.add_row(r.name, *[cells[c] for c in cols])
     return tb
 
 
 def overlap_table(r: StrategyEstimate) -> Table:
-    """Per unit: does its all-gather hide? Identical consecutive units are folded into one row."""
-    tb = Table(title=f"Overlap per unit ({r.name}, one micro-batch)", title_justify="left")
-    for col in ("unit", "all-gather", "fwd compute", "forward", "reduce", "bwd compute", "backward"):
-        tb.add_column(col, justify="left" if col == "unit" else "right")
+    """Per unit: does its all-gather hide? Identical consecutive units are folded into one row
+    (count: how many); an exposed time is the part of the gather not hidden behind compute."""
+    tb = new_table(f"Overlap per unit ({r.name}, one micro-batch)")
+    add_columns(tb, ("unit", "count", "all-gather", "fwd compute", "fwd exposed", "reduce",
+                     "bwd compute", "bwd exposed"), ("unit",))
     rows: list[list] = []
     for u in r.timing.units:
         key = (round(u.all_gather_s, 9), round(u.forward_s, 9), round(u.forward_exposed_s, 9),
@@ -119,11 +189,10 @@ def overlap_table(r: StrategyEstimate) -> Table:
             continue
         rows.append([key, u, 1])
     for _, u, count in rows:
-        name = u.name if count == 1 else f"{u.name} (+{count - 1} alike)"
-        fw = "[green]hidden[/]" if u.forward_hidden else f"[red]exposed {fmt_s(u.forward_exposed_s)}[/]"
-        bw = "[green]hidden[/]" if u.backward_hidden else f"[red]exposed {fmt_s(u.backward_exposed_s)}[/]"
-        tb.add_row(name, fmt_s(u.all_gather_s), fmt_s(u.forward_s), fw, fmt_s(u.reduce_s),
-                   fmt_s(u.backward_s), bw)
+        fw = "[green]hidden[/]" if u.forward_hidden else f"[red]{fmt_s(u.forward_exposed_s)}[/]"
+        bw = "[green]hidden[/]" if u.backward_hidden else f"[red]{fmt_s(u.backward_exposed_s)}[/]"
+        tb.add_row(u.name, str(count), fmt_s(u.all_gather_s), fmt_s(u.forward_s), fw,
+                   fmt_s(u.reduce_s), fmt_s(u.backward_s), bw)
     return tb
 
 
@@ -136,12 +205,13 @@ def assumptions_lines(console: Console, assumed: dict) -> None:
         console.print(f"  {k} = {val}  [dim]{v['meaning']}; {v['flag']}[/]")
 
 
-def print_estimate(sc: Scenario, results: list[StrategyEstimate], assumed: dict, unit: str) -> None:
-    console = Console(width=max(Console().width, 160))
+def print_estimate(sc: Scenario, results: list[StrategyEstimate], assumed: dict, unit: str,
+                   wide: bool = False) -> None:
+    console = make_console()
     header(console, sc, unit)
-    console.print(memory_table(results, sc, unit))
+    console.print(memory_table(results, sc, unit, wide))
     bars(console, results, sc, unit)
-    console.print(comm_table(results, sc, unit))
+    console.print(comm_table(results, sc, unit, wide))
     fsdp = [r for r in results if r.timing and r.timing.units]
     pick = next((r for r in fsdp if r.name == "zero3"), fsdp[0] if fsdp else None)
     if pick is not None:

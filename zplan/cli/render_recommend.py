@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from rich.console import Console
-from rich.table import Table
+import sys
+
 
 from ..recommend import Recommendation
 from ..units import fmt_bytes, fmt_s
-from .render import bar
+from .render import add_columns, bar, make_console, new_table
 
 
-def print_recommendation(rec: Recommendation, top: int, written: str | None, plot: str | None) -> None:
-    console = Console(width=max(Console().width, 140))
+def print_recommendation(rec: Recommendation, top: int, written: str | None, plot: str | None,
+                         wide: bool = False) -> None:
+    console = make_console()
     w = rec.winner
     sc, t, m = w.sc, w.result.timing, w.result.memory
     console.print(f"[bold]{sc.model.name}[/] on {sc.n} x {sc.hw.gpu.name} ({sc.hw.cluster.name}), "
@@ -29,20 +30,27 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
     for f in rec.flags:
         console.print(f"[yellow]  note: {f}[/]")
     if top:
-        tb = Table(title="Runners-up", title_justify="left")
-        for col in ("#", "configuration", "per GPU", "step", "tokens/s/GPU", "MFU"):
-            tb.add_column(col, justify="left" if col == "configuration" else "right")
-        for i, c in enumerate(rec.ranked[1: top + 1], start=2):
-            ct = c.result.timing
-            tb.add_row(str(i), c.label(), fmt_bytes(c.total_bytes), fmt_s(ct.step_s),
-                       f"{ct.tokens_per_s_per_gpu:,.0f}", f"{ct.mfu:.1%}")
-        console.print(tb)
+        console.print(runners_up(rec, top, wide))
     console.print("[bold]Each strategy family:[/]")
     for fam, why in rec.lost.items():
         console.print(f"  {fam}: {why}")
     for fam, why in rec.rejected.items():
         console.print(f"  [red]infeasible[/] {why}")
+    # messages, not data: stderr
     if written:
-        console.print(f"Plan written to {written} (zplan launch --plan {written} runs it).")
+        print(f"zplan: plan written to {written} (zplan launch --plan {written} runs it)", file=sys.stderr)
     if plot:
-        console.print(f"Plot written to {plot}.")
+        print(f"zplan: plot written to {plot}", file=sys.stderr)
+
+
+def runners_up(rec: Recommendation, top: int, wide: bool = False):
+    """The next `top` candidates; --wide adds compute, exposed communication and traffic."""
+    tb = new_table("Runners-up" + ("" if wide else " (--wide: compute, exposed comm, bytes/step)"))
+    extra = ("compute", "exposed comm", "bytes/step") if wide else ()
+    add_columns(tb, ("#", "configuration", "per GPU", "step", *extra, "tokens/s/GPU", "MFU"), ("configuration",))
+    for i, c in enumerate(rec.ranked[1: top + 1], start=2):
+        ct = c.result.timing
+        more = (fmt_s(ct.compute_s), fmt_s(ct.exposed_comm_s), fmt_bytes(c.result.bytes_per_step)) if wide else ()
+        tb.add_row(str(i), c.label(), fmt_bytes(c.total_bytes), fmt_s(ct.step_s), *more,
+                   f"{ct.tokens_per_s_per_gpu:,.0f}", f"{ct.mfu:.1%}")
+    return tb

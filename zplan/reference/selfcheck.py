@@ -78,8 +78,13 @@ def _worker(rank: int, world: int, stages: tuple[int, ...], init: str, out: str,
 
 
 def unsharded(world: int):
-    """Plain AdamW on one process, on the mean of the N ranks' gradients (summed in rank order),
-    clipped by the same rank-ordered norm."""
+    """The oracle, written apart from zplan/reference/zero.py and zplan/ordered_reduce.py (it
+    imports neither): plain AdamW on one process, on the mean of the N ranks' gradients, clipped
+    by the global norm. Float addition is not associative, so to be comparable bit for bit the
+    oracle fixes the same order of additions the sharded run promises: the mean adds the ranks in
+    order 0..N-1 then divides by N; ||g||^2 adds, for each rank's slice of the padded flat
+    gradients, the units' sums of squares in unit order, then the ranks in order; the clip
+    coefficient is min(1, CLIP / (||g|| + 1e-6)) (torch.nn.utils.clip_grad_norm_'s formula)."""
     import math
 
     import torch
@@ -97,25 +102,22 @@ def unsharded(world: int):
             x, y = batch(step, r)
             F.mse_loss(model(x), y).backward()
             per_rank.append([torch.cat([p.grad.reshape(-1) for p in u.parameters()]) for u in units])
-        means = []
-        for i, u in enumerate(units):
+        means = []  # per unit, padded to a multiple of N with zeros
+        for i in range(len(units)):
             n = per_rank[0][i].numel()
-            pad = math.ceil(n / world) * world
-            rows = [torch.cat([g[i], torch.zeros(pad - n)]) for g in per_rank]
-            m = rows[0].clone()
-            for r in rows[1:]:
-                m += r
-            means.append(m / world)
-        from .zero import clip_coefficient, sum_in_order
-
-        squares = []
+            total = torch.zeros(math.ceil(n / world) * world)
+            total[:n] = per_rank[0][i]
+            for r in range(1, world):
+                total[:n] += per_rank[r][i]
+            means.append(total / world)
+        sq = torch.zeros(())
         for r in range(world):
-            parts = []
+            own = torch.zeros(())
             for m in means:
                 c = m.numel() // world
-                parts.append(m[r * c: (r + 1) * c].pow(2).sum())
-            squares.append(sum_in_order(parts))
-        coef = clip_coefficient(sum_in_order(squares), 1, CLIP)
+                own = own + m[r * c: (r + 1) * c].pow(2).sum()
+            sq = sq + own
+        coef = torch.minimum(CLIP / (sq.sqrt() + 1e-6), torch.ones(()))
         for i, u in enumerate(units):
             off = 0
             for p in u.parameters():

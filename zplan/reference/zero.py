@@ -11,8 +11,8 @@ rank r owns slice r (`shard`), on which AdamW keeps the master weights and both 
   the full gradients freed; after the step the updated shards are all-gathered.
 - zero1: as zero2, but the full gradients live until the end of backward.
 
-Reduce-scatter is done in a fixed order (all_to_all, then a sum in rank order, then / N), so the
-result is bit for bit the mean gradient; a ring reduce-scatter sums in ring order, which for
+Reduce-scatter is done in a fixed order (zplan/ordered_reduce.py: all_to_all, then a sum in rank
+order, then / N), so the result is bit for bit the rank-ordered mean gradient; a ring reduce-scatter sums in ring order, which for
 N >= 3 rounds differently (docs/reference.md). Every collective's size is counted, in the
 planner's convention, so the traffic can be held against zplan's model.
 """
@@ -25,6 +25,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..ordered_reduce import ordered_reduce_scatter
 
 
 class Traffic:
@@ -41,10 +43,10 @@ class Traffic:
         return sum(self.elements.values())
 
 
-def ordered_reduce_scatter(full: torch.Tensor, world: int, traffic: Traffic,
-                           ring: bool = False) -> torch.Tensor:
-    """Mean over ranks of `full`'s slice for this rank, summed in rank order: deterministic.
-    ring=True uses the backend's reduce_scatter instead (sums in ring order: not bitwise)."""
+def reduce_scatter(full: torch.Tensor, world: int, traffic: Traffic, ring: bool = False) -> torch.Tensor:
+    """Mean over ranks of `full`'s slice for this rank, summed in rank order: deterministic
+    (zplan/ordered_reduce.py). ring=True uses the backend's reduce_scatter instead (sums in ring
+    order: not bitwise)."""
     if world == 1:
         return full.clone()  # one rank: nothing moves
     traffic.add("reduce_scatter", full.numel())
@@ -52,13 +54,7 @@ def ordered_reduce_scatter(full: torch.Tensor, world: int, traffic: Traffic,
         out = torch.empty(full.numel() // world)
         dist.reduce_scatter_tensor(out, full)
         return out / world
-    received = torch.empty_like(full)
-    dist.all_to_all_single(received, full)  # chunk j of every rank arrives as row j
-    rows = received.view(world, -1)
-    out = rows[0].clone()
-    for j in range(1, world):
-        out += rows[j]
-    return out / world
+    return ordered_reduce_scatter(full)
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, traffic: Traffic, async_op: bool = False):
@@ -174,7 +170,7 @@ class ZeRO:
     def _reduce(self, i: int) -> None:
         u = self.units[i]
         u.grads_done = 0
-        self.local_grads[i] = ordered_reduce_scatter(u.flat_grad(), self.world, self.traffic, self.ring)
+        self.local_grads[i] = reduce_scatter(u.flat_grad(), self.world, self.traffic, self.ring)
         for p in u.params:
             p.grad = None  # the full gradient is gone: only this rank's slice remains
         if self.stage == 3:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..plan import Plan, write_atomic
+from ..units import relative_error
 from . import checkpoint as ckpt
 from .data import TokenSource
 from .measure import CommCounter, Timer, ddp_counting_hook
@@ -257,12 +258,13 @@ def compare_lines(report: dict) -> list[str]:
             ("step time", "step_s", lambda v: f"{v * 1e3:,.1f} ms"),
             ("tokens/s per rank", "tokens_per_s_per_gpu", lambda v: f"{v:,.0f}"),
             ("MFU", "mfu", lambda v: f"{v:.1%}")]
-    out = [f"{'figure':24s} {'predicted':>20s} {'measured':>20s} {'error':>8s}"]
+    out = [f"{'figure':24s} {'predicted':>20s} {'measured':>20s} {'error':>8s}",
+           "(error = (predicted - measured) / measured)"]
     for label, key, fmt in rows:
         mv, pv = m.get(key), p.get(key)
         ms = fmt(mv) if mv is not None and not (isinstance(mv, float) and math.isnan(mv)) else "-"
         ps = fmt(pv) if pv is not None else "-"
-        err = f"{(mv - pv) / pv:+.1%}" if (mv and pv) else ""
+        err = f"{relative_error(pv, mv):+.1%}" if (mv and pv) else ""  # (predicted - measured) / measured
         out.append(f"{label:24s} {ps:>20s} {ms:>20s} {err:>8s}")
     return out
 

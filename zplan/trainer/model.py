@@ -121,6 +121,9 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
 def param_seed(name: str, seed: int) -> int:
     return (zlib.crc32(name.encode()) + 1_000_003 * seed) % 2**63
 
@@ -161,6 +164,9 @@ def init_weights_(model: nn.Module, seed: int = 0) -> None:
     """Materialise every parameter from its name: one full tensor at a time, local piece kept."""
     layers = getattr(model, "spec", None).num_layers if hasattr(model, "spec") else 1
     for name, p in model.named_parameters():
+        # checkpoint_wrapper inserts a module into the path; the seed follows the model's own
+        # name, so a checkpointed run starts from the same weights as one without
+        name = name.replace(CHECKPOINT_WRAPPED, "")
         full = full_init(name, p.shape, seed, layers)
         piece = local_slice(full, p)
         local = p.to_local() if hasattr(p, "to_local") else p

@@ -1,0 +1,129 @@
+"""Output for people: tables fit the terminal (100 columns when piped), --wide shows every
+column, data on stdout; --plan refuses other scenario flags; explain --json."""
+
+import json
+
+import pytest
+
+ARGS = ("estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--checkpointing", "full")
+
+
+def _widths(text: str) -> int:
+    return max(len(line.rstrip()) for line in text.splitlines())
+
+
+def _no_columns(env=None):
+    e = {"COLUMNS": ""}
+    e.update(env or {})
+    return e
+
+
+def test_estimate_fits_100_columns_when_piped(run_zplan):
+    # the README's first command: nothing fits (exit 1), hsdp spans two links, offload uses the host
+    big = run_zplan("estimate", "--params", "70e9", "--gpus", "64", env=_no_columns())
+    assert big.returncode == 1 and _widths(big.stdout) <= 100 and "…" not in big.stdout
+    assert "Traceback" not in big.stderr and "--checkpointing full" in big.stderr
+    p = run_zplan(*ARGS, env=_no_columns())
+    assert p.returncode == 0, p.stderr
+    assert _widths(p.stdout) <= 100
+    head = next(line for line in p.stdout.splitlines() if line.startswith("strategy") and "total" in line)
+    # the columns a reader decides by are there, unwrapped and uncut
+    for col in ("model state", "activ.", "total", "fits", "headroom"):
+        assert col in head
+    assert "…" not in p.stdout
+    zero3 = next(line for line in p.stdout.splitlines() if line.startswith("zero3 "))
+    assert " yes " in zero3  # the fits column, on one line with its row
+
+
+@pytest.mark.parametrize("columns", ["80", "160"])
+def test_estimate_follows_COLUMNS(run_zplan, columns):
+    p = run_zplan(*ARGS, env=_no_columns({"COLUMNS": columns}))
+    assert p.returncode == 0, p.stderr
+    assert _widths(p.stdout) <= int(columns)
+
+
+def test_wide_shows_every_component(run_zplan):
+    narrow = run_zplan(*ARGS, env=_no_columns()).stdout
+    wide = run_zplan(*ARGS, "--wide", env=_no_columns({"COLUMNS": "200"})).stdout
+    head = next(line for line in wide.splitlines() if line.startswith("strategy") and "total" in line)
+    for col in ("params", "grads", "master", "optim", "gather", "reduce"):
+        assert col in head.split()
+        assert col not in next(line for line in narrow.splitlines()
+                               if line.startswith("strategy") and "total" in line).split()
+    assert _widths(wide) > 100
+
+
+def test_estimate_plan_refuses_other_scenario_flags(run_zplan, tmp_path):
+    plan = tmp_path / "p.json"
+    w = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--seq-len", "128", "--write", str(plan), "--json")
+    assert w.returncode == 0, w.stderr
+    ok = run_zplan("estimate", "--plan", str(plan), "--json")
+    assert ok.returncode == 0, ok.stderr
+    p = run_zplan("estimate", "--plan", str(plan), "--gpus", "64", "--no-flash")
+    assert p.returncode == 2
+    line = p.stderr.strip()
+    assert "\n" not in line and "--gpus" in line and "--no-flash" in line and "Traceback" not in line
+    assert p.stdout == ""
+
+
+def test_explain_json_carries_estimates_figures(run_zplan):
+    args = ("--model", "llama-3.1-8b", "--gpus", "16", "--checkpointing", "full")
+    e = run_zplan("explain", "--strategy", "zero3", "--json", *args)
+    assert e.returncode == 0, e.stderr
+    got = json.loads(e.stdout)
+    est = json.loads(run_zplan("estimate", "--strategy", "zero3", "--json", *args).stdout)
+    want = next(s for s in est["strategies"] if s["name"] == "zero3")
+    assert got["strategy"] == "zero3"
+    assert got["figures"]["per_gpu"] == want["per_gpu"]
+    assert got["figures"]["comm"]["bytes_per_step"] == want["comm"]["bytes_per_step"]
+    assert any("Ψ" in line for line in got["derivation"])
+
+
+def test_recommend_messages_go_to_stderr(run_zplan, tmp_path):
+    plan = tmp_path / "p.json"
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--seq-len", "128", "--write", str(plan), "--top", "1", env=_no_columns())
+    assert p.returncode == 0, p.stderr
+    assert plan.is_file() and f"plan written to {plan}" in p.stderr and "written" not in p.stdout
+    assert "Recommended:" in p.stdout and _widths(p.stdout) <= 100
+
+
+def test_recommend_wide_adds_columns(run_zplan):
+    args = ("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--top", "3")
+    narrow = run_zplan(*args, env=_no_columns()).stdout
+    wide = run_zplan(*args, "--wide", env=_no_columns({"COLUMNS": "160"})).stdout
+    head = lambda text: next(line for line in text.splitlines() if line.startswith("#"))  # noqa: E731
+    assert "exposed comm" in head(wide) and "exposed comm" not in head(narrow)
+    assert _widths(narrow) <= 100
+
+
+def test_estimate_follows_the_terminal_width():
+    """On a terminal (a pseudo-terminal 120 columns wide here) the tables use its width."""
+    import fcntl
+    import os
+    import re
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    p = subprocess.Popen([sys.executable, "-m", "zplan", *ARGS, "--wide"], stdout=slave,
+                         stderr=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert p.wait(timeout=60) == 0
+    os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode()).replace("\r", "")
+    assert 100 < _widths(text) <= 120
