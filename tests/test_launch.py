@@ -5,7 +5,7 @@ import types
 import pytest
 
 from zplan.errors import UsageError
-from zplan.hardware import detect, preset_for, visible_indices
+from zplan.hardware import detect, preset_for
 from zplan.launch.command import LaunchSpec, shell_line, slurm_script, torchrun_argv
 
 
@@ -62,37 +62,112 @@ def test_slurm_one_node_cpu():
     assert "--gpus-per-node" not in text and "--nnodes=1 --nproc-per-node=2" in text
 
 
-def _fake_nvml(names, mem=80 * 2**30, fail=False):
+class _NotFound(Exception):
+    pass
+
+
+def _uuid(i):
+    return f"GPU-{i:x}{i:x}c0ffee-1111-2222-3333-44445555666{i:x}"
+
+
+def _fake_nvml(names, mem=80 * 2**30, fail=False, migs=None):
+    """NVML as pynvml shows it: devices by index and by UUID, and MIG slices. migs: parent index
+    -> [(gpu instance, compute instance, uuid, memory bytes)]."""
+    migs = migs or {}
     m = types.SimpleNamespace()
     def init():
         if fail:
             raise RuntimeError("Driver Not Loaded")
+    slices = {u: (p, gi, ci, b) for p, lst in migs.items() for gi, ci, u, b in lst}
     m.nvmlInit = init
     m.nvmlShutdown = lambda: None
     m.nvmlDeviceGetCount = lambda: len(names)
-    m.nvmlDeviceGetHandleByIndex = lambda i: i
-    m.nvmlDeviceGetName = lambda h: names[h].encode()
-    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=mem)
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("gpu", i)
+    m.nvmlDeviceGetUUID = lambda h: (_uuid(h[1]) if h[0] == "gpu" else h[1]).encode()
+    m.nvmlDeviceGetName = lambda h: (names[h[1]] if h[0] == "gpu" else
+                                     f"{names[slices[h[1]][0]]} MIG 1g.10gb").encode()
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        total=mem if h[0] == "gpu" else slices[h[1]][3])
+    def by_uuid(u):
+        if u in slices:
+            return ("mig", u)
+        for i in range(len(names)):
+            if _uuid(i) == u:
+                return ("gpu", i)
+        raise _NotFound(u)
+    m.nvmlDeviceGetHandleByUUID = by_uuid
+    m.nvmlDeviceGetDeviceHandleFromMigDeviceHandle = lambda h: ("gpu", slices[h[1]][0])
+    m.nvmlDeviceGetIndex = lambda h: h[1]
+    m.nvmlDeviceGetMaxMigDeviceCount = lambda h: 7
+    def mig_by_index(h, j):
+        lst = migs.get(h[1], [])
+        if j >= len(lst):
+            raise _NotFound(j)
+        return ("mig", lst[j][2])
+    m.nvmlDeviceGetMigDeviceHandleByIndex = mig_by_index
+    m.nvmlDeviceGetGpuInstanceId = lambda h: slices[h[1]][1]
+    m.nvmlDeviceGetComputeInstanceId = lambda h: slices[h[1]][2]
     return m
+
+
+H100 = "NVIDIA H100 80GB HBM3"
 
 
 def test_detect_with_a_fake_nvml(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    d = detect(_fake_nvml(["NVIDIA H100 80GB HBM3"] * 8))
+    d = detect(_fake_nvml([H100] * 8))
     assert len(d.gpus) == 8 and d.gpu_preset == "h100-sxm"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
-    d = detect(_fake_nvml(["NVIDIA H100 80GB HBM3"] * 8))
+    d = detect(_fake_nvml([H100] * 8))
     assert [g.index for g in d.gpus] == [2, 5] and "2 of 8" in d.gpu_reason
     d = detect(_fake_nvml([], fail=True))
     assert d.gpus == [] and "Driver Not Loaded" in d.gpu_reason
-    assert d.host_ram_bytes > 0 and d.cpus >= 1
+    assert d.host_ram_bytes > 0
 
 
-def test_visible_devices_rules():
-    assert visible_indices(4, None) == [0, 1, 2, 3]
-    assert visible_indices(4, "") == []
-    assert visible_indices(4, "1,7,2") == [1]  # CUDA stops at the first invalid ordinal
-    assert visible_indices(4, "3,1") == [3, 1]
+def _visible(monkeypatch, env, nvml):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    return [g.index for g in detect(nvml).gpus]
+
+
+def test_visible_devices_rules(monkeypatch):
+    four = _fake_nvml([H100] * 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [g.index for g in detect(four).gpus] == [0, 1, 2, 3]
+    assert _visible(monkeypatch, "", four) == []
+    assert _visible(monkeypatch, "1,7,2", four) == [1]  # CUDA stops at the first invalid ordinal
+    assert _visible(monkeypatch, "3,1", four) == [3, 1]
+    assert _visible(monkeypatch, "3,3,1", four) == [3]  # and at a repeated one
+
+
+def test_gpu_uuids_are_understood(monkeypatch):
+    """Issue 9 item 7: UUIDs (full or a unique prefix) select GPUs by NVML UUID, in CUDA's order."""
+    nvml = _fake_nvml([H100] * 8)
+    d_env = f"{_uuid(6)},{_uuid(1)}"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", d_env)
+    d = detect(nvml)
+    assert [(g.index, g.uuid) for g in d.gpus] == [(6, _uuid(6)), (1, _uuid(1))]
+    assert d.gpu_preset == "h100-sxm" and "2 of 8" in d.gpu_reason
+    assert _visible(monkeypatch, _uuid(3)[:12], nvml) == [3]  # GPU-33c0ffee: a unique prefix
+    assert _visible(monkeypatch, "GPU-", nvml) == []  # a prefix of every UUID names none
+    assert _visible(monkeypatch, f"{_uuid(2)},GPU-deadbeef,{_uuid(4)}", nvml) == [2]  # stops at the unknown
+    assert _visible(monkeypatch, f"{_uuid(5)},5", nvml) == [5]  # the same GPU twice
+
+
+def test_mig_identifiers_are_understood(monkeypatch):
+    slice_mem = 10 * 2**30
+    migs = {1: [(7, 0, "MIG-aaaa1111-2222-3333-4444-555566667777", slice_mem),
+                (8, 0, "MIG-bbbb1111-2222-3333-4444-555566667777", slice_mem)]}
+    nvml = _fake_nvml([H100] * 2, migs=migs)
+    for env in ("MIG-bbbb1111-2222-3333-4444-555566667777", f"MIG-{_uuid(1)}/8/0"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+        d = detect(nvml)
+        assert len(d.gpus) == 1, env
+        g = d.gpus[0]
+        assert (g.index, g.mig, g.memory_bytes, g.uuid) == (1, True, slice_mem, migs[1][1][2])
+        assert g.preset is None and "MIG" in d.gpu_reason  # a slice is not the preset's GPU
+    assert _visible(monkeypatch, f"MIG-{_uuid(1)}/9/0", nvml) == []  # no such instance
+    assert _visible(monkeypatch, "MIG-ffff0000-0000-0000-0000-000000000000", nvml) == []
 
 
 def test_preset_names():
@@ -110,6 +185,25 @@ def test_cgroup_limit(tmp_path):
     assert cgroup_memory_limit(tmp_path) is None
 
 
+def test_cgroup_cpu_quota(tmp_path):
+    import os
+
+    from zplan.hardware import cgroup_cpu_limit, usable_cpus
+    assert cgroup_cpu_limit(tmp_path) is None
+    assert usable_cpus(tmp_path) == len(os.sched_getaffinity(0))  # no quota: the affinity
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 2  # 1.5 CPUs of quota: 2 CPUs run it
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert usable_cpus(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(tmp_path) is None
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(tmp_path / "v1") == 3
+
+
 def test_launch_dry_run_cli(run_zplan, tmp_path):
     p = run_zplan("launch", "--dry-run", "--run-dir", str(tmp_path / "r"), "--steps", "5")
     assert p.returncode == 0, p.stderr
@@ -120,12 +214,20 @@ def test_launch_dry_run_cli(run_zplan, tmp_path):
     assert not (tmp_path / "r" / "plan.json").exists()  # a dry run writes nothing
 
 
-def test_detect_cli(run_zplan):
-    p = run_zplan("detect", "--json")
-    assert p.returncode == 0
+def test_detect_cli():
+    """The CPU count follows the process's affinity: pinned to one CPU, detect says 1 (the
+    oracle is the affinity this test sets, not the code under test)."""
     import json
+    import os
+    import subprocess
+    import sys
+
+    one = min(os.sched_getaffinity(0))
+    p = subprocess.run([sys.executable, "-m", "zplan", "detect", "--json"], capture_output=True,
+                       text=True, timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    assert d["cpus"] >= 1 and d["host_ram_bytes"] > 0
+    assert d["cpus"] == 1 and d["host_ram_bytes"] > 0
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
-"""What this machine has: GPUs (through NVML), host RAM (clamped to the cgroup), usable CPUs.
+"""What this machine has: GPUs (through NVML), host RAM (clamped to the cgroup), usable CPUs
+(affinity, clamped to the cgroup's quota).
 
 No GPU, or no driver, is not an error: `detect()` says what it found and why.
-NVML ignores CUDA_VISIBLE_DEVICES, so the visible set is applied here.
+NVML ignores CUDA_VISIBLE_DEVICES, so the visible set (ordinals, GPU UUIDs, MIG identifiers) is
+applied here.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ _NAME_MAP = (
 
 @dataclass(frozen=True)
 class GPUInfo:
-    index: int
+    index: int  # NVML's index (a MIG slice: its parent GPU's)
     name: str
     memory_bytes: int
-    preset: str | None
+    preset: str | None  # None for a MIG slice: it is not the preset's whole GPU
+    uuid: str = ""
+    mig: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,21 +52,74 @@ def preset_for(nvml_name: str) -> str | None:
     return None
 
 
-def visible_indices(count: int, env: str | None) -> list[int]:
-    """Apply CUDA_VISIBLE_DEVICES (integers; UUIDs are kept in order) to NVML's device list."""
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _gpu_by_uuid(nvml, count: int, prefix: str):
+    """(index, handle) of the one GPU whose UUID starts with `prefix` (CUDA accepts a unique
+    prefix of "GPU-..."), or None."""
+    hits = []
+    for i in range(count):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        if _text(nvml.nvmlDeviceGetUUID(h)).startswith(prefix):
+            hits.append((i, h))
+    return hits[0] if len(hits) == 1 else None
+
+
+def _mig_by_ids(nvml, parent, gi: int, ci: int):
+    """The MIG device of `parent` with GPU instance `gi` and compute instance `ci`, or None."""
+    for j in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
+        try:
+            h = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, j)
+        except Exception:  # NVMLError_NotFound: an empty slot
+            continue
+        if (int(nvml.nvmlDeviceGetGpuInstanceId(h)), int(nvml.nvmlDeviceGetComputeInstanceId(h))) == (gi, ci):
+            return h
+    return None
+
+
+def _resolve(nvml, count: int, tok: str):
+    """One CUDA_VISIBLE_DEVICES entry -> (index, handle, is_mig), or None if CUDA would reject it.
+
+    Forms: an ordinal; "GPU-<uuid>" (or a unique prefix); "MIG-<uuid>" (R470+ drivers);
+    "MIG-GPU-<uuid>/<gpu instance>/<compute instance>" (older drivers)."""
+    if tok.isdigit():
+        i = int(tok)
+        return (i, nvml.nvmlDeviceGetHandleByIndex(i), False) if i < count else None
+    if tok.startswith("GPU-"):
+        hit = _gpu_by_uuid(nvml, count, tok)
+        return (hit[0], hit[1], False) if hit else None
+    m = re.fullmatch(r"MIG-(GPU-[0-9a-fA-F-]+)/(\d+)/(\d+)", tok)
+    if m:
+        hit = _gpu_by_uuid(nvml, count, m.group(1))
+        h = _mig_by_ids(nvml, hit[1], int(m.group(2)), int(m.group(3))) if hit else None
+        return (hit[0], h, True) if h is not None else None
+    if tok.startswith("MIG-"):
+        try:
+            h = nvml.nvmlDeviceGetHandleByUUID(tok)
+            parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h)
+            return int(nvml.nvmlDeviceGetIndex(parent)), h, True
+        except Exception:  # NVMLError_NotFound / InvalidArgument: CUDA would not see it either
+            return None
+    return None
+
+
+def visible_devices(nvml, count: int, env: str | None) -> list[tuple[int, object, bool]]:
+    """CUDA_VISIBLE_DEVICES applied to NVML (which ignores it): (index, handle, is_mig) in
+    CUDA's order, stopping at the first entry CUDA would reject or repeat."""
     if env is None:
-        return list(range(count))
-    out = []
-    for tok in env.split(","):
-        tok = tok.strip()
+        return [(i, nvml.nvmlDeviceGetHandleByIndex(i), False) for i in range(count)]
+    out, seen = [], set()
+    for tok in (t.strip() for t in env.split(",")):
         if not tok:
             continue
-        if not tok.isdigit():
-            break  # CUDA stops at the first invalid entry; UUID lists are handled by the caller
-        i = int(tok)
-        if i >= count or i in out:
+        hit = _resolve(nvml, count, tok)
+        key = None if hit is None else (hit[0], hit[2], tok if hit[2] else None)
+        if hit is None or key in seen:
             break
-        out.append(i)
+        seen.add(key)
+        out.append(hit)
     return out
 
 
@@ -73,15 +130,18 @@ def _nvml(nvml) -> tuple[list[GPUInfo], str]:
         return [], f"NVML could not start ({e}); no NVIDIA driver here"
     try:
         count = nvml.nvmlDeviceGetCount()
-        idx = visible_indices(count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = []
-        for i in idx:
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            name = nvml.nvmlDeviceGetName(h)
-            name = name.decode() if isinstance(name, bytes) else str(name)
+        for i, h, mig in visible_devices(nvml, count, env):
+            name = _text(nvml.nvmlDeviceGetName(h))
             mem = int(nvml.nvmlDeviceGetMemoryInfo(h).total)
-            gpus.append(GPUInfo(i, name, mem, preset_for(name)))
+            uuid = _text(nvml.nvmlDeviceGetUUID(h)) if hasattr(nvml, "nvmlDeviceGetUUID") else ""
+            gpus.append(GPUInfo(i, name, mem, None if mig else preset_for(name), uuid, mig))
         why = f"{len(gpus)} of {count} GPUs visible" if len(gpus) != count else f"{count} GPU(s) found by NVML"
+        if env is not None and env.strip() and not gpus:
+            why += f" (CUDA_VISIBLE_DEVICES={env!r} names none of them)"
+        if any(g.mig for g in gpus):
+            why += "; a MIG slice matches no preset (it is not the whole GPU): pass --gpu with a preset of your own"
         return gpus, why
     finally:
         try:
@@ -102,6 +162,32 @@ def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     return None
 
 
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The container's CPU quota in whole CPUs, rounded up (cgroup v2 cpu.max "quota period",
+    or v1 cfs_quota_us / cfs_period_us), if any."""
+    pairs = [(root / "cpu.max", None), (root / "cpu" / "cpu.cfs_quota_us", root / "cpu" / "cpu.cfs_period_us")]
+    for first, second in pairs:
+        try:
+            words = first.read_text().split()
+            if second is not None:
+                words = words[:1] + second.read_text().split()[:1]
+        except OSError:
+            continue
+        if len(words) == 2 and words[0].isdigit() and words[1].isdigit() and int(words[1]) > 0:
+            return max(1, -(-int(words[0]) // int(words[1])))
+    return None
+
+
+def usable_cpus(root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may run on (its affinity), clamped to the cgroup's quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(root)
+    return min(cpus, limit) if limit is not None else cpus
+
+
 def detect(nvml_module=None) -> Detected:
     """Look at this machine. `nvml_module` replaces pynvml in tests (a fake module)."""
     if nvml_module is None:
@@ -120,8 +206,4 @@ def detect(nvml_module=None) -> Detected:
     limit = cgroup_memory_limit()
     if limit is not None and limit < ram:
         ram, source = limit, "cgroup limit"
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return Detected(gpus, why, ram, source, cpus)
+    return Detected(gpus, why, ram, source, usable_cpus())
