@@ -79,8 +79,9 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     # the bookkeeping all-reduce below is of CPU tensors: on GPUs gloo carries it beside NCCL
-    pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
-    dist.init_process_group(pg_backend, init_method=init, rank=rank, world_size=world)
+    from .trainer.distributed import init_process_group_for
+
+    init_process_group_for(device, init_method=init, rank=rank, world_size=world)
     res = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}}
     try:
         for nbytes in sizes:

@@ -23,6 +23,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory tracker (CPU)")
     ap.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--log-every", type=int, default=None,
+                    help="a step line on stdout every K steps (default: 10 without a terminal; 0: none)")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping by the global norm")
     ap.add_argument("--deterministic", action="store_true",
                     help="FSDP2: rank-ordered reduce-scatter, bit for bit the rank-ordered mean gradient")
@@ -57,14 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend)
+    from .distributed import init_process_group_for
+    init_process_group_for("cuda" if cuda else "cpu")
     from .loop import RunConfig, Trainer, compare_lines, write_report
 
     cfg = RunConfig(steps=args.steps, lr=args.lr, seed=args.seed, save_every=args.save_every,
                     ckpt_dir=args.ckpt_dir, resume=args.resume, data=args.data,
                     measure_memory=not args.no_memory, stop_after=args.stop_after,
                     progress=not args.no_progress and sys.stderr.isatty(), clip=args.clip,
-                    deterministic=args.deterministic)
+                    deterministic=args.deterministic, log_every=args.log_every)
     try:
         report = Trainer(plan, cfg, backend).run()
         if dist.get_rank() == 0:

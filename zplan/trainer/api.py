@@ -35,7 +35,8 @@ from torch import nn
 
 from ..plan import Plan, load
 from . import checkpoint as ckpt
-from .parallel import Parallelized, build_optimizer, device_for, replicate, set_sync, shard_units
+from .distributed import init_process_group_for
+from .parallel import Parallelized, build_optimizer, replicate, set_sync, shard_units
 
 
 @dataclass
@@ -129,8 +130,8 @@ def init(ckpt_dir: str | None = None) -> Context:
         raise RuntimeError(why)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if cuda else "gloo"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        init_process_group_for(device)
     run_dir = ckpt_dir or os.environ.get("ZPLAN_RUN_DIR") or str(Path(path).parent)
-    return Context(plan, dist.get_rank(), dist.get_world_size(), device_for(backend), run_dir)
+    return Context(plan, dist.get_rank(), dist.get_world_size(), device, run_dir)

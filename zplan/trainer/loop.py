@@ -4,23 +4,24 @@ predicted. Runs under torchrun (one process per rank); see zplan/trainer/__main_
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import statistics
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..plan import Plan, write_atomic
-from ..units import relative_error
+from ..plan import Plan
 from . import checkpoint as ckpt
-from .data import TokenSource
-from .measure import CommCounter, Timer, ddp_counting_hook
+from .data import Prefetcher, TokenSource
+from .measure import CommCounter, StepClock, device_peak_memory, ddp_counting_hook
 from .model import Transformer, init_weights_
 from .parallel import Parallelized, build_optimizer, device_for, parallelize, set_sync
+from .report import build_report, compare_lines, progress_bar, step_log_line, write_report
+
+__all__ = ["RunConfig", "Trainer", "compare_lines", "write_report"]
 
 
 @dataclass
@@ -37,6 +38,13 @@ class RunConfig:
     stop_after: int | None = None  # end the run after this step, as if killed (tests)
     progress: bool = True
     deterministic: bool = False  # FSDP2: rank-ordered reduce-scatter (bit for bit at any N)
+    log_every: int | None = None  # a step line on stdout every k steps; None: 10 without a progress bar, else none
+
+    @property
+    def log_interval(self) -> int:
+        if self.log_every is not None:
+            return max(0, self.log_every)
+        return 0 if self.progress else 10
 
 
 def _memory_tracker(p: Parallelized, optim, device):
@@ -74,17 +82,18 @@ class Trainer:
             self.par.model.register_comm_hook(None, ddp_counting_hook(self._counter_ref))
         t = plan.train
         self.data = TokenSource(plan.model.vocab_size, t.seq_len, cfg.seed, cfg.data)
+        self.batches = Prefetcher(self.data, self.rank, self.world, plan.global_batch, t.micro_batch,
+                                  t.grad_accum, self.device)
         self.step = 0
-        self.timer = Timer(self.device)
+        self.clock = StepClock(self.device)
+        self.backend = dist.get_backend_config() if hasattr(dist, "get_backend_config") else dist.get_backend()
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self) -> torch.Tensor:
         t, A = self.plan.train, self.plan.train.grad_accum
         total = torch.zeros((), device=self.device)
         for micro in range(A):
-            x, y = self.data.batch(self.step, micro, self.rank, self.world, self.plan.global_batch,
-                                   t.micro_batch)
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = self.batches.get(self.step, micro)
             sync = micro == A - 1 or t.reduce_every_microbatch
             cast = (torch.autocast(self.device.type, dtype=self.par.autocast_dtype)
                     if self.par.autocast_dtype is not None else contextlib.nullcontext())
@@ -97,13 +106,17 @@ class Trainer:
                 self._tracking.reset_mod_stats()  # the tracker refuses a second forward otherwise
         return total
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
+        """The global gradient norm, left where it is (the device; the host under offload-all,
+        whose gradients are CPU DTensors: the group's CPU backend reduces it)."""
         norm = torch.nn.utils.clip_grad_norm_(self.par.model.parameters(), self.cfg.clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # a collective: every rank calls it
-        return float(norm)
+        return norm.detach()
 
-    def train_step(self, count: bool) -> tuple[float, float]:
+    def train_step(self, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns this rank's loss and the global gradient norm as tensors,
+        unread: reading them (float()) would wait for the device every step."""
         counter = self.counter if count else None
         self._counter_ref[0] = counter
         with counter if counter is not None else contextlib.nullcontext():
@@ -113,8 +126,16 @@ class Trainer:
         with counter if counter is not None else contextlib.nullcontext():
             self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        dist.all_reduce(loss)  # for the log only, outside the counter
-        return float(loss) / self.world, grad_norm
+        return loss, grad_norm
+
+    def _mean_over_ranks(self, local: list[torch.Tensor]) -> list[float]:
+        """The rank-mean of each per-step loss: one all-reduce for all of them (a collective:
+        every rank calls it)."""
+        if not local:
+            return []
+        t = torch.stack(local)
+        dist.all_reduce(t)
+        return (t / self.world).tolist()
 
     # ------------------------------------------------------------------ the run
     def resume(self) -> int:
@@ -140,48 +161,73 @@ class Trainer:
         at = min(start + 2, last)
         track = cfg.measure_memory and last - 1 > at
         tracker = _memory_tracker(self.par, self.optim, self.device) if track else None
-        losses, times, norms = [], [], []
+        losses, norms, marks, timed = [], [], [], []
         self.counter = CommCounter(self.world)
         counted = 0
         stack_open = False
-        progress = _progress(self.rank == 0 and cfg.progress, cfg.steps - start)
+        logged = start  # steps before this one are in an earlier log line
+        every = cfg.log_interval
+        progress = progress_bar(self.rank == 0 and cfg.progress, cfg.steps - start)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with progress as bar, contextlib.ExitStack() as stack:
+            stack.callback(self.batches.close)
             task = bar.add_task("training", total=cfg.steps - start) if bar else None
             while self.step < cfg.steps:
                 # Memory is tracked on the last two steps (FSDPMemTracker's hooks outlive its
                 # context on torch 2.13, so nothing may run after it); traffic on the second step.
                 measure_mem = tracker is not None and self.step >= last - 1
                 count = self.step == at
-                t0 = self.timer.now()
                 if measure_mem and not stack_open:
                     stack.enter_context(tracker)
                     stack_open = True
                 self._tracking = tracker if measure_mem else None
+                t0 = self.clock.mark()
                 loss, gnorm = self.train_step(count)
+                t1 = self.clock.mark()
                 if self._tracking is not None:
                     self._tracking.reset_mod_stats()
                 self._tracking = None
-                dt = self.timer.now() - t0
                 counted += int(count)
                 losses.append(loss)
                 norms.append(gnorm)
-                if not measure_mem and self.step > start:
-                    times.append(dt)  # the first step warms up
+                marks.append((t0, t1))
+                timed.append(not measure_mem and self.step > start)  # the first step warms up
                 self.step += 1
-                if bar:
-                    bar.update(task, advance=1, description=f"step {self.step} loss {loss:.3f}")
+                if bar:  # a progress bar asks for the loss every step (a TTY only)
+                    bar.update(task, advance=1, description=f"step {self.step} loss {float(loss):.3f}")
+                if every and (self.step % every == 0 or self.step == cfg.steps):
+                    self._log(losses[-1], marks[logged - start:], cfg.steps)
+                    logged = self.step
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
                 if cfg.stop_after is not None and self.step >= cfg.stop_after:
                     break
+        times = [self.clock.seconds(a, b) for (a, b), ok in zip(marks, timed) if ok]
         peak = self._peak_memory(tracker)
-        return self._report(start, losses, norms, times, peak, counted)
+        mean_losses = self._mean_over_ranks(losses)
+        grad_norms = torch.stack(norms).tolist() if norms else []
+        return build_report(self, start, mean_losses, grad_norms, times, peak, counted)
 
-    def _peak_memory(self, tracker) -> int:
+    def _log(self, loss: torch.Tensor, marks: list, steps: int) -> None:
+        """A step line on rank 0's stdout: the rank-mean loss (a collective: every rank calls it)
+        and the median step time of the steps since the last line."""
+        mean = loss.clone()
+        dist.all_reduce(mean)
+        if self.rank != 0:
+            return
+        step_s = statistics.median(self.clock.seconds(a, b) for a, b in marks)
+        memory = device_peak_memory(self.device) if self.device.type == "cuda" else None
+        print(step_log_line(self, self.step, steps, float(mean) / self.world, step_s, memory),
+              file=sys.stdout, flush=True)
+
+    def _peak_memory(self, tracker) -> dict[str, int | None]:
+        """Peak bytes over ranks (the maximum): allocated, and on a GPU reserved (the caching
+        allocator's segments, which is what the device lends). A CPU rank's figure is the
+        tracker's, which counts tensors (no allocator, no context)."""
+        reserved = None
         if self.device.type == "cuda":
-            local = torch.cuda.max_memory_allocated(self.device)
+            local, reserved = device_peak_memory(self.device)
         elif tracker is not None:
             snap = tracker.get_tracker_snapshot("peak")
             local = max((v.get("Total", 0) for v in snap.values()), default=0)
@@ -189,87 +235,6 @@ class Trainer:
                 self.memory_by_category = {str(getattr(k, "value", k)): int(b) for k, b in v.items()}
         else:
             local = 0
-        t = torch.tensor([local], dtype=torch.int64)
+        t = torch.tensor([local, reserved or 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
-    def _report(self, start, losses, norms, times, peak, counted) -> dict:
-        t, plan = self.plan.train, self.plan
-        tokens = t.micro_batch * t.seq_len * t.grad_accum
-        step_s = statistics.median(times) if times else float("nan")
-        from .. import arch
-
-        flop = arch.model_flop_per_token(plan.model, t.seq_len) * tokens
-        peak_flops = plan.gpu.flops(t.precision.param)
-        comm = self.counter.summary(max(1, counted)) if self.counter else {}
-        measured = {
-            "peak_memory_bytes": peak,
-            "step_s": step_s,
-            "tokens_per_s_per_gpu": tokens / step_s if times else None,
-            "mfu": flop / (step_s * peak_flops) if times else None,
-            "elements_per_step": comm.get("elements_per_step"),
-            "bytes_per_step": comm.get("bytes_per_step"),
-            "per_collective": comm.get("per_collective"),
-            "memory_by_category_rank0": self.memory_by_category,
-        }
-        pred = plan.predicted
-        pred_mem = None if pred is None else pred.per_gpu["total_bytes"]
-        if pred is not None and self.device.type == "cpu" and plan.strategy == "offload-all":
-            # a CPU rank has no device memory to offload from: offload-all holds what zero3 does
-            from ..estimate import estimate_one
-
-            pred_mem = estimate_one(plan.scenario(), "zero3").memory.total_bytes
-        predicted = None if pred is None else {
-            "peak_memory_bytes": pred_mem, "step_s": pred.step_s,
-            "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, "mfu": pred.mfu,
-            "elements_per_step": pred.elements_per_step, "bytes_per_step": pred.bytes_per_step,
-        }
-        return {
-            "strategy": plan.strategy, "world_size": self.world, "device": self.device.type,
-            "model": plan.model.name, "start_step": start, "end_step": self.step,
-            "losses": losses, "grad_norms": norms, "config": asdict(self.cfg),
-            "measured": measured, "predicted": predicted,
-        }
-
-
-class _NoBar:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-def _progress(enabled: bool, total: int):
-    if not enabled:
-        return _NoBar()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn(),
-                    transient=True)
-
-
-def compare_lines(report: dict) -> list[str]:
-    """Predicted against measured, one line per figure (rank 0 prints them)."""
-    m, p = report["measured"], report["predicted"] or {}
-    rows = [("peak memory per rank", "peak_memory_bytes", lambda v: f"{v / 2**20:,.1f} MiB"),
-            ("communication per step", "elements_per_step", lambda v: f"{v:,} elements"),
-            ("bytes per step", "bytes_per_step", lambda v: f"{v / 2**20:,.2f} MiB"),
-            ("step time", "step_s", lambda v: f"{v * 1e3:,.1f} ms"),
-            ("tokens/s per rank", "tokens_per_s_per_gpu", lambda v: f"{v:,.0f}"),
-            ("MFU", "mfu", lambda v: f"{v:.1%}")]
-    out = [f"{'figure':24s} {'predicted':>20s} {'measured':>20s} {'error':>8s}",
-           "(error = (predicted - measured) / measured)"]
-    for label, key, fmt in rows:
-        mv, pv = m.get(key), p.get(key)
-        ms = fmt(mv) if mv is not None and not (isinstance(mv, float) and math.isnan(mv)) else "-"
-        ps = fmt(pv) if pv is not None else "-"
-        err = f"{relative_error(pv, mv):+.1%}" if (mv and pv) else ""  # (predicted - measured) / measured
-        out.append(f"{label:24s} {ps:>20s} {ms:>20s} {err:>8s}")
-    return out
-
-
-def write_report(report: dict, ckpt_dir: str) -> Path:
-    path = Path(ckpt_dir) / "run_report.json"
-    write_atomic(path, json.dumps(report, indent=2, default=str) + "\n")
-    return path
+        return {"allocated": int(t[0]), "reserved": int(t[1]) if reserved is not None else None}

@@ -108,14 +108,36 @@ def ddp_counting_hook(counter_ref: list):
     return hook
 
 
-class Timer:
+class StepClock:
+    """Step times without a host synchronisation per step: on a GPU a pair of CUDA events
+    around each step, read (waiting for the second) only when a figure is asked for; on a CPU
+    the clock itself (CPU ops run synchronously)."""
+
     def __init__(self, device: torch.device):
-        self.device = device
+        self.cuda = device.type == "cuda"
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def now(self) -> float:
-        self.sync()
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
         return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+        return end - start
+
+
+def device_peak_memory(device: torch.device) -> tuple[int, int]:
+    """(allocated, reserved) peak bytes of the caching allocator since the last reset; the CUDA
+    context is in neither."""
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def host_rss_bytes() -> int:
+    """This process's resident memory (a CPU rank's step log; includes the libraries)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)

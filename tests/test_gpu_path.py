@@ -1,0 +1,225 @@
+"""The GPU path, caught on CPU where it can be, on a GPU where only a GPU can show it.
+
+A GPU group made as `init_process_group("nccl")` maps only the cuda device type to a backend,
+and the trainer does meet CPU tensors in collectives (the gradient norm under offload-all, whose
+gradients are CPU DTensors; bookkeeping). On this CPU-only machine the same device scoping is
+made with gloo standing in for NCCL ($ZPLAN_STAND_IN_NCCL=gloo): the group a GPU run would make,
+and the same failure for a CPU collective when the group lacks a CPU backend.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from zplan.trainer.distributed import STAND_IN_ENV, backend_for, stand_in_for_nccl
+
+ROOT = Path(__file__).resolve().parent.parent
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_backend_strings():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
+    assert stand_in_for_nccl("nccl", "gloo") == "cuda:gloo"  # NCCL's scoping: cuda only
+    assert stand_in_for_nccl(backend_for("cuda"), "gloo") == "cpu:gloo,cuda:gloo"
+    with pytest.raises(ValueError, match="not mps"):
+        backend_for("mps")
+
+
+def _chain_by_definition(perm, noise, follow):
+    """The chain as docs/trainer.md defines it, one token at a time (the oracle)."""
+    out = [int(noise[0])]
+    for t in range(1, len(noise)):
+        out.append(int(perm[out[-1]]) if follow[t] else int(noise[t]))
+    return out
+
+
+@pytest.mark.parametrize("vocab,n", [(7, 1), (7, 2), (7, 300), (1000, 4097), (256, 65)])
+def test_vectorised_chain_equals_its_definition(vocab, n):
+    from zplan.trainer.data import markov_chain, permutation_powers
+
+    g = torch.Generator().manual_seed(vocab * n)
+    perm = torch.randperm(vocab, generator=g)
+    noise = torch.randint(0, vocab, (n,), generator=g)
+    for follow in (torch.rand(n, generator=g) < 0.9, torch.ones(n, dtype=torch.bool),
+                   torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=g) < 0.999):
+        got = markov_chain(permutation_powers(perm, n), noise, follow).tolist()
+        assert got == _chain_by_definition(perm.tolist(), noise.tolist(), follow.tolist())
+
+
+def test_prefetched_batches_are_the_contract_batches():
+    """Prefetching changes when a batch is made, never which: sample i of the run is a pure
+    function of (seed, i), in any order of requests."""
+    from zplan.trainer.data import FOLLOW, Prefetcher, TokenSource
+
+    src = TokenSource(97, 16, seed=5)
+    g = torch.Generator().manual_seed(5 * 1_000_003 + 13)  # sample 13, by the contract's seeding
+    noise = torch.randint(0, 97, (17,), generator=g)
+    follow = torch.rand(17, generator=g) < FOLLOW
+    assert src.sample(13).tolist() == _chain_by_definition(src.perm.tolist(), noise.tolist(), follow.tolist())
+    pre = Prefetcher(src, rank=1, world=2, global_batch=8, micro_batch=2, grad_accum=2,
+                     device=torch.device("cpu"))
+    try:
+        for step, micro in [(0, 0), (0, 1), (1, 0), (1, 1), (3, 1), (2, 0)]:  # in order, then not
+            x, y = pre.get(step, micro)
+            first = step * 8 + 1 * 4 + micro * 2  # rank 1's half of the global batch
+            want = torch.stack([src.sample(first), src.sample(first + 1)])
+            assert torch.equal(x, want[:, :-1]) and torch.equal(y, want[:, 1:])
+    finally:
+        pre.close()
+
+
+def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZPLAN_PLAN=plan)
+    res = {}
+    # 1. the group `init_process_group("nccl")` made, with gloo in NCCL's place: a CPU
+    #    collective fails as it does under NCCL on a GPU (the bug of issue 9, Why 1)
+    dist.init_process_group(stand_in_for_nccl("nccl", "gloo"))
+    try:
+        dist.all_reduce(torch.ones(1))
+        res["nccl_scoped"] = "ran"
+    except RuntimeError as e:
+        res["nccl_scoped"] = str(e)
+    dist.destroy_process_group()
+    # 2. the user API's group for a GPU run (the stand-in makes it on any machine): the
+    #    reductions the trainer runs on host tensors work
+    os.environ[STAND_IN_ENV] = "gloo"
+    os.environ["MASTER_PORT"] = str(port + 1)
+    from zplan.trainer import api
+
+    ctx = api.init(ckpt_dir=os.path.dirname(out))
+    res["api_backend"] = dist.get_backend_config()
+    t = torch.tensor([rank + 1], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    res["host_max"] = int(t)
+    ctx.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+
+
+def _plan(run_zplan, path: Path, strategy: str, gpus: int = 2) -> Path:
+    p = run_zplan("recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--gpus", str(gpus), "--global-batch", "4", "--seq-len", "64", "--layout", "torch",
+                  "--context-gib", "0", "--fragmentation", "0", "--strategy", strategy,
+                  "--write", str(path), "--json")
+    assert p.returncode == 0, p.stderr
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_nccl_scoping_on_cpu_and_the_api_group(run_zplan, tmp_path):
+    import torch.multiprocessing as mp
+
+    from zplan.netutil import free_port
+
+    plan = _plan(run_zplan, tmp_path / "plan.json", "zero3")
+    out = tmp_path / "res.json"
+    mp.start_processes(_rank, args=(2, free_port(), str(plan), str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    res = json.loads(out.read_text())
+    assert "No backend type associated with device type cpu" in res["nccl_scoped"]
+    assert res["api_backend"] == "cpu:gloo,cuda:gloo"
+    assert res["host_max"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_trainer_runs_in_the_group_a_gpu_run_makes(run_zplan, tmp_path):
+    """offload-all (host gradients: the clip norm reduces CPU DTensors), the peak-memory and
+    loss reductions, the traffic counter, all in the group a GPU run makes; and the step line
+    that a run without a terminal prints."""
+    plan = _plan(run_zplan, tmp_path / "plan.json", "offload-all")
+    run = tmp_path / "run"
+    p = run_zplan("launch", "--plan", str(plan), "--run-dir", str(run), "--steps", "6",
+                  env={STAND_IN_ENV: "gloo"}, timeout=200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads((run / "run_report.json").read_text())
+    assert rep["backend"] == "cpu:gloo,cuda:gloo"
+    assert len(rep["losses"]) == 6 and all(x == x for x in rep["losses"])  # no NaN
+    assert rep["measured"]["peak_memory_bytes"] > 0
+    assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
+    steps = [ln for ln in p.stdout.splitlines() if ln.startswith("zplan: step 6/6 loss")]
+    assert steps and "tokens/s" in steps[0] and "MFU" in steps[0], p.stdout
+
+
+# ---------------------------------------------------------------- what only a GPU can show
+
+def _gpu_rank(rank: int, port: int, out: str) -> None:
+    """One rank on GPU 0 under the trainer's own group: pinned batches copied to the device,
+    allocated <= reserved, a CPU collective in the NCCL run's group, device placement."""
+    import torch.distributed as dist
+
+    from zplan.trainer.data import Prefetcher, TokenSource
+    from zplan.trainer.distributed import init_process_group_for
+    from zplan.trainer.measure import StepClock, device_peak_memory
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop(STAND_IN_ENV, None)
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    res = {"backend": init_process_group_for(dev)}
+    src = TokenSource(1000, 128, seed=3)
+    pre = Prefetcher(src, 0, 1, 4, 2, 2, dev)
+    x, y = pre.get(0, 0)
+    res["pinned"] = bool(pre._next[1].result()[0].is_pinned())
+    res["device"] = str(x.device)
+    res["same"] = bool(torch.equal(x.cpu(), src.batch(0, 0, 0, 1, 4, 2)[0]))
+    pre.close()
+    clock = StepClock(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    a = clock.mark()
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    b = clock.mark()
+    res["seconds"] = clock.seconds(a, b)
+    alloc, reserved = device_peak_memory(dev)
+    res["alloc"], res["reserved"] = alloc, reserved
+    del big
+    host = torch.ones(1)
+    dist.all_reduce(host)  # the CPU backend of the NCCL run's group
+    res["host_sum"] = float(host)
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(res))
+
+
+@cuda_only
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cuda_group_pinned_prefetch_and_memory(tmp_path):
+    import torch.multiprocessing as mp
+
+    from zplan.netutil import free_port
+
+    out = tmp_path / "gpu.json"
+    mp.start_processes(_gpu_rank, args=(free_port(), str(out)), nprocs=1, join=True, start_method="spawn")
+    res = json.loads(out.read_text())
+    assert res["backend"] == "cpu:gloo,cuda:nccl" and res["host_sum"] == 1.0
+    assert res["pinned"] and res["device"] == "cuda:0" and res["same"]
+    assert res["alloc"] >= 256 * 2**20 and res["reserved"] >= res["alloc"]
+    assert res["seconds"] >= 0
+
+
+@cuda_only
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cuda_trainer_offload_all_one_gpu(run_zplan, tmp_path):
+    """The built-in trainer on one GPU under offload-all: CPU DTensor gradients clipped in the
+    NCCL run's group; allocated and reserved measured and compared."""
+    p = run_zplan("recommend", "--model", "tiny", "--gpu", "auto", "--gpus", "1", "--layout", "torch",
+                  "--global-batch", "4", "--seq-len", "64", "--strategy", "offload-all",
+                  "--write", str(tmp_path / "plan.json"), "--json")
+    assert p.returncode == 0, p.stderr
+    p = run_zplan("launch", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"),
+                  "--steps", "5", timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads((tmp_path / "run" / "run_report.json").read_text())
+    assert rep["device"] == "cuda" and rep["backend"] == "cpu:gloo,cuda:nccl"
+    m = rep["measured"]
+    assert 0 < m["peak_memory_bytes"] <= m["peak_reserved_bytes"]
+

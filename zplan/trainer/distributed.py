@@ -1,0 +1,50 @@
+"""The one way zplan starts a process group (trainer, user API).
+
+`init_process_group("nccl")` maps only the cuda device type to NCCL: a collective on a CPU tensor
+in such a group raises `RuntimeError: No backend type associated with device type cpu`. A GPU
+run does meet CPU tensors in collectives: the gradient-norm reduction under offload-all (the
+gradients are CPU DTensors), scalar bookkeeping, DCP's planning. So a GPU group carries a CPU
+backend too, "cpu:gloo,cuda:nccl", as torchtitan does for CPU offload; a CPU run uses gloo.
+
+`ZPLAN_STAND_IN_NCCL=gloo` (tests only) makes the group a GPU run would make, with gloo standing
+in for NCCL, on any machine: "cpu:gloo,cuda:gloo" has the device scoping of the GPU group, so a
+CPU collective that would fail under NCCL's scoping fails here too (tests/test_gpu_path.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+STAND_IN_ENV = "ZPLAN_STAND_IN_NCCL"
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The backend string for a group whose compute runs on `device`: every device type that
+    meets a collective has a backend (cuda: NCCL, the host: gloo)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "gloo"
+    if kind == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    raise ValueError(f"zplan runs on cuda or cpu devices, not {kind}")
+
+
+def init_process_group_for(device: torch.device | str, **kwargs) -> str:
+    """Start the default process group for compute on `device` (torchrun's environment gives
+    rank, world size and rendezvous); return the backend string it used."""
+    stand_in = os.environ.get(STAND_IN_ENV)
+    backend = stand_in_for_nccl(backend_for("cuda"), stand_in) if stand_in else backend_for(device)
+    dist.init_process_group(backend, **kwargs)
+    return backend
+
+
+def stand_in_for_nccl(backend: str, name: str) -> str:
+    """`backend` with `name` in NCCL's place and NCCL's device scoping: a bare "nccl" registers
+    only the cuda device type, so it becomes "cuda:NAME" (a bare "gloo" would cover cpu too)."""
+    if ":" not in backend:
+        backend = "cuda:nccl" if backend == "nccl" else backend
+    return backend.replace("nccl", name)
+
