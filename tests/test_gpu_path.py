@@ -75,8 +75,8 @@ def test_prefetched_batches_are_the_contract_batches():
 def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZPLAN_PLAN=plan)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZPLAN_PLAN=plan)  # CPU ranks, GPU or not
     res = {}
     # 1. the group `init_process_group("nccl")` made, with gloo in NCCL's place: a CPU
     #    collective fails as it does under NCCL on a GPU (the bug of issue 9, Why 1)
@@ -103,13 +103,43 @@ def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
         Path(out).write_text(json.dumps(res))
 
 
-def _plan(run_zplan, path: Path, strategy: str, gpus: int = 2) -> Path:
+def _plan(run_zplan, path: Path, strategy: str, gpus: int = 2, context_gib: str = "0",
+          fragmentation: str = "0") -> Path:
     p = run_zplan("recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
                   "--gpus", str(gpus), "--global-batch", "4", "--seq-len", "64", "--layout", "torch",
-                  "--context-gib", "0", "--fragmentation", "0", "--strategy", strategy,
+                  "--context-gib", context_gib, "--fragmentation", fragmentation, "--strategy", strategy,
                   "--write", str(path), "--json")
     assert p.returncode == 0, p.stderr
     return path
+
+
+def test_allocated_is_compared_with_tensor_bytes(run_zplan, tmp_path):
+    """A plan's CUDA context and fragmentation allowance are not in what an allocator or the CPU
+    tracker counts: the figure compared is that of the same plan made without them."""
+    from zplan.plan import load
+    from zplan.trainer.report import predicted_memory
+
+    bare = load(_plan(run_zplan, tmp_path / "bare.json", "zero3"))
+    full = load(_plan(run_zplan, tmp_path / "full.json", "zero3", context_gib="1", fragmentation="0.1"))
+    want = bare.predicted.per_gpu["total_bytes"]
+    assert full.predicted.per_gpu["total_bytes"] > want + 2**30
+    for device in ("cpu", "cuda"):
+        assert predicted_memory(full, device)["allocated"] == want
+    assert predicted_memory(full, "cuda")["reserved"] == full.predicted.per_gpu["total_bytes"]
+
+
+def test_rate_above_the_preset_peak_is_flagged(run_zplan, tmp_path):
+    import tomllib
+
+    from zplan.plan import load
+    from zplan.trainer.report import rate_warnings
+
+    plan = load(_plan(run_zplan, tmp_path / "p.json", "zero3"))
+    dtype = plan.train.precision.param
+    peak = tomllib.loads((ROOT / "presets" / "gpus" / "cpu.toml").read_text())["peak_flops"][dtype]
+    assert rate_warnings(plan, 0.99 * peak) == [] and rate_warnings(plan, None) == []
+    (w,) = rate_warnings(plan, 1.01 * peak)
+    assert "exceeds the 'cpu' preset" in w and f"{peak / 1e12:.3g} TFLOP/s" in w
 
 
 @pytest.mark.slow
@@ -138,7 +168,7 @@ def test_trainer_runs_in_the_group_a_gpu_run_makes(run_zplan, tmp_path):
     plan = _plan(run_zplan, tmp_path / "plan.json", "offload-all")
     run = tmp_path / "run"
     p = run_zplan("launch", "--plan", str(plan), "--run-dir", str(run), "--steps", "6",
-                  env={STAND_IN_ENV: "gloo"}, timeout=200)
+                  env={STAND_IN_ENV: "gloo", "CUDA_VISIBLE_DEVICES": ""}, timeout=200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((run / "run_report.json").read_text())
     assert rep["backend"] == "cpu:gloo,cuda:gloo"
@@ -147,6 +177,53 @@ def test_trainer_runs_in_the_group_a_gpu_run_makes(run_zplan, tmp_path):
     assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
     steps = [ln for ln in p.stdout.splitlines() if ln.startswith("zplan: step 6/6 loss")]
     assert steps and "tokens/s" in steps[0] and "MFU" in steps[0], p.stdout
+
+
+def test_gpu_check_script_parses_and_refuses_bad_options():
+    import subprocess
+
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    p = subprocess.run(["bash", str(script), "--bogus"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "--bogus" in p.stderr
+    head = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30).stdout
+    assert "NEEDS" in head and "--fetch" in head and "--cpu-dry" in head
+
+
+def test_gpu_check_summary(tmp_path):
+    """The report's errors and checks, from a results folder laid out as the script leaves it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks" / "gpu_check" / "summarize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "steps.tsv").write_text("env\t0\t1\ntrain\t0\t50\nresume\t0\t30\n")
+    pred = {"peak_memory_bytes": 1000 * 2**20, "peak_reserved_bytes": 1200 * 2**20,
+            "peak_reserved_basis": "total_bytes (context included)", "step_s": 0.2,
+            "tokens_per_s_per_gpu": 80000.0, "mfu": 0.5, "bytes_per_step": 10}
+    meas = {"peak_memory_bytes": 1100 * 2**20, "peak_reserved_bytes": 1150 * 2**20, "step_s": 0.25,
+            "tokens_per_s_per_gpu": 64000.0, "mfu": 0.4, "bytes_per_step": 10}
+    report = {"strategy": "zero3", "world_size": 1, "device": "cuda", "model": "m", "backend": "b",
+              "start_step": 12, "end_step": 20, "losses": [5.0, 4.0], "measured": meas, "predicted": pred}
+    (tmp_path / "run" / "run_report.json").write_text(json.dumps(report))
+    (tmp_path / "first.json").write_text(json.dumps(dict(report, start_step=0, end_step=12)))
+    calibrated = {"predicted": {"per_gpu": {"total_bytes": 900 * 2**20, "overhead_bytes": 0},
+                                "step_s": 0.3, "tokens_per_s_per_gpu": 1.0, "mfu": 0.1, "bytes_per_step": 10}}
+    (tmp_path / "plan-calibrated.json").write_text(json.dumps(calibrated))
+    assert mod.main([str(tmp_path)]) == 0
+    text = (tmp_path / "report.txt").read_text()
+    alloc = next(ln for ln in text.splitlines() if ln.startswith("peak allocated"))
+    assert "+10.0%" in alloc and "+22.2%" in alloc  # 1100/1000 - 1, 1100/900 - 1
+    step = next(ln for ln in text.splitlines() if ln.startswith("step time"))
+    assert "+25.0%" in step and "-16.7%" in step  # 0.25/0.2 - 1, 0.25/0.3 - 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] and summary["checks"]["resumed from the checkpoint"]
+    (tmp_path / "steps.tsv").write_text("env\t0\t1\ntrain\t124\t200\n")  # a step timed out
+    (tmp_path / "first.json").write_text(json.dumps(dict(report, end_step=11)))  # resumed elsewhere
+    assert mod.main([str(tmp_path)]) == 1
+    failed = json.loads((tmp_path / "summary.json").read_text())["checks"]
+    assert failed["train"] is False and failed["resumed from the checkpoint"] is False
 
 
 # ---------------------------------------------------------------- what only a GPU can show
