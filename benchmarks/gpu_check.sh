@@ -1,37 +1,134 @@
 #!/usr/bin/env bash
-# The GPU check (issue 4): a ~1B model (llama-3.2-1b) under zero3 at N=1 on one GPU for a few
-# dozen steps; prints measured against predicted peak memory, step time and MFU. Runs
-# `zplan calibrate` first when this zplan has it. Finishes well within 8 minutes on one H200.
+# zplan GPU check (issue 9): one command, one report, ready for the first GPU it meets.
 #
-# The H200 image has torch, typer, rich, psutil and nvidia-ml-py but not pydantic, and reaches
-# no registry. So, here first:   bash benchmarks/gpu_check.sh --fetch
-# (downloads the pydantic wheels for Python 3.12 into .whl/, git-ignored), then on the device,
-# carrying .whl:                  bash benchmarks/gpu_check.sh
-# Results land in $OUT (the device tool's output folder) or /tmp/zplan-gpu-check.
-set -euo pipefail
+# NEEDS on the GPU machine: Linux x86_64, the NVIDIA driver, Python 3.12 (3.11 works with
+#   --fetch run under 3.11) and a CUDA build of torch >= 2.6 (tested against 2.11's API). No package
+#   registry is needed there: everything else zplan imports (pydantic, typer, rich, psutil,
+#   nvidia-ml-py, numpy, safetensors; pytest for the GPU tests) travels as wheels in .whl/ and is
+#   installed offline into a private folder when the machine lacks it.
+#   1. on a machine with a registry:  bash benchmarks/gpu_check.sh --fetch   (py3.12 wheels -> .whl/)
+#   2. on the GPU machine, carrying .whl/:  bash benchmarks/gpu_check.sh
+#   rehearsal on CPU ranks (tiny model, 2 ranks, same steps):  bash benchmarks/gpu_check.sh --cpu-dry
+# DOES, each step under its own timeout (under 8 minutes in all on one H200): environment ->
+#   zplan detect -> the torch.cuda tests (tests/test_gpu_path.py) -> zplan calibrate -> plan
+#   llama-3.2-1b zero3 on 1 GPU (preset, and again with the calibrated preset) -> train with a
+#   checkpoint -> resume from it -> report: predicted (preset and calibrated) against measured.
+# WRITES benchmarks/gpu_check/out/ (report.txt, summary.json, logs, plans, run reports; the
+#   checkpoints are deleted at the end) and copies it to $OUT when that is set. Exit 0 when
+#   every check passed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ "${1:-}" = "--fetch" ]; then
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-  ls .whl
+ROOT=$PWD
+PY=${PYTHON:-python3}
+MODE=gpu
+case "${1:-}" in
+  --fetch) MODE=fetch ;;
+  --cpu-dry) MODE=cpu ;;
+  "") ;;
+  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+  *) echo "gpu_check.sh: unknown option '$1': use --fetch, --cpu-dry or nothing" >&2; exit 2 ;;
+esac
+
+WHEELS="pydantic typer rich psutil nvidia-ml-py numpy safetensors pytest pytest-timeout"
+if [ "$MODE" = fetch ]; then
+  # Wheels for CPython 3.12 on manylinux x86_64, with their dependencies, for an offline install.
+  ver=${FETCH_PYTHON_VERSION:-3.12}
+  $PY -m pip download -q --only-binary=:all: --python-version "$ver" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl $WHEELS || { echo "gpu_check.sh: pip download failed (is a registry reachable?)" >&2; exit 1; }
+  echo "gpu_check.sh: $(ls .whl | wc -l) wheels in .whl/ ($(du -sh .whl | cut -f1)); carry .whl to the GPU machine"
   exit 0
 fi
-PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1 && ! $PY -c "import pydantic" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/zplan-site .whl/*.whl
+
+RES=$ROOT/benchmarks/gpu_check/out
+rm -rf "$RES"
+mkdir -p "$RES"
+: > "$RES/steps.tsv"
+export PYTHONUNBUFFERED=1
+
+# Offline install of what this Python lacks (import name:wheel name), into a private folder.
+missing=""
+for pair in pydantic:pydantic typer:typer rich:rich psutil:psutil pynvml:nvidia-ml-py numpy:numpy \
+            safetensors:safetensors pytest:pytest pytest_timeout:pytest-timeout; do
+  $PY -c "import ${pair%%:*}" 2>/dev/null || missing="$missing ${pair#*:}"
+done
+if [ -n "$missing" ]; then
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "gpu_check.sh: this Python lacks:$missing; run 'bash benchmarks/gpu_check.sh --fetch' where a registry is reachable and carry .whl/" >&2
+    exit 1
+  fi
+  $PY -m pip install -q --no-index --find-links .whl --no-compile --target /tmp/zplan-site $missing \
+    || { echo "gpu_check.sh: offline install of$missing from .whl/ failed" >&2; exit 1; }
   export PYTHONPATH=/tmp/zplan-site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
-RES=${OUT:-/tmp/zplan-gpu-check}
-mkdir -p "$RES"
-$PY -c "import torch, zplan; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
-$PY -m zplan detect
-if $PY -m zplan calibrate --help >/dev/null 2>&1; then
-  timeout 120 $PY -m zplan calibrate --output "$RES/calibrated.toml" || echo "calibrate failed (continuing)"
+export PYTHONPATH=$ROOT:${PYTHONPATH:-}
+
+# step NAME SECONDS CMD...: run CMD with a timeout, its output in $RES/NAME.log; record the exit code
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  echo "== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" > "$RES/$name.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$RES/steps.tsv"
+  tail -n 15 "$RES/$name.log"
+  [ "$rc" = 0 ] || echo "   $name failed (exit $rc): see $RES/$name.log"
+  return $rc
+}
+
+if [ "$MODE" = cpu ]; then
+  export CUDA_VISIBLE_DEVICES=""
+  PLAN=(--model tiny --gpu cpu --cluster cpu-local --gpus 2 --global-batch 4 --seq-len 64
+        --context-gib 0 --fragmentation 0)
+  STEPS1=4; STEPS2=6; CAL=(--max-mb 1 --ranks 2); TESTS=(-m "not slow")
+else
+  PLAN=(--model llama-3.2-1b --gpu auto --gpus 1 --cluster hgx-h200 --global-batch 8 --seq-len 2048
+        --checkpointing none)
+  STEPS1=12; STEPS2=20; CAL=(); TESTS=()
+  free_kb=$(df -Pk "$RES" | awk 'NR==2 {print $4}')
+  if [ "${free_kb:-0}" -lt $((40 * 1024 * 1024)) ]; then
+    echo "gpu_check.sh: $((free_kb / 1024 / 1024)) GiB free under $RES; one llama-3.2-1b checkpoint needs about 15 GiB (40 GiB asked, to be safe)" >&2
+    exit 1
+  fi
 fi
-$PY -m zplan recommend --model llama-3.2-1b --gpu auto --gpus 1 --cluster hgx-h200 --layout torch \
-  --strategy zero3 --global-batch 8 --seq-len 2048 --checkpointing none --write "$RES/plan.json" --top 0
-timeout 400 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps 30 2>&1 | tee "$RES/launch.log"
-cp "$RES/run/run_report.json" "$RES/run_report.json" 2>/dev/null || true
+
+step env 60 $PY -c "
+import platform, torch
+print('python', platform.python_version(), '| torch', torch.__version__, '| cuda', torch.version.cuda,
+      '| available', torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print('gpu 0:', p.name, f'{p.total_memory / 2**30:.1f} GiB', '| devices', torch.cuda.device_count())
+"
+cp "$RES/env.log" "$RES/env.txt"
+if [ "$MODE" = gpu ] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu_check.sh: torch sees no CUDA GPU here; use --cpu-dry for the CPU rehearsal" >&2
+  exit 1
+fi
+step detect 60 $PY -m zplan detect
+step gpu-tests 240 $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" tests/test_gpu_path.py
+step calibrate 150 $PY -m zplan calibrate --output "$RES/presets" --name measured --json "${CAL[@]}"
+[ -s "$RES/calibrate.log" ] && $PY -c "import json,sys; json.loads(open(sys.argv[1]).read())" "$RES/calibrate.log" 2>/dev/null \
+  && cp "$RES/calibrate.log" "$RES/calibrate.json"
+step plan 60 $PY -m zplan recommend "${PLAN[@]}" --layout torch --strategy zero3 --write "$RES/plan.json" --top 1
+if [ -f "$RES/presets/gpus/measured.toml" ]; then
+  CPLAN=("${PLAN[@]}")
+  for i in "${!CPLAN[@]}"; do  # the same run with the measured GPU and link
+    case "${CPLAN[$i]}" in --gpu|--cluster) CPLAN[$((i + 1))]=measured ;; esac
+  done
+  step plan-calibrated 60 $PY -m zplan recommend "${CPLAN[@]}" --presets "$RES/presets" --layout torch \
+    --strategy zero3 --write "$RES/plan-calibrated.json" --top 1
+fi
+if [ -f "$RES/plan.json" ]; then
+  step train 200 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps $STEPS1 \
+    --save-every $STEPS1 && cp "$RES/run/run_report.json" "$RES/first.json"
+  step resume 200 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps $STEPS2 \
+    --resume
+fi
+rm -rf "$RES"/run/step_* "$RES"/run/.tmp-step_*  # checkpoints: gigabytes, not results
+$PY benchmarks/gpu_check/summarize.py "$RES"
+rc=$?
+if [ -n "${OUT:-}" ] && [ "$OUT" != "$RES" ]; then
+  mkdir -p "$OUT" && cp -r "$RES"/. "$OUT"/
+fi
+exit $rc
