@@ -80,11 +80,11 @@ if [ "$MODE" = cpu ]; then
   export CUDA_VISIBLE_DEVICES=""
   PLAN=(--model tiny --gpu cpu --cluster cpu-local --gpus 2 --global-batch 4 --seq-len 64
         --context-gib 0 --fragmentation 0)
-  STEPS1=4; STEPS2=6; CAL=(--max-mb 1 --ranks 2); TESTS=(-m "not slow")
+  STEPS1=6; STEPS2=12; CAL=(--max-mb 1 --ranks 2); TESTS=(-m "not slow")
 else
   PLAN=(--model llama-3.2-1b --gpu auto --gpus 1 --cluster hgx-h200 --global-batch 8 --seq-len 2048
         --checkpointing none)
-  STEPS1=12; STEPS2=20; CAL=(); TESTS=()
+  STEPS1=20; STEPS2=40; CAL=(); TESTS=()
   free_kb=$(df -Pk "$RES" | awk 'NR==2 {print $4}')
   if [ "${free_kb:-0}" -lt $((40 * 1024 * 1024)) ]; then
     echo "gpu_check.sh: $((free_kb / 1024 / 1024)) GiB free under $RES; one llama-3.2-1b checkpoint needs about 15 GiB (40 GiB asked, to be safe)" >&2

@@ -94,7 +94,9 @@ def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
     from zplan.trainer import api
 
     ctx = api.init(ckpt_dir=os.path.dirname(out))
-    res["api_backend"] = dist.get_backend_config()
+    from zplan.trainer.distributed import started_backend
+
+    res["api_backend"] = started_backend()
     t = torch.tensor([rank + 1], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     res["host_max"] = int(t)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 STAND_IN_ENV = "ZPLAN_STAND_IN_NCCL"
+_started: list[str] = []  # the backend string of the group this process started, if any
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -38,7 +39,15 @@ def init_process_group_for(device: torch.device | str, **kwargs) -> str:
     stand_in = os.environ.get(STAND_IN_ENV)
     backend = stand_in_for_nccl(backend_for("cuda"), stand_in) if stand_in else backend_for(device)
     dist.init_process_group(backend, **kwargs)
+    _started[:] = [backend]
     return backend
+
+
+def started_backend() -> str | None:
+    """The backend string init_process_group_for gave the default group (None: this process's
+    group, if any, was started elsewhere). Reported as asked: torch's own view merges a bare
+    "gloo" with "cpu:gloo,cuda:gloo", which gloo also registers."""
+    return _started[0] if _started else None
 
 
 def stand_in_for_nccl(backend: str, name: str) -> str:

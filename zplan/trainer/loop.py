@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..plan import Plan
 from . import checkpoint as ckpt
 from .data import Prefetcher, TokenSource
+from .distributed import started_backend
 from .measure import CommCounter, StepClock, device_peak_memory, ddp_counting_hook
 from .model import Transformer, init_weights_
 from .parallel import Parallelized, build_optimizer, device_for, parallelize, set_sync
@@ -86,7 +87,7 @@ class Trainer:
                                   t.grad_accum, self.device)
         self.step = 0
         self.clock = StepClock(self.device)
-        self.backend = dist.get_backend_config() if hasattr(dist, "get_backend_config") else dist.get_backend()
+        self.backend = started_backend()
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self) -> torch.Tensor:

@@ -86,7 +86,7 @@ def build_report(tr, start: int, losses: list[float], norms: list[float], times:
         }
     return {
         "strategy": plan.strategy, "world_size": tr.world, "device": tr.device.type,
-        "backend": str(tr.backend), "model": plan.model.name, "start_step": start,
+        "backend": tr.backend, "model": plan.model.name, "start_step": start,
         "end_step": tr.step, "losses": losses, "grad_norms": norms, "config": asdict(tr.cfg),
         "measured": measured, "predicted": predicted, "warnings": rate_warnings(plan, rate),
     }
@@ -139,7 +139,7 @@ def compare_lines(report: dict) -> list[str]:
     (predicted - measured) / measured, zplan's one sign convention (units.relative_error)."""
     m, p = report["measured"], report["predicted"] or {}
     reserved = "peak reserved per rank"
-    if p.get("peak_reserved_basis", "reserved_bytes") != "reserved_bytes":
+    if p.get("peak_reserved_bytes") is not None and p.get("peak_reserved_basis") != "reserved_bytes":
         reserved += " *"
     rows = [("peak allocated per rank", "peak_memory_bytes", lambda v: f"{v / MIB:,.1f} MiB"),
             (reserved, "peak_reserved_bytes", lambda v: f"{v / MIB:,.1f} MiB"),
