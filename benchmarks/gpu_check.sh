@@ -11,7 +11,7 @@
 #   rehearsal on CPU ranks (tiny model, 2 ranks, same steps):  bash benchmarks/gpu_check.sh --cpu-dry
 # DOES, each step under its own timeout (under 8 minutes in all on one H200): environment ->
 #   zplan detect -> the torch.cuda tests (tests/test_gpu_path.py) -> zplan calibrate -> plan
-#   llama-3.2-1b zero3 on 1 GPU (preset, and again with the calibrated preset) -> train with a
+#   llama-3.2-1b zero3 on 1 GPU (and its estimate with the calibrated preset) -> train with a
 #   checkpoint -> resume from it -> report: predicted (preset and calibrated) against measured.
 # WRITES benchmarks/gpu_check/out/ (report.txt, summary.json, logs, plans, run reports; the
 #   checkpoints are deleted at the end) and copies it to $OUT when that is set. Exit 0 when
@@ -71,7 +71,10 @@ step() {
   timeout --kill-after=10 "$limit" "$@" > "$RES/$name.log" 2>&1
   rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$RES/steps.tsv"
-  tail -n 15 "$RES/$name.log"
+  case "$name:$rc" in
+    plan:0|calibrate:0|estimate-calibrated:0) ;;  # JSON and tables: the report has their figures
+    *) tail -n 15 "$RES/$name.log" ;;
+  esac
   [ "$rc" = 0 ] || echo "   $name failed (exit $rc): see $RES/$name.log"
   return $rc
 }
@@ -111,13 +114,22 @@ step calibrate 150 $PY -m zplan calibrate --output "$RES/presets" --name measure
 [ -s "$RES/calibrate.log" ] && $PY -c "import json,sys; json.loads(open(sys.argv[1]).read())" "$RES/calibrate.log" 2>/dev/null \
   && cp "$RES/calibrate.log" "$RES/calibrate.json"
 step plan 60 $PY -m zplan recommend "${PLAN[@]}" --layout torch --strategy zero3 --write "$RES/plan.json" --top 1
-if [ -f "$RES/presets/gpus/measured.toml" ]; then
-  CPLAN=("${PLAN[@]}")
-  for i in "${!CPLAN[@]}"; do  # the same run with the measured GPU and link
-    case "${CPLAN[$i]}" in --gpu|--cluster) CPLAN[$((i + 1))]=measured ;; esac
+if [ -f "$RES/presets/gpus/measured.toml" ] && [ -f "$RES/plan.json" ]; then
+  # the run's own configuration, estimated with the measured GPU and link
+  CPLAN=(); skip=""
+  for a in "${PLAN[@]}"; do
+    if [ -n "$skip" ]; then
+      [ "$skip" = swap ] && CPLAN+=(measured)
+      skip=""; continue
+    fi
+    case "$a" in --gpu|--cluster) CPLAN+=("$a"); skip=swap ;; --checkpointing|--global-batch) skip=drop ;;
+                 *) CPLAN+=("$a") ;; esac
   done
-  step plan-calibrated 60 $PY -m zplan recommend "${CPLAN[@]}" --presets "$RES/presets" --layout torch \
-    --strategy zero3 --write "$RES/plan-calibrated.json" --top 1
+  read -r -a SAME < <($PY -c "import json, sys; t = json.load(open(sys.argv[1]))['train']
+print('--micro-batch', t['micro_batch'], '--grad-accum', t['grad_accum'], '--checkpointing', t['checkpointing'],
+      '--blocks-per-unit', t['blocks_per_unit'], '--param-dtype', t['precision']['param'])" "$RES/plan.json")
+  step estimate-calibrated 60 $PY -m zplan estimate "${CPLAN[@]}" "${SAME[@]}" --presets "$RES/presets" \
+    --layout torch --strategy zero3 --json && cp "$RES/estimate-calibrated.log" "$RES/estimate-calibrated.json"
 fi
 if [ -f "$RES/plan.json" ]; then
   step train 200 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps $STEPS1 \

@@ -210,9 +210,10 @@ def test_gpu_check_summary(tmp_path):
               "start_step": 12, "end_step": 20, "losses": [5.0, 4.0], "measured": meas, "predicted": pred}
     (tmp_path / "run" / "run_report.json").write_text(json.dumps(report))
     (tmp_path / "first.json").write_text(json.dumps(dict(report, start_step=0, end_step=12)))
-    calibrated = {"predicted": {"per_gpu": {"total_bytes": 900 * 2**20, "overhead_bytes": 0},
-                                "step_s": 0.3, "tokens_per_s_per_gpu": 1.0, "mfu": 0.1, "bytes_per_step": 10}}
-    (tmp_path / "plan-calibrated.json").write_text(json.dumps(calibrated))
+    estimate = {"strategies": [{"per_gpu": {"total_bytes": 950 * 2**20, "overhead_bytes": 50 * 2**20},
+                                "time": {"step_s": 0.3, "tokens_per_s_per_gpu": 1.0, "mfu": 0.1},
+                                "comm": {"bytes_per_step": 10}}]}  # zplan estimate --json's shape
+    (tmp_path / "estimate-calibrated.json").write_text(json.dumps(estimate))
     assert mod.main([str(tmp_path)]) == 0
     text = (tmp_path / "report.txt").read_text()
     alloc = next(ln for ln in text.splitlines() if ln.startswith("peak allocated"))

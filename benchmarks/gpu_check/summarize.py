@@ -2,10 +2,10 @@
 
     python benchmarks/gpu_check/summarize.py RESULTS_DIR
 
-reads RESULTS_DIR/{steps.tsv, run/run_report.json, resume.json, calibrate.json, plan.json,
-plan-calibrated.json} (any may be missing: a failed step says so), writes RESULTS_DIR/report.txt
-and RESULTS_DIR/summary.json, prints the report, and exits 1 if a check failed. Standard library
-only, so it runs whatever the GPU machine lacks. Memory in MiB (2^20 bytes); error is
+reads RESULTS_DIR/{steps.tsv, env.txt, run/run_report.json (the resumed run), first.json (the
+run before it), calibrate.json, estimate-calibrated.json} (any may be missing: a failed step
+says so), writes RESULTS_DIR/report.txt and RESULTS_DIR/summary.json, prints the report, and
+exits 1 if a check failed. Standard library only, so it runs whatever the GPU machine lacks. Memory in MiB (2^20 bytes); error is
 (measured - predicted) / predicted.
 """
 
@@ -53,6 +53,18 @@ ROWS = [("peak allocated per rank", "peak_memory_bytes", "MiB"),
         ("MFU", "mfu", "%")]
 
 
+def _calibrated(est) -> dict:
+    """The figures of `zplan estimate --json` for one strategy, named as in the run report."""
+    try:
+        x = est["strategies"][0]
+        per, t = x["per_gpu"], x["time"]
+        return {"peak_memory_bytes": per["total_bytes"] - per.get("overhead_bytes", 0),
+                "step_s": t["step_s"], "tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+                "bytes_per_step": x["comm"]["bytes_per_step"]}  # its MFU is of another peak
+    except (TypeError, KeyError, IndexError):
+        return {}
+
+
 def summarize(res: Path) -> tuple[list[str], dict]:
     steps = []
     tsv = res / "steps.tsv"
@@ -63,7 +75,7 @@ def summarize(res: Path) -> tuple[list[str], dict]:
                           "seconds": float(secs) if secs else None})
     report = _load(res / "run" / "run_report.json")
     first = _load(res / "first.json")
-    calibrated = _load(res / "plan-calibrated.json")
+    calibrated = _calibrated(_load(res / "estimate-calibrated.json"))
     cal = _load(res / "calibrate.json")
     lines = [f"zplan GPU check: {res}"]
     env = res / "env.txt"
@@ -78,19 +90,16 @@ def summarize(res: Path) -> tuple[list[str], dict]:
     summary: dict = {"steps": steps, "figures": {}}
     if report is not None:
         m, p = report["measured"], report.get("predicted") or {}
-        pc = (calibrated or {}).get("predicted") or {}
-        pc_flat = dict(pc.get("per_gpu") or {})
-        pc_flat.update({k: pc.get(k) for k in ("step_s", "tokens_per_s_per_gpu", "mfu", "bytes_per_step")})
-        if pc_flat.get("total_bytes") is not None:
-            pc_flat["peak_memory_bytes"] = pc_flat["total_bytes"] - pc_flat.get("overhead_bytes", 0)
         lines += ["", f"{report['strategy']} on {report['world_size']} {report['device']} rank(s), "
                       f"{report['model']}, backend {report.get('backend', '?')}, steps "
                       f"{report['start_step']}..{report['end_step']}",
                   f"{'figure':26s} {'predicted (preset)':>20s} {'predicted (calib.)':>20s} "
                   f"{'measured':>16s} {'error':>8s} {'err calib.':>10s}"]
         for label, key, unit in ROWS:
-            mv, pv, cv = m.get(key), p.get(key), pc_flat.get(key) if key != "peak_reserved_bytes" else None
+            mv, pv, cv = m.get(key), p.get(key), calibrated.get(key) if key != "peak_reserved_bytes" else None
             summary["figures"][key] = {"predicted": pv, "predicted_calibrated": cv, "measured": mv}
+            if pv is None and cv is None and mv is None:
+                continue  # reserved on CPU ranks
             lines.append(f"{label:26s} {_fmt(pv, unit):>20s} {_fmt(cv, unit):>20s} {_fmt(mv, unit):>16s} "
                          f"{_err(mv, pv):>8s} {_err(mv, cv):>10s}")
         if p.get("peak_reserved_basis") not in (None, "reserved_bytes"):

@@ -167,7 +167,11 @@ class Trainer:
         counted = 0
         stack_open = False
         logged = start  # steps before this one are in an earlier log line
-        every = cfg.log_interval
+        # every rank takes rank 0's interval: a log step is a collective, and whether stderr
+        # is a terminal may differ between ranks (torchrun --redirects / --tee)
+        every_t = torch.tensor([cfg.log_interval], dtype=torch.int64, device=self.device)
+        dist.broadcast(every_t, 0)
+        every = int(every_t)
         progress = progress_bar(self.rank == 0 and cfg.progress, cfg.steps - start)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
