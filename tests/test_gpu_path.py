@@ -17,7 +17,6 @@ import torch
 from zplan.trainer.distributed import STAND_IN_ENV, backend_for, stand_in_for_nccl
 
 ROOT = Path(__file__).resolve().parent.parent
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_backend_strings():
@@ -227,79 +226,3 @@ def test_gpu_check_summary(tmp_path):
     assert mod.main([str(tmp_path)]) == 1
     failed = json.loads((tmp_path / "summary.json").read_text())["checks"]
     assert failed["train"] is False and failed["resumed from the checkpoint"] is False
-
-
-# ---------------------------------------------------------------- what only a GPU can show
-
-def _gpu_rank(rank: int, port: int, out: str) -> None:
-    """One rank on GPU 0 under the trainer's own group: pinned batches copied to the device,
-    allocated <= reserved, a CPU collective in the NCCL run's group, device placement."""
-    import torch.distributed as dist
-
-    from zplan.trainer.data import Prefetcher, TokenSource
-    from zplan.trainer.distributed import init_process_group_for
-    from zplan.trainer.measure import StepClock, device_peak_memory
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop(STAND_IN_ENV, None)
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
-    res = {"backend": init_process_group_for(dev)}
-    src = TokenSource(1000, 128, seed=3)
-    pre = Prefetcher(src, 0, 1, 4, 2, 2, dev)
-    x, y = pre.get(0, 0)
-    res["pinned"] = bool(pre._next[1].result()[0].is_pinned())
-    res["device"] = str(x.device)
-    res["same"] = bool(torch.equal(x.cpu(), src.batch(0, 0, 0, 1, 4, 2)[0]))
-    pre.close()
-    clock = StepClock(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    a = clock.mark()
-    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-    b = clock.mark()
-    res["seconds"] = clock.seconds(a, b)
-    alloc, reserved = device_peak_memory(dev)
-    res["alloc"], res["reserved"] = alloc, reserved
-    del big
-    host = torch.ones(1)
-    dist.all_reduce(host)  # the CPU backend of the NCCL run's group
-    res["host_sum"] = float(host)
-    dist.destroy_process_group()
-    Path(out).write_text(json.dumps(res))
-
-
-@cuda_only
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_cuda_group_pinned_prefetch_and_memory(tmp_path):
-    import torch.multiprocessing as mp
-
-    from zplan.netutil import free_port
-
-    out = tmp_path / "gpu.json"
-    mp.start_processes(_gpu_rank, args=(free_port(), str(out)), nprocs=1, join=True, start_method="spawn")
-    res = json.loads(out.read_text())
-    assert res["backend"] == "cpu:gloo,cuda:nccl" and res["host_sum"] == 1.0
-    assert res["pinned"] and res["device"] == "cuda:0" and res["same"]
-    assert res["alloc"] >= 256 * 2**20 and res["reserved"] >= res["alloc"]
-    assert res["seconds"] >= 0
-
-
-@cuda_only
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_cuda_trainer_offload_all_one_gpu(run_zplan, tmp_path):
-    """The built-in trainer on one GPU under offload-all: CPU DTensor gradients clipped in the
-    NCCL run's group; allocated and reserved measured and compared."""
-    p = run_zplan("recommend", "--model", "tiny", "--gpu", "auto", "--gpus", "1", "--layout", "torch",
-                  "--global-batch", "4", "--seq-len", "64", "--strategy", "offload-all",
-                  "--write", str(tmp_path / "plan.json"), "--json")
-    assert p.returncode == 0, p.stderr
-    p = run_zplan("launch", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"),
-                  "--steps", "5", timeout=280)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rep = json.loads((tmp_path / "run" / "run_report.json").read_text())
-    assert rep["device"] == "cuda" and rep["backend"] == "cpu:gloo,cuda:nccl"
-    m = rep["measured"]
-    assert 0 < m["peak_memory_bytes"] <= m["peak_reserved_bytes"]
-
