@@ -216,9 +216,9 @@ def test_gpu_check_summary(tmp_path):
     assert mod.main([str(tmp_path)]) == 0
     text = (tmp_path / "report.txt").read_text()
     alloc = next(ln for ln in text.splitlines() if ln.startswith("peak allocated"))
-    assert "+10.0%" in alloc and "+22.2%" in alloc  # 1100/1000 - 1, 1100/900 - 1
+    assert "-9.1%" in alloc and "-18.2%" in alloc  # (1000 - 1100) / 1100, (900 - 1100) / 1100
     step = next(ln for ln in text.splitlines() if ln.startswith("step time"))
-    assert "+25.0%" in step and "-16.7%" in step  # 0.25/0.2 - 1, 0.25/0.3 - 1
+    assert "-20.0%" in step and "+20.0%" in step  # (0.2 - 0.25) / 0.25, (0.3 - 0.25) / 0.25
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["passed"] and summary["checks"]["resumed from the checkpoint"]
     (tmp_path / "steps.tsv").write_text("env\t0\t1\ntrain\t124\t200\n")  # a step timed out

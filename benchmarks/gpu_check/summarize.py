@@ -5,8 +5,8 @@
 reads RESULTS_DIR/{steps.tsv, env.txt, run/run_report.json (the resumed run), first.json (the
 run before it), calibrate.json, estimate-calibrated.json} (any may be missing: a failed step
 says so), writes RESULTS_DIR/report.txt and RESULTS_DIR/summary.json, prints the report, and
-exits 1 if a check failed. Standard library only, so it runs whatever the GPU machine lacks. Memory in MiB (2^20 bytes); error is
-(measured - predicted) / predicted.
+exits 1 if a check failed. Standard library only, so it runs whatever the GPU machine lacks.
+Memory in MiB (2^20 bytes); error is (predicted - measured) / measured, as everywhere in zplan.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def _load(path: Path):
 
 
 def _err(measured, predicted) -> str:
+    """(predicted - measured) / measured: zplan's one sign convention (zplan.units.relative_error)."""
     if not measured or not predicted or (isinstance(measured, float) and math.isnan(measured)):
         return ""
-    return f"{(measured - predicted) / predicted:+.1%}"
+    return f"{(predicted - measured) / measured:+.1%}"
 
 
 def _fmt(v, unit: str) -> str:
@@ -122,6 +123,7 @@ def summarize(res: Path) -> tuple[list[str], dict]:
                      + f"; host link {g.get('host_link_bytes_per_s', 0) / 1e9:,.1f} GB/s")
     summary["checks"] = checks
     failed = [k for k, ok in checks.items() if not ok]
+    lines.append("error = (predicted - measured) / measured")
     lines += ["", "checks: " + ("all passed" if not failed else "FAILED: " + ", ".join(failed))]
     summary["passed"] = not failed
     return lines, summary
