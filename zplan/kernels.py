@@ -8,7 +8,8 @@
   Backward of a linear is two GEMMs: dX (M, K, N) and dW (N, K, M).
 - Flash attention: forward 2·s·h FLOPs per token with the causal half skipped (4·s·h halved),
   backward 2.5x forward (FlashAttention-2: five matmuls to two), at the preset's FlashAttention
-  rates x s/(s + s_half) (the measured ramp with sequence length).
+  rates x s/(s + s_half) (the measured ramp with sequence length); FlashAttention in Triton
+  (llm-foundry's attn_impl: triton) at the FA2 paper's measured fraction of those rates.
 - Memory-bound work (norms, RoPE, activation functions, residual adds, gradient sums, the loss
   over the vocabulary, the embedding, FSDP2's copy-out and reduce-scatter copy-in) at achieved
   HBM bandwidth, bytes read + written as the eager kernels move them; never less than one
@@ -84,13 +85,25 @@ def attention_flop(seq: int, hidden: int, tokens: int, causal: bool = True) -> i
     return f // 2 if causal else f
 
 
-def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool) -> Op:
+# Speed of a flash kernel relative to FlashAttention-2 (forward, backward). Dao 2023
+# (FlashAttention-2, arXiv 2307.08691) section 4.1, A100 80GB SXM4, the same benchmark for both:
+# "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in the forward pass
+# and around 2x faster in the backward pass" (1.4 taken, the middle). Measured on A100 only;
+# applied to every GPU (no other kernel-level comparison of the two is published).
+ATTENTION_KERNEL_SPEED: dict[str, tuple[float, float]] = {
+    "flash2": (1.0, 1.0),
+    "flash-triton": (1 / 1.4, 1 / 2.0),
+}
+
+
+def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
+              kernel: str = "flash2") -> Op:
     k = gpu.kernels
     assert k is not None
     fwd = attention_flop(seq, hidden, tokens)
     flop = int(2.5 * fwd) if backward else fwd
     rate = k.attention_backward_flops if backward else k.attention_forward_flops
-    rate *= seq / (seq + k.attention_half_seq)
+    rate *= seq / (seq + k.attention_half_seq) * ATTENTION_KERNEL_SPEED[kernel][1 if backward else 0]
     t = max(flop / rate, k.kernel_floor_s)
     return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t)
 

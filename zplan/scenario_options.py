@@ -14,7 +14,7 @@ from . import arch, presets
 from .errors import UsageError
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import CHECKPOINTING, Assumptions, Hardware, Precision, TrainSpec
+from .specs import ATTENTION_KERNELS, CHECKPOINTING, Assumptions, Hardware, Precision, TrainSpec
 from .units import DTYPE_BITS, MiB, GiB
 
 DTYPES = tuple(DTYPE_BITS)
@@ -39,6 +39,7 @@ class ScenarioOptions:
     checkpointing: str = "none"
     checkpoint_every: int = 2
     flash: bool = True
+    attention_kernel: str = "flash2"
     optimizer: str = "adamw"
     param_dtype: str = "bf16"
     reduce_dtype: str = "fp32"
@@ -115,6 +116,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_range(o.context_gib, "--context-gib", 0.0, 1024)
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
+    check_choice(o.attention_kernel, "--attention-kernel", ATTENTION_KERNELS)
     check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))
     check_choice(o.layout, "--layout", ("zero", "torch"))
     for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
@@ -131,7 +133,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         train = TrainSpec(
             seq_len=seq, micro_batch=o.micro_batch, grad_accum=o.grad_accum,
             checkpointing=o.checkpointing, checkpoint_every=o.checkpoint_every,
-            flash_attention=o.flash, optimizer=o.optimizer,
+            flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
             layout=o.layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,

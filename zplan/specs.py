@@ -16,7 +16,9 @@ StrategyName = Literal[
 ]
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
+AttentionKernel = Literal["flash2", "flash-triton"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
+ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
 
@@ -203,6 +205,9 @@ class TrainSpec(Spec):
     checkpointing: Checkpointing = "none"
     checkpoint_every: PositiveInt = Field(2, description="every-k: one block in k is checkpointed")
     flash_attention: bool = True
+    attention_kernel: AttentionKernel = Field(
+        "flash2", description="the flash kernel: flash2 (FlashAttention-2, PyTorch's SDPA flash "
+        "backend) or flash-triton (FlashAttention in Triton, as llm-foundry's attn_impl: triton)")
     optimizer: OptimizerName = "adamw"
     precision: Precision = Precision()
     layout: Layout = Field(

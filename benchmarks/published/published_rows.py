@@ -18,6 +18,7 @@ SOURCE_KEYS = {"name", "org", "who", "url", "file", "date", "memory_kind", "toke
 SOURCE_OPTIONAL = {"repository", "commit"}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all")
 CHECKPOINTING = ("none", "full", "selective", "blocks-fraction-unstated")
+ATTENTION_KERNELS = ("flash2", "flash-triton")  # zplan's --attention-kernel
 FLOAT8 = ("none", "tensorwise", "tensorwise-fp8-allgather", "rowwise", "te-delayed")
 DTYPES = ("fp32", "bf16", "fp16")
 MEMORY_UNITS = {"GiB": 2**30, "GB": 10**9}
@@ -69,6 +70,7 @@ class Row:
     optimizer_dtype: str = "fp32"  # AdamW's m and v
     reduce_last_only: bool = False  # gradients reduced on the last micro-batch only (no_sync before)
     gpu_variant: str = ""  # where the GPU differs from its preset (memory size, HBM, power limit)
+    attention_kernel: str = "flash2"  # flash-triton: FlashAttention in Triton (llm-foundry attn_impl triton)
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -104,7 +106,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -112,7 +114,7 @@ REQUIRED = ("id", "model", "gpu", "num_gpus", "gpus_per_node", "parallelism", "s
             "grad_accum", "seq_len", "checkpointing", "compile", "float8", "param_dtype", "reduce_dtype", "table")
 CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLOAT8, "param_dtype": DTYPES,
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
-           "gpu": tuple(GPU_KINDS)}
+           "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS}
 
 
 def _typed(key: str, value, where: str):

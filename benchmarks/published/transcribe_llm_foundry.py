@@ -37,7 +37,12 @@ MP Mode DEFAULT: bf16 params, fp32 reduce; PURE: bf16 params and reduce (Compose
 get_mixed_precision in composer/trainer/mosaic_fsdp_utils.py at mosaicml/composer
 2deccf2c8806220fe00e457d053465a049f38407, the last commit before 2024-01-06). Precision amp_fp8 is TransformerEngine
 fp8 (DelayedScaling) on the linear layers. gpus_per_node 8 is assumed (not stated; the README names
-1600 Gbps RoCE between A100 nodes; H100 interconnect not stated). torch.compile not used. No memory figures."""
+1600 Gbps RoCE between A100 nodes; H100 interconnect not stated). torch.compile not used. No memory figures.
+Attention kernel: FlashAttention in Triton (attention_kernel = "flash-triton"), not FlashAttention-2.
+scripts/train/benchmarking/submit_benchmarks.py sets model.attn_config.attn_impl from --attn_impl,
+default 'triton', and sweep.sh never passes --attn_impl: at b2a43a147 (PR #543, 2023-10, the H100
+tables and the updated A100 rows) and at 5e85bd62d (PR #838, the large-scale H100 table); the A100
+rows kept from before (mosaicml/examples era) were submitted with the same default ('triton')."""
 '''
 
 
@@ -59,7 +64,7 @@ def rows(text: str):
             parallelism=f"FSDP1 {sharding}", strategy=STRATEGY[sharding],
             micro_batch=int(mb), grad_accum=int(ga), seq_len=int(seq),
             checkpointing="full" if ac == "True" else "none", compile=False,
-            float8="te-delayed" if precision == "amp_fp8" else "none",
+            float8="te-delayed" if precision == "amp_fp8" else "none", attention_kernel="flash-triton",
             param_dtype="bf16", reduce_dtype=REDUCE[mp],
             tokens_per_s_per_gpu=float(tps_gpu), tokens_per_s_global=float(tps),
             mfu_pct=float(mfu), published_params=int(nparams),
