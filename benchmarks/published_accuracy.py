@@ -4,7 +4,7 @@ Usage: python benchmarks/published_accuracy.py [--markdown [FILE]] [--rows ID ..
 
 For every row it builds the scenario through the library with the row's facts only (model, GPU,
 GPU count and per node, strategy, micro-batch, accumulation, sequence, checkpointing, dtypes, the
-HSDP shard size, the attention kernel) and zplan's DEFAULT assumptions, then compares tokens/s per GPU and peak memory.
+HSDP shard size, the attention and norm kernels) and zplan's DEFAULT assumptions, then compares tokens/s per GPU and peak memory.
 Rows zplan cannot express (tensor, pipeline, context parallelism; an unstated checkpointing
 fraction) are listed with the reason and kept out of the statistics. --markdown writes
 docs/accuracy.md. The set is a test set: nothing here may be tuned to it.
@@ -61,7 +61,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         grad_accum=row.grad_accum, checkpointing=row.checkpointing, param_dtype=row.param_dtype,
         reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,
         optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout="torch", shard_size=row.shard_size,
-        attention_kernel=row.attention_kernel,
+        attention_kernel=row.attention_kernel, fused_norm=row.fused_norm,
     )
     ignored = []
     if row.compile:

@@ -89,6 +89,35 @@ def test_block_memory_ops_move_the_hand_counted_bytes():
     assert ops["w1"].flop == 2 * T * f * h
 
 
+def test_composite_fp32_rmsnorm_moves_the_hand_counted_bytes():
+    """torchtitan's RMSNorm in eager: x.float() (2+4), pow (4+4), mean (4), x * rsqrt (4+4),
+    type_as (4+2), * weight (2+2) = 36 bytes per element forward, for each of a block's two norms;
+    the fused kernel reads x and writes y (2+2)."""
+    kw = dict(model="llama-3.1-8b", gpus=8, cluster="dgx-h100", seq_len=4096, layout="torch")
+    T, h = 4096, 4096
+    comp = {o.name: o for o in unit_ops.unit_ops(scenario(**kw, fused_norm=False),
+                                                  scenario(**kw).units[1], backward=False)}
+    fused = {o.name: o for o in unit_ops.unit_ops(scenario(**kw), scenario(**kw).units[1], backward=False)}
+    assert comp["RMSNorm (composite fp32)"].bytes == 2 * 36 * h * T
+    assert fused["RMSNorm"].bytes == 2 * 4 * h * T
+    # backward: weight mul 4 + its reduction 8, type_as 6, rsqrt mul 8 + 16, mean 4, pow 28,
+    # gradient sum 12, float 6 = 92 bytes per element
+    bwd = {o.name: o for o in unit_ops.unit_ops(scenario(**kw, fused_norm=False),
+                                                 scenario(**kw).units[1], backward=True)}
+    assert bwd["RMSNorm (composite fp32)"].bytes == 2 * 92 * h * T
+    # torch.compile fuses the norm whatever the eager implementation
+    compiled = {o.name for o in unit_ops.unit_ops(scenario(**kw, fused_norm=False, compile=True),
+                                                   scenario(**kw).units[1], backward=False)}
+    assert not any("RMSNorm" in n for n in compiled)
+
+
+def test_learned_positions_run_no_rope_kernels():
+    sc = scenario(model="mpt-1b", gpus=8, cluster="dgx-h100", seq_len=2048, layout="torch")
+    for backward in (False, True):
+        names = {o.name for o in unit_ops.unit_ops(sc, sc.units[1], backward)}
+        assert "RoPE" not in names and "LayerNorm" in names
+
+
 def test_cross_entropy_over_the_vocabulary():
     """Eager fp32 loss: cast (2V read, 4V write) + log_softmax (4V + 4V) = 14 V bytes per token."""
     sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=4096, layout="torch")

@@ -3,10 +3,10 @@ step, as the trainer runs them (zplan/trainer/model.py, parallel.py); timed by z
 
 Bytes per token of the memory-bound kernels (B = activation bytes, h hidden, kv the K/V width,
 f the MLP width, V the vocabulary), eager first, then torch.compile's fused pass:
-  forward : RMSNorm 2hB x2; RoPE on q and k 9(h+kv)B (mul x4, add/sub, stack over halves) or
-            2(h+kv)B fused; the attention output transpose copy 2hB; SwiGLU silu + mul 5fB
+  forward : RMSNorm 2hB x2 (composite fp32: (28+4B)h x2); RoPE on q and k 9(h+kv)B (mul x4,
+            add/sub, stack over halves) or 2(h+kv)B fused, none with learned positions; the attention output transpose copy 2hB; SwiGLU silu + mul 5fB
             (3fB fused), GELU 2fB; two residual adds 6hB (fused into the norms: 8hB for both).
-  backward: RMSNorm 3hB x2; RoPE 9(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
+  backward: RMSNorm 3hB x2 (composite: (76+8B)h x2); RoPE 9(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
             GELU 3fB; residual and shared-input gradient sums 15hB (8hB + 6hB fused).
   loss    : logits to fp32, log_softmax, nll: 14V bytes forward, 22V backward (fused: 2V, 4V).
 Derivation: docs/formulas.md, section 6.
@@ -77,22 +77,48 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
             rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (h + kv), 1),
                     ("attention output copy", 2 * h, 1), ("activation (fused)", (3 if swiglu else 2) * f, 1)]
     elif backward:
-        rows = [("RMSNorm", 6 * h, 4), ("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
+        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
                 ("SwiGLU" if swiglu else "GELU", (9 if swiglu else 3) * f, 3 if swiglu else 1),
                 ("residual + gradient sums", 15 * h, 5)]
     else:
-        rows = [("RMSNorm", 4 * h, 2), ("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
+        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
                 ("SwiGLU" if swiglu else "GELU", (5 if swiglu else 2) * f, 2 if swiglu else 1),
                 ("residual adds", 6 * h, 2)]
+    if m.position != "rope":  # a learned position table is added once, in the embedding unit
+        rows = [r for r in rows if not r[0].startswith("RoPE")]
     ops += [K.memory(gpu, n, per * B * T, kern) for n, per, kern in rows]
+    if not t.compile:
+        per, kern = norm_bytes(t, B, backward)
+        ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern))
     return ops
+
+
+def _norm_name(m, t) -> str:
+    return ("RMSNorm" if m.norm == "rmsnorm" else "LayerNorm") + ("" if _fused(t) else " (composite fp32)")
+
+
+def _fused(t) -> bool:
+    return t.fused_norm or t.compile  # torch.compile generates one kernel per norm
+
+
+def norm_bytes(t, B: int, backward: bool) -> tuple[int, int]:
+    """HBM bytes per element and kernels of one norm, eager. Fused kernel: read x, write y (2B)
+    forward; read x and dy, write dx (3B) backward. Composite fp32 (torchtitan's RMSNorm,
+    F.rms_norm's fallback): x.float() B+4, pow 8, mean 4, mul by rsqrt 8, type_as 4+B, x weight
+    2B = 28+4B forward in 6 kernels (+2 on the statistics); backward, autograd's reverse of each:
+    weight mul 2B and its reduction 4B, type_as B+4, rsqrt mul 8 + 16 for its reduction, mean 4,
+    pow (x^1, x 2, x grad) 28, sum of the two gradients 12, float 4+B = 76+8B in 15 kernels."""
+    if _fused(t):
+        return (3 * B, 2) if backward else (2 * B, 1)
+    return (76 + 8 * B, 15) if backward else (28 + 4 * B, 8)
 
 
 def _head(sc: Scenario, backward: bool) -> Ops:
     m, t, gpu = sc.model, sc.train, sc.hw.gpu
     T, act = t.seq_len * t.micro_batch, t.precision.param
     B, V, h = _b(act), m.vocab_size, m.hidden
-    ops = [K.memory(gpu, "final RMSNorm", (3 if backward else 2) * h * B * T, 2 if backward else 1)]
+    per, kern = norm_bytes(t, B, backward)
+    ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern)]
     ops += K.linear(gpu, "output", T, V, h, act, act, backward)
     if t.compile:
         per, kern = (4 * V, 1) if backward else (2 * V, 1)

@@ -71,6 +71,7 @@ class Row:
     reduce_last_only: bool = False  # gradients reduced on the last micro-batch only (no_sync before)
     gpu_variant: str = ""  # where the GPU differs from its preset (memory size, HBM, power limit)
     attention_kernel: str = "flash2"  # flash-triton: FlashAttention in Triton (llm-foundry attn_impl triton)
+    fused_norm: bool | None = None  # False: the norm is the composite fp32 implementation (eager); None: zplan's default
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -106,7 +107,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
