@@ -118,6 +118,18 @@ def test_learned_positions_run_no_rope_kernels():
         assert "RoPE" not in names and "LayerNorm" in names
 
 
+def test_bias_gradients_read_each_biased_output_gradient_once():
+    """MPT-1B (h 2048, f 8192, biases on Wqkv, out_proj, up and down): 3h + h + f + h = 14336
+    output gradient elements per token reduced over the tokens, bf16, in 6 kernels; none forward."""
+    sc = scenario(model="mpt-1b", gpus=8, cluster="dgx-h100", seq_len=2048, layout="torch")
+    bwd = {o.name: o for o in unit_ops.unit_ops(sc, sc.units[1], backward=True)}
+    assert bwd["bias gradients"].bytes == (3 * 2048 + 2048 + 8192 + 2048) * 2 * 2048
+    assert bwd["bias gradients"].kernels == 6
+    assert "bias gradients" not in {o.name for o in unit_ops.unit_ops(sc, sc.units[1], backward=False)}
+    llama = scenario(model="llama-3.1-8b", gpus=8, seq_len=2048, layout="torch")
+    assert "bias gradients" not in {o.name for o in unit_ops.unit_ops(llama, llama.units[1], True)}
+
+
 def test_cross_entropy_over_the_vocabulary():
     """Eager fp32 loss: cast (2V read, 4V write) + log_softmax (4V + 4V) = 14 V bytes per token."""
     sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=4096, layout="torch")

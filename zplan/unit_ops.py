@@ -7,7 +7,8 @@ f the MLP width, V the vocabulary), eager first, then torch.compile's fused pass
             add/sub, stack over halves) or 2(h+kv)B fused, none with learned positions; the attention output transpose copy 2hB; SwiGLU silu + mul 5fB
             (3fB fused), GELU 2fB; two residual adds 6hB (fused into the norms: 8hB for both).
   backward: RMSNorm 3hB x2 (composite: (76+8B)h x2); RoPE 9(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
-            GELU 3fB; residual and shared-input gradient sums 15hB (8hB + 6hB fused).
+            GELU 3fB; residual and shared-input gradient sums 15hB (8hB + 6hB fused); with
+            biases, each bias gradient reads the output gradient (width x B).
   loss    : logits to fp32, log_softmax, nll: 14V bytes forward, 22V backward (fused: 2V, 4V).
 Derivation: docs/formulas.md, section 6.
 """
@@ -86,11 +87,24 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
                 ("residual adds", 6 * h, 2)]
     if m.position != "rope":  # a learned position table is added once, in the embedding unit
         rows = [r for r in rows if not r[0].startswith("RoPE")]
+    biases = _bias_widths(m)
+    if backward and biases:  # autograd's addmm backward: grad_bias = grad_out.sum(0), one kernel each
+        rows.append(("bias gradients", sum(biases), len(biases)))
     ops += [K.memory(gpu, n, per * B * T, kern) for n, per, kern in rows]
     if not t.compile:
         per, kern = norm_bytes(t, B, backward)
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern))
     return ops
+
+
+def _bias_widths(m) -> list[int]:
+    """Output widths of one block's linears that carry a bias (arch.block_shapes' bias vectors)."""
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    k = m.experts_per_token if m.num_experts else 1
+    out = [h, kv, kv] if m.qkv_bias else []
+    if m.linear_bias:
+        out += [h] + [f, h] * k
+    return out
 
 
 def _norm_name(m, t) -> str:
