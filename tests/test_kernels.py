@@ -63,6 +63,17 @@ def test_flash_attention_in_triton_runs_at_the_fa2_papers_fraction_of_fa2():
         assert tri.seconds / fa2.seconds == pytest.approx(ratio, rel=1e-9)
 
 
+def test_head_dims_the_kernels_do_not_tile_compute_as_the_padded_width():
+    """MPT-30B's head dim 112: FA2 rounds it to a multiple of 32 (128), the Triton kernel to the
+    next power of two (128); 96 stays 96 in FA2 and becomes 128 in Triton."""
+    s, h = 4096, 7168
+    for kernel, d, padded in (("flash2", 112, 128), ("flash-triton", 112, 128), ("flash2", 96, 96),
+                              ("flash-triton", 96, 128), ("flash2", 128, 128)):
+        base = K.attention(H100, s, h, s, False, kernel, head_dim=padded)
+        op = K.attention(H100, s, h, s, False, kernel, head_dim=d)
+        assert op.seconds / base.seconds == pytest.approx(padded / d, rel=1e-9)
+
+
 def test_attention_kernel_option_reaches_the_block_ops():
     kw = dict(model="mpt-1b", gpus=8, cluster="dgx-h100", seq_len=16384, layout="torch")
     ops = {k: {o.name: o for o in unit_ops.unit_ops(scenario(**kw, attention_kernel=k),

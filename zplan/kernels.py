@@ -96,14 +96,24 @@ ATTENTION_KERNEL_SPEED: dict[str, tuple[float, float]] = {
 }
 
 
+def padded_head_dim(head_dim: int, kernel: str) -> int:
+    """The head dimension the kernel computes on: FlashAttention-2 rounds it up to a multiple of
+    32 (flash-attn csrc/flash_attn/flash_api.cpp, head_size_rounded); the Triton kernel to a power
+    of two (flash_attn_triton.py, BLOCK_HEADDIM = next_power_of_2(d))."""
+    if kernel == "flash-triton":
+        return max(16, 1 << (head_dim - 1).bit_length())
+    return -(-head_dim // 32) * 32
+
+
 def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
-              kernel: str = "flash2") -> Op:
+              kernel: str = "flash2", head_dim: int = 128) -> Op:
     k = gpu.kernels
     assert k is not None
     fwd = attention_flop(seq, hidden, tokens)
     flop = int(2.5 * fwd) if backward else fwd
     rate = k.attention_backward_flops if backward else k.attention_forward_flops
     rate *= seq / (seq + k.attention_half_seq) * ATTENTION_KERNEL_SPEED[kernel][1 if backward else 0]
+    rate *= head_dim / padded_head_dim(head_dim, kernel)  # the padding is computed, not counted
     t = max(flop / rate, k.kernel_floor_s)
     return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t)
 
