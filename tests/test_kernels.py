@@ -158,6 +158,15 @@ def test_adamw_single_tensor_moves_80_bytes_per_parameter():
     assert op.seconds == pytest.approx(80e9 / HBM_H100, rel=1e-9)
 
 
+def test_adamw_bytes_follow_the_master_and_state_dtypes():
+    """bf16 weights and states (KempnerForge's runs): every tensor AdamW touches is half as wide,
+    40 bytes per parameter; bf16 states beside fp32 weights: p 4-byte (6 x 4), m, v 2-byte (14 x 2)."""
+    both = scenario(model="llama-3.1-8b", gpus=8, layout="torch", master_dtype="bf16", optimizer_dtype="bf16")
+    assert unit_ops.optimizer_ops(both, 10**9, 100)[0].bytes == 40 * 10**9
+    states = scenario(model="llama-3.1-8b", gpus=8, layout="torch", optimizer_dtype="bf16")
+    assert unit_ops.optimizer_ops(states, 10**9, 100)[0].bytes == (24 + 28) * 10**9
+
+
 def test_efficiency_flag_overrides_the_model():
     r = est("zero3", model="llama-3.1-8b", gpus=8, efficiency=0.5)
     assert list(r.timing.breakdown) == ["flops at efficiency", "optimizer", "contention"]

@@ -199,12 +199,15 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
 
 def optimizer_ops(sc: Scenario, local_elems: int, tensors: int) -> Ops:
     """AdamW's step over the local state. torch layout: the trainer's single-tensor AdamW
-    (foreach=False) runs 8 kernels per tensor and moves 80 bytes per fp32 parameter (mul_ 8,
-    lerp_ 12, mul_ + addcmul_ 20, sqrt + div + add_ 24, addcdiv_ 16); zero layout: DeepSpeed's
-    fused multi-tensor Adam, 28 bytes per parameter plus the 16-bit copy of the weights (6)."""
+    (foreach=False) runs 8 kernels per tensor; with P the parameter (and gradient) bytes and S
+    the state bytes it moves, per parameter: p.mul_ 2P, m.lerp_ 2S + P,
+    v.mul_ + addcmul_ 4S + P, sqrt + div + add_ 6S, p.addcdiv_ 2P + 2S = 6P + 14S, 80 bytes in
+    fp32; zero layout: DeepSpeed's fused multi-tensor Adam, 28 bytes per parameter plus the
+    16-bit copy of the weights (6)."""
     gpu, t = sc.hw.gpu, sc.train
     if t.optimizer not in ("adamw", "adam8bit"):
         return [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
     if t.layout == "torch":
-        return [K.memory(gpu, "AdamW (single-tensor)", 80 * local_elems, 8 * tensors)]
+        P, S = _b(t.precision.master), _b(t.precision.optimizer)
+        return [K.memory(gpu, "AdamW (single-tensor)", (6 * P + 14 * S) * local_elems, 8 * tensors)]
     return [K.memory(gpu, "fused Adam + weight copy", 34 * local_elems, 2 * tensors)]
