@@ -32,7 +32,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "checkpointing": ((), "none | full | selective | attention | every-k"),
     "checkpoint_every": ((), "every-k: checkpoint one block in k"),
     "flash": ((), "Flash attention (no s^2 scores kept)"),
-    "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2) | flash-triton (FlashAttention in Triton)"),
+    "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2; zplan's trainer) | flash-triton (FlashAttention in Triton, e.g. llm-foundry attn_impl: triton)"),
     "optimizer": ((), "adamw | sgd | adam8bit | muon"),
     "param_dtype": ((), "Working/gather dtype"),
     "reduce_dtype": ((), "Gradient reduction dtype"),
