@@ -22,8 +22,10 @@ def _num(x, scale: float = 1.0, fmt: str = "{:,.0f}") -> str:
 def _shape(r) -> str:
     row = r.row
     par = row.strategy + (f"/{row.shard_size}" if row.shard_size else "")
+    kernels = (f" attn:{row.attention_kernel}" if row.attention_kernel != "flash2" else "") + \
+        (" norm:composite" if row.fused_norm is False else "")
     return (f"{row.model} {row.num_gpus}x{row.gpu} {par} mb{row.micro_batch}x{row.grad_accum} "
-            f"s{row.seq_len} ac:{row.checkpointing}")
+            f"s{row.seq_len} ac:{row.checkpointing}{kernels}")
 
 
 def _flags(r) -> str:
@@ -117,7 +119,8 @@ def markdown(results, groups: dict, command: str, compared_to: str) -> str:
         "one file per source, each with the exact document, table and commit they come from.",
         "",
         "Every prediction uses the row's facts (model, GPU, GPUs and GPUs per node, strategy, HSDP shard",
-        "size, micro-batch, accumulation, sequence, checkpointing, dtypes) and zplan's default assumptions;",
+        "size, micro-batch, accumulation, sequence, checkpointing, dtypes, the attention kernel and the norm's "
+        "implementation where the source names them: attn:, norm: in the run column) and zplan's default assumptions;",
         "nothing is tuned per row. Errors are predicted / measured - 1 (positive: zplan predicts more).",
         "Measured memory is a peak of PyTorch's caching allocator, reserved (R) or allocated (A) as the source",
         "states. Neither includes the CUDA context, and allocated memory has no fragmentation, so each is held",
