@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from . import policy
 from .specs import ModelSpec, TrainSpec
 from .units import DTYPE_BITS
 
@@ -103,7 +104,7 @@ def units(m: ModelSpec, blocks_per_unit: int = 1) -> tuple[Unit, ...]:
     is `num_layers` flat units of equal size.
     """
     L = m.num_layers
-    groups = [min(blocks_per_unit, L - i) for i in range(0, L, blocks_per_unit)]
+    groups = [len(g) for g in policy.block_groups(L, blocks_per_unit)]  # as the trainer groups them
     if m.total_params is not None:
         per_block, rem = divmod(m.total_params, L)
         out, done = [], 0
@@ -122,7 +123,7 @@ def units(m: ModelSpec, blocks_per_unit: int = 1) -> tuple[Unit, ...]:
         blocks.append(Unit(name, bs * g, g, done, bmm * g))
         done += g
     head_mm = m.vocab_size * m.hidden
-    if m.tied_embeddings:
+    if not policy.separate_embed_head(m.tied_embeddings):
         root = Unit("embed+head", tuple(embed_shapes(m) + head_shapes(m)), 0, 0, head_mm, held=True)
         return tuple([root] + blocks)
     return tuple([Unit("embed", tuple(embed_shapes(m)), 0, 0, 0)] + blocks + [
@@ -205,6 +206,23 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     return t
 
 
+def _matmul_widths(m: ModelSpec, names) -> list[int]:
+    """Output width per token of each named block matmul (MoE: the k active experts' share)."""
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    k = m.experts_per_token if m.num_experts else 1
+    width = {"wq": h, "wk": kv, "wv": kv, "wo": h, "w1": k * f, "w3": k * f, "w2": k * h}
+    return [width[n] for n in names]
+
+
+def _matmul_params(m: ModelSpec, names) -> int:
+    """Weights of the named block matmuls that one token meets (MoE: k active experts)."""
+    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    k = m.experts_per_token if m.num_experts else 1
+    size = {"wq": h * h, "wk": kv * h, "wv": kv * h, "wo": h * h, "w1": k * h * f,
+            "w3": k * h * f, "w2": k * h * f}
+    return sum(size[n] for n in names)
+
+
 @lru_cache(maxsize=4096)
 def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     """What one block keeps between forward and backward under a recomputation mode."""
@@ -218,12 +236,11 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     if mode == "attention":  # Megatron's selective: the attention core is recomputed
         return sum(v for k, v in full.items() if k not in ("attn_softmax", "attn_dropout"))
     if mode == "selective":
-        # torchtitan op-level SAC: matmul outputs saved except every second one (wq, wv, w1, w2
-        # kept; wk, wo, w3 recomputed), attention kernel outputs saved, pointwise ops recomputed.
-        k = m.experts_per_token if m.num_experts else 1
-        saved = B * sb * (h + h + m.kv_hidden) + B * sb * h + k * B * sb * (f + h)
-        if train.flash_attention:
-            saved += 4 * m.num_heads * sb
+        # torchtitan op-level SAC (zplan/policy.py): the block's input, the outputs of the saved
+        # matmuls and of the attention kernel; pointwise ops are recomputed.
+        saved = B * sb * h + sum(B * sb * w for w in _matmul_widths(m, policy.selective_saved_matmuls(m.mlp)))
+        if policy.SELECTIVE_SAVES_ATTENTION:
+            saved += B * sb * h + (4 * m.num_heads * sb if train.flash_attention else 0)
         return saved
     raise ValueError(mode)
 
@@ -242,7 +259,7 @@ def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True)
     L, mode = m.num_layers, train.checkpointing
     none_b = block_saved_bytes(m, train, "none")
     if mode == "every-k":
-        n_ckpt = L // train.checkpoint_every
+        n_ckpt = sum(policy.checkpointed_blocks(L, mode, train.checkpoint_every))
         ck_b = block_saved_bytes(m, train, "full")
         saved = n_ckpt * ck_b + (L - n_ckpt) * none_b
         recompute = none_b - ck_b if n_ckpt else 0
@@ -280,17 +297,16 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     fwd = unit_forward_flop(m, u, train)
     if mode == "full":
         return fwd
-    if mode == "every-k":  # torchtitan checkpoints blocks k, 2k, ... counting from 1
-        k = train.checkpoint_every
-        n_ckpt = sum(1 for i in range(u.first_block, u.first_block + u.blocks) if (i + 1) % k == 0)
+    if mode == "every-k":
+        wrapped = policy.checkpointed_blocks(m.num_layers, mode, train.checkpoint_every)
+        n_ckpt = sum(wrapped[u.first_block: u.first_block + u.blocks])
         return fwd * n_ckpt // u.blocks
     if mode == "attention":
         return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.hidden * T
-    # selective: wk, wo and (SwiGLU) w3 are recomputed
-    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
-    k = m.experts_per_token if m.num_experts else 1
-    per_block = kv * h + h * h + (k * h * f if m.mlp == "swiglu" else 0)
-    return 2 * per_block * T * u.blocks
+    # selective: the matmuls whose outputs are not kept run again (zplan/policy.py)
+    saved = policy.selective_saved_matmuls(m.mlp)
+    recomputed = [n for n in policy.BLOCK_MATMULS[m.mlp] if n not in saved]
+    return 2 * _matmul_params(m, recomputed) * T * u.blocks
 
 
 def model_flop_per_token(m: ModelSpec, seq_len: int) -> int:

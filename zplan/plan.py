@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from . import __version__
 from .errors import UsageError
@@ -21,6 +21,12 @@ from .scenario import Scenario
 from .specs import Assumptions, ClusterSpec, GPUSpec, Hardware, ModelSpec, StrategyName, TrainSpec
 
 PLAN_VERSION = 1
+Runner = Literal["zplan", "deepspeed"]
+# What runs the plan decides the memory layout: zplan's FSDP2 trainer keeps full-precision
+# sharded weights (torch layout); DeepSpeed keeps 16-bit weights and a separate master (zero).
+RUNNER_LAYOUT = {"zplan": "torch", "deepspeed": "zero"}
+LAYOUT_RUNNER = {v: k for k, v in RUNNER_LAYOUT.items()}
+NO_RESHARD = ("zero2", "zero3-noreshard")  # FSDP2 keeps the weights gathered after forward
 
 
 class Mesh(BaseModel):
@@ -44,6 +50,7 @@ class Plan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     plan_version: Literal[1] = PLAN_VERSION
     created_by: str = f"zplan {__version__}"
+    runner: Runner = Field("zplan", description="what runs it: zplan's trainer (launch) or DeepSpeed (export)")
     model: ModelSpec
     gpu: GPUSpec
     cluster: ClusterSpec
@@ -56,16 +63,139 @@ class Plan(BaseModel):
     assumptions: Assumptions = Assumptions()
     predicted: Predicted | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _runner_from_layout(cls, data):
+        """A plan written before `runner` existed is for whatever its layout implies."""
+        if isinstance(data, dict) and "runner" not in data:
+            train = data.get("train")
+            layout = train.get("layout", "zero") if isinstance(train, dict) else None
+            if layout in LAYOUT_RUNNER:
+                data = {**data, "runner": LAYOUT_RUNNER[layout]}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        why = inconsistency(self)
+        if why:
+            raise ValueError(why)
+        return self
+
     def scenario(self) -> Scenario:
         hw = Hardware(gpu=self.gpu, cluster=self.cluster, num_gpus=self.num_gpus)
         return Scenario(self.model, hw, self.train, self.assumptions, self.shard_size)
+
+
+def inconsistency(plan: Plan) -> str | None:
+    """Why the plan's fields contradict one another (with the fix), or None."""
+    n, t, s = plan.num_gpus, plan.train, plan.shard_size
+    fix = "write it again with zplan recommend --write"
+    if t.layout != RUNNER_LAYOUT[plan.runner]:
+        return (f"runner {plan.runner!r} keeps the {RUNNER_LAYOUT[plan.runner]} memory layout but "
+                f"train.layout is {t.layout!r}; {fix} (--for {LAYOUT_RUNNER[t.layout]} plans the {t.layout} layout)")
+    if plan.strategy == "hsdp":
+        if s is None or s < 1 or n % s:
+            return f"hsdp needs a shard_size that divides num_gpus {n}, not {s}; {fix}"
+        want = Mesh(shape=[n // s, s], dim_names=["replicate", "shard"])
+    else:
+        if s is not None:
+            return f"shard_size {s} is for hsdp; strategy {plan.strategy} has none (null); {fix}"
+        want = mesh_for_n(n, plan.strategy)
+    if plan.mesh != want:
+        return (f"mesh {plan.mesh.shape} {plan.mesh.dim_names} does not match {plan.strategy} on "
+                f"{n} ranks ({want.shape} {want.dim_names}); {fix}")
+    per_step = t.micro_batch * t.grad_accum * n
+    if plan.global_batch != per_step:
+        return (f"global_batch {plan.global_batch} is not micro_batch {t.micro_batch} x grad_accum "
+                f"{t.grad_accum} x {n} data-parallel ranks = {per_step} (ranks would read "
+                f"overlapping or missing samples); {fix}")
+    if plan.strategy not in ("ddp", "zero1") and t.reshard_after_forward != (plan.strategy not in NO_RESHARD):
+        return (f"train.reshard_after_forward {t.reshard_after_forward} contradicts strategy "
+                f"{plan.strategy}; {fix} (zero3-noreshard is zero3 without resharding)")
+    L = plan.model.num_layers
+    if t.blocks_per_unit > L or (t.checkpointing == "every-k" and t.checkpoint_every > L):
+        return (f"blocks_per_unit {t.blocks_per_unit} / checkpoint_every {t.checkpoint_every} "
+                f"exceed the model's {L} layers; {fix}")
+    return None
+
+
+# ------------------------------------------------------------ what zplan's trainer runs
+
+TRAINER_PARAM_DTYPES = ("fp32", "bf16")  # fp16 would need a loss scaler, which the trainer lacks
+TRAINER_STATE_DTYPES = ("fp32", "bf16")
+
+
+def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
+    """Why zplan's trainer (zplan launch, python -m zplan.trainer) cannot run this plan as
+    planned, with the fix; None when it applies every field. Torch-free: launch asks before
+    starting any process, the trainer asks again in every rank. `builtin_model` False: a user's
+    script brings its own model (zplan.trainer.api), so the model's architecture is not checked."""
+    t, p, m = plan.train, plan.train.precision, plan.model
+    if plan.runner != "zplan":
+        return (f"this plan is for {plan.runner} (runner {plan.runner!r}, {t.layout} layout): run it with "
+                f"zplan export --to {plan.runner}, or plan for zplan's trainer with zplan recommend --for zplan")
+    if plan.strategy == "offload-opt":
+        return ("offload-opt keeps the weights on the GPU and only the optimizer in host RAM, which "
+                "FSDP2 cannot do: plan again with --strategy offload-all, or --for deepspeed and export")
+    if t.optimizer != "adamw":
+        return (f"the trainer runs AdamW; the plan asks for {t.optimizer}: plan again with "
+                f"--optimizer adamw, or --for deepspeed and export")
+    if p.param not in TRAINER_PARAM_DTYPES:
+        return (f"param dtype {p.param}: the trainer computes in {' or '.join(TRAINER_PARAM_DTYPES)} "
+                f"(fp16 needs a loss scaler it does not have): plan again with --param-dtype bf16")
+    for what, v in (("reduce", p.reduce), ("master", p.master)):
+        if v not in TRAINER_STATE_DTYPES:
+            return f"{what} dtype {v}: the trainer keeps fp32 or bf16: plan again with --{what}-dtype fp32"
+    if p.optimizer != p.master:
+        return (f"optimizer dtype {p.optimizer} differs from master dtype {p.master}: torch's AdamW "
+                f"keeps its state in the weights' dtype: plan again with --optimizer-dtype {p.master}")
+    if plan.strategy in ("ddp", "zero1") and p.reduce != p.master:
+        return (f"{plan.strategy} reduces gradients in the weights' dtype ({p.master}), not {p.reduce}: "
+                f"plan again with --reduce-dtype {p.master}")
+    if not t.flash_attention:
+        return ("the trainer always runs fused attention (scaled_dot_product_attention), which keeps "
+                "no s x s scores: plan again with --flash")
+    if not builtin_model:
+        return None
+    if m.total_params is not None:
+        return (f"model {m.name} is a bare parameter count, not an architecture the trainer can "
+                f"build: plan again with --model NAME")
+    if m.num_experts or m.position != "rope" or m.norm != "rmsnorm" or m.dropout:
+        return (f"the trainer builds dense RoPE/RMSNorm decoders without dropout; {m.name} is not "
+                f"one: export the plan for your own training code")
+    return None
+
+
+def node_problem(plan: Plan, ranks_per_node: int, gpus_found: int) -> str | None:
+    """Why `ranks_per_node` ranks of this plan cannot run on a node with `gpus_found` GPUs (0:
+    CPU ranks), or None: the launcher asks before starting torchrun."""
+    if plan.num_gpus % ranks_per_node:
+        return (f"the plan is for {plan.num_gpus} ranks, not a multiple of {ranks_per_node} per node: "
+                f"pick a divisor of {plan.num_gpus}")
+    if plan.gpu.device == "cpu":
+        if gpus_found:
+            return (f"the plan is for CPU ranks but this node has {gpus_found} GPUs: plan again with "
+                    f"--gpu auto --gpus {gpus_found}")
+        return None
+    if ranks_per_node > gpus_found:
+        nodes = -(-plan.num_gpus // max(1, gpus_found))
+        return (f"the plan puts {ranks_per_node} ranks on a node but this node has {gpus_found} GPUs: "
+                f"run it on {nodes} nodes (--nnodes {nodes}) or plan again with --gpus {gpus_found}"
+                if gpus_found else
+                f"the plan is for {plan.gpu.name} GPUs but this node has none: plan for CPU ranks "
+                f"with zplan recommend --gpu cpu --cluster cpu-local")
+    return None
+
+
+def mesh_for_n(n: int, strategy: str) -> Mesh:
+    return Mesh(shape=[n], dim_names=["replicate" if strategy == "ddp" else "shard"])
 
 
 def mesh_for(sc: Scenario, strategy: str) -> Mesh:
     if strategy == "hsdp":
         s = sc.hsdp_shard
         return Mesh(shape=[sc.n // s, s], dim_names=["replicate", "shard"])
-    return Mesh(shape=[sc.n], dim_names=["shard" if strategy not in ("ddp",) else "replicate"])
+    return mesh_for_n(sc.n, strategy)
 
 
 def make_plan(sc: Scenario, strategy: str, global_batch: int, result=None) -> Plan:
@@ -78,8 +208,8 @@ def make_plan(sc: Scenario, strategy: str, global_batch: int, result=None) -> Pl
             elements_per_step=result.elements_per_step, bytes_per_step=result.bytes_per_step,
             exposed_comm_s=t.exposed_comm_s)
     train = sc.train.model_copy(update={
-        "reshard_after_forward": strategy not in ("zero2", "zero3-noreshard")})
-    return Plan(model=sc.model, gpu=sc.hw.gpu, cluster=sc.hw.cluster, num_gpus=sc.n,
+        "reshard_after_forward": strategy not in NO_RESHARD})
+    return Plan(runner=LAYOUT_RUNNER[sc.train.layout], model=sc.model, gpu=sc.hw.gpu, cluster=sc.hw.cluster, num_gpus=sc.n,
                 strategy=strategy, shard_size=sc.hsdp_shard if strategy == "hsdp" else None,
                 mesh=mesh_for(sc, strategy), train=train, global_batch=global_batch,
                 assumptions=sc.assume, predicted=predicted)
@@ -121,4 +251,6 @@ def load(path: str | Path) -> Plan:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        raise UsageError(f"plan {p}: field '{loc}': {err['msg']}") from None
+        where = f"field '{loc}': " if loc else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        raise UsageError(f"plan {p}: {where}{msg}") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .errors import PlanError, UsageError
+from .parse import check_choice
 from .estimate import StrategyEstimate, estimate_one, unavailable_reason
 from .memory import memory
 from .scenario import Scenario
@@ -61,6 +62,27 @@ class Recommendation:
     flags: list[str]
     evaluated: int
     global_batch: int
+
+
+def plan_for_runner(opts, runner: str | None) -> list[str]:
+    """Set the layout of `opts` (a ScenarioOptions) from what will run the plan: zplan's trainer
+    unless `--for deepspeed` or `--layout zero` says otherwise; a contradiction is refused.
+    Returns what was assumed, for the 'using' lines."""
+    from .plan import LAYOUT_RUNNER, RUNNER_LAYOUT
+
+    if runner is not None:
+        check_choice(runner, "--for", tuple(RUNNER_LAYOUT))
+    if opts.layout is not None:
+        check_choice(opts.layout, "--layout", tuple(LAYOUT_RUNNER))
+        if runner is not None and RUNNER_LAYOUT[runner] != opts.layout:
+            raise UsageError(f"--for {runner} runs the {RUNNER_LAYOUT[runner]} layout, not --layout "
+                             f"{opts.layout}; drop --layout (it follows --for)")
+        runner = LAYOUT_RUNNER[opts.layout]
+    if runner is None:
+        opts.layout = RUNNER_LAYOUT["zplan"]
+        return ["a plan for zplan's trainer (zplan launch, torch layout; --for deepspeed to export instead)"]
+    opts.layout = RUNNER_LAYOUT[runner]
+    return []
 
 
 def _micro_batches(per_gpu: int) -> list[int]:

@@ -19,6 +19,8 @@ from .units import DTYPE_BITS, MiB, GiB
 
 DTYPES = tuple(DTYPE_BITS)
 DEFAULT_CLUSTER = "dgx-h100"
+GPU_CONTEXT_GIB = 600 / 1024  # CUDA context + cuBLAS/NCCL workspaces (Assumptions.cuda_context_bytes)
+GPU_FRAGMENTATION = 0.05
 
 
 @dataclass
@@ -45,7 +47,7 @@ class ScenarioOptions:
     reduce_dtype: str = "fp32"
     master_dtype: str = "fp32"
     optimizer_dtype: str = "fp32"
-    layout: str = "zero"
+    layout: Optional[str] = None  # None: zero for estimate; recommend plans for its runner (--for)
     blocks_per_unit: int = 1
     prefetch: bool = True
     fused_norm: Optional[bool] = None
@@ -53,8 +55,8 @@ class ScenarioOptions:
     float8: bool = False
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
-    context_gib: float = 600 / 1024
-    fragmentation: float = 0.05
+    context_gib: Optional[float] = None  # None: 600 MiB on a GPU, 0 on a CPU rank
+    fragmentation: Optional[float] = None  # None: 0.05 on a GPU, 0 on a CPU rank
     bucket_mib: float = 25.0
     overlap: bool = True
     presets_dir: Optional[list[str]] = None
@@ -112,13 +114,18 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         efficiency = 1.0 if gpu.measured else 0.7
     if efficiency is not None:
         check_range(efficiency, "--efficiency", 0.01, 1.0)
-    check_range(o.fragmentation, "--fragmentation", 0.0, 0.9)
-    check_range(o.context_gib, "--context-gib", 0.0, 1024)
+    # a CPU rank has no CUDA context and no caching allocator: those defaults are GPU-only
+    on_gpu = gpu.device != "cpu"
+    context_gib = o.context_gib if o.context_gib is not None else (GPU_CONTEXT_GIB if on_gpu else 0.0)
+    fragmentation = o.fragmentation if o.fragmentation is not None else (GPU_FRAGMENTATION if on_gpu else 0.0)
+    check_range(fragmentation, "--fragmentation", 0.0, 0.9)
+    check_range(context_gib, "--context-gib", 0.0, 1024)
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
     check_choice(o.attention_kernel, "--attention-kernel", ATTENTION_KERNELS)
     check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))
-    check_choice(o.layout, "--layout", ("zero", "torch"))
+    layout = o.layout or "zero"
+    check_choice(layout, "--layout", ("zero", "torch"))
     for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
                     ("--master-dtype", o.master_dtype), ("--optimizer-dtype", o.optimizer_dtype)):
         check_choice(v, flag, DTYPES)
@@ -136,14 +143,14 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=o.layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
+            layout=layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             reduce_every_microbatch=not o.reduce_last_only,
             compile=o.compile, float8=o.float8,
         )
         assume = Assumptions(
-            compute_efficiency=efficiency, cuda_context_bytes=int(o.context_gib * GiB),
-            fragmentation=o.fragmentation, ddp_bucket_bytes=int(o.bucket_mib * MiB),
+            compute_efficiency=efficiency, cuda_context_bytes=int(context_gib * GiB),
+            fragmentation=fragmentation, ddp_bucket_bytes=int(o.bucket_mib * MiB),
             overlap=o.overlap,
         )
         hw = Hardware(gpu=gpu, cluster=cluster, num_gpus=n)

@@ -105,6 +105,13 @@ def launch(
     else:
         p, per_node = _fresh_plan(model, nproc, nnodes, len(found.gpus), found.gpu_preset,
                                   global_batch, strategy, seq_len)
+    from ..plan import trainer_refusal
+
+    why = trainer_refusal(p) if script is None else None
+    if why:
+        from ..errors import PlanError
+
+        raise PlanError(f"zplan's trainer cannot run {plan or 'this plan'}: {why}")
     plan_path = str((run / "plan.json").resolve())
     if script is None:
         extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps),

@@ -50,14 +50,16 @@ def recommend(
     top: Annotated[int, typer.Option(help="Runners-up to list")] = 8,
     strategy: Annotated[Optional[list[str]], typer.Option(help="Search only these strategies (repeatable)")] = None,
     wide: Annotated[bool, typer.Option(help="Every column of the runners-up (default: the ones that fit 100 columns)")] = False,
+    runner: Annotated[Optional[str], typer.Option("--for", help="What will run the plan: zplan (launch, FSDP2; torch layout, the default) or deepspeed (export; zero layout)")] = None,
 ) -> None:
     """The fastest configuration that fits, and why every other one lost."""
     from ..plan import make_plan, save
-    from ..recommend import search
+    from ..recommend import plan_for_runner, search
 
     extra = {"global_batch": global_batch, "global_batch_tokens": global_batch_tokens,
              "objective": None, "headroom": None}
     used = _defaults(opts, extra)
+    used += plan_for_runner(opts, runner)
     objective = extra["objective"] or objective
     headroom = extra["headroom"] if extra["headroom"] is not None else headroom
     check_choice(objective, "--objective", ("throughput", "memory"))

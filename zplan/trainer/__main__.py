@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    why = check_plan(plan, world, cuda)
+    why = check_plan(plan, world, cuda, builtin_model=True)
     if why:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"zplan trainer: error: {why}", file=sys.stderr)

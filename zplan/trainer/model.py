@@ -2,7 +2,8 @@
 scaled_dot_product_attention, SwiGLU (or GELU), optionally tied embeddings and MoE-free.
 
 Built on the meta device; `init_weights_` materialises each parameter from a seed that depends
-only on its name, so every strategy and world size starts from the same weights.
+only on its name in the plain model (wrappers such as activation checkpointing's removed), so
+every strategy, checkpointing mode and world size starts from the same weights.
 """
 
 from __future__ import annotations
@@ -121,9 +122,6 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
-
-
 def param_seed(name: str, seed: int) -> int:
     return (zlib.crc32(name.encode()) + 1_000_003 * seed) % 2**63
 
@@ -159,15 +157,22 @@ def local_slice(full: torch.Tensor, param) -> torch.Tensor:
     return out
 
 
+# Name components that wrappers insert (torch's checkpoint_wrapper, DDP, torch.compile): not
+# part of the model's own parameter names.
+WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "module")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model, whatever wraps its modules."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
 @torch.no_grad()
 def init_weights_(model: nn.Module, seed: int = 0) -> None:
-    """Materialise every parameter from its name: one full tensor at a time, local piece kept."""
+    """Materialise every parameter from its plain name: one full tensor at a time, local piece kept."""
     layers = getattr(model, "spec", None).num_layers if hasattr(model, "spec") else 1
     for name, p in model.named_parameters():
-        # checkpoint_wrapper inserts a module into the path; the seed follows the model's own
-        # name, so a checkpointed run starts from the same weights as one without
-        name = name.replace(CHECKPOINT_WRAPPED, "")
-        full = full_init(name, p.shape, seed, layers)
+        full = full_init(canonical_name(name), p.shape, seed, layers)
         piece = local_slice(full, p)
         local = p.to_local() if hasattr(p, "to_local") else p
         local.copy_(piece.to(local.dtype))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import policy
 from ..plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,7 +46,8 @@ def device_for(backend: str) -> torch.device:
 
 
 def apply_checkpointing(model: nn.Module, mode: str, every: int) -> None:
-    """Wrap blocks for activation checkpointing (before fully_shard, as torchtitan does)."""
+    """Wrap blocks for activation checkpointing (before fully_shard, as torchtitan does); which
+    blocks and which ops come from zplan/policy.py, as the planner prices them."""
     if mode == "none":
         return
     if mode == "attention":
@@ -54,37 +56,44 @@ def apply_checkpointing(model: nn.Module, mode: str, every: int) -> None:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    wrapped = policy.checkpointed_blocks(len(model.layers), mode, every)
     for i, block in enumerate(model.layers):
-        if mode == "every-k" and (i + 1) % every:
+        if not wrapped[i]:
             continue
         kw = {}
         if mode == "selective":
-            kw["context_fn"] = _selective_context
+            kw["context_fn"] = partial(selective_context, policy.selective_saved_positions(model.spec.mlp))
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kw)
 
 
-def _selective_context():
-    """torchtitan's op-level SAC: save matmul outputs except every second one, and attention."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    count = {"forward": 0, "recompute": 0}
-    save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+def _attention_ops() -> set:
+    ops = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention"):
         op = getattr(torch.ops.aten, name, None)
         if op is not None:
-            save.add(op.default)
+            ops.add(op.default)
+    return ops
 
-    def policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+
+def selective_context(saved_positions: frozenset[int]):
+    """torchtitan's op-level SAC: the block's matmuls at `saved_positions` (in the order they
+    run) and the attention kernel are kept; everything else is recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    count = {"forward": 0, "recompute": 0}
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    attention = _attention_ops() if policy.SELECTIVE_SAVES_ATTENTION else set()
+
+    def choose(ctx, func, *args, **kwargs):
+        if func in matmuls:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            i = count[mode]
             count[mode] += 1
-            if count[mode] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if i in saved_positions else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return create_selective_checkpoint_contexts(choose)
 
 
 def build_mesh(plan: Plan, device: torch.device):
@@ -98,18 +107,25 @@ def build_mesh(plan: Plan, device: torch.device):
 
 def parallelize(model: nn.Module, plan: Plan, device: torch.device,
                 deterministic: bool = False, mesh=None) -> Parallelized:
-    """Shard (or replicate) the meta-device model as the plan says; parameters stay empty."""
+    """Shard (or replicate) the meta-device model as the plan says; parameters stay empty, in
+    the plan's master dtype (FSDP2 and DDP keep the weights the optimizer updates)."""
+    from ..plan import trainer_refusal
+
+    why = trainer_refusal(plan)
+    if why:
+        raise ValueError(why)
     t = plan.train
+    model.to(dtype=DTYPES[t.precision.master])
     apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
     if plan.strategy in ("ddp", "zero1"):
         return replicate(model, plan, device)
     groups: list[list[nn.Module]] = []
-    if not model.spec.tied_embeddings:
+    separate = policy.separate_embed_head(model.spec.tied_embeddings)
+    if separate:
         groups.append([model.tok_embeddings])
     blocks = list(model.layers)
-    k = t.blocks_per_unit
-    groups += [blocks[i: i + k] for i in range(0, len(blocks), k)]
-    if not model.spec.tied_embeddings:
+    groups += [[blocks[i] for i in g] for g in policy.block_groups(len(blocks), t.blocks_per_unit)]
+    if separate:
         groups.append([model.norm, model.output])
     return shard_units(model, groups, plan, device, deterministic, mesh)
 
@@ -142,9 +158,8 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
     mesh = mesh if mesh is not None else build_mesh(plan, device)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.precision.param], reduce_dtype=DTYPES[t.precision.reduce])
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.strategy == "offload-all" else OffloadPolicy()
-    reshard = plan.strategy not in ("zero2", "zero3-noreshard")
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard)
+                    reshard_after_forward=t.reshard_after_forward)
     units: list[nn.Module] = []
     for group in groups:
         shard(group if len(group) > 1 else group[0])
@@ -177,12 +192,14 @@ def set_sync(p: Parallelized, sync: bool):
 
 
 def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1):
+    """AdamW with foreach (multi-tensor) kernels over this rank's parameters; its state takes the
+    parameters' dtype, the plan's master dtype (= its optimizer dtype, trainer_refusal checks)."""
+    if plan.train.optimizer != "adamw":
+        raise ValueError(f"the trainer runs AdamW; the plan asks for {plan.train.optimizer}")
     params = [q for q in p.model.parameters() if q.requires_grad]
-    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8, foreach=False)
+    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8, foreach=True)
     if plan.strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
-    if plan.train.optimizer != "adamw":
-        raise ValueError(f"the trainer runs AdamW; the plan asks for {plan.train.optimizer}")
     return torch.optim.AdamW(params, **kw)

@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 
 
-def check_plan(plan, world: int, cuda: bool) -> str | None:
-    """Why this plan cannot run in this world, or None."""
+def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str | None:
+    """Why this plan cannot run in this world, or None (`builtin_model`: zplan's own trainer,
+    whose model the plan's architecture must fit; a user's script brings its own)."""
+    from ..plan import trainer_refusal
+
+    why = trainer_refusal(plan, builtin_model)
+    if why:
+        return why
     if plan.num_gpus != world:
         return (f"the plan is for {plan.num_gpus} ranks but torchrun started {world}; run it with "
                 f"zplan launch --plan (it sets --nproc), or plan again with --gpus {world}")

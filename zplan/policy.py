@@ -1,0 +1,69 @@
+"""Modelling decisions the planner and the trainer must make the same way, made once, here.
+
+- Unit grouping: which transformer blocks share one all-gather (`block_groups`), and whether the
+  embeddings and the norm + head are units of their own (`separate_embed_head`).
+- Activation checkpointing: which blocks are wrapped (`checkpointed_blocks`, including every-k),
+  and, for the selective policy, which ops' outputs are kept (`selective_saved_matmuls`,
+  `SELECTIVE_SAVES_ATTENTION`), by op kind so that the planner can price them.
+
+The planner (zplan/arch.py) turns these into bytes and FLOPs; the trainer
+(zplan/trainer/parallel.py) turns them into fully_shard groups and checkpoint contexts.
+Torch-free: the planning path imports it.
+"""
+
+from __future__ import annotations
+
+# The matmuls of one block in the order the trainer's block runs them (zplan/trainer/model.py:
+# Attention.forward, then FeedForward.forward: w2(silu(w1 x) * w3 x) or w2(gelu(w1 x))).
+BLOCK_MATMULS = {
+    "swiglu": ("wq", "wk", "wv", "wo", "w1", "w3", "w2"),
+    "gelu": ("wq", "wk", "wv", "wo", "w1", "w2"),
+}
+
+# Selective checkpointing keeps the attention kernel's outputs (output and logsumexp), as
+# torchtitan's op-level SAC does; every pointwise op is recomputed.
+SELECTIVE_SAVES_ATTENTION = True
+
+
+def block_groups(num_layers: int, blocks_per_unit: int) -> list[range]:
+    """Blocks grouped `blocks_per_unit` at a time, in order; the last group may be shorter."""
+    if blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit must be >= 1, not {blocks_per_unit}")
+    return [range(i, min(i + blocks_per_unit, num_layers))
+            for i in range(0, num_layers, blocks_per_unit)]
+
+
+def separate_embed_head(tied_embeddings: bool) -> bool:
+    """Embeddings and norm + head are units of their own (torchtitan's order), unless they share
+    one weight: then both stay with the root, gathered for the whole step."""
+    return not tied_embeddings
+
+
+def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, ...]:
+    """Which blocks are wrapped whole for recomputation. `attention` recomputes inside each block
+    (the attention core only), so it wraps none; every-k wraps blocks k, 2k, ... counting from 1
+    (torchtitan's `ac_freq`)."""
+    if mode in ("none", "attention"):
+        return (False,) * num_layers
+    if mode in ("full", "selective"):
+        return (True,) * num_layers
+    if mode == "every-k":
+        if every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, not {every}")
+        return tuple((i + 1) % every == 0 for i in range(num_layers))
+    raise ValueError(f"unknown checkpointing mode {mode!r}")
+
+
+def selective_saved_matmuls(mlp: str) -> tuple[str, ...]:
+    """The matmuls whose outputs selective checkpointing keeps: every second one of the block,
+    starting with the first (torchtitan's `_save_list` rule, 'save every other mm'). SwiGLU keeps
+    wq, wv, w1, w2; GELU keeps wq, wv, w1 (its w2 is recomputed)."""
+    order = BLOCK_MATMULS[mlp]
+    return tuple(name for i, name in enumerate(order) if i % 2 == 0)
+
+
+def selective_saved_positions(mlp: str) -> frozenset[int]:
+    """The same choice as positions in the block's matmul order (how the trainer sees them: a
+    checkpoint policy is called with each op, not with the module that issued it)."""
+    saved = set(selective_saved_matmuls(mlp))
+    return frozenset(i for i, name in enumerate(BLOCK_MATMULS[mlp]) if name in saved)
