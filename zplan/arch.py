@@ -304,9 +304,7 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     if mode == "attention":
         return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.hidden * T
     # selective: the matmuls whose outputs are not kept run again (zplan/policy.py)
-    saved = policy.selective_saved_matmuls(m.mlp)
-    recomputed = [n for n in policy.BLOCK_MATMULS[m.mlp] if n not in saved]
-    return 2 * _matmul_params(m, recomputed) * T * u.blocks
+    return 2 * _matmul_params(m, policy.selective_recomputed_matmuls(m.mlp)) * T * u.blocks
 
 
 def model_flop_per_token(m: ModelSpec, seq_len: int) -> int:

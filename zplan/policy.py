@@ -62,6 +62,15 @@ def selective_saved_matmuls(mlp: str) -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(order) if i % 2 == 0)
 
 
+def selective_recomputed_matmuls(mlp: str) -> tuple[str, ...]:
+    """The matmuls that backward runs again under selective checkpointing: those not kept, less
+    the block's last one. torch.utils.checkpoint stops recomputing once every tensor backward
+    needs is rebuilt (early stopping, on by default), and nothing needs the last matmul's output
+    (its backward needs its input and weight). SwiGLU reruns wk, wo, w3; GELU reruns wk, wo."""
+    order, saved = BLOCK_MATMULS[mlp], selective_saved_matmuls(mlp)
+    return tuple(name for name in order[:-1] if name not in saved)
+
+
 def selective_saved_positions(mlp: str) -> frozenset[int]:
     """The same choice as positions in the block's matmul order (how the trainer sees them: a
     checkpoint policy is called with each op, not with the module that issued it)."""

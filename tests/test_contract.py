@@ -1,0 +1,262 @@
+"""The plan is the contract between planning and running: what runs it, validation on load,
+what zplan's trainer refuses, and the modelling decisions both sides take from zplan/policy.py."""
+
+import json
+
+import pytest
+
+from zplan.errors import UsageError
+from zplan.plan import Plan, load, make_plan, node_problem, save, trainer_refusal
+from tests.helpers import est, scenario
+
+CPU = dict(model="tiny", gpu="cpu", cluster="cpu-local", seq_len=64)
+
+
+def plan_for(strategy, layout="torch", **kw):
+    kw = {**CPU, "gpus": 2, **kw}
+    sc = scenario(layout=layout, **kw)
+    batch = sc.n * sc.train.micro_batch * sc.train.grad_accum
+    return make_plan(sc, strategy, batch, est(strategy, layout=layout, **kw))
+
+
+def written(tmp_path, plan, **changes):
+    """The plan's JSON with some fields changed, as a file (what a hand-edited plan looks like)."""
+    data = json.loads(plan.model_dump_json())
+    for dotted, value in changes.items():
+        *path, last = dotted.split("__")
+        d = data
+        for k in path:
+            d = d[k]
+        if value is None and last in d and last != "shard_size":
+            del d[last]
+        else:
+            d[last] = value
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(data))
+    return f
+
+
+# ----------------------------------------------------------------- validation on load
+
+def test_a_consistent_plan_loads(tmp_path):
+    p = plan_for("zero3", micro_batch=2, grad_accum=3)
+    assert p.runner == "zplan" and p.train.layout == "torch" and p.global_batch == 12
+    assert load(written(tmp_path, p)) == p
+
+
+@pytest.mark.parametrize("changes,needle", [
+    # a 2-rank mesh for a 3-rank plan (issue 9: a 3-rank launch of a 2-rank mesh ran)
+    (dict(num_gpus=3, global_batch=3), "mesh [2] ['shard'] does not match zero3 on 3 ranks ([3]"),
+    # global batch 7 on 2 ranks: ranks would read overlapping samples
+    (dict(global_batch=7), "global_batch 7 is not micro_batch 1 x grad_accum 1 x 2 data-parallel ranks = 2"),
+    (dict(shard_size=2), "shard_size 2 is for hsdp"),
+    (dict(train__layout="zero"), "runner 'zplan' keeps the torch memory layout but train.layout is 'zero'"),
+    (dict(train__reshard_after_forward=False), "reshard_after_forward False contradicts strategy zero3"),
+])
+def test_contradictions_are_refused_on_load(tmp_path, changes, needle):
+    with pytest.raises(UsageError) as e:
+        load(written(tmp_path, plan_for("zero3"), **changes))
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and "zplan recommend" in msg
+
+
+def test_hsdp_mesh_must_match_the_shard_size(tmp_path):
+    p = plan_for("hsdp", gpus=4, shard_size=2)
+    assert p.mesh.shape == [2, 2] and load(written(tmp_path, p)) == p
+    with pytest.raises(UsageError, match="needs a shard_size that divides num_gpus 4, not 3"):
+        load(written(tmp_path, p, shard_size=3))
+    with pytest.raises(UsageError, match=r"mesh \[2, 2\].*\(\[4, 1\]"):
+        load(written(tmp_path, p, shard_size=1))
+
+
+def test_a_plan_without_runner_is_for_what_its_layout_says(tmp_path):
+    zero = load(written(tmp_path, plan_for("zero3", layout="zero"), runner=None))
+    torch_ = load(written(tmp_path, plan_for("zero3"), runner=None))
+    assert (zero.runner, torch_.runner) == ("deepspeed", "zplan")
+
+
+def test_node_problem_for_the_launcher():
+    gpu = plan_for("zero3", gpus=16, gpu="h100-sxm", cluster="dgx-h100", model="llama-3.2-1b")
+    assert node_problem(gpu, 8, 8) is None
+    assert "--nnodes 2" in node_problem(gpu, 16, 8)  # 16 processes on an 8-GPU node (issue 9)
+    assert "has none" in node_problem(gpu, 8, 0)
+    assert node_problem(plan_for("zero3"), 2, 0) is None
+    assert "CPU ranks but this node has 8 GPUs" in node_problem(plan_for("zero3"), 2, 8)
+
+
+# ----------------------------------------------------------------- what the trainer runs
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(layout="zero"), "run it with zplan export --to deepspeed"),
+    (dict(optimizer="adam8bit"), "the trainer runs AdamW; the plan asks for adam8bit"),
+    (dict(param_dtype="fp16"), "param dtype fp16"),
+    (dict(master_dtype="bf16", optimizer_dtype="fp32"), "optimizer dtype fp32 differs from master dtype bf16"),
+    (dict(flash=False), "--flash"),
+    (dict(params="1e6", model=None), "bare parameter count"),
+])
+def test_trainer_refuses_what_it_cannot_apply(kw, needle):
+    why = trainer_refusal(plan_for("zero3", **kw))
+    assert why is not None and needle in why
+
+
+def test_trainer_accepts_the_dtypes_it_applies():
+    assert trainer_refusal(plan_for("zero3", master_dtype="bf16", optimizer_dtype="bf16",
+                                    reduce_dtype="bf16")) is None
+    assert "reduces gradients in the weights' dtype" in trainer_refusal(plan_for("ddp", reduce_dtype="bf16"))
+    assert trainer_refusal(plan_for("ddp", param_dtype="bf16")) is None
+
+
+def _recommend(run_zplan, tmp_path, *args, name="plan.json"):
+    plan = tmp_path / name
+    p = run_zplan("recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--gpus", "2", "--seq-len", "64", "--write", str(plan), *args)
+    assert p.returncode == 0, p.stderr
+    return plan, json.loads(plan.read_text())
+
+
+def test_recommend_plans_for_launch_unless_asked(run_zplan, tmp_path):
+    _, default = _recommend(run_zplan, tmp_path)
+    assert default["runner"] == "zplan" and default["train"]["layout"] == "torch"
+    # a CPU rank carries no CUDA context and no allocator fragmentation (issue 9)
+    assert default["assumptions"]["cuda_context_bytes"] == 0 and default["assumptions"]["fragmentation"] == 0
+    assert default["predicted"]["per_gpu"]["overhead_bytes"] == 0
+    _, ds = _recommend(run_zplan, tmp_path, "--for", "deepspeed", name="ds.json")
+    assert ds["runner"] == "deepspeed" and ds["train"]["layout"] == "zero"
+    p = run_zplan("recommend", "--model", "tiny", "--for", "zplan", "--layout", "zero")
+    assert p.returncode == 2 and "drop --layout" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--for", "deepspeed"), "this plan is for deepspeed"),
+    (("--for", "deepspeed", "--strategy", "offload-opt"), "this plan is for deepspeed"),
+    (("--optimizer", "adam8bit"), "the plan asks for adam8bit"),
+])
+def test_launch_refuses_in_one_line(run_zplan, tmp_path, args, needle):
+    """Issue 9: an offload-opt plan printed 81 lines with 3 tracebacks; a zero-layout plan ran."""
+    plan, _ = _recommend(run_zplan, tmp_path, *args)
+    p = run_zplan("launch", "--plan", str(plan), "--run-dir", str(tmp_path / "run"))
+    assert p.returncode == 1, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert needle in p.stderr and not (tmp_path / "run").exists()
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    p = plan_for("hsdp", gpus=4, shard_size=2, checkpointing="every-k", checkpoint_every=3,
+                 master_dtype="bf16", optimizer_dtype="bf16", micro_batch=2)
+    save(p, tmp_path / "a.json")
+    again = load(tmp_path / "a.json")
+    assert again == p and isinstance(again, Plan)
+    data = json.loads((tmp_path / "a.json").read_text())
+    # against values typed here, not recomputed by the code under test
+    assert data["mesh"] == {"shape": [2, 2], "dim_names": ["replicate", "shard"]}
+    assert data["global_batch"] == 8 and data["train"]["checkpoint_every"] == 3
+    assert data["train"]["precision"] == {"param": "bf16", "reduce": "fp32", "master": "bf16", "optimizer": "bf16"}
+
+
+# ----------------------------------------------------------------- one policy, both sides
+
+def _tiny_blocks(mlp, mode, layers=2):
+    import torch
+    from torch import nn
+
+    from zplan.presets import model as preset
+    from zplan.trainer.model import Block
+    from zplan.trainer.parallel import apply_checkpointing
+
+    m = preset("tiny").model_copy(update={"mlp": mlp, "num_layers": layers})
+
+    class Blocks(nn.Module):  # what apply_checkpointing needs of the trainer's Transformer
+        def __init__(self):
+            super().__init__()
+            self.spec, self.layers = m, nn.ModuleList(Block(m) for _ in range(layers))
+
+    torch.manual_seed(0)
+    net = Blocks().to(torch.bfloat16)
+    apply_checkpointing(net, mode, 2)
+    return m, net
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(mlp):
+    """The planner's bytes and FLOPs for one selectively checkpointed block against the trainer's
+    block, measured by torch's MemTracker (live tensors after forward) and FlopCounterMode. Before
+    the policy had one source the planner counted GELU's w2 output, which the trainer drops."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zplan import arch
+    from zplan.arch import Unit
+    from zplan.specs import Precision, TrainSpec
+
+    seq, mb = 64, 2
+    cpu = torch.device("cpu")
+
+    def measure(mode):
+        m, net = _tiny_blocks(mlp, mode)
+        blk = net.layers[0]
+        x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+        mt = MemTracker()
+        mt.track_external(blk, x)
+        with mt:
+            before = mt.get_tracker_snapshot("current")[cpu]["Total"]
+            y = blk(x)
+            after = mt.get_tracker_snapshot("current")[cpu]["Total"]
+        kept = after - before - y.numel() * y.element_size() + x.numel() * x.element_size()
+        with FlopCounterMode(display=False) as fc:
+            blk(x).sum().backward()
+        return m, kept, fc.get_total_flops()
+
+    m, kept, flop = measure("selective")
+    _, _, flop_none = measure("none")
+    train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing="selective", fused_norm=False,
+                      precision=Precision(param="bf16"))
+    assert arch.block_saved_bytes(m, train, "selective") == kept
+    unit = Unit("blocks.0", (), 1, 0, 0)
+    assert arch.unit_recompute_flop(m, unit, train) == flop - flop_none
+
+
+@pytest.mark.parametrize("mode,every,wrapped", [("every-k", 2, [1, 3]), ("every-k", 3, [2]),
+                                                ("full", 2, [0, 1, 2, 3]), ("none", 2, [])])
+def test_trainer_wraps_the_blocks_the_planner_prices(mode, every, wrapped):
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from zplan import arch
+    from zplan.presets import model as preset
+    from zplan.specs import TrainSpec
+    from zplan.trainer.model import Transformer
+    from zplan.trainer.parallel import apply_checkpointing
+
+    m = preset("tiny")
+    with torch.device("meta"):
+        net = Transformer(m)
+    apply_checkpointing(net, mode, every)
+    assert [i for i, b in enumerate(net.layers) if isinstance(b, CheckpointWrapper)] == wrapped
+    t = TrainSpec(seq_len=64, checkpointing=mode, checkpoint_every=every)
+    units = arch.units(m, 1)
+    recomputing = [u.first_block for u in units if u.blocks and arch.unit_recompute_flop(m, u, t)]
+    assert recomputing == wrapped
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "every-k", "attention"])
+def test_initial_weights_do_not_depend_on_checkpointing(mode):
+    """Issue 9: between none and full only 11 of 39 tensors were equal at step 0."""
+    import torch
+
+    from zplan.presets import model as preset
+    from zplan.trainer.model import Transformer, canonical_name, init_weights_
+    from zplan.trainer.parallel import apply_checkpointing
+
+    def initial(mode):
+        with torch.device("meta"):
+            net = Transformer(preset("tiny"))
+        apply_checkpointing(net, mode, 2)
+        net.to_empty(device="cpu")
+        init_weights_(net, 0)
+        return {canonical_name(k): v for k, v in net.state_dict().items()}
+
+    ref, other = initial("none"), initial(mode)
+    assert len(ref) == 39 and ref.keys() == other.keys()
+    assert all(torch.equal(ref[k], other[k]) for k in ref)
+    assert not torch.equal(ref["layers.0.attention.wq.weight"], ref["layers.1.attention.wq.weight"])
