@@ -1,99 +1,157 @@
-"""Exports use only the keys DeepSpeed, accelerate and torchrun document."""
+"""Exports say what the plan assumed. Each is loaded with the target's own config code
+(DeepSpeed's DeepSpeedConfig, accelerate's config loader, launch environment and FSDP plugin)
+and the VALUES it ends up with are checked against figures derived here from the architecture."""
 
 import json
 
 import pytest
 
+from zplan.errors import UsageError
 from zplan.export import accelerate_config, deepspeed_config, torchrun_command
 from zplan.plan import make_plan
 from tests.helpers import est, scenario
 
-# deepspeed.ai/docs/config-json and deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig fields)
-DS_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-          "optimizer", "scheduler", "communication_data_type", "fp16", "bf16", "gradient_clipping",
-          "zero_optimization", "activation_checkpointing", "steps_per_print"}
-DS_ZERO = {"stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
-           "allgather_partitions", "allgather_bucket_size", "overlap_comm", "offload_param",
-           "offload_optimizer", "sub_group_size", "stage3_prefetch_bucket_size",
-           "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-           "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-           "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
-           "mics_shard_size", "mics_hierarchical_params_gather", "round_robin_gradients"}
-DS_OFFLOAD = {"device", "nvme_path", "pin_memory", "buffer_count", "ratio", "fast_init"}
-DS_AC = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-         "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
-# accelerate's `accelerate config` YAML (FSDP2 fields as `accelerate config` writes them)
-ACC_TOP = {"compute_environment", "debug", "distributed_type", "downcast_bf16", "fsdp_config",
-           "machine_rank", "main_training_function", "mixed_precision", "num_machines",
-           "num_processes", "rdzv_backend", "same_network", "use_cpu"}
-ACC_FSDP = {"fsdp_activation_checkpointing", "fsdp_auto_wrap_policy", "fsdp_cpu_ram_efficient_loading",
-            "fsdp_offload_params", "fsdp_reshard_after_forward", "fsdp_state_dict_type",
-            "fsdp_version", "fsdp_transformer_layer_cls_to_wrap"}
+# Llama 3.1 8B (Hugging Face config): hidden 4096, 8 KV heads of 128, FFN 14336, vocab 128256
+H, KV, F, V = 4096, 1024, 14336, 128256
+BLOCK = 2 * H * H + 2 * KV * H + 3 * H * F + 2 * H  # one decoder layer's parameters
+HEAD = V * H + H  # final norm + output projection (the largest unit)
+BUCKET = 25 * 2**20  # the plan's assumed 25 MiB buckets
 
 
-def plan_for(strategy, **kw):
-    sc = scenario(**kw)
-    return make_plan(sc, strategy, sc.n * sc.train.micro_batch, est(strategy, **kw))
+def plan_for(strategy, layout="zero", **kw):
+    kw = dict(dict(model="llama-3.1-8b", gpus=16, micro_batch=2, grad_accum=4, checkpointing="full"), **kw)
+    sc = scenario(layout=layout, **kw)
+    n = sc.n * sc.train.micro_batch * sc.train.grad_accum
+    return make_plan(sc, strategy, n, est(strategy, layout=layout, **kw))
 
 
+@pytest.fixture
+def ds_load(monkeypatch):
+    """DeepSpeed's own config class, as deepspeed.initialize builds it on 16 data-parallel ranks
+    (an mpu says the world size; there is no process group here)."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.runtime.config as dsc
+
+    class DataParallel16:
+        def get_data_parallel_world_size(self):
+            return 16
+
+    monkeypatch.setattr(dsc.dist, "get_rank", lambda *a, **k: 0)
+    return lambda cfg: dsc.DeepSpeedConfig(cfg, mpu=DataParallel16())
+
+
+@pytest.mark.slow  # importing deepspeed takes seconds
 @pytest.mark.parametrize("strategy,stage", [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3),
-                                            ("hsdp", 3), ("offload-opt", 3), ("offload-all", 3)])
-def test_deepspeed_keys_and_values(strategy, stage):
-    p = plan_for(strategy, model="llama-3.1-8b", gpus=16, micro_batch=2, grad_accum=4,
-                 checkpointing="full")
-    cfg = deepspeed_config(p)
-    assert set(cfg) <= DS_TOP
-    assert set(cfg["zero_optimization"]) <= DS_ZERO
-    assert cfg["zero_optimization"]["stage"] == stage
-    assert cfg["train_batch_size"] == 2 * 4 * 16
-    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 4
-    assert cfg["bf16"] == {"enabled": True}
-    assert set(cfg["activation_checkpointing"]) <= DS_AC
-    zo = cfg["zero_optimization"]
-    for k in ("offload_optimizer", "offload_param"):
-        if k in zo:
-            assert set(zo[k]) <= DS_OFFLOAD
-    assert ("offload_optimizer" in zo) == strategy.startswith("offload")
-    assert ("offload_param" in zo) == (strategy == "offload-all")
-    if strategy == "hsdp":
-        assert zo["mics_shard_size"] == 8
+                                            ("zero3-noreshard", 3), ("offload-opt", 3), ("offload-all", 3)])
+def test_deepspeed_reads_the_plans_values(ds_load, strategy, stage):
+    import torch
 
-
-def test_zeropp_keys():
-    cfg = deepspeed_config(plan_for("zero3", model="llama-3.1-8b", gpus=16), zeropp=True)
-    zo = cfg["zero_optimization"]
-    assert zo["zero_hpz_partition_size"] == 8
-    assert zo["zero_quantized_weights"] is True and zo["zero_quantized_gradients"] is True
-
-
-def _yaml(text):
-    """The subset of YAML accelerate writes: 'key: value' and one nested mapping."""
-    out, cur = {}, None
-    for line in text.splitlines():
-        key, _, val = line.strip().partition(":")
-        if line.startswith("  "):
-            out[cur][key] = val.strip()
-        elif val.strip() == "":
-            cur = key
-            out[key] = {}
+    c = ds_load(deepspeed_config(plan_for(strategy)))
+    z = c.zero_config
+    assert (c.world_size, c.train_batch_size, c.train_micro_batch_size_per_gpu,
+            c.gradient_accumulation_steps) == (16, 128, 2, 4)
+    assert z.stage == stage and z.overlap_comm is True
+    assert c.bfloat16_config.enabled and not c.bfloat16_config.bf16_master_weights_and_grads
+    assert c.communication_data_type == torch.float32 and c.optimizer_name == "adamw"
+    if stage < 3:  # DDP-style buckets: 25 MiB of fp32 gradients, of bf16 weights
+        assert (z.reduce_bucket_size, z.allgather_bucket_size) == (BUCKET // 4, BUCKET // 2)
+    else:  # one unit at a time, prefetching one unit, every parameter sharded
+        assert z.reduce_bucket_size == HEAD and z.prefetch_bucket_size == HEAD
+        assert z.param_persistence_threshold == 0
+        if strategy == "zero3-noreshard":
+            assert z.max_live_parameters > 8e9 and z.max_reuse_distance > 8e9
         else:
-            out[key] = val.strip()
-    return out
+            assert z.max_live_parameters == BLOCK + HEAD and z.max_reuse_distance == 0
+    assert (z.offload_optimizer is not None) == strategy.startswith("offload")
+    assert (z.offload_param is not None) == (strategy == "offload-all")
+    if z.offload_optimizer is not None:
+        assert z.offload_optimizer.device == "cpu"
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "zero2", "offload-all", "ddp"])
-def test_accelerate_keys(strategy):
-    y = _yaml(accelerate_config(plan_for(strategy, model="llama-3.1-8b", gpus=16)))
-    assert set(y) <= ACC_TOP
-    assert y["num_processes"] == "16" and y["num_machines"] == "2"
+@pytest.mark.slow
+def test_deepspeed_reads_dtypes_optimizers_and_zeropp(ds_load):
+    import torch
+
+    mixed = ds_load(deepspeed_config(plan_for("zero1", master_dtype="bf16")))  # fp32 optimizer state
+    assert mixed.bfloat16_config.bf16_master_weights_and_grads and not mixed.bfloat16_config.bf16_optimizer_states
+    low = ds_load(deepspeed_config(plan_for("zero3", master_dtype="bf16", optimizer_dtype="bf16",
+                                            reduce_dtype="bf16", prefetch=False)))
+    assert low.bfloat16_config.bf16_master_weights_and_grads and low.bfloat16_config.bf16_optimizer_states
+    assert low.communication_data_type == torch.bfloat16 and low.zero_config.prefetch_bucket_size == 0
+    fp32 = ds_load(deepspeed_config(plan_for("zero2", param_dtype="fp32")))
+    assert not fp32.bfloat16_config.enabled and not fp32.float16_config.enabled
+    sgd = ds_load(deepspeed_config(plan_for("zero1", optimizer="sgd")))
+    assert sgd.optimizer_name == "SGD" and sgd.zero_allow_untested_optimizer
+    pp = ds_load(deepspeed_config(plan_for("zero3"), zeropp=True)).zero_config
+    assert pp.zero_hpz_partition_size == 8 and pp.zero_quantized_weights and pp.zero_quantized_gradients
+
+
+@pytest.mark.parametrize("strategy,kw,needle", [
+    ("zero3", dict(optimizer="adam8bit"), "names no 8-bit Adam"),
+    ("hsdp", dict(), "removed MiCS"),
+    ("ddp", dict(master_dtype="bf16", optimizer_dtype="bf16"), "only under ZeRO 1-3"),
+    ("zero3", dict(master_dtype="fp32", optimizer_dtype="bf16"), "bf16 master"),
+])
+def test_deepspeed_refuses_what_its_config_cannot_say(strategy, kw, needle):
+    with pytest.raises(UsageError, match=needle):
+        deepspeed_config(plan_for(strategy, **kw))
+
+
+def _accelerate_env(tmp_path, monkeypatch, plan):
+    """accelerate launch's own path: config file -> launch arguments -> worker environment."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(accelerate_config(plan))
+    cfg = load_config_from_file(str(path))
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return cfg, env
+
+
+@pytest.mark.slow  # importing accelerate takes seconds
+@pytest.mark.parametrize("strategy", ["zero3", "zero2", "offload-all", "hsdp", "ddp"])
+def test_accelerate_reads_the_plans_values(tmp_path, monkeypatch, strategy):
+    import torch
+
+    plan = plan_for(strategy, layout="torch", reduce_dtype="fp32" if strategy == "ddp" else "bf16")
+    cfg, env = _accelerate_env(tmp_path, monkeypatch, plan)
+    assert (cfg.num_processes, cfg.num_machines, cfg.mixed_precision) == (16, 2, "bf16")
     if strategy == "ddp":
-        assert y["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in y
+        assert cfg.distributed_type.value == "MULTI_GPU" and "ACCELERATE_USE_FSDP" not in env
         return
-    assert y["distributed_type"] == "FSDP"
-    f = y["fsdp_config"]
-    assert set(f) <= ACC_FSDP and f["fsdp_version"] == "2"
-    assert f["fsdp_reshard_after_forward"] == ("false" if strategy == "zero2" else "true")
-    assert f["fsdp_offload_params"] == ("true" if strategy == "offload-all" else "false")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    fsdp = FullyShardedDataParallelPlugin()  # reads the environment, as in every worker
+    fsdp.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])  # as AcceleratorState does
+    assert fsdp.fsdp_version == 2 and fsdp.activation_checkpointing is True
+    assert fsdp.reshard_after_forward is (strategy != "zero2")
+    assert isinstance(fsdp.cpu_offload, CPUOffloadPolicy) == (strategy == "offload-all")
+    mp = fsdp.mixed_precision_policy
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    if strategy == "hsdp":
+        from accelerate.parallelism_config import ParallelismConfig
+
+        pc = ParallelismConfig()
+        assert (pc.dp_replicate_size, pc.dp_shard_size) == (2, 8)
+
+
+@pytest.mark.parametrize("strategy,kw,needle", [
+    ("zero3", dict(), "reduces gradients in bf16, the plan in fp32"),
+    ("zero1", dict(), "no zero1"),
+    ("zero3", dict(reduce_dtype="bf16", checkpointing="selective"), "not selective"),
+    ("zero3", dict(reduce_dtype="bf16", blocks_per_unit=2), "--blocks-per-unit 1"),
+])
+def test_accelerate_refuses_what_its_config_cannot_say(strategy, kw, needle):
+    with pytest.raises(UsageError, match=needle):
+        accelerate_config(plan_for(strategy, layout="torch", **kw))
 
 
 def test_torchrun_line():
@@ -106,10 +164,16 @@ def test_torchrun_line():
 def test_export_cli(run_zplan, tmp_path):
     plan = tmp_path / "plan.json"
     assert run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "16", "--global-batch", "64",
-                     "--write", str(plan)).returncode == 0
+                     "--for", "deepspeed", "--write", str(plan)).returncode == 0
     out = tmp_path / "ds.json"
     p = run_zplan("export", "--plan", str(plan), "--to", "deepspeed", "-o", str(out))
     assert p.returncode == 0, p.stderr
-    assert set(json.loads(out.read_text())) <= DS_TOP
+    cfg = json.loads(out.read_text())
+    assert cfg["train_batch_size"] == 64 and cfg["zero_optimization"]["overlap_comm"] is True
     p = run_zplan("export", "--plan", str(plan), "--to", "nemo")
     assert p.returncode == 2 and "--to 'nemo' is not one of" in p.stderr
+    bad = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "16", "--optimizer", "adam8bit",
+                    "--for", "deepspeed", "--write", str(tmp_path / "a8.json"))
+    assert bad.returncode == 0, bad.stderr
+    p = run_zplan("export", "--plan", str(tmp_path / "a8.json"), "--to", "deepspeed")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "8-bit Adam" in p.stderr

@@ -1,5 +1,7 @@
 """A plan, written as what other tools read: a DeepSpeed config, an accelerate FSDP config, a
-torchrun command line. Keys are only those the tools document (tests hold them to it)."""
+torchrun command line. Each says what the plan assumed (buckets, prefetch, resharding, offload,
+optimizer, dtypes), or is refused with the reason where the target's file cannot say it; tests
+load each export with the target's own config code and check the values."""
 
 from __future__ import annotations
 
@@ -8,28 +10,93 @@ import shlex
 
 from .errors import UsageError
 from .plan import Plan
+from .units import DTYPE_BITS
 
 DS_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-noreshard": 3, "hsdp": 3,
             "offload-opt": 3, "offload-all": 3}
 DS_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
+# DeepSpeed's optimizer "type": its own (deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS) or a
+# torch.optim class name, which the engine instantiates (engine._configure_basic_optimizer)
+DS_OPTIMIZER = {"adamw": "AdamW", "sgd": "SGD", "muon": "Muon"}
+KEEP_GATHERED = 10**12  # elements: more than any model, so gathered weights are never released
+
+
+def _unit_elements(plan: Plan) -> tuple[int, int, int]:
+    """(largest unit, held + the largest pair of consecutive units, all units), in elements, as
+    the plan gathers them (padded to the shard degree: zplan.scenario)."""
+    sc = plan.scenario()
+    d = sc.shard_degree(plan.strategy == "hsdp")
+    sizes = [sc.padded_elems(u, d) for u in sc.units]
+    held = sum(g for g, u in zip(sizes, sc.units) if u.held)
+    moving = [g for g, u in zip(sizes, sc.units) if not u.held] or [0]
+    pair = max((a + b for a, b in zip(moving, moving[1:])), default=moving[0])
+    return max(moving), held + pair, sum(sizes)
+
+
+def _ds_precision(plan: Plan, stage: int) -> dict:
+    """bf16 / fp16 blocks and the reduction dtype, as the plan's precision says."""
+    p = plan.train.precision
+    cfg: dict = {}
+    if p.param not in ("bf16", "fp16", "fp32"):
+        raise UsageError(f"DeepSpeed computes in bf16, fp16 or fp32, not param dtype {p.param}; plan again with --param-dtype bf16")
+    if p.reduce not in ("bf16", "fp16", "fp32"):
+        raise UsageError(f"DeepSpeed reduces in bf16, fp16 or fp32, not {p.reduce}; plan again with --reduce-dtype fp32")
+    cfg["communication_data_type"] = p.reduce
+    if p.param == "fp32":
+        if p.master != "fp32" or p.optimizer != "fp32":
+            raise UsageError("fp32 compute keeps fp32 master weights and optimizer state in DeepSpeed; plan again with --master-dtype fp32 --optimizer-dtype fp32")
+        return cfg
+    block: dict = {"enabled": True}
+    if p.master == p.param:
+        if stage == 0:
+            raise UsageError(f"DeepSpeed keeps {p.master} master weights only under ZeRO 1-3, not ddp; plan again with --master-dtype fp32")
+        block[f"{p.param}_master_weights_and_grads"] = True
+    elif p.master != "fp32":
+        raise UsageError(f"DeepSpeed keeps master weights in fp32 or {p.param}, not {p.master}; plan again with --master-dtype fp32")
+    if p.optimizer != "fp32":
+        if p.param != "bf16" or p.optimizer != "bf16" or p.master != "bf16":
+            raise UsageError(f"DeepSpeed keeps {p.optimizer} optimizer state only as bf16 with bf16 master "
+                             f"weights; plan again with --optimizer-dtype fp32")
+        block["bf16_optimizer_states"] = True
+    cfg[DS_DTYPE[p.param]] = block
+    return cfg
 
 
 def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
-    """DeepSpeed's config JSON (deepspeed.ai/docs/config-json)."""
+    """DeepSpeed's config JSON (deepspeed.ai/docs/config-json), with the plan's buckets, prefetch,
+    resharding, offload, optimizer and dtypes. Bucket sizes are elements: DDP-style buckets of the
+    plan's `ddp_bucket_bytes` (25 MiB) in the reduce and param dtypes for stages 0-2; for stage 3
+    one unit (the plan's all-gather and reduce-scatter granularity)."""
     t, n = plan.train, plan.num_gpus
     stage = DS_STAGE[plan.strategy]
-    zo: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
-    if stage == 3:
-        if plan.strategy == "zero3-noreshard":
-            zo["stage3_max_reuse_distance"] = 10**12  # keep gathered weights until backward
-        zo["stage3_prefetch_bucket_size"] = int(5e8) if t.prefetch else 0
+    if t.optimizer == "adam8bit":
+        raise UsageError("DeepSpeed's config names no 8-bit Adam (bitsandbytes' AdamW8bit is passed as "
+                         "deepspeed.initialize(optimizer=...) in your code, and ZeRO-Offload runs "
+                         "only DeepSpeed's CPU Adam); export a plan made with --optimizer adamw, "
+                         "or run 8-bit Adam through your own script")
+    rb = DTYPE_BITS[t.precision.reduce] // 8
+    pb = DTYPE_BITS[t.precision.param] // 8
+    bucket = plan.assumptions.ddp_bucket_bytes
+    zo: dict = {"stage": stage, "overlap_comm": plan.assumptions.overlap, "contiguous_gradients": True}
+    if stage < 3:
+        zo["reduce_bucket_size"] = max(1, bucket // rb)
+        zo["allgather_bucket_size"] = max(1, bucket // pb)
+    else:
+        unit, live, everything = _unit_elements(plan)
+        reshard = t.reshard_after_forward
+        zo["reduce_bucket_size"] = unit
+        zo["stage3_prefetch_bucket_size"] = unit if t.prefetch else 0
+        zo["stage3_param_persistence_threshold"] = 0  # the plan shards every parameter
+        zo["stage3_max_live_parameters"] = live if reshard else max(everything, KEEP_GATHERED)
+        zo["stage3_max_reuse_distance"] = 0 if reshard else KEEP_GATHERED
+    if plan.strategy == "hsdp":
+        raise UsageError("DeepSpeed has no shard-within-a-group ZeRO-3 since it removed MiCS "
+                         "(github.com/deepspeedai/DeepSpeed/issues/8489): export a zero3 plan, or "
+                         "this plan --to accelerate")
     if plan.strategy in ("offload-opt", "offload-all"):
         zo["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if plan.strategy == "offload-all":
         zo["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if plan.strategy == "hsdp":
-        zo["mics_shard_size"] = plan.shard_size  # MiCS: shard within a group, replicate across
-        zo["mics_hierarchical_params_gather"] = True
     if zeropp:
         if stage != 3:
             raise UsageError(f"--zeropp needs a ZeRO-3 plan; this plan is {plan.strategy}")
@@ -43,13 +110,10 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         "gradient_clipping": 1.0,
         "zero_optimization": zo,
     }
-    p = t.precision.param
-    if p in DS_DTYPE:
-        cfg[DS_DTYPE[p]] = {"enabled": True}
-    if t.precision.reduce in ("bf16", "fp16", "fp32"):
-        cfg["communication_data_type"] = t.precision.reduce
-    opt = {"adamw": "AdamW", "sgd": "SGD", "adam8bit": "AdamW", "muon": "Muon"}[t.optimizer]
-    cfg["optimizer"] = {"type": opt, "params": {"lr": 3e-4, "weight_decay": 0.1}}
+    cfg.update(_ds_precision(plan, stage))
+    cfg["optimizer"] = {"type": DS_OPTIMIZER[t.optimizer], "params": {"lr": 3e-4, "weight_decay": 0.1}}
+    if t.optimizer == "sgd" and stage:
+        cfg["zero_allow_untested_optimizer"] = True  # torch.optim.SGD is not one of ZeRO's own
     if t.checkpointing != "none":
         cfg["activation_checkpointing"] = {
             "partition_activations": False, "contiguous_memory_optimization": False,
@@ -59,16 +123,41 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
     return cfg
 
 
+def _accelerate_refusal(plan: Plan) -> str | None:
+    """What accelerate's config file cannot say about this plan (it can say it in code)."""
+    t, p = plan.train, plan.train.precision
+    if plan.strategy in ("zero1", "offload-opt"):
+        return f"accelerate's FSDP has no {plan.strategy} (optimizer-only sharding or offload); export --to deepspeed"
+    if p.param not in ("bf16", "fp16", "fp32") or p.master != "fp32" or p.optimizer != "fp32":
+        return (f"accelerate's mixed precision keeps fp32 weights and optimizer state and computes in "
+                f"bf16/fp16/fp32; the plan has param {p.param}, master {p.master}, optimizer "
+                f"{p.optimizer}: plan again with --master-dtype fp32 --optimizer-dtype fp32")
+    wanted = p.master if plan.strategy == "ddp" else p.param  # DDP reduces the fp32 gradients
+    if p.reduce != wanted:
+        return (f"accelerate's config reduces gradients in {wanted}, the plan in {p.reduce}: plan again "
+                f"with --reduce-dtype {wanted}, or pass FullyShardedDataParallelPlugin("
+                f"mixed_precision_policy=...) in code")
+    if plan.strategy != "ddp":
+        if t.blocks_per_unit != 1:
+            return (f"accelerate wraps one transformer block per unit, the plan {t.blocks_per_unit}: "
+                    f"plan again with --blocks-per-unit 1")
+        if not t.prefetch:
+            return "FSDP2 under accelerate always prefetches the next unit: plan again with --prefetch"
+        if t.checkpointing not in ("none", "full"):
+            return (f"accelerate's fsdp_activation_checkpointing recomputes whole blocks, not "
+                    f"{t.checkpointing}: plan again with --checkpointing full or none")
+    return None
+
+
 def accelerate_config(plan: Plan) -> str:
-    """accelerate's YAML config for FSDP2 (`accelerate launch --config_file`)."""
-    if plan.strategy in ("ddp", "zero1"):
-        dist = "MULTI_GPU"
-    elif plan.strategy == "offload-opt":
-        raise UsageError("accelerate's FSDP cannot offload only the optimizer; export --to deepspeed")
-    else:
-        dist = "FSDP"
-    nodes = max(1, plan.num_gpus // plan.cluster.gpus_per_node)
-    mp = plan.train.precision.param if plan.train.precision.param in ("bf16", "fp16", "fp8") else "no"
+    """accelerate's YAML config (`accelerate launch --config_file`): DDP or FSDP2, HSDP through
+    its parallelism_config; refused where the file cannot carry what the plan assumed."""
+    why = _accelerate_refusal(plan)
+    if why:
+        raise UsageError(why)
+    dist = "MULTI_GPU" if plan.strategy == "ddp" else "FSDP"
+    nodes = -(-plan.num_gpus // plan.cluster.gpus_per_node)
+    mp = plan.train.precision.param if plan.train.precision.param in ("bf16", "fp16") else "no"
     lines = [
         "compute_environment: LOCAL_MACHINE",
         "debug: false",
@@ -76,17 +165,20 @@ def accelerate_config(plan: Plan) -> str:
         "downcast_bf16: 'no'",
     ]
     if dist == "FSDP":
-        reshard = plan.strategy not in ("zero2", "zero3-noreshard")
         lines += [
             "fsdp_config:",
-            f"  fsdp_activation_checkpointing: {str(plan.train.checkpointing != 'none').lower()}",
+            f"  fsdp_activation_checkpointing: {str(plan.train.checkpointing == 'full').lower()}",
             "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
             "  fsdp_cpu_ram_efficient_loading: true",
             f"  fsdp_offload_params: {str(plan.strategy == 'offload-all').lower()}",
-            f"  fsdp_reshard_after_forward: {str(reshard).lower()}",
+            f"  fsdp_reshard_after_forward: {str(plan.train.reshard_after_forward).lower()}",
             "  fsdp_state_dict_type: SHARDED_STATE_DICT",
             "  fsdp_version: 2",
         ]
+    if plan.strategy == "hsdp":
+        r, s = plan.mesh.shape
+        lines += ["parallelism_config:", f"  parallelism_config_dp_replicate_size: {r}",
+                  f"  parallelism_config_dp_shard_size: {s}"]
     lines += [
         "machine_rank: 0",
         "main_training_function: main",

@@ -69,6 +69,9 @@ def recommend(
 
     for name in strategy or ():
         check_choice(name, "--strategy", tuple(STRATEGIES))
+    if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
+        strategy = [s for s in STRATEGIES if s != "hsdp"]
+        used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp to plan it anyway)")
     sc = build(opts)
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
     if gb is not None and gbt is not None:
