@@ -96,25 +96,31 @@ def test_memory_objective_minimises_memory():
 # ----------------------------------------------------------------- through the CLI
 
 def test_plan_round_trips(run_zplan, tmp_path):
+    """The written plan against figures derived here, not by the code that wrote it: Llama 3.1
+    8B has 8,030,261,248 parameters (its Hugging Face safetensors index); under zplan's trainer
+    (torch layout) ZeRO-3 on 16 GPUs keeps fp32 weights and gradients and two fp32 AdamW moments,
+    each 1/16 per GPU (every dimension divides 16: no padding)."""
+    psi = 8_030_261_248
     plan = tmp_path / "plan.json"
     p = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "16", "--global-batch", "64",
-                  "--write", str(plan), "--json")
+                  "--strategy", "zero3", "--write", str(plan), "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    w = out["winner"]
-    assert w["rank"] == 1 and w["per_gpu"]["total_bytes"] > 0
     data = json.loads(plan.read_text())
-    assert data["plan_version"] == 1 and data["strategy"] == w["name"]
-    assert data["predicted"]["per_gpu"]["total_bytes"] == w["per_gpu"]["total_bytes"]
+    assert data["plan_version"] == 1 and data["strategy"] == "zero3" and data["runner"] == "zplan"
+    assert data["mesh"] == {"shape": [16], "dim_names": ["shard"]}
+    t = data["train"]
+    assert t["micro_batch"] * t["grad_accum"] * 16 == data["global_batch"] == 64
+    per_gpu = data["predicted"]["per_gpu"]
+    assert per_gpu["params_bytes"] == per_gpu["grads_bytes"] == 4 * psi // 16
+    assert per_gpu["optimizer_bytes"] == 8 * psi // 16 and per_gpu["padding_bytes"] == 0
+    # the file reads back as written, and estimate --plan prices the same configuration
     from zplan.plan import load
     assert load(plan).model_dump() == data
     e = run_zplan("estimate", "--plan", str(plan), "--json")
     assert e.returncode == 0, e.stderr
     again = json.loads(e.stdout)["strategies"][0]
-    assert again["name"] == w["name"]
-    assert again["per_gpu"] == w["per_gpu"]
-    assert again["time"]["step_s"] == pytest.approx(w["time"]["step_s"])
-    assert {r["family"] for r in out["rejected"]} | set(out["best_by_family"]) >= {"ddp", "zero3"}
+    assert again["name"] == "zero3" and again["per_gpu"] == out["winner"]["per_gpu"]
 
 
 def test_bad_plan_file_is_one_line(run_zplan, tmp_path):

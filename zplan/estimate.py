@@ -63,7 +63,7 @@ class StrategyEstimate:
 
 def unavailable_reason(sc: Scenario, name: str) -> str | None:
     if name == "offload-opt" and sc.train.layout == "torch":
-        return "FSDP2 offloads parameters and optimizer together (CPUOffloadPolicy); optimizer-only offload is DeepSpeed's (use --layout zero)"
+        return "FSDP2 offloads parameters and optimizer together (CPUOffloadPolicy); optimizer-only offload is DeepSpeed's (plan with --for deepspeed, or estimate with --layout zero)"
     if name == "hsdp":
         S = sc.hsdp_shard
         if sc.n % S:
