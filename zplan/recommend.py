@@ -121,12 +121,14 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
     families = families or list(STRATEGIES)
     feasible: list[Candidate] = []
     rejected: dict[str, str] = {}
+    unavailable: set[str] = set()
     evaluated = 0
     L = base.model.num_layers
     for family in families:
         why = unavailable_reason(base, family) if family != "hsdp" else None
         if why:
             rejected[family] = why
+            unavailable.add(family)
             continue
         found = []
         for sc0 in _variants(base, family):
@@ -154,6 +156,9 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         else:
             rejected[family] = _why_not(base, family, headroom)
     if not feasible:
+        if set(rejected) == unavailable:  # every family asked for cannot run at all: not a fit
+            name, why = next(iter(rejected.items()))
+            raise UsageError(f"--strategy {name} cannot be planned here: {why}")
         raise PlanError(_nothing_fits(base, global_batch, headroom, rejected))
     key = (lambda c: (c.step_s, c.total_bytes)) if objective == "throughput" else \
           (lambda c: (c.total_bytes, c.step_s))

@@ -35,7 +35,8 @@ def trace_peak(plan, steps: int = 2) -> dict:
             with torch.device("meta"):
                 model = Transformer(plan.model)
             par = parallelize(model, plan, device, mesh=mesh)
-            optim = build_optimizer(par, plan, lr=1e-4)
+            # foreach under FakeTensorMode counts full-size temporaries (shared/notes/fsdp2-on-cpu.md)
+            optim = build_optimizer(par, plan, lr=1e-4, foreach=False)
             tracker = FSDPMemTracker(par.model, optim)
             t = plan.train
             with tracker:

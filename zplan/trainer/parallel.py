@@ -37,6 +37,7 @@ class Parallelized:
     fsdp: bool
     units: list[nn.Module]
     autocast_dtype: torch.dtype | None  # DDP's mixed precision
+    deterministic: bool = False  # rank-ordered reductions; the optimizer keeps the reference's bits
 
 
 def device_for(backend: str) -> torch.device:
@@ -180,7 +181,7 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
         model.to_empty(device=target)
     elif plan.strategy != "offload-all":
         model.to(target)
-    return Parallelized(model, model, True, units, None)
+    return Parallelized(model, model, True, units, None, deterministic)
 
 
 def set_sync(p: Parallelized, sync: bool):
@@ -191,13 +192,19 @@ def set_sync(p: Parallelized, sync: bool):
     return contextlib.nullcontext() if sync else p.model.no_sync()
 
 
-def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1):
-    """AdamW with foreach (multi-tensor) kernels over this rank's parameters; its state takes the
-    parameters' dtype, the plan's master dtype (= its optimizer dtype, trainer_refusal checks)."""
+def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1,
+                    foreach: bool = True):
+    """AdamW over this rank's parameters, its state in their dtype (the plan's master dtype, =
+    its optimizer dtype: trainer_refusal checks). Fused kernels (one pass, no full-size
+    temporaries); under --deterministic the foreach kernels, bit for bit the per-parameter
+    AdamW (fused rounds differently). foreach=False: one parameter at a time (fake-tensor
+    traces, whose multi-tensor peak is inflated)."""
     if plan.train.optimizer != "adamw":
         raise ValueError(f"the trainer runs AdamW; the plan asks for {plan.train.optimizer}")
     params = [q for q in p.model.parameters() if q.requires_grad]
-    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8, foreach=True)
+    kernels = {"foreach": True} if p.deterministic else {"fused": True}
+    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
+              **(kernels if foreach else {"foreach": False}))
     if plan.strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
