@@ -89,6 +89,9 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         zo["stage3_param_persistence_threshold"] = 0  # the plan shards every parameter
         zo["stage3_max_live_parameters"] = live if reshard else max(everything, KEEP_GATHERED)
         zo["stage3_max_reuse_distance"] = 0 if reshard else KEEP_GATHERED
+    if t.float8:
+        raise UsageError("DeepSpeed's config has no float8 linears (torchao's float8 training is "
+                         "applied in code): export a plan made without --float8")
     if plan.strategy == "hsdp":
         raise UsageError("DeepSpeed has no shard-within-a-group ZeRO-3 since it removed MiCS "
                          "(github.com/deepspeedai/DeepSpeed/issues/8489): export a zero3 plan, or "
@@ -137,6 +140,8 @@ def _accelerate_refusal(plan: Plan) -> str | None:
         return (f"accelerate's config reduces gradients in {wanted}, the plan in {p.reduce}: plan again "
                 f"with --reduce-dtype {wanted}, or pass FullyShardedDataParallelPlugin("
                 f"mixed_precision_policy=...) in code")
+    if t.float8:
+        return "accelerate's config file cannot set torchao's float8 linears: plan again without --float8"
     if plan.strategy != "ddp":
         if t.blocks_per_unit != 1:
             return (f"accelerate wraps one transformer block per unit, the plan {t.blocks_per_unit}: "

@@ -152,6 +152,10 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
     if plan.strategy in ("ddp", "zero1") and p.reduce != p.master:
         return (f"{plan.strategy} reduces gradients in the weights' dtype ({p.master}), not {p.reduce}: "
                 f"plan again with --reduce-dtype {p.master}")
+    if t.float8 or t.compile:
+        flag = "--float8" if t.float8 else "--compile"
+        return (f"the trainer runs eager bf16/fp32 linears, not {flag[2:]}: plan again without "
+                f"{flag}, or export the plan for your own training code")
     if not t.flash_attention:
         return ("the trainer always runs fused attention (scaled_dot_product_attention), which keeps "
                 "no s x s scores: plan again with --flash")

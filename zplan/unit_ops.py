@@ -16,6 +16,7 @@ Derivation: docs/formulas.md, section 6.
 from __future__ import annotations
 
 from . import kernels as K
+from . import policy
 from .arch import Unit
 from .scenario import Scenario
 from .strategies import Strategy
@@ -171,14 +172,15 @@ def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
         return [], 0.0
     if mode == "full":
         return _block(sc, False), float(u.blocks)
-    if mode == "every-k":
-        k = sc.train.checkpoint_every
-        n = sum(1 for i in range(u.first_block, u.first_block + u.blocks) if (i + 1) % k == 0)
-        return _block(sc, False), float(n)
+    if mode == "every-k":  # the blocks zplan/policy.py wraps, as the trainer does
+        wrapped = policy.checkpointed_blocks(sc.model.num_layers, mode, sc.train.checkpoint_every)
+        return _block(sc, False), float(sum(wrapped[u.first_block: u.first_block + u.blocks]))
     if mode == "attention":  # the trainer checkpoints the attention core (SDPA) and reruns it
         return _block(sc, False, only=(), with_memory=False), float(u.blocks)
-    # selective (torchtitan op-level SAC): wk, wo, w3 and every pointwise op are recomputed
-    return _block(sc, False, only=("wk", "wo", "w3"), with_attention=False), float(u.blocks)
+    # selective (torchtitan op-level SAC, zplan/policy.py): the matmuls not kept (SwiGLU wk, wo,
+    # w3; GELU wk, wo) and every pointwise op are recomputed
+    only = policy.selective_recomputed_matmuls(sc.model.mlp)
+    return _block(sc, False, only=only, with_attention=False), float(u.blocks)
 
 
 def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) -> tuple[Ops, Ops]:
