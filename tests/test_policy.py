@@ -1,0 +1,88 @@
+"""One source for the modelling decisions the planner and the trainer both make (zplan/policy.py):
+the planner's bytes, FLOPs and checkpointed blocks against the trainer's own modules, measured
+with torch's MemTracker and FlopCounterMode."""
+
+import pytest
+
+def _tiny_blocks(mlp, mode, layers=2):
+    import torch
+    from torch import nn
+
+    from zplan.presets import model as preset
+    from zplan.trainer.model import Block
+    from zplan.trainer.parallel import apply_checkpointing
+
+    m = preset("tiny").model_copy(update={"mlp": mlp, "num_layers": layers})
+
+    class Blocks(nn.Module):  # what apply_checkpointing needs of the trainer's Transformer
+        def __init__(self):
+            super().__init__()
+            self.spec, self.layers = m, nn.ModuleList(Block(m) for _ in range(layers))
+
+    torch.manual_seed(0)
+    net = Blocks().to(torch.bfloat16)
+    apply_checkpointing(net, mode, 2)
+    return m, net
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(mlp):
+    """The planner's bytes and FLOPs for one selectively checkpointed block against the trainer's
+    block, measured by torch's MemTracker (live tensors after forward) and FlopCounterMode. Before
+    the policy had one source the planner counted GELU's w2 output, which the trainer drops."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zplan import arch
+    from zplan.arch import Unit
+    from zplan.specs import Precision, TrainSpec
+
+    seq, mb = 64, 2
+    cpu = torch.device("cpu")
+
+    def measure(mode):
+        m, net = _tiny_blocks(mlp, mode)
+        blk = net.layers[0]
+        x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+        mt = MemTracker()
+        mt.track_external(blk, x)
+        with mt:
+            before = mt.get_tracker_snapshot("current")[cpu]["Total"]
+            y = blk(x)
+            after = mt.get_tracker_snapshot("current")[cpu]["Total"]
+        kept = after - before - y.numel() * y.element_size() + x.numel() * x.element_size()
+        with FlopCounterMode(display=False) as fc:
+            blk(x).sum().backward()
+        return m, kept, fc.get_total_flops()
+
+    m, kept, flop = measure("selective")
+    _, _, flop_none = measure("none")
+    train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing="selective", fused_norm=False,
+                      precision=Precision(param="bf16"))
+    assert arch.block_saved_bytes(m, train, "selective") == kept
+    unit = Unit("blocks.0", (), 1, 0, 0)
+    assert arch.unit_recompute_flop(m, unit, train) == flop - flop_none
+
+
+@pytest.mark.parametrize("mode,every,wrapped", [("every-k", 2, [1, 3]), ("every-k", 3, [2]),
+                                                ("full", 2, [0, 1, 2, 3]), ("none", 2, [])])
+def test_trainer_wraps_the_blocks_the_planner_prices(mode, every, wrapped):
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from zplan import arch
+    from zplan.presets import model as preset
+    from zplan.specs import TrainSpec
+    from zplan.trainer.model import Transformer
+    from zplan.trainer.parallel import apply_checkpointing
+
+    m = preset("tiny")
+    with torch.device("meta"):
+        net = Transformer(m)
+    apply_checkpointing(net, mode, every)
+    assert [i for i, b in enumerate(net.layers) if isinstance(b, CheckpointWrapper)] == wrapped
+    t = TrainSpec(seq_len=64, checkpointing=mode, checkpoint_every=every)
+    units = arch.units(m, 1)
+    recomputing = [u.first_block for u in units if u.blocks and arch.unit_recompute_flop(m, u, t)]
+    assert recomputing == wrapped
