@@ -152,19 +152,61 @@ def test_cross_entropy_over_the_vocabulary():
     assert ce_c.bytes == 2 * 128256 * 4096
 
 
-def test_adamw_single_tensor_moves_80_bytes_per_parameter():
+def test_fused_adamw_moves_28_bytes_per_parameter():
+    """torch's fused AdamW, fp32: reads param, grad, exp_avg, exp_avg_sq and writes param,
+    exp_avg, exp_avg_sq, 7 x 4 bytes; 100 tensors of 10^7 elements (153 chunks of 65536 each)
+    fill the 320 blocks of a launch: 15,300 chunks in ceil(15300 / 320) = 48 launches."""
     sc = scenario(model="llama-3.1-8b", gpus=8, layout="torch")
-    op = unit_ops.optimizer_ops(sc, 10**9, 100)[0]
-    assert op.seconds == pytest.approx(80e9 / HBM_H100, rel=1e-9)
+    [op] = unit_ops.optimizer_ops(sc, [10**7] * 100)
+    assert op.bytes == 28 * 10**9 and op.kernels == 48
+    assert op.seconds == pytest.approx(28e9 / HBM_H100, rel=1e-9)
 
 
 def test_adamw_bytes_follow_the_master_and_state_dtypes():
     """bf16 weights and states (KempnerForge's runs): every tensor AdamW touches is half as wide,
-    40 bytes per parameter; bf16 states beside fp32 weights: p 4-byte (6 x 4), m, v 2-byte (14 x 2)."""
+    14 bytes per parameter; bf16 states beside fp32 weights: p read + write and g 3 x 4, m and
+    v read + write 4 x 2 = 20."""
     both = scenario(model="llama-3.1-8b", gpus=8, layout="torch", master_dtype="bf16", optimizer_dtype="bf16")
-    assert unit_ops.optimizer_ops(both, 10**9, 100)[0].bytes == 40 * 10**9
+    assert unit_ops.optimizer_ops(both, [10**9])[0].bytes == 14 * 10**9
     states = scenario(model="llama-3.1-8b", gpus=8, layout="torch", optimizer_dtype="bf16")
-    assert unit_ops.optimizer_ops(states, 10**9, 100)[0].bytes == (24 + 28) * 10**9
+    assert unit_ops.optimizer_ops(states, [10**9])[0].bytes == 20 * 10**9
+
+
+def test_deepspeed_fused_adam_adds_the_16_bit_weight_copy():
+    """DeepSpeed's FusedAdam over the flat fp32 partition: the same 28 bytes, then the fp32
+    partition copied into the bf16 weights (read 4, write 2); one tensor of 10^9 elements is
+    15,259 chunks, ceil(15259 / 320) = 48 launches."""
+    sc = scenario(model="llama-3.1-8b", gpus=8, layout="zero")
+    adam, copy = unit_ops.optimizer_ops(sc, [10**9])
+    assert (adam.bytes, adam.kernels) == (28 * 10**9, 48)
+    assert (copy.bytes, copy.kernels) == (6 * 10**9, 1)
+
+
+@pytest.mark.parametrize("sizes, launches", [
+    ([1000] * 36, 1),  # 36 tensors fill a depth-4 launch on their last chunk
+    ([1000] * 37, 2),
+    ([1000] * 100, 3),  # 36 + 36 + 28
+    ([320 * 65536], 1),  # exactly the 320 blocks
+    ([320 * 65536 + 1], 2),  # one chunk more: the tensor carries over into a second launch
+    ([1000] * 35 + [300 * 65536], 2),  # 35 + 285 blocks fill the first, 15 chunks left
+    ([0, 1000, 0], 1),  # empty tensors are skipped
+])
+def test_multi_tensor_launches_follow_torch_chunking(sizes, launches):
+    """Hand counts from MultiTensorApply.cuh: 65536-element chunks, one per block, a launch
+    when 320 blocks or 36 tensors (depth 4, 4 KB metadata) are loaded, and one for the rest."""
+    assert K.multi_tensor_launches(sizes, 4) == launches
+
+
+def test_fsdp_optimizer_steps_each_parameter_shard():
+    """FSDP2 shards every parameter on dim 0: the optimizer steps one tensor per parameter, of
+    ceil(dim0 / D) rows; Llama 3.1 8B's wq (4096 x 4096) on 8 ranks is 512 x 4096."""
+    from zplan.compute import optimizer_tensor_sizes
+    sc = scenario(model="llama-3.1-8b", gpus=8, layout="torch")
+    sizes = optimizer_tensor_sizes(sc, 8)
+    assert 512 * 4096 in sizes and 16032 * 4096 in sizes  # wq; the 128256-row embedding
+    assert len(sizes) == 32 * 9 + 3  # 9 tensors a block; embedding, final norm, output
+    zero = scenario(model="llama-3.1-8b", gpus=8, layout="zero")
+    assert optimizer_tensor_sizes(zero, 8) == [sum(zero.shard_elems(u, 8) for u in zero.units)]
 
 
 def test_efficiency_flag_overrides_the_model():

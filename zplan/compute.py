@@ -9,6 +9,7 @@ gather of unit i-1 and the reduce-scatter of unit i+1 run beside the backward of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from . import arch
@@ -174,9 +175,15 @@ def _optimizer_s(sc: Scenario, st: Strategy, mem: Memory) -> float:
     if st.offload_optimizer:
         return 0.0  # the CPU runs it (offload_s)
     D = sc.shard_degree(st.hsdp) if st.optim_sharded else 1
-    local = sum(sc.shard_elems(u, D) for u in sc.units)
-    tensors = sum(len(u.shapes) for u in sc.units)
-    return K.total(unit_ops.optimizer_ops(sc, local, tensors))
+    return K.total(unit_ops.optimizer_ops(sc, optimizer_tensor_sizes(sc, D)))
+
+
+def optimizer_tensor_sizes(sc: Scenario, D: int) -> list[int]:
+    """Element counts of the tensors one rank's optimizer steps: zero layout, DeepSpeed's one
+    flat partition; torch layout, every parameter's dim-0 shard (Scenario.shard_elems' rule)."""
+    if sc.train.layout == "zero":
+        return [sum(sc.shard_elems(u, D) for u in sc.units)]
+    return [-(-s[0] // D) * math.prod(s[1:]) for u in sc.units for s in u.shapes]
 
 
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:

@@ -118,6 +118,37 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
     return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t)
 
 
+# torch's multi_tensor_apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh): each thread block
+# takes one kChunkSize-element chunk of one tensor; a launch carries at most
+# depth_to_max_tensors[depth - 1] tensors and depth_to_max_blocks[depth - 1] blocks (the 4 KB
+# kernel-argument metadata the fused optimizers use). DeepSpeed's FusedAdam (csrc/adam,
+# multi_tensor_apply.cuh, from apex) uses the same chunk (2048 x 32) and limits.
+MTA_CHUNK_ELEMS = 65536
+MTA_MAX_TENSORS = (110, 64, 48, 36, 30)
+MTA_MAX_BLOCKS = (320, 320, 320, 320, 320)
+
+
+def multi_tensor_launches(sizes: list[int], depth: int) -> int:
+    """Kernel launches of one multi_tensor_apply over tensors of these element counts, with
+    `depth` tensor lists (fused Adam: param, grad, exp_avg, exp_avg_sq = 4): torch's loop, which
+    launches when the blocks fill, or the tensors fill on a tensor's last chunk, and once more for
+    what is left. Empty tensors are skipped."""
+    max_t, max_b = MTA_MAX_TENSORS[depth - 1], MTA_MAX_BLOCKS[depth - 1]
+    launches = blocks = loaded = 0
+    for n in sizes:
+        if n == 0:
+            continue
+        loaded += 1
+        left = -(-n // MTA_CHUNK_ELEMS)  # this tensor's chunks not yet placed
+        while left > max_b - blocks:  # the blocks fill before its last chunk: it carries over
+            left -= max_b - blocks
+            launches, blocks, loaded = launches + 1, 0, 1
+        blocks += left
+        if blocks == max_b or loaded == max_t:
+            launches, blocks, loaded = launches + 1, 0, 0
+    return launches + (1 if blocks else 0)
+
+
 def total(ops: list[Op]) -> float:
     return sum(o.seconds for o in ops)
 

@@ -199,17 +199,35 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
     return gather, bwd
 
 
-def optimizer_ops(sc: Scenario, local_elems: int, tensors: int) -> Ops:
-    """AdamW's step over the local state. torch layout: the trainer's single-tensor AdamW
-    (foreach=False) runs 8 kernels per tensor; with P the parameter (and gradient) bytes and S
-    the state bytes it moves, per parameter: p.mul_ 2P, m.lerp_ 2S + P,
-    v.mul_ + addcmul_ 4S + P, sqrt + div + add_ 6S, p.addcdiv_ 2P + 2S = 6P + 14S, 80 bytes in
-    fp32; zero layout: DeepSpeed's fused multi-tensor Adam, 28 bytes per parameter plus the
-    16-bit copy of the weights (6)."""
+def optimizer_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
+    """The optimizer step over this rank's state, `local_sizes` the element counts of the tensors
+    it steps. AdamW runs fused: torch layout, the trainer's torch.optim.AdamW(fused=True) (one
+    param group); zero layout, DeepSpeed's FusedAdam over its flat fp32 partition (one tensor).
+    Either is one multi-tensor pass that reads the parameter P, its gradient G (the master
+    dtype in both layouts), exp_avg and exp_avg_sq S each and writes the parameter and both
+    states: 2P + G + 4S bytes per element (28 in fp32), in the launches of torch's
+    multi_tensor_apply chunking at depth 4 (kernels.multi_tensor_launches). The trainer's
+    --deterministic runs the foreach kernels instead, a run option the plan does not carry:
+    priced as fused (docs/formulas.md, section 6). zero layout adds DeepSpeed's copy of the
+    updated master partition into the 16-bit weights (master + param bytes, one kernel)."""
     gpu, t = sc.hw.gpu, sc.train
+    tensors = sum(1 for n in local_sizes if n)
+    local_elems = sum(local_sizes)
     if t.optimizer not in ("adamw", "adam8bit"):
         return [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
+    P, S = _b(t.precision.master), _b(t.precision.optimizer)
     if t.layout == "torch":
-        P, S = _b(t.precision.master), _b(t.precision.optimizer)
-        return [K.memory(gpu, "AdamW (single-tensor)", (6 * P + 14 * S) * local_elems, 8 * tensors)]
-    return [K.memory(gpu, "fused Adam + weight copy", 34 * local_elems, 2 * tensors)]
+        return [K.memory(gpu, "AdamW (fused)", adamw_fused_bytes(P, S) * local_elems,
+                         K.multi_tensor_launches(local_sizes, 4))]
+    ops = [K.memory(gpu, "FusedAdam (DeepSpeed)", adamw_fused_bytes(P, S) * local_elems,
+                    K.multi_tensor_launches(local_sizes, 4))]
+    if t.precision.master != t.precision.param:
+        ops.append(K.memory(gpu, "weight copy (master to 16-bit)",
+                            (P + _b(t.precision.param)) * local_elems, 1))
+    return ops
+
+
+def adamw_fused_bytes(master: int, state: int) -> int:
+    """Bytes per element of one fused AdamW pass: read and write the weight (2 x master), read
+    the gradient (master dtype), read and write exp_avg and exp_avg_sq (4 x state)."""
+    return 3 * master + 4 * state
