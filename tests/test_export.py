@@ -177,3 +177,30 @@ def test_export_cli(run_zplan, tmp_path):
     assert bad.returncode == 0, bad.stderr
     p = run_zplan("export", "--plan", str(tmp_path / "a8.json"), "--to", "deepspeed")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "8-bit Adam" in p.stderr
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_deepspeed_collectives_are_timed_with_the_exported_buckets(strategy):
+    """The config's reduce_bucket_size (25 MiB of fp32 gradients) and allgather_bucket_size (of
+    bf16 weights) are the buckets the plan times: ceil(padded / bucket) calls, each full bucket
+    one NCCL call and the remainder one more."""
+    from zplan import comm
+
+    kw = dict(model="llama-3.1-8b", gpus=16, micro_batch=2, grad_accum=4, checkpointing="full")
+    plan = plan_for(strategy)
+    zo = deepspeed_config(plan)["zero_optimization"]
+    assert (zo["reduce_bucket_size"], zo["allgather_bucket_size"]) == (BUCKET // 4, BUCKET // 2)
+    sc = scenario(layout="zero", **kw)
+    colls = {c.name: c for c in est(strategy, layout="zero", **kw).collectives}
+    g = sc.hw.cluster.gpus_per_node
+    for name, op, bucket, width in (("reduce-scatter (gradients)", "reduce_scatter", zo["reduce_bucket_size"], 4),
+                                    ("all-gather (updated weights)", "all_gather", zo["allgather_bucket_size"], 2)):
+        c = colls[name]
+        padded = c.elements
+        assert 8_030_261_248 <= padded < 8_030_261_248 + 16 * len(sc.units)  # Llama 3.1 8B, padded
+        calls = -(-padded // bucket)
+        assert calls == (1226 if width == 4 else 613)
+        rest = padded - (calls - 1) * bucket
+        by_hand = ((calls - 1) * comm.call_seconds(sc, op, bucket * width, 16, min(g, 16))
+                   + comm.call_seconds(sc, op, rest * width, 16, min(g, 16)))
+        assert c.seconds_per_call == pytest.approx(by_hand, rel=1e-9)

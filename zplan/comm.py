@@ -18,7 +18,13 @@ from .units import nbytes
 
 
 WHOLE_MATRIX = "all-gather (whole matrices for the optimizer)"
-DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce_bucket_size / allgather_bucket_size defaults
+
+
+def bucket_elements(bucket_bytes: int, dtype: str) -> int:
+    """A bucket of `bucket_bytes` in elements of `dtype`, as DeepSpeed's reduce_bucket_size and
+    allgather_bucket_size count it: the one conversion the DeepSpeed export writes and the
+    ZeRO-1/2 collectives are timed with (whole elements, at least one)."""
+    return max(1, bucket_bytes // nbytes(1, dtype))
 
 
 @dataclass(frozen=True)
@@ -167,14 +173,16 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
                                  g_world, 1))
             return out
         # DeepSpeed pads each flat partition to a multiple of N, as the reference does, and
-        # reduces in buckets of reduce_bucket_size = 5e8 elements (its default)
+        # reduces and gathers in the plan's buckets (reduce_bucket_size and
+        # allgather_bucket_size, which the export writes from the same assumption)
         padded = sum(sc.padded_elems(u, N) for u in sc.units)
         grad_calls = rs_calls if st.name == "zero2" else 1
-        ds_bucket = nbytes(DEEPSPEED_BUCKET_ELEMENTS, p.reduce)
+        rs_bucket = nbytes(bucket_elements(ddp_bucket, p.reduce), p.reduce)
+        ag_bucket = nbytes(bucket_elements(ddp_bucket, p.param), p.param)
         out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", padded, p.reduce,
-                         N, g_world, grad_calls, ds_bucket))
+                         N, g_world, grad_calls, rs_bucket))
         out.append(_coll(sc, "all-gather (updated weights)", "all_gather", padded, p.param, N,
-                         g_world, 1, nbytes(DEEPSPEED_BUCKET_ELEMENTS, p.param)))
+                         g_world, 1, ag_bucket))
         return out
     D, g, R, g_rep = _shapes(sc, st)
     units = sc.units

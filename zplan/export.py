@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import shlex
 
+from .comm import bucket_elements
 from .errors import UsageError
 from .plan import Plan
-from .units import DTYPE_BITS
 
 DS_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-noreshard": 3, "hsdp": 3,
             "offload-opt": 3, "offload-all": 3}
@@ -74,13 +74,11 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
                          "deepspeed.initialize(optimizer=...) in your code, and ZeRO-Offload runs "
                          "only DeepSpeed's CPU Adam); export a plan made with --optimizer adamw, "
                          "or run 8-bit Adam through your own script")
-    rb = DTYPE_BITS[t.precision.reduce] // 8
-    pb = DTYPE_BITS[t.precision.param] // 8
     bucket = plan.assumptions.ddp_bucket_bytes
     zo: dict = {"stage": stage, "overlap_comm": plan.assumptions.overlap, "contiguous_gradients": True}
     if stage < 3:
-        zo["reduce_bucket_size"] = max(1, bucket // rb)
-        zo["allgather_bucket_size"] = max(1, bucket // pb)
+        zo["reduce_bucket_size"] = bucket_elements(bucket, t.precision.reduce)
+        zo["allgather_bucket_size"] = bucket_elements(bucket, t.precision.param)
     else:
         unit, live, everything = _unit_elements(plan)
         reshard = t.reshard_after_forward
