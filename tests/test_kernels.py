@@ -268,3 +268,20 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
                                    "host_ram_bytes": 10, "source": "s"})
     spec = presets.gpu(str(g))
     assert spec.kernels.gemm_flops["bf16"] == 5e14 and spec.kernels.nccl_sm_fraction == 0.121
+
+
+def test_explain_header_prints_the_chosen_attention_kernels_rates():
+    """Under --attention-kernel flash-triton the compute header prints the preset's FA2 rates /
+    1.4 forward and / 2 backward (head dim 128: no padding), and the flash2 header the preset's
+    own; the per-op line's achieved rate is that rate x s / (s + s_half)."""
+    from zplan.explain import explain_lines
+
+    k = H100.kernels
+    for kernel, f, b in (("flash2", 1.0, 1.0), ("flash-triton", 1.4, 2.0)):
+        sc = scenario(model="llama-3.1-8b", gpus=8, attention_kernel=kernel)
+        head = [x for x in explain_lines(sc, "zero3") if x.startswith("## 7.")][0]
+        fwd, bwd = k.attention_forward_flops / f, k.attention_backward_flops / b
+        assert f"attention ({kernel}) {fwd / 1e12:,.0f}/{bwd / 1e12:,.0f} TFLOP/s" in head
+        s = sc.train.seq_len
+        op = K.attention(H100, s, 4096, s * sc.train.micro_batch, True, kernel, 128)
+        assert op.flop / op.seconds == pytest.approx(bwd * s / (s + k.attention_half_seq), rel=1e-9)

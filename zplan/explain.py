@@ -117,9 +117,14 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
                    f"+ attention = {f / 1e12:.3f} TFLOP -> {fmt_s(f / rate)}; backward 2x")
     else:
         k = hw.gpu.kernels
+        if t.flash_attention:
+            a_f, a_b = K.attention_rates(hw.gpu, t.attention_kernel, m.head_dim)
+            attn = (f"attention ({t.attention_kernel}) {a_f / 1e12:,.0f}/{a_b / 1e12:,.0f} TFLOP/s "
+                    f"fwd/bwd x s/(s+{k.attention_half_seq:g})")
+        else:
+            attn = "attention as GEMMs + softmax (no flash kernel)"
         out = [f"## 7. Compute from kernels (docs/formulas.md section 6): GEMM {K.gemm_rate(hw.gpu, k, t.precision.param) / 1e12:,.0f} "
-               f"TFLOP/s x wave efficiency, attention {k.attention_forward_flops / 1e12:,.0f}/"
-               f"{k.attention_backward_flops / 1e12:,.0f} TFLOP/s fwd/bwd x s/(s+{k.attention_half_seq:g}), "
+               f"TFLOP/s x wave efficiency, {attn}, "
                f"HBM {k.hbm_achieved_bytes_per_s / 1e9:,.0f} GB/s, floor {k.kernel_floor_s * 1e6:g} us per kernel"]
         for phase, backward in (("forward", False), ("backward", True)):
             ops = unit_ops.unit_ops(sc, u, backward)

@@ -105,15 +105,25 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
     return -(-head_dim // 32) * 32
 
 
+def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128) -> tuple[float, float]:
+    """Counted FLOP/s (forward, backward) of the flash kernel at long sequences: the preset's
+    FlashAttention-2 rates x the kernel's speed relative to it x head_dim / the padded head
+    dimension (the padding is computed, not counted)."""
+    k = gpu.kernels
+    assert k is not None
+    pad = head_dim / padded_head_dim(head_dim, kernel)
+    f, b = ATTENTION_KERNEL_SPEED[kernel]
+    return k.attention_forward_flops * f * pad, k.attention_backward_flops * b * pad
+
+
 def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
               kernel: str = "flash2", head_dim: int = 128) -> Op:
     k = gpu.kernels
     assert k is not None
     fwd = attention_flop(seq, hidden, tokens)
     flop = int(2.5 * fwd) if backward else fwd
-    rate = k.attention_backward_flops if backward else k.attention_forward_flops
-    rate *= seq / (seq + k.attention_half_seq) * ATTENTION_KERNEL_SPEED[kernel][1 if backward else 0]
-    rate *= head_dim / padded_head_dim(head_dim, kernel)  # the padding is computed, not counted
+    rate = attention_rates(gpu, kernel, head_dim)[1 if backward else 0]
+    rate *= seq / (seq + k.attention_half_seq)
     t = max(flop / rate, k.kernel_floor_s)
     return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t)
 
