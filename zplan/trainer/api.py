@@ -36,7 +36,7 @@ from torch import nn
 from ..plan import Plan, load
 from . import checkpoint as ckpt
 from .distributed import init_process_group_for
-from .parallel import Parallelized, build_optimizer, replicate, set_sync, shard_units
+from .parallel import Parallelized, build_optimizer, replicate, set_sync, shard_units, to_master_dtype
 
 
 @dataclass
@@ -62,7 +62,9 @@ class Context:
 
         units: the modules that each get their own all-gather (default: the model's direct
         children that hold parameters). init: called on the model after materialisation
-        (default: every submodule's reset_parameters)."""
+        (default: every submodule's reset_parameters). Its parameters are stored in the plan's
+        master dtype, as the built-in trainer's are."""
+        to_master_dtype(model, self.plan)
         if self.plan.strategy in ("ddp", "zero1"):
             self._par = replicate(model, self.plan, self.device)
         else:

@@ -116,7 +116,7 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device,
     if why:
         raise ValueError(why)
     t = plan.train
-    model.to(dtype=DTYPES[t.precision.master])
+    to_master_dtype(model, plan)
     apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
     if plan.strategy in ("ddp", "zero1"):
         return replicate(model, plan, device)
@@ -129,6 +129,13 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device,
     if separate:
         groups.append([model.norm, model.output])
     return shard_units(model, groups, plan, device, deterministic, mesh)
+
+
+def to_master_dtype(model: nn.Module, plan: Plan) -> None:
+    """Store the model's floating-point parameters and buffers in the plan's master dtype, the
+    weights the optimizer updates (MixedPrecisionPolicy or autocast makes the param dtype):
+    the rule for the built-in model and a user's model under api.Context.apply alike."""
+    model.to(dtype=DTYPES[plan.train.precision.master])
 
 
 def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelized:
