@@ -285,3 +285,16 @@ def test_explain_header_prints_the_chosen_attention_kernels_rates():
         s = sc.train.seq_len
         op = K.attention(H100, s, 4096, s * sc.train.micro_batch, True, kernel, 128)
         assert op.flop / op.seconds == pytest.approx(bwd * s / (s + k.attention_half_seq), rel=1e-9)
+
+
+def test_explain_lists_the_optimizer_kernels_the_step_charges():
+    """Llama 3.1 8B (8,030,261,248 parameters, every dim-0 a multiple of 8) on 8 ranks: each
+    steps 1,003,782,656 elements, 28 bytes each in fused fp32 AdamW = 28.11 GB; DeepSpeed adds
+    the fp32-to-bf16 weight copy, 6 bytes each = 6.02 GB."""
+    from zplan.explain import explain_lines
+
+    for layout, names in (("torch", ["AdamW (fused) 28.11 GB"]),
+                          ("zero", ["FusedAdam (DeepSpeed) 28.11 GB", "weight copy (master to 16-bit) 6.02 GB"])):
+        lines = explain_lines(scenario(model="llama-3.1-8b", gpus=8, layout=layout), "zero3")
+        [line] = [x for x in lines if x.startswith("optimizer step")]
+        assert all(n in line for n in names)

@@ -172,10 +172,15 @@ def _optimizer_s(sc: Scenario, st: Strategy, mem: Memory) -> float:
         # memory-bound: reads and writes every byte of the local state once
         local = mem.params_bytes + mem.grads_bytes + mem.master_bytes + mem.optimizer_bytes
         return 2 * local / sc.hw.gpu.hbm_bytes_per_s
+    return K.total(optimizer_ops(sc, st))
+
+
+def optimizer_ops(sc: Scenario, st: Strategy) -> list[K.Op]:
+    """The GPU kernels of one optimizer step on one rank (none when the CPU runs it: offload_s)."""
     if st.offload_optimizer:
-        return 0.0  # the CPU runs it (offload_s)
+        return []
     D = sc.shard_degree(st.hsdp) if st.optim_sharded else 1
-    return K.total(unit_ops.optimizer_ops(sc, optimizer_tensor_sizes(sc, D)))
+    return unit_ops.optimizer_ops(sc, optimizer_tensor_sizes(sc, D))
 
 
 def optimizer_tensor_sizes(sc: Scenario, D: int) -> list[int]:

@@ -11,7 +11,7 @@ from . import arch
 from . import kernels as K
 from . import nccl
 from . import unit_ops
-from .compute import uses_kernel_model
+from .compute import optimizer_ops, uses_kernel_model
 from .estimate import estimate_one
 from .scenario import Scenario
 from .units import DTYPE_BITS, GB, fmt_s, nbytes
@@ -136,6 +136,10 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         rec, n = unit_ops.recompute_ops(sc, u)
         if n:
             out.append(f"recompute ({t.checkpointing}): {n:g} x {fmt_s(K.total(rec))}")
+        opt = optimizer_ops(sc, r.strategy)
+        if opt:
+            out.append("optimizer step, this rank's state: " + "; ".join(
+                f"{o.name} {o.bytes / 1e9:,.2f} GB x{o.kernels} -> {fmt_s(o.seconds)}" for o in opt))
     if tm.units:
         o = tm.units[1 if len(tm.units) > 2 else 0]
         out.append(f"  its all-gather {fmt_s(o.all_gather_s)} vs the previous unit's forward: "
