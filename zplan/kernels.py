@@ -130,9 +130,11 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
 
 # torch's multi_tensor_apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh): each thread block
 # takes one kChunkSize-element chunk of one tensor; a launch carries at most
-# depth_to_max_tensors[depth - 1] tensors and depth_to_max_blocks[depth - 1] blocks (the 4 KB
-# kernel-argument metadata the fused optimizers use). DeepSpeed's FusedAdam (csrc/adam,
-# multi_tensor_apply.cuh, from apex) uses the same chunk (2048 x 32) and limits.
+# depth_to_max_tensors[depth - 1] tensors and depth_to_max_blocks[depth - 1] blocks. The values
+# are torch 2.13's for CUDA 12 builds (4 KB kernel arguments); its CUDA 13 builds take 32 KB
+# (252 tensors, 2240 blocks at depth 4), which the plan cannot know: same bytes, fewer launches.
+# DeepSpeed's FusedAdam (csrc/adam/multi_tensor_apply.cuh, from apex) uses the same chunk
+# (2048 x 32) and the 4 KB limits.
 MTA_CHUNK_ELEMS = 65536
 MTA_MAX_TENSORS = (110, 64, 48, 36, 30)
 MTA_MAX_BLOCKS = (320, 320, 320, 320, 320)
