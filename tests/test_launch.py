@@ -11,18 +11,20 @@ from zplan.launch.command import LaunchSpec, shell_line, slurm_script, torchrun_
 
 def test_one_node_argv():
     argv, env = torchrun_argv(LaunchSpec("/r/plan.json", 8, python="python"))
-    assert argv == ["python", "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+    assert argv == ["python", "-m", "zplan.launch.elastic", "--standalone", "--nnodes=1",
                     "--nproc-per-node=8", "--max-restarts=0", "-m", "zplan.trainer"]
     assert env == {"ZPLAN_PLAN": "/r/plan.json"}
 
 
 def test_multi_node_argv_with_script():
     spec = LaunchSpec("p.json", 8, nnodes=4, node_rank=2, rdzv_endpoint="head:29500", rdzv_id="job7",
-                      max_restarts=3, script="train.py", script_args=("--lr", "1e-4"), python="python")
+                      max_restarts=3, script="train.py", script_args=("--lr", "1e-4"), python="python",
+                      torchrun_opts=("--log-dir=/l", "--redirects=3"))
     argv, _ = torchrun_argv(spec)
-    assert argv == ["python", "-m", "torch.distributed.run", "--nnodes=4", "--rdzv-backend=c10d",
+    assert argv == ["python", "-m", "zplan.launch.elastic", "--nnodes=4", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=head:29500", "--rdzv-id=job7", "--node-rank=2",
-                    "--nproc-per-node=8", "--max-restarts=3", "train.py", "--lr", "1e-4"]
+                    "--nproc-per-node=8", "--max-restarts=3", "--log-dir=/l", "--redirects=3",
+                    "train.py", "--lr", "1e-4"]
     assert shell_line(argv, {"ZPLAN_PLAN": "p.json"}).startswith("ZPLAN_PLAN=p.json python -m")
 
 
@@ -38,28 +40,29 @@ SLURM_GOLDEN = """#!/bin/bash
 #SBATCH --job-name=zplan
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=8
+#SBATCH --gpus-per-task=8
+#SBATCH --cpus-per-task=32
 #SBATCH --output=zplan-%j.out
 set -euo pipefail
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export ZPLAN_PLAN=/shared/run/plan.json
-srun --kill-on-bad-exit=1 python -m torch.distributed.run \\
+srun --kill-on-bad-exit=1 /opt/env/bin/python -m torch.distributed.run \\
     --nnodes=4 --nproc-per-node=8 \\
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\
-    --max-restarts=1 \\
+    --max-restarts=1 --log-dir=/shared/logs \\
     -m zplan.trainer --steps 100
 """
 
 
 def test_slurm_script_golden():
-    spec = LaunchSpec("/shared/run/plan.json", 8, nnodes=4, rdzv_endpoint="x:1", max_restarts=1,
-                      script_args=("--steps", "100"))
-    assert slurm_script(spec, 8) == SLURM_GOLDEN
+    spec = LaunchSpec("/shared/run/plan.json", 8, nnodes=4, max_restarts=1, script_args=("--steps", "100"),
+                      python="/opt/env/bin/python", torchrun_opts=("--log-dir=/shared/logs",))
+    assert slurm_script(spec, 8, 32) == SLURM_GOLDEN
 
 
 def test_slurm_one_node_cpu():
     text = slurm_script(LaunchSpec("p.json", 2), 0)
-    assert "--gpus-per-node" not in text and "--nnodes=1 --nproc-per-node=2" in text
+    assert "--gpus-per-task" not in text and "--nnodes=1 --nproc-per-node=2" in text
 
 
 class _NotFound(Exception):
@@ -211,7 +214,8 @@ def test_launch_dry_run_cli(run_zplan, tmp_path):
     assert line.startswith(f"ZPLAN_PLAN={tmp_path}/r/plan.json ")
     assert "--standalone --nnodes=1 --nproc-per-node=2 --max-restarts=0 -m zplan.trainer" in line
     assert "--steps 5" in line
-    assert not (tmp_path / "r" / "plan.json").exists()  # a dry run writes nothing
+    assert "-m zplan.launch.elastic" in line
+    assert (tmp_path / "r" / "plan.json").is_file()  # the plan it names
 
 
 def test_detect_cli():
