@@ -29,27 +29,32 @@ def _zplan_record(failure) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def summarize(failures: dict) -> tuple[list[str], int]:
-    """(lines to print, exit code) for torchrun's failures: global rank -> ProcessFailure."""
-    rows = []
+    """(lines to print, exit code) for torchrun's failures: global rank -> ProcessFailure.
+
+    A zplan rank's own line is printed once however many ranks report it; a rank without one
+    is described by its exit code or signal. Lines of ranks that only lost contact with a rank
+    that failed first are left out when there is any other."""
+    groups: dict[tuple[bool, str, int], list[int]] = {}
     for rank, f in sorted(failures.items()):
         rec = _zplan_record(f)
         if rec is not None:
-            rows.append((bool(rec.get("secondary")), rank, str(rec.get("line", "")), int(rec.get("exit_code", 1))))
+            key = (bool(rec.get("secondary")), str(rec.get("line", "")), int(rec.get("exit_code", 1)))
         elif f.exitcode < 0:
             sig = -f.exitcode
             name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
-            rows.append((False, rank, f"rank {rank} was killed by {name}", 128 + sig))
+            key = (False, f"{{ranks}} killed by {name}", 128 + sig)
         else:
-            rows.append((False, rank, f"rank {rank} exited with code {f.exitcode}", f.exitcode))
-    primary = [r for r in rows if not r[0]] or rows
-    codes = {r[3] for r in primary}
-    lines, seen = [], set()
-    for _, rank, line, _ in primary:
-        if line not in seen:
-            seen.add(line)
-            lines.append(line)
-    return [f"zplan: error: {line}" for line in lines], codes.pop() if len(codes) == 1 else 1
+            key = (False, f"{{ranks}} exited with code {f.exitcode}", f.exitcode)
+        groups.setdefault(key, []).append(rank)
+    primary = {k: v for k, v in groups.items() if not k[0]} or groups
+    lines = [f"zplan: error: {line.replace('{ranks}', _ranks(ranks))}" for (_, line, _), ranks in primary.items()]
+    codes = {code for (_, _, code) in primary}
+    return lines, codes.pop() if len(codes) == 1 else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,11 @@
 """The one place zplan starts processes: run torchrun, pass its exit code on, restart a failed
 run, and leave nothing behind.
 
-Ctrl-C or SIGTERM is forwarded to torchrun's whole process group (torchrun and every rank); if
-the group has not ended after GRACE_S it is killed, and the launcher exits 128 + the signal
-(130, 143). The wait is a poll loop: Popen.wait() entered before a signal is resumed after the
-handler returns (PEP 475), so a grace period that relies on it being interrupted never fires.
+Ctrl-C or SIGTERM is forwarded to torchrun and to every rank (ranks run in sessions of their
+own: zplan/launch/procs.py finds them); if they have not ended after GRACE_S they are killed,
+and the launcher exits 128 + the signal (130, 143). The wait is a poll loop: Popen.wait()
+entered before a signal is resumed after the handler returns (PEP 475), so a grace period that
+relies on it being interrupted never fires.
 """
 
 from __future__ import annotations
@@ -15,27 +16,29 @@ import subprocess
 import sys
 import time
 
+from .procs import become_subreaper, descendants, kill_tree, reap, signal_all
+
 GRACE_S = 5.0
 POLL_S = 0.05
 
 
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run(argv: list[str], env: dict[str, str]) -> int:
-    """Run argv in its own session; its exit code, or 128 + the signal that ended the launcher."""
+    """Run argv; its exit code, or 128 + the signal that ended the launcher."""
     full_env = dict(os.environ)
     full_env.update(env)
+    full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    become_subreaper()
+    me = os.getpid()
+    before = set(descendants(me))
     proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
     got: list[int] = []
 
+    def ours() -> list[int]:
+        return [p for p in descendants(me) if p not in before]
+
     def forward(signum, _frame):
         got.append(signum)
-        _killpg(proc.pid, signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
+        signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -44,12 +47,14 @@ def run(argv: list[str], env: dict[str, str]) -> int:
             if got and deadline is None:
                 deadline = time.monotonic() + GRACE_S
             if deadline is not None and time.monotonic() > deadline:
-                _killpg(proc.pid, signal.SIGKILL)
+                signal_all(ours(), signal.SIGKILL)
             time.sleep(POLL_S)
     finally:
-        _killpg(proc.pid, signal.SIGKILL)  # nothing of the group may outlive the launcher
+        for p in ours():  # ranks torchrun left behind (adopted by this subreaper), and their children
+            kill_tree(p)
         for s, h in old.items():
             signal.signal(s, h)
+        reap()
     if got:
         return 128 + got[0]
     return 128 - rc if rc < 0 else rc
