@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zplan.errors import UsageError
+from tests.helpers import cli
 from zplan.trainer import checkpoint as ckpt
 from zplan.trainer.ckpt_files import CheckpointError, read_metadata
 
@@ -20,18 +21,6 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-def cli(capsys, *args):
-    """zplan's CLI in this process (the same error boundary as the console script)."""
-    from types import SimpleNamespace
-
-    from zplan.cli.main import run
-
-    capsys.readouterr()
-    rc = run(list(args))
-    out = capsys.readouterr()
-    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
 
 def _model(seed: int):

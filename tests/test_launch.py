@@ -1,5 +1,6 @@
 """zplan launch: the torchrun command as data, the Slurm script, detection through a fake NVML."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -298,3 +299,133 @@ def test_failing_script_exit_code_passes_through(tmp_path):
     assert p.returncode == 3, p.stderr
     errors = [l for l in p.stderr.splitlines() if "error" in l.lower()]
     assert errors == ["zplan: error: ranks 0, 1 exited with code 3"], p.stderr
+
+
+# ---------------------------------------------------------------- the launch command's arguments
+from tests.helpers import cli  # noqa: E402
+
+
+def _dry(capsys, tmp_path, *args):
+    return cli(capsys, "launch", "--dry-run", "--run-dir", str(tmp_path / "r"), *args)
+
+
+def test_everything_after_the_script_is_the_scripts(capsys, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    p = _dry(capsys, tmp_path, str(script), "--steps", "5", "--run-dir", "elsewhere", "--resume")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().endswith(f"{script} --steps 5 --run-dir elsewhere --resume")
+    assert (tmp_path / "r" / "plan.json").is_file() and not (tmp_path / "elsewhere").exists()
+
+
+def test_trainer_options_follow_double_dash(capsys, tmp_path):
+    p = _dry(capsys, tmp_path, "--deterministic")
+    assert p.returncode == 2 and "--deterministic" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = _dry(capsys, tmp_path, "--steps", "7", "--keep", "2", "--log-every", "3", "--", "--deterministic")
+    assert p.returncode == 0, p.stderr
+    assert "-m zplan.trainer" in p.stdout and "--steps 7" in p.stdout and "--keep 2" in p.stdout
+    assert p.stdout.strip().endswith("--log-every 3 --deterministic")
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--steps", "5", "SCRIPT"], "--steps is an option of zplan's trainer"),
+    (["--plan", "PLAN", "--model", "gpt2"], "--model applies to a fresh plan"),
+    (["--resume"], "--resume needs --run-dir"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "several nodes need --run-dir"),
+    (["--save-every", "-5"], "--save-every"),
+])
+def test_nothing_is_silently_taken_or_dropped(capsys, tmp_path, args, msg):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    plan = tmp_path / "p.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+               "--layout", "torch", "--write", str(plan)).returncode == 0
+    args = [str(script) if a == "SCRIPT" else str(plan) if a == "PLAN" else a for a in args]
+    p = cli(capsys, "launch", "--dry-run", *args)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_run_directory_is_checked_before_anything_runs(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    p = cli(capsys, "launch", "--dry-run", "--run-dir", str(tmp_path / "file"))
+    assert p.returncode == 2 and "is not a directory" in p.stderr
+    p = cli(capsys, "launch", "--dry-run", "--resume", "--run-dir", str(tmp_path / "typo"))
+    assert p.returncode == 2 and "does not exist" in p.stderr and not (tmp_path / "typo").exists()
+    p = cli(capsys, "launch", "--dry-run", "--run-dir", "/sys/zplan-run")  # read-only even for root
+    assert p.returncode == 2 and "/sys/zplan-run is not writable" in p.stderr, p.stderr
+
+
+def test_run_directory_without_room_is_refused(monkeypatch, tmp_path):
+    import shutil as sh
+
+    from zplan.errors import PlanError
+    from zplan.launch.run_dir import check_run_dir, checkpoint_bytes
+
+    real = sh.disk_usage(tmp_path)
+    monkeypatch.setattr("zplan.launch.run_dir.shutil.disk_usage",
+                        lambda p: real._replace(free=10**9))
+    check_run_dir(tmp_path / "a", need_bytes=checkpoint_bytes(80_000_000))  # 0.96 GB fits
+    with pytest.raises(PlanError, match="1.00 GB free but one checkpoint needs about 1.20 GB"):
+        check_run_dir(tmp_path / "b", need_bytes=checkpoint_bytes(100_000_000))
+
+
+def _plan16(capsys, tmp_path):
+    plan = tmp_path / "p16.json"
+    p = cli(capsys, "recommend", "--model", "tiny", "--gpu", "h100-sxm", "--gpus", "16", "--write", str(plan))
+    assert p.returncode == 0, p.stderr
+    return plan
+
+
+def _eight_gpus(monkeypatch):
+    from zplan import hardware
+
+    fake = detect(_fake_nvml(["NVIDIA H100 80GB HBM3"] * 8))
+    monkeypatch.setattr(hardware, "detect", lambda *a, **k: fake)
+
+
+def test_sixteen_ranks_on_an_eight_gpu_node_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _eight_gpus(monkeypatch)
+    plan = _plan16(capsys, tmp_path)
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "r"))
+    assert p.returncode == 2 and "16 ranks per node but this node has 8 GPUs" in p.stderr
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "r"),
+            "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "head:29400",
+            "--log-dir", "/l", "--redirects", "3", "--local-ranks-filter", "0")
+    assert p.returncode == 0, p.stderr
+    assert "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=head:29400" in p.stdout
+    assert "--nproc-per-node=8 --max-restarts=0 --log-dir=/l --redirects=3 --local-ranks-filter=0" in p.stdout
+
+
+def test_slurm_script_for_a_sixteen_gpu_plan(capsys, tmp_path, monkeypatch):
+    """--slurm: nodes from the plan's N and the GPUs per node, one task per node, this Python,
+    the plan beside the script; it passes bash -n and, under stub srun/scontrol, runs torchrun
+    with rendezvous at the first node of the allocation."""
+    plan = _plan16(capsys, tmp_path)
+    out = tmp_path / "job.sbatch"
+    p = cli(capsys, "launch", "--plan", str(plan), "--slurm", str(out), "--run-dir", "/shared/run",
+            "--max-restarts", "2", "--steps", "100")
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-task=8",
+                 "#SBATCH --cpus-per-task=32", f"srun --kill-on-bad-exit=1 {sys.executable} -m torch.distributed.run"):
+        assert line in text, text
+    beside = tmp_path / "job.plan.json"
+    assert beside.is_file() and f"export ZPLAN_PLAN={beside}" in text
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a7\\ngpu-a8\\n"\n')
+    (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$STUB_OUT"\necho "ZPLAN_PLAN=$ZPLAN_PLAN" >> "$STUB_OUT"\n')
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[7-8]",
+           "SLURM_JOB_ID": "4242", "STUB_OUT": str(tmp_path / "srun.args")}
+    assert subprocess.run(["bash", str(out)], env=env).returncode == 0
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert args[:4] == ["--kill-on-bad-exit=1", sys.executable, "-m", "torch.distributed.run"]
+    assert "--rdzv-endpoint=gpu-a7:29500" in args and "--rdzv-id=4242" in args and "--nnodes=2" in args
+    assert "--max-restarts=2" in args and "--nproc-per-node=8" in args
+    assert args[args.index("--ckpt-dir") + 1] == "/shared/run" and args[args.index("--steps") + 1] == "100"
+    assert args[-1] == f"ZPLAN_PLAN={beside}"
