@@ -19,6 +19,7 @@ from .data import Prefetcher, TokenSource
 from .distributed import started_backend
 from .measure import CommCounter, StepClock, device_peak_memory, ddp_counting_hook
 from .model import Transformer, init_weights_
+from .run_setup import inject_fault
 from .parallel import Parallelized, build_optimizer, device_for, parallelize, set_sync
 from .report import build_report, compare_lines, progress_bar, step_log_line, write_report
 
@@ -217,6 +218,7 @@ class Trainer:
                     logged = self.step
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
+                inject_fault(self.step, self.rank)
                 if cfg.stop_after is not None and self.step >= cfg.stop_after:
                     break
         times = [self.clock.seconds(a, b) for (a, b), ok in zip(marks, timed) if ok]

@@ -48,3 +48,16 @@ def agree_on_run_dir(run_dir: str) -> None:
 def finished_line(run_dir: str, steps: int) -> str:
     return (f"zplan: the run in {run_dir} already finished at step {steps} (--steps {steps}); "
             f"nothing to do (its report is unchanged; pass more --steps to train on)")
+
+
+def inject_fault(step: int, rank: int) -> None:
+    """Fault injection for the restart tests: ZPLAN_FAULT_KILL_AT=STEP:RANK makes that rank
+    SIGKILL itself after STEP, on the first attempt only (kill -9, as a dying node would)."""
+    spec = os.environ.get("ZPLAN_FAULT_KILL_AT")
+    if not spec or os.environ.get("ZPLAN_ATTEMPT", "0") != "0":
+        return
+    at_step, at_rank = (int(x) for x in spec.split(":"))
+    if step == at_step and rank == at_rank:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
