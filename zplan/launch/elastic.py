@@ -8,7 +8,8 @@ banner and traceback:
   a rank killed by signal S gives 128 + S), else 1;
 - a zplan trainer rank writes its one-line error into torchrun's per-rank error file
   ($TORCHELASTIC_ERROR_FILE, see zplan/trainer/rank_errors.py); each distinct line is printed
-  once, the ranks that failed first before those that only lost contact with them.
+  once, the ranks that failed first before those that only lost contact with them or were stopped by torchrun
+  (SIGTERM) after another rank failed.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def summarize(failures: dict) -> tuple[list[str], int]:
         elif f.exitcode < 0:
             sig = -f.exitcode
             name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
-            key = (False, f"{{ranks}} killed by {name}", 128 + sig)
+            # SIGTERM is how torchrun stops the other ranks once one has failed: an echo
+            key = (sig == signal.SIGTERM, f"{{ranks}} killed by {name}", 128 + sig)
         else:
             key = (False, f"{{ranks}} exited with code {f.exitcode}", f.exitcode)
         groups.setdefault(key, []).append(rank)
@@ -63,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun
 
     if os.environ.get("ZPLAN_DEBUG") != "1":  # the failure is summarised below instead
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+        for name in ("torch.distributed.elastic.multiprocessing.api",
+                     "torch.distributed.elastic.multiprocessing.errors"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["ZPLAN_LAUNCHER"] = "1"  # ranks leave their error lines to us
     try:
         torchrun(argv)

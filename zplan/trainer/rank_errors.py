@@ -30,8 +30,12 @@ def classify(e: BaseException) -> tuple[str, int, bool]:
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> exception
     if isinstance(failures, dict) and failures:
         inner = [classify(x) for x in failures.values() if isinstance(x, BaseException)]
-        if inner:
-            return min(inner, key=lambda t: t[2])
+        if inner:  # the most telling: zplan's own lines, then the rest, then echoes
+            line, code, secondary = min(inner, key=lambda t: (t[2], t[0].startswith("internal error")))
+            if line.startswith("internal error"):
+                x = next(iter(failures.values()))
+                line = f"checkpoint cannot be loaded ({type(x).__name__}: {str(x).splitlines()[0][:300] if str(x) else ''})"
+            return line, code, secondary
     if isinstance(e, OSError):
         where = f"{e.filename}: " if e.filename else ""
         return f"{where}{e.strerror or e} (errno {e.errno}); check the path and its filesystem", 1, False
@@ -52,7 +56,8 @@ def report(e: BaseException) -> int:
     if path:
         try:
             with open(path, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time()),
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": "",
+                                                                     "timestamp": str(int(time.time()))}},
                            "zplan": {"line": line, "exit_code": code, "secondary": secondary,
                                      "rank": int(rank), "time_s": time.time()}}, f)
         except OSError:
