@@ -429,3 +429,40 @@ def test_slurm_script_for_a_sixteen_gpu_plan(capsys, tmp_path, monkeypatch):
     assert "--max-restarts=2" in args and "--nproc-per-node=8" in args
     assert args[args.index("--ckpt-dir") + 1] == "/shared/run" and args[args.index("--steps") + 1] == "100"
     assert args[-1] == f"ZPLAN_PLAN={beside}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_train_checkpoint_to_one_run_dir_and_resume(run_zplan, tmp_path):
+    """Two torchrun invocations (--nnodes 2, two ranks each, loopback c10d rendezvous) train one
+    4-rank plan, write one checkpoint into one run directory, and resume from it."""
+    import json
+    import socket
+
+    from tests.test_trainer import make_plan
+
+    make_plan(run_zplan, tmp_path / "p4.json", "zero3", 4, 8)
+    run_dir = tmp_path / "shared-run"
+
+    def both(steps, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "zplan", "launch", "--plan", str(tmp_path / "p4.json"), "--nnodes", "2",
+             "--node-rank", str(node), "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", f"two-{steps}", "--run-dir", str(run_dir), "--steps", str(steps), *extra,
+             "--", "--no-memory"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+        outs = [p.communicate(timeout=400) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        return json.loads((run_dir / "run_report.json").read_text())
+
+    first = both(2)
+    assert first["world_size"] == 4 and first["end_step"] == 2
+    shards = sorted(f.name for f in (run_dir / "step_00000002").glob("*.distcp"))
+    assert len(shards) == 4, shards  # every rank of both nodes wrote its shard into the one folder
+    second = both(3, "--resume")
+    assert second["start_step"] == 2 and second["end_step"] == 3
+    assert second["losses"][0] < first["losses"][0]  # it continued from the trained weights
