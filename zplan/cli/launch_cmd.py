@@ -99,7 +99,7 @@ def launch(
     keep: Annotated[int, typer.Option(help="Built-in trainer: keep the newest K checkpoints (0: all)")] = 0,
     resume: Annotated[bool, typer.Option(help="Built-in trainer: resume from the newest checkpoint in --run-dir")] = False,
     data: Annotated[Optional[str], typer.Option(help="Built-in trainer: a local text file (default synthetic)")] = None,
-    log_every: Annotated[Optional[int], typer.Option(help="Built-in trainer: a progress line every N steps")] = None,
+    log_every: Annotated[Optional[int], typer.Option(help="Built-in trainer: a step line every N steps (default: 10 without a terminal; 0: none)")] = None,
     log_dir: Annotated[Optional[str], typer.Option(help="torchrun --log-dir")] = None,
     redirects: Annotated[Optional[str], typer.Option(help="torchrun --redirects")] = None,
     local_ranks_filter: Annotated[Optional[str], typer.Option(help="torchrun --local-ranks-filter")] = None,
@@ -122,7 +122,7 @@ def launch(
     check_range(save_every, "--save-every", 0, 10**9)
     check_range(keep, "--keep", 0, 10**6)
     if log_every is not None:
-        check_range(log_every, "--log-every", 1, 10**9)
+        check_range(log_every, "--log-every", 0, 10**9)
     script, extra = _split_args(ctx, script)
     if script is not None:
         if not Path(script).is_file():
@@ -175,7 +175,7 @@ def launch(
     if script is None:
         extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps), "--save-every", str(save_every),
                  "--keep", str(keep)] + (["--resume"] if resume else []) + (["--data", data] if data else []) + \
-                (["--log-every", str(log_every)] if log_every else []) + extra
+                (["--log-every", str(log_every)] if log_every is not None else []) + extra
     opts = tuple(f"--{k}={v}" for k, v in (("log-dir", log_dir), ("redirects", redirects),
                                             ("local-ranks-filter", local_ranks_filter)) if v is not None)
     if slurm:

@@ -42,9 +42,9 @@ def restarted() -> bool:
 def _check_args(args, plan) -> None:
     from ..errors import UsageError
 
-    for name in ("steps", "save_every", "keep"):
+    for name in ("steps", "save_every", "keep", "log_every"):
         v = getattr(args, name)
-        if v < (1 if name == "steps" else 0):
+        if v is not None and v < (1 if name == "steps" else 0):
             raise UsageError(f"--{name.replace('_', '-')} {v} must be {'at least 1' if name == 'steps' else '0 or more'}")
     if args.deterministic and plan.strategy in ("ddp", "zero1"):
         raise UsageError(f"--deterministic applies to the FSDP2 strategies, not {plan.strategy}: "
