@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -429,6 +430,7 @@ def test_slurm_script_for_a_sixteen_gpu_plan(capsys, tmp_path, monkeypatch):
     assert "--max-restarts=2" in args and "--nproc-per-node=8" in args
     assert args[args.index("--ckpt-dir") + 1] == "/shared/run" and args[args.index("--steps") + 1] == "100"
     assert args[-1] == f"ZPLAN_PLAN={beside}"
+    assert not Path("/shared/run").exists()  # the run directory is the cluster's, not made here
 
 
 @pytest.mark.slow

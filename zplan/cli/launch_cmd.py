@@ -170,7 +170,10 @@ def launch(
     from .. import arch
     from ..launch.run_dir import checkpoint_bytes
 
-    check_run_dir(run, resume=resume, need_bytes=0 if slurm else checkpoint_bytes(arch.param_count(p.model)))
+    if slurm:  # the run directory lives on the cluster: refuse only what is wrong from here
+        check_run_dir(run, resume=False, create=False)
+    else:
+        check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)))
     plan_path = str((run / "plan.json").resolve())
     if script is None:
         extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps), "--save-every", str(save_every),
