@@ -172,3 +172,12 @@ def test_nothing_loadable_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
         _resume(tmp_path)
     assert _resume(tmp_path / "empty")[0] is None
+
+
+def test_consolidate_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    _save(tmp_path, 2, seed=1)
+    (tmp_path / "out.safetensors").mkdir()
+    for out in (tmp_path / "out.safetensors", "/proc/zplan.safetensors", tmp_path / "no" / "such" / "o.pt"):
+        p = cli(capsys, "consolidate", str(tmp_path), str(out))
+        assert p.returncode == 2, (out, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 and "internal error" not in p.stderr, p.stderr
