@@ -115,3 +115,12 @@ def test_wrong_checkpoint_inside_the_ranks_is_one_line(run_zplan, tmp_path, stra
     errors = _errors(p.stderr)
     assert len(errors) == 1 and msg in errors[0], p.stderr[-3000:]
     assert not (run_dir / "run_report.json").exists()
+
+
+def test_a_bad_trainer_option_is_a_usage_error():
+    from zplan.trainer.__main__ import parse
+
+    with pytest.raises(UsageError, match="unrecognized arguments: --determinstic"):
+        parse(["--determinstic"])
+    with pytest.raises(UsageError, match="--steps: invalid int value: 'x'"):
+        parse(["--steps", "x"])

@@ -12,8 +12,15 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, reported like every other error in a rank
+        from ..errors import UsageError
+
+        raise UsageError(f"trainer option: {message} (see python -m zplan.trainer --help)")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m zplan.trainer", description=__doc__)
+    ap = _Parser(prog="python -m zplan.trainer", description=__doc__)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -73,7 +80,7 @@ def _print_outcome(report, plan, cfg, world: int, cuda: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     from .rank_errors import guarded
 
-    return guarded(_main, parse(argv))
+    return guarded(lambda: _main(parse(argv)))
 
 
 def _main(args: argparse.Namespace) -> int:
