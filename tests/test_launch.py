@@ -50,7 +50,8 @@ SLURM_GOLDEN = """#!/bin/bash
 #SBATCH --cpus-per-task=32
 #SBATCH --output=zplan-%j.out
 set -euo pipefail
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# sed reads every line: `head -n 1` would end the pipe early, and pipefail turns that into an exit
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export ZPLAN_PLAN=/shared/run/plan.json
 srun --kill-on-bad-exit=1 /opt/env/bin/python -m torch.distributed.run \\
     --nnodes=4 --nproc-per-node=8 \\
@@ -64,6 +65,11 @@ def test_slurm_script_golden():
     spec = LaunchSpec("/shared/run/plan.json", 8, nnodes=4, max_restarts=1, script_args=("--steps", "100"),
                       python="/opt/env/bin/python", torchrun_opts=("--log-dir=/shared/logs",))
     assert slurm_script(spec, 8, 32) == SLURM_GOLDEN
+
+
+def test_slurm_uses_a_given_rendezvous_endpoint():
+    text = slurm_script(LaunchSpec("p.json", 8, nnodes=2, rdzv_endpoint="login1:29600"), 8)
+    assert '--rdzv-endpoint="login1:29600"' in text and "head_node:" not in text.split("srun")[1]
 
 
 def test_slurm_one_node_cpu():
@@ -417,7 +423,7 @@ def test_slurm_script_for_a_sixteen_gpu_plan(capsys, tmp_path, monkeypatch):
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a7\\ngpu-a8\\n"\n')
+    (stubs / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a7\\ngpu-a8\\n"; seq 100000 | sed s/^/gpu-b/\n')
     (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$STUB_OUT"\necho "ZPLAN_PLAN=$ZPLAN_PLAN" >> "$STUB_OUT"\n')
     for f in stubs.iterdir():
         f.chmod(0o755)

@@ -183,7 +183,7 @@ def launch(
                                             ("local-ranks-filter", local_ranks_filter)) if v is not None)
     if slurm:
         plan_path = str(Path(slurm).resolve().with_suffix(".plan.json"))
-        spec = LaunchSpec(plan_path, per_node, nnodes, None, None, rdzv_id, max_restarts, script,
+        spec = LaunchSpec(plan_path, per_node, nnodes, None, rdzv_endpoint, rdzv_id, max_restarts, script,
                           tuple(extra), torchrun_opts=opts)
         save(p, plan_path)
         gpus = per_node if (found.gpus or p.gpu.device != "cpu") else 0

@@ -85,14 +85,16 @@ def slurm_script(spec: LaunchSpec, gpus_per_node: int, cpus_per_task: int = 0, j
     if cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
     opts = " ".join(shlex.quote(o) for o in spec.torchrun_opts)
+    endpoint = spec.rdzv_endpoint or f"$head_node:{SLURM_RDZV_PORT}"  # default: the allocation's first node
     lines += [
         f"#SBATCH --output={job}-%j.out",
         "set -euo pipefail",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        '# sed reads every line: `head -n 1` would end the pipe early, and pipefail turns that into an exit',
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"export ZPLAN_PLAN={shlex.quote(spec.plan_path)}",
         f"srun --kill-on-bad-exit=1 {shlex.quote(spec.python)} -m {TORCHRUN} \\",
         f"    --nnodes={spec.nnodes} --nproc-per-node={spec.nproc_per_node} \\",
-        f'    --rdzv-backend=c10d --rdzv-endpoint="$head_node:{SLURM_RDZV_PORT}" --rdzv-id="$SLURM_JOB_ID" \\',
+        f'    --rdzv-backend=c10d --rdzv-endpoint="{endpoint}" --rdzv-id="$SLURM_JOB_ID" \\',
         f"    --max-restarts={spec.max_restarts}{' ' + opts if opts else ''} \\",
         f"    {shlex.join(spec.target())}",
     ]
