@@ -69,6 +69,7 @@ def weights_init(name, shape):
     return full_init(name, shape, 0, 4)
 
 
+@pytest.mark.timeout(480)  # four launches and two consolidations; about 200 s on 2 busy cores
 def test_stop_and_resume_equals_uninterrupted(run_zplan, tmp_path):
     make_plan(run_zplan, tmp_path / "p.json", "zero3", 2, 8)
     launch(run_zplan, tmp_path / "p.json", tmp_path / "straight", 6, "--keep", "1", save_every=4)
