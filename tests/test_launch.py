@@ -297,15 +297,18 @@ def test_signal_ends_every_rank(tmp_path, sig, mode, code):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failing_script_exit_code_passes_through(tmp_path):
-    """A script's own exit code comes back when the failed ranks agree, with one line; 1 when
-    they disagree."""
+    """A script's own exit code comes back, with one line (which ranks it names depends on
+    whether torchrun stopped the other rank first: 1 when failed ranks disagree is a unit test,
+    tests/test_rank_errors.py)."""
+    import re
+
     bad = tmp_path / "bad.py"
-    bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '0' or len(sys.argv) == 1 else 4)\n")
+    bad.write_text("import sys\nsys.exit(3)\n")
     p = subprocess.run([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"), str(bad)],
                        capture_output=True, text=True, timeout=100)
     assert p.returncode == 3, p.stderr
     errors = [l for l in p.stderr.splitlines() if "error" in l.lower()]
-    assert errors == ["zplan: error: ranks 0, 1 exited with code 3"], p.stderr
+    assert len(errors) == 1 and re.fullmatch(r"zplan: error: ranks? (0|1|0, 1) exited with code 3", errors[0]), p.stderr
 
 
 # ---------------------------------------------------------------- the launch command's arguments
