@@ -1,6 +1,12 @@
 """zplan launch: the torchrun command as data, the Slurm script, detection through a fake NVML."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -11,18 +17,20 @@ from zplan.launch.command import LaunchSpec, shell_line, slurm_script, torchrun_
 
 def test_one_node_argv():
     argv, env = torchrun_argv(LaunchSpec("/r/plan.json", 8, python="python"))
-    assert argv == ["python", "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+    assert argv == ["python", "-m", "zplan.launch.elastic", "--standalone", "--nnodes=1",
                     "--nproc-per-node=8", "--max-restarts=0", "-m", "zplan.trainer"]
     assert env == {"ZPLAN_PLAN": "/r/plan.json"}
 
 
 def test_multi_node_argv_with_script():
     spec = LaunchSpec("p.json", 8, nnodes=4, node_rank=2, rdzv_endpoint="head:29500", rdzv_id="job7",
-                      max_restarts=3, script="train.py", script_args=("--lr", "1e-4"), python="python")
+                      max_restarts=3, script="train.py", script_args=("--lr", "1e-4"), python="python",
+                      torchrun_opts=("--log-dir=/l", "--redirects=3"))
     argv, _ = torchrun_argv(spec)
-    assert argv == ["python", "-m", "torch.distributed.run", "--nnodes=4", "--rdzv-backend=c10d",
+    assert argv == ["python", "-m", "zplan.launch.elastic", "--nnodes=4", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=head:29500", "--rdzv-id=job7", "--node-rank=2",
-                    "--nproc-per-node=8", "--max-restarts=3", "train.py", "--lr", "1e-4"]
+                    "--nproc-per-node=8", "--max-restarts=3", "--log-dir=/l", "--redirects=3",
+                    "train.py", "--lr", "1e-4"]
     assert shell_line(argv, {"ZPLAN_PLAN": "p.json"}).startswith("ZPLAN_PLAN=p.json python -m")
 
 
@@ -38,28 +46,35 @@ SLURM_GOLDEN = """#!/bin/bash
 #SBATCH --job-name=zplan
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=8
+#SBATCH --gpus-per-task=8
+#SBATCH --cpus-per-task=32
 #SBATCH --output=zplan-%j.out
 set -euo pipefail
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# sed reads every line: `head -n 1` would end the pipe early, and pipefail turns that into an exit
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export ZPLAN_PLAN=/shared/run/plan.json
-srun --kill-on-bad-exit=1 python -m torch.distributed.run \\
+srun --kill-on-bad-exit=1 /opt/env/bin/python -m torch.distributed.run \\
     --nnodes=4 --nproc-per-node=8 \\
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\
-    --max-restarts=1 \\
+    --max-restarts=1 --log-dir=/shared/logs \\
     -m zplan.trainer --steps 100
 """
 
 
 def test_slurm_script_golden():
-    spec = LaunchSpec("/shared/run/plan.json", 8, nnodes=4, rdzv_endpoint="x:1", max_restarts=1,
-                      script_args=("--steps", "100"))
-    assert slurm_script(spec, 8) == SLURM_GOLDEN
+    spec = LaunchSpec("/shared/run/plan.json", 8, nnodes=4, max_restarts=1, script_args=("--steps", "100"),
+                      python="/opt/env/bin/python", torchrun_opts=("--log-dir=/shared/logs",))
+    assert slurm_script(spec, 8, 32) == SLURM_GOLDEN
+
+
+def test_slurm_uses_a_given_rendezvous_endpoint():
+    text = slurm_script(LaunchSpec("p.json", 8, nnodes=2, rdzv_endpoint="login1:29600"), 8)
+    assert '--rdzv-endpoint="login1:29600"' in text and "head_node:" not in text.split("srun")[1]
 
 
 def test_slurm_one_node_cpu():
     text = slurm_script(LaunchSpec("p.json", 2), 0)
-    assert "--gpus-per-node" not in text and "--nnodes=1 --nproc-per-node=2" in text
+    assert "--gpus-per-task" not in text and "--nnodes=1 --nproc-per-node=2" in text
 
 
 class _NotFound(Exception):
@@ -211,7 +226,8 @@ def test_launch_dry_run_cli(run_zplan, tmp_path):
     assert line.startswith(f"ZPLAN_PLAN={tmp_path}/r/plan.json ")
     assert "--standalone --nnodes=1 --nproc-per-node=2 --max-restarts=0 -m zplan.trainer" in line
     assert "--steps 5" in line
-    assert not (tmp_path / "r" / "plan.json").exists()  # a dry run writes nothing
+    assert "-m zplan.launch.elastic" in line
+    assert (tmp_path / "r" / "plan.json").is_file()  # the plan it names
 
 
 def test_detect_cli():
@@ -230,31 +246,234 @@ def test_detect_cli():
     assert d["cpus"] == 1 and d["host_ram_bytes"] > 0
 
 
+RANK_SCRIPT = """
+import os, signal, sys
+if len(sys.argv) > 1 and sys.argv[1] == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+print("pid", os.getpid(), flush=True)
+while True:
+    signal.pause()
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a live process (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 @pytest.mark.slow
-def test_sigterm_ends_every_rank(tmp_path):
-    """Ctrl-C or SIGTERM to zplan launch ends torchrun and every rank; nothing is left behind."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig,mode,code", [(signal.SIGINT, "plain", 130), (signal.SIGTERM, "ignore", 143)])
+def test_signal_ends_every_rank(tmp_path, sig, mode, code):
+    """Ctrl-C or SIGTERM to zplan launch ends torchrun and every rank, even ranks that ignore the
+    signal (the grace-period kill), and exits 128 + the signal. Ranks report their pids on stdout;
+    the test reads them from the pipe, then checks /proc."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    p = subprocess.Popen([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"),
+                          str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids = []
+    while len(pids) < 2:
+        line = p.stdout.readline()
+        assert line, "the launcher ended before both ranks started"
+        if line.startswith("pid "):
+            pids.append(int(line.split()[1]))
+    assert all(_alive(pid) for pid in pids)
+    p.send_signal(sig)
+    # torchrun alone would wait 30 s for ranks that ignore SIGTERM: the grace kill is sooner
+    assert p.wait(timeout=25) == code
+    # SIGKILL was sent to the group before the launcher returned; it lands within moments
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in pids if _alive(pid)] == [], "ranks outlived the launcher"
 
-    marker = f"zplan-sleeper-{os.getpid()}"
-    script = tmp_path / f"{marker}.py"
-    script.write_text("import time\ntime.sleep(120)\n")
-    p = subprocess.Popen([sys.executable, "-m", "zplan", "launch", str(script), "--run-dir",
-                          str(tmp_path / "r")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def ranks():
-        out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
-        return [int(x) for x in out.split() if int(x) != p.pid]
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failing_script_exit_code_passes_through(tmp_path):
+    """A script's own exit code comes back, with one line (which ranks it names depends on
+    whether torchrun stopped the other rank first: 1 when failed ranks disagree is a unit test,
+    tests/test_rank_errors.py)."""
+    import re
 
-    deadline = time.time() + 60
-    while time.time() < deadline and len(ranks()) < 2:
-        time.sleep(0.5)
-    assert len(ranks()) >= 2, "the two ranks never started"
-    p.send_signal(signal.SIGTERM)
-    rc = p.wait(timeout=60)
-    assert rc != 0
-    time.sleep(1)
-    assert ranks() == [], "ranks outlived the launcher"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nsys.exit(3)\n")
+    p = subprocess.run([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"), str(bad)],
+                       capture_output=True, text=True, timeout=100)
+    assert p.returncode == 3, p.stderr
+    errors = [l for l in p.stderr.splitlines() if "error" in l.lower()]
+    assert len(errors) == 1 and re.fullmatch(r"zplan: error: ranks? (0|1|0, 1) exited with code 3", errors[0]), p.stderr
+
+
+# ---------------------------------------------------------------- the launch command's arguments
+from tests.helpers import cli  # noqa: E402
+
+
+def _dry(capsys, tmp_path, *args):
+    return cli(capsys, "launch", "--dry-run", "--run-dir", str(tmp_path / "r"), *args)
+
+
+def test_everything_after_the_script_is_the_scripts(capsys, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    p = _dry(capsys, tmp_path, str(script), "--steps", "5", "--run-dir", "elsewhere", "--resume")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().endswith(f"{script} --steps 5 --run-dir elsewhere --resume")
+    assert (tmp_path / "r" / "plan.json").is_file() and not (tmp_path / "elsewhere").exists()
+
+
+def test_trainer_options_follow_double_dash(capsys, tmp_path):
+    p = _dry(capsys, tmp_path, "--deterministic")
+    assert p.returncode == 2 and "--deterministic" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = _dry(capsys, tmp_path, "--steps", "7", "--keep", "2", "--log-every", "3", "--", "--deterministic")
+    assert p.returncode == 0, p.stderr
+    assert "-m zplan.trainer" in p.stdout and "--steps 7" in p.stdout and "--keep 2" in p.stdout
+    assert p.stdout.strip().endswith("--log-every 3 --deterministic")
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--steps", "5", "SCRIPT"], "--steps is an option of zplan's trainer"),
+    (["--plan", "PLAN", "--model", "gpt2"], "--model applies to a fresh plan"),
+    (["--resume"], "--resume needs --run-dir"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "several nodes need --run-dir"),
+    (["--save-every", "-5"], "--save-every"),
+])
+def test_nothing_is_silently_taken_or_dropped(capsys, tmp_path, args, msg):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    plan = tmp_path / "p.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+               "--layout", "torch", "--write", str(plan)).returncode == 0
+    args = [str(script) if a == "SCRIPT" else str(plan) if a == "PLAN" else a for a in args]
+    p = cli(capsys, "launch", "--dry-run", *args)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_run_directory_is_checked_before_anything_runs(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    p = cli(capsys, "launch", "--dry-run", "--run-dir", str(tmp_path / "file"))
+    assert p.returncode == 2 and "is not a directory" in p.stderr
+    p = cli(capsys, "launch", "--dry-run", "--resume", "--run-dir", str(tmp_path / "typo"))
+    assert p.returncode == 2 and "does not exist" in p.stderr and not (tmp_path / "typo").exists()
+    p = cli(capsys, "launch", "--dry-run", "--run-dir", "/sys/zplan-run")  # read-only even for root
+    assert p.returncode == 2 and "/sys/zplan-run is not writable" in p.stderr, p.stderr
+
+
+def test_run_directory_without_room_is_refused(monkeypatch, tmp_path):
+    import shutil as sh
+
+    from zplan.errors import PlanError
+    from zplan.launch.run_dir import check_run_dir, checkpoint_bytes
+
+    real = sh.disk_usage(tmp_path)
+    monkeypatch.setattr("zplan.launch.run_dir.shutil.disk_usage",
+                        lambda p: real._replace(free=10**9))
+    check_run_dir(tmp_path / "a", need_bytes=checkpoint_bytes(80_000_000))  # 0.96 GB fits
+    with pytest.raises(PlanError, match="1.00 GB free but one checkpoint needs about 1.20 GB"):
+        check_run_dir(tmp_path / "b", need_bytes=checkpoint_bytes(100_000_000))
+
+
+def _plan16(capsys, tmp_path):
+    plan = tmp_path / "p16.json"
+    p = cli(capsys, "recommend", "--model", "tiny", "--gpu", "h100-sxm", "--gpus", "16", "--write", str(plan))
+    assert p.returncode == 0, p.stderr
+    return plan
+
+
+def _eight_gpus(monkeypatch):
+    from zplan import hardware
+
+    fake = detect(_fake_nvml(["NVIDIA H100 80GB HBM3"] * 8))
+    monkeypatch.setattr(hardware, "detect", lambda *a, **k: fake)
+
+
+def test_sixteen_ranks_on_an_eight_gpu_node_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _eight_gpus(monkeypatch)
+    plan = _plan16(capsys, tmp_path)
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "r"))
+    assert p.returncode == 2 and "16 ranks per node but this node has 8 GPUs" in p.stderr
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "r"),
+            "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "head:29400",
+            "--log-dir", "/l", "--redirects", "3", "--local-ranks-filter", "0")
+    assert p.returncode == 0, p.stderr
+    assert "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=head:29400" in p.stdout
+    assert "--nproc-per-node=8 --max-restarts=0 --log-dir=/l --redirects=3 --local-ranks-filter=0" in p.stdout
+
+
+def test_slurm_script_for_a_sixteen_gpu_plan(capsys, tmp_path, monkeypatch):
+    """--slurm: nodes from the plan's N and the GPUs per node, one task per node, this Python,
+    the plan beside the script; it passes bash -n and, under stub srun/scontrol, runs torchrun
+    with rendezvous at the first node of the allocation."""
+    plan = _plan16(capsys, tmp_path)
+    out = tmp_path / "job.sbatch"
+    p = cli(capsys, "launch", "--plan", str(plan), "--slurm", str(out), "--run-dir", "/shared/run",
+            "--max-restarts", "2", "--steps", "100")
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-task=8",
+                 "#SBATCH --cpus-per-task=32", f"srun --kill-on-bad-exit=1 {sys.executable} -m torch.distributed.run"):
+        assert line in text, text
+    beside = tmp_path / "job.plan.json"
+    assert beside.is_file() and f"export ZPLAN_PLAN={beside}" in text
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a7\\ngpu-a8\\n"; seq 100000 | sed s/^/gpu-b/\n')
+    (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$STUB_OUT"\necho "ZPLAN_PLAN=$ZPLAN_PLAN" >> "$STUB_OUT"\n')
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[7-8]",
+           "SLURM_JOB_ID": "4242", "STUB_OUT": str(tmp_path / "srun.args")}
+    assert subprocess.run(["bash", str(out)], env=env).returncode == 0
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert args[:4] == ["--kill-on-bad-exit=1", sys.executable, "-m", "torch.distributed.run"]
+    assert "--rdzv-endpoint=gpu-a7:29500" in args and "--rdzv-id=4242" in args and "--nnodes=2" in args
+    assert "--max-restarts=2" in args and "--nproc-per-node=8" in args
+    assert args[args.index("--ckpt-dir") + 1] == "/shared/run" and args[args.index("--steps") + 1] == "100"
+    assert args[-1] == f"ZPLAN_PLAN={beside}"
+    assert not Path("/shared/run").exists()  # the run directory is the cluster's, not made here
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_train_checkpoint_to_one_run_dir_and_resume(run_zplan, tmp_path):
+    """Two torchrun invocations (--nnodes 2, two ranks each, loopback c10d rendezvous) train one
+    4-rank plan, write one checkpoint into one run directory, and resume from it."""
+    import json
+    import socket
+
+    from tests.test_trainer import make_plan
+
+    make_plan(run_zplan, tmp_path / "p4.json", "zero3", 4, 8)
+    run_dir = tmp_path / "shared-run"
+
+    def both(steps, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "zplan", "launch", "--plan", str(tmp_path / "p4.json"), "--nnodes", "2",
+             "--node-rank", str(node), "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", f"two-{steps}", "--run-dir", str(run_dir), "--steps", str(steps), *extra,
+             "--", "--no-memory"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+        outs = [p.communicate(timeout=400) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        return json.loads((run_dir / "run_report.json").read_text())
+
+    first = both(2)
+    assert first["world_size"] == 4 and first["end_step"] == 2
+    shards = sorted(f.name for f in (run_dir / "step_00000002").glob("*.distcp"))
+    assert len(shards) == 4, shards  # every rank of both nodes wrote its shard into the one folder
+    second = both(3, "--resume")
+    assert second["start_step"] == 2 and second["end_step"] == 3
+    assert second["losses"][0] < first["losses"][0]  # it continued from the trained weights

@@ -57,10 +57,29 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, gpus_found: int, gpu
     return make_plan(rec.winner.sc, rec.winner.family, batch, rec.winner.result), per_node
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+FRESH_PLAN_FLAGS = ("model", "strategy", "global_batch", "seq_len")
+TRAINER_FLAGS = ("steps", "save_every", "keep", "resume", "data", "log_every")
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)  # click's ParameterSource (typer vendors click)
+    return source is not None and source.name != "DEFAULT"
+
+
+def _split_args(ctx: typer.Context, script: str | None) -> tuple[str | None, list[str]]:
+    """zplan's options come before the script; everything after the script is the script's.
+    Options for the built-in trainer follow `--`."""
+    extra = list(ctx.args)
+    if script is not None and script.startswith("-"):
+        return None, [script] + extra  # `zplan launch [options] -- --trainer-option ...`
+    return script, extra
+
+
+@app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})
 def launch(
     ctx: typer.Context,
-    script: Annotated[Optional[str], typer.Argument(help="Your training script (default: zplan's trainer)")] = None,
+    script: Annotated[Optional[str], typer.Argument(help="Your training script (default: zplan's trainer); "
+                                                   "everything after it is passed to it")] = None,
     plan: Annotated[Optional[str], typer.Option(help="Plan file to run (default: a fresh recommendation)")] = None,
     model: Annotated[str, typer.Option(help="Model for a fresh recommendation")] = CPU_MODEL,
     strategy: Annotated[Optional[list[str]], typer.Option(help="Restrict a fresh recommendation to these strategies")] = None,
@@ -71,34 +90,66 @@ def launch(
     node_rank: Annotated[Optional[int], typer.Option(help="This node's rank (multi-node)")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT of the rendezvous (multi-node)")] = None,
     rdzv_id: Annotated[str, typer.Option(help="Rendezvous id")] = "zplan",
-    max_restarts: Annotated[int, typer.Option(help="torchrun restarts on failure")] = 0,
-    run_dir: Annotated[Optional[str], typer.Option(help="Where the plan, checkpoints and report go")] = None,
+    max_restarts: Annotated[int, typer.Option(help="Restart a failed run this many times; each restart "
+                                                   "resumes from the newest complete checkpoint")] = 0,
+    run_dir: Annotated[Optional[str], typer.Option(help="Where the plan, checkpoints and report go (with "
+                                                        "several nodes: required, on a shared filesystem)")] = None,
     steps: Annotated[int, typer.Option(help="Built-in trainer: optimizer steps")] = 20,
-    save_every: Annotated[int, typer.Option(help="Built-in trainer: checkpoint every N steps (0: never)")] = 0,
-    resume: Annotated[bool, typer.Option(help="Built-in trainer: resume from the newest checkpoint")] = False,
+    save_every: Annotated[int, typer.Option(help="Built-in trainer: checkpoint every N steps (0: only at the end)")] = 0,
+    keep: Annotated[int, typer.Option(help="Built-in trainer: keep the newest K checkpoints (0: all)")] = 0,
+    resume: Annotated[bool, typer.Option(help="Built-in trainer: resume from the newest checkpoint in --run-dir")] = False,
     data: Annotated[Optional[str], typer.Option(help="Built-in trainer: a local text file (default synthetic)")] = None,
-    dry_run: Annotated[bool, typer.Option(help="Print exactly what would run, and stop")] = False,
-    slurm: Annotated[Optional[str], typer.Option(help="Write an sbatch script here instead of running")] = None,
+    log_every: Annotated[Optional[int], typer.Option(help="Built-in trainer: a step line every N steps (default: 10 without a terminal; 0: none)")] = None,
+    log_dir: Annotated[Optional[str], typer.Option(help="torchrun --log-dir")] = None,
+    redirects: Annotated[Optional[str], typer.Option(help="torchrun --redirects")] = None,
+    local_ranks_filter: Annotated[Optional[str], typer.Option(help="torchrun --local-ranks-filter")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Write the plan, print exactly what would run, and stop")] = False,
+    slurm: Annotated[Optional[str], typer.Option(help="Write an sbatch script here (the plan beside it) instead of running")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option(help="--slurm: CPUs per task (default 4 per rank)")] = None,
 ) -> None:
-    """Run a plan with torchrun on this machine's GPUs (or CPU ranks over gloo)."""
+    """Run a plan with torchrun on this machine's GPUs (or CPU ranks over gloo).
+
+    zplan's options come before SCRIPT; everything after SCRIPT is the script's. Options for the
+    built-in trainer that zplan does not know follow `--`: zplan launch --steps 5 -- --deterministic
+    """
     from ..hardware import detect as run_detect
     from ..launch.command import LaunchSpec, shell_line, slurm_script, torchrun_argv
+    from ..launch.run_dir import check_run_dir
     from ..plan import load, save, write_atomic
 
     check_range(nnodes, "--nnodes", 1, 100000)
     check_range(steps, "--steps", 1, 10**9)
-    extra = list(ctx.args)
-    if script is not None and script.startswith("-"):
-        extra, script = [script] + extra, None  # arguments for the built-in trainer, after --
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    if script is not None and not Path(script).is_file():
-        raise UsageError(f"no such script: {script}; pass a path to your train.py, or none for zplan's trainer")
+    check_range(save_every, "--save-every", 0, 10**9)
+    check_range(keep, "--keep", 0, 10**6)
+    if log_every is not None:
+        check_range(log_every, "--log-every", 0, 10**9)
+    script, extra = _split_args(ctx, script)
+    if script is not None:
+        if not Path(script).is_file():
+            raise UsageError(f"no such script: {script}; pass a path to your train.py, or none for zplan's trainer")
+        for name in TRAINER_FLAGS:
+            if _given(ctx, name):
+                raise UsageError(f"--{name.replace('_', '-')} is an option of zplan's trainer; pass your "
+                                 f"script's own options after {script}")
+    if plan is not None:
+        for name in FRESH_PLAN_FLAGS:
+            if _given(ctx, name):
+                raise UsageError(f"--{name.replace('_', '-')} applies to a fresh plan, and --plan {plan} fixes it; "
+                                 f"drop one of them")
+    if resume and run_dir is None:
+        raise UsageError("--resume needs --run-dir: the folder of the run to resume")
+    if (nnodes > 1 or slurm) and run_dir is None:
+        raise UsageError("several nodes need --run-dir, a folder on a filesystem every node shares "
+                         "(each node writes its shards there)")
     found = run_detect()
     run = Path(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if plan is not None:
         p = load(plan)
-        per_node = nproc or (p.num_gpus // nnodes)
+        if slurm:
+            per_node = nproc or min(p.cluster.gpus_per_node, p.num_gpus)
+            nnodes = -(-p.num_gpus // per_node)
+        else:
+            per_node = nproc or (p.num_gpus // nnodes)
         if per_node * nnodes != p.num_gpus:
             raise UsageError(f"the plan is for {p.num_gpus} ranks; --nproc {per_node} x --nnodes {nnodes} "
                              f"gives {per_node * nnodes}: drop --nproc or plan again with --gpus {per_node * nnodes}")
@@ -112,29 +163,47 @@ def launch(
         from ..errors import PlanError
 
         raise PlanError(f"zplan's trainer cannot run {plan or 'this plan'}: {why}")
+    if found.gpus and not slurm and per_node > len(found.gpus):
+        raise UsageError(f"{per_node} ranks per node but this node has {len(found.gpus)} GPUs: run on "
+                         f"{-(-per_node * nnodes // len(found.gpus))} nodes (--nnodes), or plan again with "
+                         f"--gpus {len(found.gpus) * nnodes}")
+    from .. import arch
+    from ..launch.run_dir import checkpoint_bytes
+
+    if slurm:  # the run directory lives on the cluster: refuse only what is wrong from here
+        check_run_dir(run, resume=False, create=False)
+    else:
+        check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)))
     plan_path = str((run / "plan.json").resolve())
     if script is None:
-        extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps),
-                 "--save-every", str(save_every)] + (["--resume"] if resume else []) + \
-                (["--data", data] if data else []) + extra
-    spec = LaunchSpec(plan_path, per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, max_restarts,
-                      script, tuple(extra))
+        extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps), "--save-every", str(save_every),
+                 "--keep", str(keep)] + (["--resume"] if resume else []) + (["--data", data] if data else []) + \
+                (["--log-every", str(log_every)] if log_every is not None else []) + extra
+    opts = tuple(f"--{k}={v}" for k, v in (("log-dir", log_dir), ("redirects", redirects),
+                                            ("local-ranks-filter", local_ranks_filter)) if v is not None)
     if slurm:
-        if not dry_run:
-            save(p, plan_path)
-        write_atomic(slurm, slurm_script(spec, per_node if found.gpus or p.gpu.name != "cpu" else 0))
+        plan_path = str(Path(slurm).resolve().with_suffix(".plan.json"))
+        spec = LaunchSpec(plan_path, per_node, nnodes, None, rdzv_endpoint, rdzv_id, max_restarts, script,
+                          tuple(extra), torchrun_opts=opts)
+        save(p, plan_path)
+        gpus = per_node if (found.gpus or p.gpu.device != "cpu") else 0
+        write_atomic(slurm, slurm_script(spec, gpus, cpus_per_task or 4 * per_node))
         print(f"zplan: wrote {slurm} (sbatch {slurm}); plan {plan_path}", file=sys.stderr)
         return
+    spec = LaunchSpec(plan_path, per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, 0, script,
+                      tuple(extra), torchrun_opts=opts)
     argv, env = torchrun_argv(spec)
+    save(p, plan_path)
     if dry_run:
         print(shell_line(argv, env))
+        if max_restarts:
+            print(f"zplan: on failure zplan runs it again, up to {max_restarts} times", file=sys.stderr)
         return
-    save(p, plan_path)
     print(f"zplan: {p.strategy} on {per_node * nnodes} {'GPU' if found.gpus else 'CPU'} ranks; plan {plan_path}",
           file=sys.stderr)
-    from ..launch.runner import run as run_process
+    from ..launch.runner import run_with_restarts
 
-    rc = run_process(argv, env)
+    rc = run_with_restarts(argv, env, max_restarts)
     if rc:
         raise typer.Exit(rc)
 
@@ -144,21 +213,34 @@ def consolidate(
     checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder (step_N) or a run folder (newest)")],
     output: Annotated[str, typer.Argument(help="OUT.safetensors (streamed) or OUT.pt")],
 ) -> None:
-    """One weights file from a sharded checkpoint, without gathering the whole model at once."""
-    from ..errors import UsageError as _U
-
+    """One weights file from a sharded checkpoint, without gathering the whole model at once.
+    The checkpoint is read as data: its metadata goes through an unpickler that admits only
+    DCP's own metadata types, so a crafted folder cannot run code."""
     try:
         from ..trainer.checkpoint import newest
         from ..trainer.consolidate import consolidate as run_consolidate
+        from torch.distributed.checkpoint.api import CheckpointException
     except ImportError:
-        raise _U("consolidate needs torch: pip install 'zplan[train]'") from None
-    src = Path(checkpoint)
-    if not (src / ".metadata").is_file():
-        found = newest(src)
-        if found is None:
-            raise _U(f"no complete checkpoint in {checkpoint}; pass a step_N folder or a run folder")
-        src = found
+        raise UsageError("consolidate needs torch: pip install 'zplan[train]'") from None
+    from ..launch.run_dir import writable_report
+
     if not output.endswith((".safetensors", ".pt")):
-        raise _U(f"output {output!r} must end in .safetensors or .pt")
-    n = run_consolidate(src, output)
+        raise UsageError(f"output {output!r} must end in .safetensors or .pt")
+    writable_report(output)
+    src = Path(checkpoint)
+    if not src.is_dir():
+        raise UsageError(f"no such checkpoint folder: {checkpoint}; pass a step_N folder or a run folder")
+    if not (src / ".metadata").exists():
+        found = newest(src, lambda line: print(f"zplan: warning: {line}", file=sys.stderr))
+        if found is None:
+            raise UsageError(f"no complete checkpoint in {checkpoint}; pass a step_N folder or a run folder")
+        src = found
+    try:
+        n = run_consolidate(src, output)
+    except CheckpointException as e:  # a BaseException: the boundary would not catch it
+        first = next(iter(getattr(e, "failures", {}).values()), e)
+        raise UsageError(f"checkpoint {src} cannot be read ({type(first).__name__}: "
+                         f"{str(first).splitlines()[0] if str(first) else ''}); pass another step_N folder") from None
+    except OSError as e:
+        raise UsageError(f"{e.filename or output}: {e.strerror}; check the checkpoint and the output path") from None
     print(f"zplan: wrote {output} ({n / 2**20:.1f} MiB) from {src}", file=sys.stderr)

@@ -1,6 +1,9 @@
 """The torchrun command as data: argv and environment, built from a plan and the options.
 
 Nothing here starts a process (zplan/launch/runner.py does), so every command is testable.
+Locally zplan runs `python -m zplan.launch.elastic`, which is torchrun's own main with failures
+reported in one line and the ranks' exit code passed on (zplan/launch/elastic.py); the Slurm
+script runs plain `python -m torch.distributed.run` on every node.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from dataclasses import dataclass, field
 
 from ..errors import UsageError
 
+TORCHRUN = "torch.distributed.run"
+ELASTIC = "zplan.launch.elastic"
+SLURM_RDZV_PORT = 29500
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -20,28 +27,32 @@ class LaunchSpec:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str = "zplan"
-    max_restarts: int = 0
+    max_restarts: int = 0  # torchrun's own restarts (the Slurm script); zplan launch restarts itself
     script: str | None = None  # None: the built-in trainer
     script_args: tuple[str, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
+    torchrun_opts: tuple[str, ...] = ()  # passed through: --log-dir, --redirects, --local-ranks-filter
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc {self.nproc_per_node} must be at least 1")
         if self.nnodes < 1:
             raise UsageError(f"--nnodes {self.nnodes} must be at least 1")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the head node)")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts {self.max_restarts} must be 0 or more")
 
+    def target(self) -> list[str]:
+        return (["-m", "zplan.trainer"] if self.script is None else [self.script]) + list(self.script_args)
 
-def torchrun_argv(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
-    """[python, -m, torch.distributed.run, ...] and the environment the ranks need."""
+
+def torchrun_argv(spec: LaunchSpec, module: str = ELASTIC) -> tuple[list[str], dict[str, str]]:
+    """[python, -m, zplan.launch.elastic, torchrun options..., target] and the ranks' environment."""
     spec.validate()
-    argv = [spec.python, "-m", "torch.distributed.run"]
+    if spec.nnodes > 1 and not spec.rdzv_endpoint:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the head node), or --slurm")
+    argv = [spec.python, "-m", module]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         argv += ["--standalone", "--nnodes=1"]
     else:
@@ -50,12 +61,8 @@ def torchrun_argv(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         if spec.node_rank is not None:
             argv.append(f"--node-rank={spec.node_rank}")
     argv += [f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
-    if spec.script is None:
-        argv += ["-m", "zplan.trainer"]
-    else:
-        argv.append(spec.script)
-    argv += list(spec.script_args)
-    return argv, {"ZPLAN_PLAN": spec.plan_path}
+    argv += list(spec.torchrun_opts)
+    return argv + spec.target(), {"ZPLAN_PLAN": spec.plan_path}
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:
@@ -64,11 +71,9 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
 
 
 def slurm_script(spec: LaunchSpec, gpus_per_node: int, cpus_per_task: int = 0, job: str = "zplan") -> str:
-    """An sbatch script: one task per node, each running torchrun with c10d rendezvous at the
-    first node of the allocation."""
+    """An sbatch script: one task per node, each running torchrun (the same Python as this
+    zplan) with c10d rendezvous at the first node of the allocation."""
     spec.validate()
-    target = "-m zplan.trainer" if spec.script is None else shlex.quote(spec.script)
-    args = " ".join(shlex.quote(a) for a in spec.script_args)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job}",
@@ -76,18 +81,21 @@ def slurm_script(spec: LaunchSpec, gpus_per_node: int, cpus_per_task: int = 0, j
         "#SBATCH --ntasks-per-node=1",
     ]
     if gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+        lines.append(f"#SBATCH --gpus-per-task={gpus_per_node}")
     if cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
+    opts = " ".join(shlex.quote(o) for o in spec.torchrun_opts)
+    endpoint = spec.rdzv_endpoint or f"$head_node:{SLURM_RDZV_PORT}"  # default: the allocation's first node
     lines += [
         f"#SBATCH --output={job}-%j.out",
         "set -euo pipefail",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        '# sed reads every line: `head -n 1` would end the pipe early, and pipefail turns that into an exit',
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"export ZPLAN_PLAN={shlex.quote(spec.plan_path)}",
-        "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
+        f"srun --kill-on-bad-exit=1 {shlex.quote(spec.python)} -m {TORCHRUN} \\",
         f"    --nnodes={spec.nnodes} --nproc-per-node={spec.nproc_per_node} \\",
-        '    --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\',
-        f"    --max-restarts={spec.max_restarts} \\",
-        f"    {target}{' ' + args if args else ''}",
+        f'    --rdzv-backend=c10d --rdzv-endpoint="{endpoint}" --rdzv-id="$SLURM_JOB_ID" \\',
+        f"    --max-restarts={spec.max_restarts}{' ' + opts if opts else ''} \\",
+        f"    {shlex.join(spec.target())}",
     ]
     return "\n".join(lines) + "\n"

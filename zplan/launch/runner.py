@@ -1,44 +1,73 @@
-"""The one place zplan starts processes: run torchrun, pass its exit code on, and leave nothing
-behind. Ctrl-C or SIGTERM is forwarded to torchrun's whole process group (torchrun then ends
-every rank); if it has not exited after a grace period, the group is killed."""
+"""The one place zplan starts processes: run torchrun, pass its exit code on, restart a failed
+run, and leave nothing behind.
+
+Ctrl-C or SIGTERM is forwarded to torchrun and to every rank (ranks run in sessions of their
+own: zplan/launch/procs.py finds them); if they have not ended after GRACE_S they are killed,
+and the launcher exits 128 + the signal (130, 143). The wait is a poll loop: Popen.wait()
+entered before a signal is resumed after the handler returns (PEP 475), so a grace period that
+relies on it being interrupted never fires.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
+import time
 
-GRACE_S = 15.0
+from .procs import become_subreaper, descendants, kill_tree, reap, signal_all
+
+GRACE_S = 5.0
+POLL_S = 0.05
 
 
 def run(argv: list[str], env: dict[str, str]) -> int:
+    """Run argv; its exit code, or 128 + the signal that ended the launcher."""
     full_env = dict(os.environ)
     full_env.update(env)
+    full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    become_subreaper()
+    me = os.getpid()
+    before = set(descendants(me))
     proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
-    forwarded = {"sig": None}
+    got: list[int] = []
+
+    def ours() -> list[int]:
+        return [p for p in descendants(me) if p not in before]
 
     def forward(signum, _frame):
-        forwarded["sig"] = signum
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
+        got.append(signum)
+        signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
-            try:
-                rc = proc.wait(timeout=GRACE_S if forwarded["sig"] else None)
-                break
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        deadline = None
+        while (rc := proc.poll()) is None:
+            if got and deadline is None:
+                deadline = time.monotonic() + GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                signal_all(ours(), signal.SIGKILL)
+            time.sleep(POLL_S)
     finally:
+        for p in ours():  # ranks torchrun left behind (adopted by this subreaper), and their children
+            kill_tree(p)
         for s, h in old.items():
             signal.signal(s, h)
-        try:  # nothing of the group may outlive the launcher
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if rc < 0:  # killed by a signal: the shell convention
-        return 128 - rc
+        reap()
+    if got:
+        return 128 + got[0]
+    return 128 - rc if rc < 0 else rc
+
+
+def run_with_restarts(argv: list[str], env: dict[str, str], max_restarts: int) -> int:
+    """Run, and after a failure start a fresh torchrun (a new rendezvous, store and port) up to
+    max_restarts times; the trainer resumes from the newest complete checkpoint on an attempt
+    after the first ($ZPLAN_ATTEMPT). A usage error (exit 2) or a signal is not retried."""
+    for attempt in range(max_restarts + 1):
+        rc = run(argv, {**env, "ZPLAN_ATTEMPT": str(attempt)})
+        if rc in (0, 2, 130, 143) or attempt == max_restarts:
+            return rc
+        print(f"zplan: attempt {attempt + 1} failed (exit {rc}); restarting "
+              f"({attempt + 1} of {max_restarts} restarts)", file=sys.stderr, flush=True)
     return rc

@@ -1,7 +1,8 @@
 """`python -m zplan.trainer`: one rank of a planned run, started by torchrun (zplan launch).
 
 The plan arrives as a file named in $ZPLAN_PLAN. The trainer validates it against the world it
-finds (world size, GPU kind) and refuses a mismatch with one line naming the fix.
+finds (world size, GPU kind) and refuses a mismatch with one line naming the fix. Every error
+inside a rank is one line (zplan/trainer/rank_errors.py); ZPLAN_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
@@ -11,12 +12,20 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, reported like every other error in a rank
+        from ..errors import UsageError
+
+        raise UsageError(f"trainer option: {message} (see python -m zplan.trainer --help)")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m zplan.trainer", description=__doc__)
+    ap = _Parser(prog="python -m zplan.trainer", description=__doc__)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save-every", type=int, default=0)
+    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    ap.add_argument("--keep", type=int, default=0, help="keep the newest K checkpoints (0: all)")
     ap.add_argument("--ckpt-dir", default="runs/zplan")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--data", default=None, help="a local text file (byte-level tokens); default synthetic")
@@ -31,21 +40,64 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def restarted() -> bool:
+    """Whether this is a restart of a failed run (zplan's restart loop or torchrun's own)."""
+    return int(os.environ.get("ZPLAN_ATTEMPT", "0") or 0) > 0 or \
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def _check_args(args, plan) -> None:
+    from ..errors import UsageError
+
+    for name in ("steps", "save_every", "keep", "log_every"):
+        v = getattr(args, name)
+        if v is not None and v < (1 if name == "steps" else 0):
+            raise UsageError(f"--{name.replace('_', '-')} {v} must be {'at least 1' if name == 'steps' else '0 or more'}")
+    if args.deterministic and plan.strategy in ("ddp", "zero1"):
+        raise UsageError(f"--deterministic applies to the FSDP2 strategies, not {plan.strategy}: "
+                         f"drop it or plan with --strategy zero3")
+    if args.data is not None and not os.path.isfile(args.data):
+        raise UsageError(f"--data {args.data}: no such file; pass a local text file")
+
+
+def _print_outcome(report, plan, cfg, world: int, cuda: bool) -> None:
+    from .report import compare_lines, write_report
+    from .run_setup import finished_line
+
+    if report is None:
+        print(finished_line(cfg.ckpt_dir, cfg.steps), file=sys.stderr)
+        return
+    where = write_report(report, cfg.ckpt_dir)
+    losses = report["losses"]
+    if losses:
+        print(f"zplan: {plan.strategy} on {world} {'GPU' if cuda else 'CPU'} ranks, steps "
+              f"{report['start_step']}..{report['end_step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    for line in compare_lines(report):
+        print(line)
+    print(f"zplan: run report {where}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    from .rank_errors import guarded
+
+    return guarded(lambda: _main(parse(argv)))
+
+
+def _main(args: argparse.Namespace) -> int:
     path = os.environ.get("ZPLAN_PLAN")
+    from ..errors import UsageError
+
     if not path:
-        print("zplan trainer: error: $ZPLAN_PLAN is not set; start runs with zplan launch", file=sys.stderr)
-        return 2
-    from ..errors import ZplanError
+        raise UsageError("$ZPLAN_PLAN is not set; start runs with zplan launch")
+    from .. import arch
+    from ..launch.run_dir import check_run_dir, checkpoint_bytes
     from .plan_check import check_plan
     from ..plan import load
 
-    try:
-        plan = load(path)
-    except ZplanError as e:
-        print(f"zplan trainer: error: {e}", file=sys.stderr)
-        return 2
+    plan = load(path)
+    _check_args(args, plan)
+    resume = args.resume or restarted()
+    check_run_dir(args.ckpt_dir, resume=args.resume, need_bytes=checkpoint_bytes(arch.param_count(plan.model)))
     import torch
     import torch.distributed as dist
 
@@ -53,35 +105,26 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     why = check_plan(plan, world, cuda, builtin_model=True)
     if why:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"zplan trainer: error: {why}", file=sys.stderr)
-        return 2
+        raise UsageError(why)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if cuda else "gloo"
     from .distributed import init_process_group_for
     init_process_group_for("cuda" if cuda else "cpu")
-    from .loop import RunConfig, Trainer, compare_lines, write_report
+    from .loop import RunConfig, Trainer
+    from .run_setup import agree_on_run_dir
 
     cfg = RunConfig(steps=args.steps, lr=args.lr, seed=args.seed, save_every=args.save_every,
-                    ckpt_dir=args.ckpt_dir, resume=args.resume, data=args.data,
+                    ckpt_dir=args.ckpt_dir, resume=resume, data=args.data,
                     measure_memory=not args.no_memory, stop_after=args.stop_after,
                     progress=not args.no_progress and sys.stderr.isatty(), clip=args.clip,
-                    deterministic=args.deterministic, log_every=args.log_every)
-    try:
-        report = Trainer(plan, cfg, backend).run()
-        if dist.get_rank() == 0:
-            where = write_report(report, cfg.ckpt_dir)
-            losses = report["losses"]
-            if losses:
-                print(f"zplan: {plan.strategy} on {world} {'GPU' if cuda else 'CPU'} ranks, steps "
-                      f"{report['start_step']}..{report['end_step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-            for line in compare_lines(report):
-                print(line)
-            print(f"zplan: run report {where}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+                    deterministic=args.deterministic, keep=args.keep, log_every=args.log_every)
+    agree_on_run_dir(cfg.ckpt_dir)
+    report = Trainer(plan, cfg, backend).run()
+    if dist.get_rank() == 0:
+        _print_outcome(report, plan, cfg, world, cuda)
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 

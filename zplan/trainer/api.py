@@ -97,15 +97,15 @@ class Context:
 
     def save(self, model, optim, step: int) -> Path:
         return ckpt.save(self.ckpt_dir, step, model, optim, {"step": step, "data_seed": 0},
-                         {"world_size": self.world, "strategy": self.plan.strategy},
-                         zero1=self.plan.strategy == "zero1")
+                         {"world_size": self.world, "strategy": self.plan.strategy,
+                          "model": self.plan.model.name}, zero1=self.plan.strategy == "zero1")
 
     def resume(self, model, optim) -> int:
-        """Load the newest complete checkpoint (at any world size); return its step (0: none)."""
-        path = ckpt.newest(self.ckpt_dir)
-        if path is None:
-            return 0
-        return int(ckpt.load(path, model, optim, self.world, zero1=self.plan.strategy == "zero1")["step"])
+        """Load the newest complete checkpoint (at any world size, falling back past damaged
+        ones); return its step (0: none)."""
+        state = ckpt.resume_newest(self.ckpt_dir, model, optim, self.world,
+                                   zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name)
+        return 0 if state is None else int(state["step"])
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

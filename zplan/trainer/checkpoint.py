@@ -1,24 +1,32 @@
 """Checkpoints with torch.distributed.checkpoint: each rank writes its own shard.
 
 A checkpoint is complete or invisible: all ranks write into `.tmp-step_N`, meet at a barrier,
-then rank 0 writes `zplan.json` (step, world size, strategy), fsyncs and renames the folder to
-`step_N`. Resume loads the newest `step_N` that has `zplan.json`; DCP reshards at load, so a
-checkpoint saved at N = 4 resumes at N = 2. ZeroRedundancyOptimizer's state is per rank and
-resumes only at the same world size (it says so).
+then rank 0 writes `zplan.json` (step, world size, strategy, model), fsyncs and renames the
+folder to `step_N`. Resume takes the newest `step_N` that has `zplan.json` and whose shards are
+all there (ckpt_files.check_complete); a damaged newest checkpoint falls back to the previous
+complete one with a one-line warning. Metadata is read as data (ckpt_files.SafeReader), never
+with pickle. DCP reshards at load, so a checkpoint saved at N = 4 resumes at N = 2.
+ZeroRedundancyOptimizer's state is per rank and resumes only at the same world size (it says so).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..errors import UsageError
+from .ckpt_files import CheckpointError, SafeReader, check_complete, read_metadata
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+TMP_DIR = re.compile(r"^\.tmp-step_\d{8}$")
 MANIFEST = "zplan.json"
 
 
@@ -26,13 +34,72 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def newest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under root (one with its manifest), or None."""
-    root = Path(root)
+def _published(root: Path) -> list[Path]:
+    """Every step_N folder with its manifest, newest first."""
     if not root.is_dir():
-        return None
+        return []
     done = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
-    return max(done, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)
+    return sorted(done, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
+
+
+def manifest(path: Path) -> dict:
+    try:
+        meta = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable {MANIFEST} ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"checkpoint {path} has a {MANIFEST} without a step")
+    return meta
+
+
+def why_incomplete(path: Path) -> str | None:
+    """Why the published checkpoint `path` cannot be loaded, or None."""
+    try:
+        manifest(path)
+        return check_complete(path, read_metadata(path))
+    except CheckpointError as e:
+        return str(e)
+
+
+def complete(root: str | Path, warn=None) -> list[Path]:
+    """The complete checkpoints under root, newest first; `warn(line)` hears of each one skipped."""
+    out = []
+    for p in _published(Path(root)):
+        why = why_incomplete(p)
+        if why is None:
+            out.append(p)
+        elif warn is not None:
+            warn(f"checkpoint {p.name} is incomplete ({why}); skipping it")
+    return out
+
+
+def newest(root: str | Path, warn=None) -> Path | None:
+    """The newest complete checkpoint under root, or None."""
+    found = complete(root, warn)
+    return found[0] if found else None
+
+
+def clean_stale(root: str | Path) -> list[Path]:
+    """Remove `.tmp-step_N` folders a killed run left behind (call it on one rank, before saving)."""
+    root = Path(root)
+    gone = [p for p in root.iterdir() if TMP_DIR.match(p.name) and p.is_dir()] if root.is_dir() else []
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` complete checkpoints (0: all); remove older published ones."""
+    if keep <= 0:
+        return []
+    ok = complete(root)
+    if not ok:
+        return []
+    oldest_kept = int(STEP_DIR.match(ok[min(keep, len(ok)) - 1].name).group(1))
+    gone = [p for p in _published(Path(root)) if int(STEP_DIR.match(p.name).group(1)) < oldest_kept]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def _fsync_dir(path: Path) -> None:
@@ -54,7 +121,8 @@ def _model_optim_state(model, optim, zero1: bool):
     return get_state_dict(model, optim)
 
 
-def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zero1: bool = False) -> Path:
+def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zero1: bool = False,
+         keep: int = 0) -> Path:
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
@@ -75,8 +143,7 @@ def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zer
         torch.save(optim.optim.state_dict(), tmp / f"zero1_optim_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
-        manifest = tmp / MANIFEST
-        with open(manifest, "w") as f:
+        with open(tmp / MANIFEST, "w") as f:
             json.dump({"step": step, **meta}, f)
             f.flush()
             os.fsync(f.fileno())
@@ -84,30 +151,78 @@ def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zer
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
+        prune(root, keep)
     dist.barrier()
     return final
 
 
-def load(path: str | Path, model, optim, world: int, zero1: bool = False) -> dict:
+def _check_fits(path: Path, meta: dict, world: int, zero1: bool, model_name: str | None) -> None:
+    if model_name is not None and meta.get("model") not in (None, model_name):
+        raise UsageError(f"checkpoint {path} is of model {meta.get('model')!r} but the plan trains "
+                         f"{model_name!r}: pass another --run-dir, or resume with a plan for {meta.get('model')!r}")
+    if zero1 and meta.get("world_size") != world:
+        raise UsageError(f"zero1 checkpoint {path} was saved at world size {meta.get('world_size')}; "
+                         f"ZeroRedundancyOptimizer state resumes only at the same size: run with "
+                         f"{meta.get('world_size')} ranks, or use an FSDP strategy")
+    if zero1 and meta.get("strategy") != "zero1":
+        raise UsageError(f"checkpoint {path} was saved by strategy {meta.get('strategy')!r}; zero1 "
+                         f"cannot resume it: resume with a plan for {meta.get('strategy')!r}")
+
+
+def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_name: str | None = None) -> dict:
     """Load a checkpoint into a (possibly differently sharded) model and optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = Path(path)
-    meta = json.loads((path / MANIFEST).read_text())
+    meta = manifest(path)
+    _check_fits(path, meta, world, zero1, model_name)
     msd, osd = _model_optim_state(model, optim, zero1)
     state = {"model": msd, "extra": {"step": 0, "data_seed": 0}}
     if osd is not None:
         state["optim"] = osd
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=SafeReader(str(path)))
     if zero1:
-        if meta.get("world_size") != world:
-            raise RuntimeError(f"zero1 checkpoint {path} was saved at world size {meta.get('world_size')}; "
-                               f"ZeroRedundancyOptimizer state resumes only at the same size (run with "
-                               f"{meta.get('world_size')} ranks, or use an FSDP strategy)")
         set_model_state_dict(model, state["model"])
-        local = torch.load(path / f"zero1_optim_rank{dist.get_rank()}.pt", weights_only=False)
+        shard = path / f"zero1_optim_rank{dist.get_rank()}.pt"
+        try:  # tensors and plain containers only: never weights_only=False on a file from disk
+            local = torch.load(shard, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+            raise CheckpointError(f"refused {shard}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         optim.optim.load_state_dict(local)
     else:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"meta": meta, **state["extra"]}
+
+
+def _say(line: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"zplan: warning: {line}", file=sys.stderr, flush=True)
+
+
+def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = False,
+                  model_name: str | None = None) -> dict | None:
+    """Load the newest checkpoint under root that loads; None when there is none.
+
+    A damaged checkpoint (a shard missing or truncated, metadata refused, or DCP failing to read
+    it: every rank sees the same failure) falls back to the previous one with one warning line.
+    A checkpoint of another model or world size (zero1) is an error, not a fallback.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    published = _published(Path(root))
+    for path in complete(root, _say):
+        try:
+            return load(path, model, optim, world, zero1, model_name)
+        except UsageError as e:
+            if not isinstance(e, CheckpointError):
+                raise
+            _say(f"checkpoint {path.name} cannot be read ({e}); trying the previous one")
+        except CheckpointException as e:  # a BaseException: DCP gathers every rank's failure
+            first = next(iter(getattr(e, "failures", {}).values()), e)
+            _say(f"checkpoint {path.name} cannot be loaded ({type(first).__name__}: "
+                 f"{str(first).splitlines()[0] if str(first) else ''}); trying the previous one")
+    if published:
+        raise CheckpointError(f"none of the {len(published)} checkpoints in {root} can be loaded; "
+                              f"move them away to start again from step 0")
+    return None

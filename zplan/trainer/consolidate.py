@@ -22,10 +22,14 @@ PREFIX = "model."
 
 def model_tensors(path: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Name -> (shape, dtype) of every model tensor in the checkpoint, from its metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = FileSystemReader(str(path)).read_metadata()
+    from .ckpt_files import CheckpointError, check_complete, read_metadata
+
+    meta = read_metadata(path)
+    why = check_complete(path, meta)
+    if why:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {why}; pass an earlier step_N folder")
     out = {}
     for key, m in meta.state_dict_metadata.items():
         if key.startswith(PREFIX) and isinstance(m, TensorStorageMetadata):
@@ -34,15 +38,17 @@ def model_tensors(path: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]
 
 
 def load_tensor(path: str | Path, name: str, shape, dtype) -> torch.Tensor:
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
-    import warnings
+    from .ckpt_files import SafeReader
 
     t = torch.empty(shape, dtype=dtype)
     state = {"model": {name: t}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": we are
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
     return state["model"][name]
 
 

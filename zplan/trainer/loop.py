@@ -19,6 +19,7 @@ from .data import Prefetcher, TokenSource
 from .distributed import started_backend
 from .measure import CommCounter, StepClock, device_peak_memory, ddp_counting_hook
 from .model import Transformer, init_weights_
+from .run_setup import inject_fault
 from .parallel import Parallelized, build_optimizer, device_for, parallelize, set_sync
 from .report import build_report, compare_lines, progress_bar, step_log_line, write_report
 
@@ -40,6 +41,7 @@ class RunConfig:
     progress: bool = True
     deterministic: bool = False  # FSDP2: rank-ordered reduce-scatter (bit for bit at any N)
     log_every: int | None = None  # a step line on stdout every k steps; None: 10 without a progress bar, else none
+    keep: int = 0  # keep the newest k checkpoints (0: all)
 
     @property
     def log_interval(self) -> int:
@@ -71,7 +73,9 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(plan.model)
         if cfg.deterministic and plan.strategy in ("ddp", "zero1"):
-            raise ValueError("--deterministic applies to the FSDP2 strategies")
+            from ..errors import UsageError
+
+            raise UsageError(f"--deterministic applies to the FSDP2 strategies, not {plan.strategy}")
         self.par = parallelize(model, plan, self.device, cfg.deterministic)
         init_weights_(self.par.inner, cfg.seed)
         self.optim = build_optimizer(self.par, plan, cfg.lr)
@@ -140,10 +144,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def resume(self) -> int:
-        path = ckpt.newest(self.cfg.ckpt_dir)
-        if path is None:
+        """Load the newest checkpoint that loads (falling back past damaged ones); its step."""
+        state = ckpt.resume_newest(self.cfg.ckpt_dir, self.par.model, self.optim, self.world,
+                                   zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name)
+        if state is None:
+            if self.rank == 0:
+                print(f"zplan: no checkpoint in {self.cfg.ckpt_dir}; starting at step 0", flush=True)
             return 0
-        state = ckpt.load(path, self.par.model, self.optim, self.world, zero1=self.plan.strategy == "zero1")
         self.step = int(state["step"])
         return self.step
 
@@ -151,11 +158,16 @@ class Trainer:
         meta = {"world_size": self.world, "strategy": self.plan.strategy, "model": self.plan.model.name}
         return ckpt.save(self.cfg.ckpt_dir, self.step, self.par.model, self.optim,
                          {"step": self.step, "data_seed": self.cfg.seed}, meta,
-                         zero1=self.plan.strategy == "zero1")
+                         zero1=self.plan.strategy == "zero1", keep=self.cfg.keep)
 
-    def run(self) -> dict:
+    def run(self) -> dict | None:
+        """Train to cfg.steps and return the report; None if a resumed run had already finished."""
         cfg = self.cfg
+        if self.rank == 0:
+            ckpt.clean_stale(cfg.ckpt_dir)  # a killed save's .tmp-step_N
         start = self.resume() if cfg.resume else 0
+        if start >= cfg.steps:
+            return None
         last = cfg.steps - 1 if cfg.stop_after is None else min(cfg.steps, cfg.stop_after) - 1
         # traffic is counted on step 3 when there is one (DDP rebuilds its buckets after step 1,
         # with broadcasts); the memory tracker takes the last two steps, after that one
@@ -206,10 +218,13 @@ class Trainer:
                     logged = self.step
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
+                inject_fault(self.step, self.rank)
                 if cfg.stop_after is not None and self.step >= cfg.stop_after:
                     break
         times = [self.clock.seconds(a, b) for (a, b), ok in zip(marks, timed) if ok]
         peak = self._peak_memory(tracker)
+        if self.step == cfg.steps and not (cfg.save_every and self.step % cfg.save_every == 0):
+            self.save()  # always a checkpoint at the end
         mean_losses = self._mean_over_ranks(losses)
         grad_norms = torch.stack(norms).tolist() if norms else []
         return build_report(self, start, mean_losses, grad_norms, times, peak, counted)

@@ -165,6 +165,9 @@ def compare_lines(report: dict) -> list[str]:
 
 
 def write_report(report: dict, ckpt_dir: str) -> Path:
+    from ..launch.run_dir import writable_report
+
     path = Path(ckpt_dir) / "run_report.json"
+    writable_report(path)  # a directory or special file there is one line, not a traceback
     write_atomic(path, json.dumps(report, indent=2, default=str) + "\n")
     return path

@@ -1,0 +1,183 @@
+"""Checkpoints as untrusted files: real DCP checkpoints written by zplan's own save, then
+damaged or crafted. One in-process gloo group of size 1 (no torchrun), so these run in the
+fast loop."""
+
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zplan.errors import UsageError
+from tests.helpers import cli
+from zplan.trainer import checkpoint as ckpt
+from zplan.trainer.ckpt_files import CheckpointError, read_metadata
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model(seed: int):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def _save(root, step, seed, model_name="tiny", keep=0):
+    m, opt = _model(seed)
+    ckpt.save(root, step, m, opt, {"step": step, "data_seed": 0},
+              {"world_size": 1, "strategy": "zero3", "model": model_name}, keep=keep)
+    return m
+
+
+def _resume(root, model_name="tiny"):
+    m, opt = _model(99)
+    state = ckpt.resume_newest(root, m, opt, 1, model_name=model_name)
+    return state, m
+
+
+class Evil:
+    """A pickle that writes a marker file when loaded with pickle.load."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def _craft(folder, marker, nested: bool):
+    md = read_metadata(folder)
+    if nested:  # a real Metadata with one field replaced
+        md.planner_data = {"x": Evil(marker)}
+        payload = pickle.dumps(md)
+    else:
+        payload = pickle.dumps(Evil(marker))
+    (folder / ".metadata").write_bytes(payload)
+
+
+def test_roundtrip_and_metadata_reader(tmp_path):
+    saved = _save(tmp_path, 2, seed=1)
+    md = read_metadata(tmp_path / "step_00000002")
+    assert "model.0.weight" in md.state_dict_metadata
+    state, m = _resume(tmp_path)
+    assert state["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), m.state_dict().values()))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_crafted_metadata_runs_nothing(tmp_path, capsys, nested):
+    _save(tmp_path, 2, seed=1)
+    folder = tmp_path / "step_00000002"
+    marker = tmp_path / "marker"
+    _craft(folder, marker, nested)
+    with open(folder / ".metadata", "rb") as f:  # the oracle: plain pickle would run it
+        try:
+            pickle.load(f)
+        except Exception:
+            pass
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointError, match="refused checkpoint metadata"):
+        read_metadata(folder)
+    p = cli(capsys, "consolidate", str(folder), str(tmp_path / "out.safetensors"))
+    assert p.returncode == 2 and not marker.exists()
+    assert len(p.stderr.strip().splitlines()) == 1 and "nothing from it was run" in p.stderr
+    assert "Traceback" not in p.stderr
+    with pytest.raises(CheckpointError):  # resume: skipped with a warning, then refused
+        _resume(tmp_path)
+    assert not marker.exists()
+
+
+def test_crafted_zero1_optimizer_file_is_refused(tmp_path):
+    _save(tmp_path, 1, seed=1)
+    folder = tmp_path / "step_00000001"
+    marker = tmp_path / "marker"
+    torch.save(Evil(marker), folder / "zero1_optim_rank0.pt")
+    m, opt = _model(5)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    zopt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+    ckpt_meta = folder / ckpt.MANIFEST
+    ckpt_meta.write_text('{"step": 1, "world_size": 1, "strategy": "zero1", "model": "tiny"}')
+    with pytest.raises(CheckpointError, match="refused"):
+        ckpt.load(folder, m, zopt, 1, zero1=True, model_name="tiny")
+    assert not marker.exists()
+
+
+def test_empty_metadata_is_one_line_not_aborted(tmp_path, capsys):
+    _save(tmp_path, 2, seed=1)
+    (tmp_path / "step_00000002" / ".metadata").write_bytes(b"")
+    p = cli(capsys, "consolidate", str(tmp_path / "step_00000002"), str(tmp_path / "o.safetensors"))
+    assert p.returncode == 2, p.stderr
+    assert "aborted" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_newest_falls_back_with_one_warning(tmp_path, capsys):
+    old = _save(tmp_path, 2, seed=1)
+    _save(tmp_path, 4, seed=2)
+    shard = next((tmp_path / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    state, m = _resume(tmp_path)
+    assert state["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), m.state_dict().values()))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step_00000004 is incomplete" in err[0] and "shorter" in err[0]
+    p = cli(capsys, "consolidate", str(tmp_path), str(tmp_path / "w.safetensors"))
+    assert p.returncode == 0, p.stderr
+    assert "step_00000004 is incomplete" in p.stderr and "from " + str(tmp_path / "step_00000002") in p.stderr
+    p = cli(capsys, "consolidate", str(tmp_path / "step_00000004"), str(tmp_path / "x.safetensors"))
+    assert p.returncode == 2 and "is incomplete" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_damaged_shard_same_size_falls_back(tmp_path, capsys):
+    """A shard of the right length but garbage inside: DCP's own load fails (a BaseException),
+    the previous checkpoint is used."""
+    _save(tmp_path, 2, seed=1)
+    _save(tmp_path, 4, seed=2)
+    shard = next((tmp_path / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(b"\x00" * shard.stat().st_size)
+    state, _ = _resume(tmp_path)
+    assert state["step"] == 2
+    assert "step_00000004 cannot be loaded" in capsys.readouterr().err
+
+
+def test_keep_prunes_and_stale_tmp_is_cleaned(tmp_path):
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, seed=step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
+    (tmp_path / ".tmp-step_00000005").mkdir()
+    (tmp_path / ".tmp-step_00000005" / "__0_0.distcp").write_bytes(b"x")
+    assert [p.name for p in ckpt.clean_stale(tmp_path)] == [".tmp-step_00000005"]
+    assert not (tmp_path / ".tmp-step_00000005").exists()
+
+
+def test_other_model_is_an_error_not_a_fallback(tmp_path):
+    _save(tmp_path, 2, seed=1, model_name="llama-7b")
+    with pytest.raises(UsageError, match="is of model 'llama-7b' but the plan trains 'tiny'"):
+        _resume(tmp_path)
+
+
+def test_nothing_loadable_is_an_error(tmp_path):
+    _save(tmp_path, 2, seed=1)
+    (tmp_path / "step_00000002" / "zplan.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
+        _resume(tmp_path)
+    assert _resume(tmp_path / "empty")[0] is None
+
+
+def test_consolidate_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    _save(tmp_path, 2, seed=1)
+    (tmp_path / "out.safetensors").mkdir()
+    for out in (tmp_path / "out.safetensors", "/proc/zplan.safetensors", tmp_path / "no" / "such" / "o.pt"):
+        p = cli(capsys, "consolidate", str(tmp_path), str(out))
+        assert p.returncode == 2, (out, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 and "internal error" not in p.stderr, p.stderr

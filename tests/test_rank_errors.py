@@ -1,0 +1,126 @@
+"""Errors inside ranks: one line per distinct error, from the ranks that failed, classified like
+the CLI's (2 usage, 1 a run that cannot go on), the traceback only under ZPLAN_DEBUG=1."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from zplan.errors import PlanError, UsageError
+from zplan.launch.elastic import summarize
+from zplan.trainer import rank_errors
+
+
+def _failure(tmp_path, rank, exc=None, exitcode=1, monkeypatch=None):
+    """What torchrun hands the launcher for a failed rank: its exit code and its error file,
+    written by the rank's own reporting code."""
+    path = tmp_path / f"error{rank}.json"
+    if exc is not None:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        monkeypatch.setenv("ZPLAN_LAUNCHER", "1")
+        monkeypatch.setenv("RANK", str(rank))
+        exitcode = rank_errors.report(exc)
+    return SimpleNamespace(exitcode=exitcode, error_file=str(path))
+
+
+def test_classification():
+    assert rank_errors.classify(UsageError("bad flag")) == ("bad flag", 2, False)
+    assert rank_errors.classify(PlanError("does not fit")) == ("does not fit", 1, False)
+    line, code, secondary = rank_errors.classify(IsADirectoryError(21, "Is a directory", "/r/run_report.json"))
+    assert code == 1 and not secondary and line.startswith("/r/run_report.json: Is a directory")
+    assert "internal error" not in line
+    line, code, secondary = rank_errors.classify(RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:4411"))
+    assert secondary and code == 1
+    assert "internal error" in rank_errors.classify(KeyError("x"))[0]
+
+
+def test_checkpoint_exception_is_caught_and_unwrapped():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    e = CheckpointException("load", {0: ValueError("size mismatch"), 1: UsageError("wrong model")})
+    assert not isinstance(e, Exception)  # why `except Exception` misses it
+    assert rank_errors.classify(e) == ("wrong model", 2, False)
+
+
+def test_one_line_per_distinct_error_and_the_agreed_code(tmp_path, monkeypatch, capsys):
+    same = {r: _failure(tmp_path, r, UsageError("the plan is for 4 ranks"), monkeypatch=monkeypatch) for r in (0, 1)}
+    assert capsys.readouterr().err == ""  # under the launcher the ranks leave their lines to it
+    assert summarize(same) == (["zplan: error: the plan is for 4 ranks"], 2)
+    cause = _failure(tmp_path, 1, OSError(28, "No space left on device", "/run/step_2/__1_0.distcp"),
+                     monkeypatch=monkeypatch)
+    echo = _failure(tmp_path, 0, RuntimeError("Connection closed by peer"), monkeypatch=monkeypatch)
+    lines, code = summarize({0: echo, 1: cause})
+    assert code == 1 and len(lines) == 1 and "No space left on device" in lines[0]
+    plain = {0: _failure(tmp_path, 7, exitcode=3), 1: _failure(tmp_path, 8, exitcode=4)}
+    assert summarize(plain) == (["zplan: error: rank 0 exited with code 3",
+                                 "zplan: error: rank 1 exited with code 4"], 1)
+    assert summarize({0: _failure(tmp_path, 9, exitcode=-9)}) == (["zplan: error: rank 0 killed by SIGKILL"], 137)
+
+
+# ------------------------------------------------------------------ through torchrun (slow)
+
+def _make_plan(run_zplan, path, strategy):
+    from tests.test_trainer import make_plan
+
+    make_plan(run_zplan, path, strategy, 2, 4)
+
+
+def _craft_checkpoint(run_dir, manifest):
+    """A real DCP checkpoint (written in a child process) with the manifest given."""
+    code = ("import torch, torch.distributed.checkpoint as dcp, warnings, sys\n"
+            "warnings.simplefilter('ignore')\n"
+            "dcp.save({'model': {'w': torch.zeros(2)}}, checkpoint_id=sys.argv[1], no_dist=True)\n")
+    folder = run_dir / "step_00000002"
+    subprocess.run([sys.executable, "-c", code, str(folder)], check=True)
+    (folder / "zplan.json").write_text(json.dumps(manifest))
+
+
+def _errors(stderr):
+    """Error lines: zplan's, a trainer rank's own, or any exception's name or traceback."""
+    return [l for l in stderr.splitlines()
+            if l.startswith(("zplan: error", "zplan trainer: error")) or "Error" in l or "Traceback" in l]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_usage_error_before_the_group_one_line_then_traceback_with_debug(run_zplan, tmp_path):
+    _make_plan(run_zplan, tmp_path / "ddp.json", "ddp")
+    args = ("launch", "--plan", str(tmp_path / "ddp.json"), "--run-dir", str(tmp_path / "r"), "--",
+            "--deterministic")
+    p = run_zplan(*args, timeout=200)
+    assert p.returncode == 2
+    assert _errors(p.stderr) == ["zplan: error: --deterministic applies to the FSDP2 strategies, not ddp: "
+                                 "drop it or plan with --strategy zero3"], p.stderr
+    p = run_zplan(*args, env={"ZPLAN_DEBUG": "1"}, timeout=200)
+    assert p.returncode != 0 and "Traceback" in p.stderr and "UsageError" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy,manifest,msg", [
+    ("zero3", {"step": 2, "world_size": 2, "strategy": "zero3", "model": "llama-7b"},
+     "is of model 'llama-7b' but the plan trains 'tiny'"),
+    ("zero1", {"step": 2, "world_size": 4, "strategy": "zero1", "model": "tiny"},
+     "was saved at world size 4; ZeroRedundancyOptimizer state resumes only at the same size"),
+])
+def test_wrong_checkpoint_inside_the_ranks_is_one_line(run_zplan, tmp_path, strategy, manifest, msg):
+    _make_plan(run_zplan, tmp_path / "p.json", strategy)
+    run_dir = tmp_path / "run"
+    _craft_checkpoint(run_dir, manifest)
+    p = run_zplan("launch", "--plan", str(tmp_path / "p.json"), "--run-dir", str(run_dir), "--resume",
+                  "--steps", "4", timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    errors = _errors(p.stderr)
+    assert len(errors) == 1 and msg in errors[0], p.stderr[-3000:]
+    assert not (run_dir / "run_report.json").exists()
+
+
+def test_a_bad_trainer_option_is_a_usage_error():
+    from zplan.trainer.__main__ import parse
+
+    with pytest.raises(UsageError, match="unrecognized arguments: --determinstic"):
+        parse(["--determinstic"])
+    with pytest.raises(UsageError, match="--steps: invalid int value: 'x'"):
+        parse(["--steps", "x"])

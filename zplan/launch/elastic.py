@@ -1,0 +1,85 @@
+"""`python -m zplan.launch.elastic [torchrun options] SCRIPT ...`: torchrun, reporting a failure
+the zplan way.
+
+This is torch.distributed.run's own `main` (the same options, agent, rendezvous and restarts),
+with its failure turned into an exit code and one line per distinct error instead of torchrun's
+banner and traceback:
+- the exit code is the failed ranks' own when they agree (a script's `sys.exit(3)` gives 3;
+  a rank killed by signal S gives 128 + S), else 1;
+- a zplan trainer rank writes its one-line error into torchrun's per-rank error file
+  ($TORCHELASTIC_ERROR_FILE, see zplan/trainer/rank_errors.py); each distinct line is printed
+  once, the ranks that failed first before those that only lost contact with them or were stopped by torchrun
+  (SIGTERM) after another rank failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+
+def _zplan_record(failure) -> dict | None:
+    try:
+        with open(failure.error_file) as f:
+            rec = json.load(f).get("zplan")
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def summarize(failures: dict) -> tuple[list[str], int]:
+    """(lines to print, exit code) for torchrun's failures: global rank -> ProcessFailure.
+
+    A zplan rank's own line is printed once however many ranks report it; a rank without one
+    is described by its exit code or signal. Lines of ranks that only lost contact with a rank
+    that failed first are left out when there is any other."""
+    groups: dict[tuple[bool, str, int], list[int]] = {}
+    for rank, f in sorted(failures.items()):
+        rec = _zplan_record(f)
+        if rec is not None:
+            key = (bool(rec.get("secondary")), str(rec.get("line", "")), int(rec.get("exit_code", 1)))
+        elif f.exitcode < 0:
+            sig = -f.exitcode
+            name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
+            # SIGTERM is how torchrun stops the other ranks once one has failed: an echo
+            key = (sig == signal.SIGTERM, f"{{ranks}} killed by {name}", 128 + sig)
+        else:
+            key = (False, f"{{ranks}} exited with code {f.exitcode}", f.exitcode)
+        groups.setdefault(key, []).append(rank)
+    primary = {k: v for k, v in groups.items() if not k[0]} or groups
+    lines = [f"zplan: error: {line.replace('{ranks}', _ranks(ranks))}" for (_, line, _), ranks in primary.items()]
+    codes = {code for (_, _, code) in primary}
+    return lines, codes.pop() if len(codes) == 1 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    if os.environ.get("ZPLAN_DEBUG") != "1":  # the failure is summarised below instead
+        for name in ("torch.distributed.elastic.multiprocessing.api",
+                     "torch.distributed.elastic.multiprocessing.errors"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ["ZPLAN_LAUNCHER"] = "1"  # ranks leave their error lines to us
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        lines, code = summarize(e.failures)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The run directory: where the plan, the checkpoints and the report go. Checked before any rank
+starts (the launcher) and again by the trainer (which may run under plain torchrun or Slurm).
+
+Torch-free: the launcher calls it in its dry runs too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import PlanError, UsageError
+
+CKPT_BYTES_PER_PARAM = 12  # fp32 master weights + AdamW's two fp32 moments (torch.optim.AdamW)
+
+
+def checkpoint_bytes(param_count: int) -> int:
+    """Bytes of one checkpoint: 12 per parameter (fp32 weights, exp_avg, exp_avg_sq), the
+    state DCP writes for AdamW; the few scalars beside them are negligible."""
+    return CKPT_BYTES_PER_PARAM * param_count
+
+
+def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, create: bool = True) -> Path:
+    """Refuse, with one line, a run directory that is the wrong kind of file, missing on
+    --resume, unwritable, or without room for one checkpoint; return it resolved."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"run directory {p} exists and is not a directory; pass a folder with --run-dir")
+    if resume and not p.is_dir():
+        raise UsageError(f"--resume: run directory {p} does not exist; pass the run's folder with --run-dir")
+    if not create and not p.is_dir():
+        return p.resolve()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p, prefix=".zplan-write-check-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"run directory {p} is not writable ({e.strerror}); pass another with --run-dir") from None
+    if need_bytes:
+        free = shutil.disk_usage(p).free
+        if free < need_bytes:
+            raise PlanError(f"run directory {p} has {free / 1e9:.2f} GB free but one checkpoint needs about "
+                            f"{need_bytes / 1e9:.2f} GB: free space or pass another --run-dir")
+    return p.resolve()
+
+
+def writable_report(path: str | Path) -> None:
+    """Refuse a report path that is a directory or a special file."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise UsageError(f"{p} exists and is not a regular file; move it away or pass another --run-dir")
+    if os.path.realpath(p).startswith(("/proc/", "/sys/", "/dev/")):
+        raise UsageError(f"{p} is under /proc, /sys or /dev; pass another --run-dir")

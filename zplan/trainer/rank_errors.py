@@ -1,0 +1,85 @@
+"""Errors inside a rank, reported like the CLI's: one line, exit 2 for usage, 1 for a plan or
+run that cannot go on, the traceback only under ZPLAN_DEBUG=1.
+
+Under zplan launch (ZPLAN_LAUNCHER=1) a failing rank writes its line into the error file that
+torchrun names in $TORCHELASTIC_ERROR_FILE and prints nothing: the launcher (zplan.launch.elastic)
+prints each distinct line once, from the ranks that failed first. Under plain torchrun or Slurm
+the failing rank prints its line itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+# what a rank sees when another rank died first: not the cause, reported only if nothing else is
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "connectFullMesh",
+              "Connection refused", "Timed out waiting", "DistNetworkError", "failed to recv", "failed to send")
+
+
+def classify(e: BaseException) -> tuple[str, int, bool]:
+    """(one line, exit code, whether it is only the echo of another rank's failure)."""
+    from ..errors import ZplanError
+
+    if isinstance(e, ZplanError):
+        return str(e), e.exit_code, False
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", 130, False
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> exception
+    if isinstance(failures, dict) and failures:
+        inner = [classify(x) for x in failures.values() if isinstance(x, BaseException)]
+        if inner:  # the most telling: zplan's own lines, then the rest, then echoes
+            line, code, secondary = min(inner, key=lambda t: (t[2], t[0].startswith("internal error")))
+            if line.startswith("internal error"):
+                x = next(iter(failures.values()))
+                line = f"checkpoint cannot be loaded ({type(x).__name__}: {str(x).splitlines()[0][:300] if str(x) else ''})"
+            return line, code, secondary
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror or e} (errno {e.errno}); check the path and its filesystem", 1, False
+    text = f"{type(e).__name__}: {e}"
+    if any(s in text for s in _PEER_LOST):
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"lost contact with another rank ({first[:200]}); see that rank's error", 1, True
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    return (f"internal error: {type(e).__name__}: {first} (rerun with ZPLAN_DEBUG=1 and report it)",
+            1, False)
+
+
+def report(e: BaseException) -> int:
+    """Report `e` the zplan way; return the exit code."""
+    line, code, secondary = classify(e)
+    rank = os.environ.get("RANK", "0")
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": "",
+                                                                     "timestamp": str(int(time.time()))}},
+                           "zplan": {"line": line, "exit_code": code, "secondary": secondary,
+                                     "rank": int(rank), "time_s": time.time()}}, f)
+        except OSError:
+            path = None
+    if not (path and os.environ.get("ZPLAN_LAUNCHER") == "1"):
+        print(f"zplan trainer: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+def guarded(fn, *args) -> int:
+    """Run fn(*args) -> exit code; any error becomes one line (the traceback with ZPLAN_DEBUG=1).
+
+    After an error the process leaves at once (os._exit): gloo's teardown with a peer gone can
+    abort, and the other ranks must see this one gone to fail in turn rather than wait."""
+    try:
+        return fn(*args)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        if os.environ.get("ZPLAN_DEBUG") == "1":
+            raise
+        code = report(e)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,63 @@
+"""What every rank agrees on before training: the run directory, and whether the run is done."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+
+TOKEN = ".zplan-run-dir-check"
+
+
+def agree_on_run_dir(run_dir: str) -> None:
+    """Rank 0 writes a random token into the run directory; every rank must read it back.
+
+    With more than one node the run directory must be on a filesystem every node shares (each
+    rank writes its shard there, and rank 0 publishes the checkpoint): a node that sees another
+    folder is refused here, before training, with one line naming the first such rank.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = [secrets.token_hex(8) if rank == 0 else None]
+    path = Path(run_dir) / TOKEN
+    if rank == 0:
+        path.write_text(token[0])
+    dist.broadcast_object_list(token, src=0)
+    try:
+        seen = path.read_text() == token[0]
+    except OSError:
+        seen = False
+    ok = torch.tensor([0 if seen else rank + 1], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MAX)
+    bad = int(ok.item()) - 1
+    dist.barrier()
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    if bad >= 0:
+        host = [socket.gethostname()]
+        dist.broadcast_object_list(host, src=bad)
+        raise UsageError(f"rank {bad} (host {host[0]}) does not see the run directory {os.path.abspath(run_dir)} "
+                         f"that rank 0 wrote: with several nodes --run-dir must be on a shared filesystem")
+
+
+def finished_line(run_dir: str, steps: int) -> str:
+    return (f"zplan: the run in {run_dir} already finished at step {steps} (--steps {steps}); "
+            f"nothing to do (its report is unchanged; pass more --steps to train on)")
+
+
+def inject_fault(step: int, rank: int) -> None:
+    """Fault injection for the restart tests: ZPLAN_FAULT_KILL_AT=STEP:RANK makes that rank
+    SIGKILL itself after STEP, on the first attempt only (kill -9, as a dying node would)."""
+    spec = os.environ.get("ZPLAN_FAULT_KILL_AT")
+    if not spec or os.environ.get("ZPLAN_ATTEMPT", "0") != "0":
+        return
+    at_step, at_rank = (int(x) for x in spec.split(":"))
+    if step == at_step and rank == at_rank:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
