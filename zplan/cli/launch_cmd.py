@@ -57,6 +57,30 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, gpus_found: int, gpu
     return make_plan(rec.winner.sc, rec.winner.family, batch, rec.winner.result), per_node
 
 
+def _check_flags(plan, model, strategy, global_batch, seq_len, nproc, nnodes, node_rank,
+                 max_restarts, save_every, data) -> None:
+    """Validation only (issue 10): nonsense refused, and no flag given next to --plan ignored."""
+    from ..parse import check_choice
+    from ..strategies import STRATEGIES
+
+    check_range(nproc, "--nproc", 1, 1024)
+    check_range(global_batch, "--global-batch", 1, 10**9)
+    check_range(seq_len, "--seq-len", 1, 10**7)
+    check_range(node_rank, "--node-rank", 0, nnodes - 1)
+    check_range(max_restarts, "--max-restarts", 0, 1000)
+    check_range(save_every, "--save-every", 0, 10**9)
+    for s in strategy or ():
+        check_choice(s, "--strategy", tuple(STRATEGIES))
+    if data is not None and not Path(data).is_file():
+        raise UsageError(f"--data {data!r} is not a file; pass a local text file, or drop --data for synthetic data")
+    given = [f for f, v in (("--model", model != CPU_MODEL), ("--strategy", strategy),
+                             ("--global-batch", global_batch is not None),
+                             ("--seq-len", seq_len is not None)) if v]
+    if plan is not None and given:
+        raise UsageError(f"{', '.join(given)} shape a fresh recommendation, but --plan {plan} fixes "
+                         f"them; drop {given[0]} or plan again with zplan recommend --write")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
@@ -87,6 +111,8 @@ def launch(
 
     check_range(nnodes, "--nnodes", 1, 100000)
     check_range(steps, "--steps", 1, 10**9)
+    _check_flags(plan, model, strategy, global_batch, seq_len, nproc, nnodes, node_rank,
+                 max_restarts, save_every, data)
     extra = list(ctx.args)
     if script is not None and script.startswith("-"):
         extra, script = [script] + extra, None  # arguments for the built-in trainer, after --
