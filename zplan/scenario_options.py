@@ -114,8 +114,11 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_range(o.micro_batch, "--micro-batch", 1, 10**5)
     check_range(o.grad_accum, "--grad-accum", 1, 10**6)
     check_range(o.blocks_per_unit, "--blocks-per-unit", 1, model.num_layers)
-    check_range(o.checkpoint_every, "--checkpoint-every", 1,
-                model.num_layers if o.checkpointing == "every-k" else MAX_LAYERS)
+    check_range(o.checkpoint_every, "--checkpoint-every", 1, MAX_LAYERS)
+    if o.checkpointing == "every-k" and o.checkpoint_every > model.num_layers:
+        raise UsageError(f"--checkpointing every-k with --checkpoint-every {o.checkpoint_every} "
+                         f"checkpoints no block of this {model.num_layers}-layer model; use "
+                         f"--checkpoint-every 1..{model.num_layers}")
     efficiency = o.efficiency
     if efficiency is None and gpu.kernels is None:  # no kernel constants: one efficiency
         efficiency = 1.0 if gpu.measured else 0.7
