@@ -59,7 +59,9 @@ def main() -> int:
         for p in problems(case, rc, out, err):
             key = p[:80]
             found[key] += 1
-            first.setdefault(key, [case.argv, err.strip()[-300:]])
+            if key not in first:
+                first[key] = [case.argv, err.strip()[-300:]]
+                print(f"new problem: {key}\n  {case.argv}\n  {first[key][1]}", file=sys.stderr)
 
     while sum(outcomes.values()) < args.cases and time.monotonic() < stop:
         one()

@@ -106,13 +106,13 @@ def edge_model(draw) -> dict:
     """A model at the scale edges: one layer or ten thousand, a vocabulary larger than the rest
     of the model, thousands of experts, tiny or huge widths."""
     heads = draw(st.sampled_from([1, 2, 64]))
-    d = {"name": "edge", "num_layers": draw(st.sampled_from([1, 2, 10_000])),
+    d = {"name": "edge", "num_layers": draw(st.sampled_from([1, 2, 1000, 10_000])),
          "hidden": heads * draw(st.sampled_from([1, 64, 128, 1024])),
          "ffn_hidden": draw(st.sampled_from([1, 256, 2**20])), "num_heads": heads,
          "num_kv_heads": 1, "vocab_size": draw(st.sampled_from([1, 256, 2**20, 2**27])),
          "max_seq_len": draw(st.sampled_from([1, 4096, 2**27]))}
     if draw(st.booleans()):
-        d["num_experts"] = draw(st.sampled_from([1, 8, 4096]))
+        d["num_experts"] = draw(st.sampled_from([1, 8, 100, 4096]))
         d["experts_per_token"] = draw(st.sampled_from([1, 2]))
     return d
 

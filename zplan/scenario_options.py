@@ -224,13 +224,15 @@ def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE
     for k, v in data.items():
         key = k.replace("-", "_")
         shown = " ".join(f"{key}={v}".split())[:80]
-        if key in FIELDS:
+        if key in FIELDS:  # every value is checked, used or not: a bad file is refused whole
+            v = _project_value(p, key, v, hints[key])
             if getattr(o, key) == getattr(defaults, key):
-                setattr(o, key, _project_value(p, key, v, hints[key]))
+                setattr(o, key, v)
                 taken.append(shown)
         elif key in extra:
+            v = _project_value(p, key, v, str if isinstance(v, str) else float)
             if extra[key] is None:
-                extra[key] = _project_value(p, key, v, str if isinstance(v, str) else float)
+                extra[key] = v
                 taken.append(shown)
         else:
             known = ", ".join(sorted(FIELDS + list(extra)))

@@ -30,8 +30,9 @@ Layout = Literal["zero", "torch"]
 # dozen of them finite in float64. Specific bounds (Field(le=...)) say what is absurd per field.
 MAX_NUMBER = 1e24
 MAX_GPUS = 10**6
-MAX_LAYERS = 10_000  # the deepest published model has a few hundred; each layer costs work
-MAX_EXPERTS = 4096
+MAX_LAYERS = 1000  # the deepest published models have ~130; each layer is priced (< 1 s)
+MAX_EXPERTS = 1024  # published MoE models have up to a few hundred
+MAX_BLOCK_EXPERTS = 100_000  # num_layers x experts: each expert of each block is priced
 MAX_MEMORY_BYTES = 2**50  # 1 PiB: per GPU or per node
 MAX_RATE = 1e18  # FLOP/s or bytes/s of one device or link
 MAX_PARAMS = 10**13
@@ -204,6 +205,9 @@ class ModelSpec(Spec):
             )
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError("experts_per_token must be in 1..num_experts for an MoE model")
+        if self.num_layers * max(1, self.num_experts) > MAX_BLOCK_EXPERTS:
+            raise ValueError(f"num_layers x num_experts is {self.num_layers * self.num_experts:,}, over "
+                             f"the limit of {MAX_BLOCK_EXPERTS:,}; check both")
         if self.total_params is None:
             from .arch import param_count  # arch imports this module
 
