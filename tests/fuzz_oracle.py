@@ -92,9 +92,17 @@ def _bad_json_numbers(obj, key: str = "") -> str | None:
     return None
 
 
+def shown(text: str) -> str:
+    """How an error line shows a value: whitespace runs as one space, other unprintable
+    characters as their Python escapes (README: errors are one printable line)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in " ".join(text.split()))
+
+
 def names_something(case: Case, line: str) -> bool:
     """Does the error line name a flag, value or file of the case (a zplan.toml key as its flag)?"""
-    given = [a.strip() for a in case.argv[1:] if len(a.strip()) > 1] + ["zplan.toml"]
+    given = [shown(a) for a in case.argv[1:] if len(a.strip()) > 1] + ["zplan.toml"]
+    given += ["".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else  # click's escapes
+                      c.encode("unicode_escape").decode() for c in a) for a in case.argv[1:]]
     given += [repr(a) for a in case.argv[1:]] + [f"'{a}'" for a in case.argv[1:]]
     if case.project is not None:
         given += ["--" + k.replace("_", "-") for k in PROJECT_KEYS]
@@ -119,6 +127,8 @@ def problems(case: Case, rc: int, out: str, err: str) -> list[str]:
         found.append(f"stderr line not from zplan: {stray[0][:120]!r}")
     if rc in (1, 2) and len(errors) != 1:
         found.append(f"{len(errors)} error lines on exit {rc}")
+    if rc in (1, 2) and any(not ln.isprintable() for ln in lines):
+        found.append("unprintable character in stderr")
     if rc == 2 and len(errors) == 1 and not names_something(case, errors[0]):
         found.append(f"error names nothing given: {errors[0][:160]}")
     if rc == 0 and errors:

@@ -21,6 +21,16 @@ def _kind(e: BaseException) -> str:
     return ""
 
 
+def one_line(text: str) -> str:
+    """An error message as one printable line: whitespace runs become one space, and other
+    characters that are not printable (escape sequences, bidi controls) their \\x.. escapes, so
+    that a value typed by anyone cannot break the line or drive the terminal."""
+    text = " ".join(text.split())
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 @functools.lru_cache(maxsize=1)
 def _command():
     """The click command behind the Typer app, built once (Typer rebuilds it on every call,
@@ -65,7 +75,7 @@ def run(argv: list[str] | None = None) -> int:
         if debug:
             raise
         sys.stdout.flush()
-        print(f"zplan: error: {e}", file=sys.stderr)
+        print(f"zplan: error: {one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
@@ -76,7 +86,7 @@ def run(argv: list[str] | None = None) -> int:
             raise
         sys.stdout.flush()
         line, code = _environment_error(e)
-        print(f"zplan: error: {line}", file=sys.stderr)
+        print(f"zplan: error: {one_line(line)}", file=sys.stderr)
         return code
     except Exception as e:  # the boundary: never a traceback unless ZPLAN_DEBUG=1
         kind = _kind(e)
@@ -92,10 +102,10 @@ def run(argv: list[str] | None = None) -> int:
         if kind in ("UsageError", "ClickException"):
             ctx = getattr(e, "ctx", None)
             cmd = f"zplan {ctx.info_name}" if ctx is not None and ctx.info_name != "zplan" else "zplan"
-            msg = " ".join(e.format_message().split())
+            msg = one_line(e.format_message())
             print(f"zplan: error: {msg} (see {cmd} --help)", file=sys.stderr)
             return int(getattr(e, "exit_code", 2))
-        print(f"zplan: internal error: {type(e).__name__}: {e} (rerun with ZPLAN_DEBUG=1 and report it)",
+        print(f"zplan: internal error: {type(e).__name__}: {one_line(str(e))} (rerun with ZPLAN_DEBUG=1 and report it)",
               file=sys.stderr)
         return 1
 
