@@ -147,32 +147,33 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def read_json(path: str | Path, what: str) -> Any:
-    """A JSON file's value; NaN, Infinity and numbers too long to convert are refused."""
+def _parse(path: str | Path, what: str, fmt: str) -> Any:
+    """Read, check the nesting before parsing (no recursion) and after (dotted TOML keys)."""
     text = read_text(path, what)
-    _check_depth(_scan_depth(text, toml=False), what, path)
+    _check_depth(_scan_depth(text, toml=fmt == "TOML"), what, path)
     try:
-        data = json.loads(text, parse_constant=_no_constant)
+        if fmt == "TOML":
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise UsageError(f"{what} {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{what} {path} is not valid TOML ({' '.join(str(e).split())}); fix the file") from None
     except (ValueError, RecursionError) as e:
-        raise UsageError(f"{what} {path} is not usable JSON ({' '.join(str(e).split())[:120]})") from None
+        raise UsageError(f"{what} {path} is not usable {fmt} ({' '.join(str(e).split())[:120]})") from None
     _check_depth(_value_depth(data), what, path)
     return data
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file's value; NaN, Infinity and numbers too long to convert are refused."""
+    return _parse(path, what, "JSON")
 
 
 def read_toml(path: str | Path, what: str) -> dict:
     """A TOML file's table."""
-    text = read_text(path, what)
-    _check_depth(_scan_depth(text, toml=True), what, path)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{what} {path} is not valid TOML ({' '.join(str(e).split())}); fix the file") from None
-    except (ValueError, RecursionError) as e:
-        raise UsageError(f"{what} {path} is not usable TOML ({' '.join(str(e).split())[:120]})") from None
-    _check_depth(_value_depth(data), what, path)
-    return data
+    return _parse(path, what, "TOML")
 
 
 def _umask() -> int:

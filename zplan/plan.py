@@ -16,7 +16,8 @@ from . import __version__
 from .errors import UsageError
 from .files import read_json, write_text as write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .scenario import Scenario
-from .specs import Assumptions, ClusterSpec, GPUSpec, Hardware, ModelSpec, StrategyName, TrainSpec
+from .specs import (Assumptions, ClusterSpec, GPUSpec, Hardware, ModelSpec, StrategyName, TrainSpec,
+                    validation_line)
 
 PLAN_VERSION = 1
 Runner = Literal["zplan", "deepspeed"]
@@ -234,8 +235,6 @@ def load(path: str | Path) -> Plan:
     try:
         plan = Plan.model_validate(data)
     except ValidationError as e:
-        from .presets import validation_line
-
         raise UsageError(validation_line(f"plan {p}", e)) from None
     check_plan_numbers(plan, p)
     return plan

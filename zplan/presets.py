@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import UsageError
 from .files import read_json, read_toml
-from .specs import ClusterSpec, GPUSpec, ModelSpec
+from .specs import ClusterSpec, GPUSpec, ModelSpec, validation_line
 
 KINDS = {"gpus": GPUSpec, "clusters": ClusterSpec, "models": ModelSpec}
 T = TypeVar("T", bound=BaseModel)
@@ -51,18 +51,6 @@ def names(kind: str, extra: tuple[str, ...] = ()) -> list[str]:
             if p.stem not in found:
                 found.append(p.stem)
     return found
-
-
-def validation_line(what: str, err: ValidationError) -> str:
-    """pydantic's first error as one line: `what: field 'loc': message (got value)`."""
-    e = err.errors()[0]
-    field = ".".join(str(x) for x in e["loc"]) or "(file)"
-    msg = " ".join(str(e["msg"]).split()).removeprefix("Value error, ")
-    got = ""
-    if e.get("type") not in ("missing", "extra_forbidden") and "input" in e and \
-            not isinstance(e["input"], (dict, list)):
-        got = f" (got {' '.join(repr(e['input']).split())[:80]})"
-    return f"{what}: field '{field}': {msg}{got}"
 
 
 def _parse(path: Path, cls: type[T], data: dict) -> T:

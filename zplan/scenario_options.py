@@ -17,7 +17,7 @@ from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
 from .specs import (ATTENTION_KERNELS, CHECKPOINTING, MAX_LAYERS, Assumptions, Hardware, Precision,
-                    TrainSpec)
+                    TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
 DTYPES = tuple(DTYPE_BITS)
@@ -165,7 +165,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         )
         hw = Hardware(gpu=gpu, cluster=cluster, num_gpus=n)
     except ValidationError as e:
-        raise UsageError(presets.validation_line("options", e)) from None
+        raise UsageError(validation_line("options", e)) from None
     return Scenario(model, hw, train, assume, o.shard_size)
 
 

@@ -10,7 +10,7 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PositiveInt, StringConstraints,
-                      field_validator, model_validator)
+                      ValidationError, field_validator, model_validator)
 
 DTypeName = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "int4"]
 StrategyName = Literal[
@@ -62,6 +62,18 @@ def bad_number(value: Any) -> str | None:
             if v > MAX_NUMBER:
                 return f"{v:.3g} is absurdly large (limit {MAX_NUMBER:.0e})"
     return None
+
+
+def validation_line(what: str, err: ValidationError) -> str:
+    """pydantic's first error as one line: `what: field 'loc': message (got value)`."""
+    e = err.errors()[0]
+    field = ".".join(str(x) for x in e["loc"]) or "(file)"
+    msg = " ".join(str(e["msg"]).split()).removeprefix("Value error, ")
+    got = ""
+    if e.get("type") not in ("missing", "extra_forbidden") and "input" in e and \
+            not isinstance(e["input"], (dict, list)):
+        got = f" (got {' '.join(repr(e['input']).split())[:80]})"
+    return f"{what}: field '{field}': {msg}{got}"
 
 
 class Spec(BaseModel):
