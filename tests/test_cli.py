@@ -201,10 +201,18 @@ def test_rich_markup_in_a_model_name_is_printed_as_text(capsys, tmp_path):
     (["launch", "--dry-run", "--data", "no-such.txt"], "--data 'no-such.txt' is not a file"),
     (["launch", "--dry-run", "--strategy", "zero4"], "--strategy 'zero4' is not one of"),
     (["export", "--plan", "/dev/zero", "--to", "deepspeed"], "plan /dev/zero is a character device"),
+    (["recommend", "--model", "tiny", "--gpus", "2", "--global-batch", "2.5"], "'2.5' must be a whole number"),
 ])
 def test_nonsense_is_refused_in_one_line(capsys, args, needle):
     rc, out, err = cli(capsys, *args)
     assert rc == 2 and needle in one_error(err), err
+
+
+def test_calibrate_ranks_0_is_refused_not_the_default(capsys, tmp_path):
+    pytest.importorskip("torch")
+    rc, _, err = cli(capsys, "calibrate", "--ranks", "0", "--output", str(tmp_path / "out"))
+    assert rc == 2 and "--ranks 0 is out of range" in one_error(err)
+    assert not (tmp_path / "out").exists()
 
 
 def test_flags_next_to_a_plan_are_refused_not_dropped(capsys, tmp_path):

@@ -77,12 +77,12 @@ def recommend(
     if gb is not None and gbt is not None:
         raise UsageError("give --global-batch or --global-batch-tokens, not both")
     if gbt is not None:
-        tokens = parse_count(str(gbt), "--global-batch-tokens")
+        tokens = parse_count(str(gbt), "--global-batch-tokens", integer=True)
         if tokens % sc.train.seq_len:
             raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {sc.train.seq_len}")
         batch = tokens // sc.train.seq_len
     elif gb is not None:
-        batch = parse_count(str(gb), "--global-batch")
+        batch = parse_count(str(gb), "--global-batch", integer=True)
     else:
         batch = DEFAULT_PER_GPU * sc.n
         used.append(f"global batch {batch} sequences ({DEFAULT_PER_GPU} per GPU; --global-batch to change)")
