@@ -48,6 +48,7 @@ def run_case(case: Case, folder: Path) -> tuple[int, str, str, float]:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
     for name, kind in case.specials.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         os.mkfifo(folder / name) if kind == "fifo" else (folder / name).mkdir(exist_ok=True)
     if case.project is not None:
         (folder / "zplan.toml").write_bytes(case.project)

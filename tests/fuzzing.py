@@ -178,7 +178,10 @@ def cases(draw, commands=("estimate", "recommend", "explain", "export", "launch"
             argv += ["--model", draw(input_file(case, "models" if model == "toml" else "config"))]
         elif model == "presets-dir":
             kind = draw(st.sampled_from(["gpus", "clusters", "models"]))
-            case.files[f"user/{kind}/mine.toml"] = draw(toml_file(kind))
+            if draw(st.integers(0, 5)):
+                case.files[f"user/{kind}/mine.toml"] = draw(toml_file(kind))
+            else:  # a preset name that is a FIFO or a folder
+                case.specials[f"user/{kind}/mine.toml"] = draw(st.sampled_from(["fifo", "dir"]))
             argv += ["--presets", "user", {"gpus": "--gpu", "clusters": "--cluster", "models": "--model"}[kind], "mine"]
         if cmd != "explain" and draw(st.booleans()):
             argv.append("--json")

@@ -47,7 +47,11 @@ def names(kind: str, extra: tuple[str, ...] = ()) -> list[str]:
     """Every preset name of one kind, the user's folders first."""
     found: list[str] = []
     for d in _search_dirs(extra):
-        for p in sorted((d / kind).glob("*.toml")):
+        try:  # a search path like PATH: a folder that cannot be listed holds no presets
+            listed = sorted((d / kind).glob("*.toml"))
+        except (OSError, ValueError):
+            continue
+        for p in listed:
             if p.stem not in found:
                 found.append(p.stem)
     return found
@@ -100,7 +104,7 @@ def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> BaseModel
     key = name_or_path.lower()
     for d in _search_dirs(extra) if len(key) <= MAX_NAME else ():
         f = d / kind / f"{key}.toml"
-        if _is(Path.is_file, f):
+        if _is(Path.exists, f):  # the reader refuses what is not a regular file, naming it
             return _load_file(str(f), kind)
     known = names(kind, extra)
     close = difflib.get_close_matches(key[:MAX_NAME], known, n=3, cutoff=0.4)
