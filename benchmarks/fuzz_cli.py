@@ -60,7 +60,9 @@ def main() -> int:
             key = p[:80]
             found[key] += 1
             if key not in first:
-                first[key] = [case.argv, err.strip()[-300:]]
+                first[key] = [case.argv, err.strip()[-300:],  # and the files, to replay it
+                              {n: d[:2000].decode("utf-8", "replace") for n, d in case.files.items()},
+                              (case.project or b"")[:2000].decode("utf-8", "replace"), case.specials]
                 print(f"new problem: {key}\n  {case.argv}\n  {first[key][1]}", file=sys.stderr)
 
     while sum(outcomes.values()) < args.cases and time.monotonic() < stop:

@@ -153,7 +153,7 @@ def test_preset_numbers_zero_negative_nan_inf_are_refused(capsys, tmp_path, fiel
     ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2, "vocab_size": 10,
       "tie_word_embeddings": "yes"}, "field 'tie_word_embeddings' is 'yes', not true or false"),
     ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 10**9, "vocab_size": 10},
-     "field 'num_layers': Input should be less than or equal to 1000"),
+     "field 'num_layers': Input should be less than or equal to 256"),
     ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2, "vocab_size": 10,
       "num_local_experts": "8"}, "field 'num_local_experts' is '8', not a whole number"),
 ])
@@ -202,6 +202,8 @@ def test_rich_markup_in_a_model_name_is_printed_as_text(capsys, tmp_path):
     (["launch", "--dry-run", "--strategy", "zero4"], "--strategy 'zero4' is not one of"),
     (["export", "--plan", "/dev/zero", "--to", "deepspeed"], "plan /dev/zero is a character device"),
     (["recommend", "--model", "tiny", "--gpus", "2", "--global-batch", "2.5"], "'2.5' must be a whole number"),
+    (["recommend", "--model", "tiny", "--gpus", "2", "--global-batch-tokens", "256"],
+     "--global-batch-tokens 256 is 1 sequences of 256 tokens, not a multiple of 2 GPUs"),
 ])
 def test_nonsense_is_refused_in_one_line(capsys, args, needle):
     rc, out, err = cli(capsys, *args)

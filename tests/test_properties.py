@@ -69,7 +69,7 @@ def test_huge_inputs_compute_without_overflow(params, n):
 # ---------------------------------------------------------------- scale edges (issue 10 item 7)
 
 EDGE_MODELS = st.builds(
-    dict, num_layers=st.sampled_from([1, 2, 3, 1000]), heads=st.sampled_from([1, 8]),
+    dict, num_layers=st.sampled_from([1, 2, 3, 256]), heads=st.sampled_from([1, 8]),
     head_dim=st.sampled_from([1, 64, 128]), ffn_hidden=st.sampled_from([1, 64, 2**16]),
     vocab_size=st.sampled_from([1, 50_000, 2**27]), experts=st.sampled_from([0, 8, 100]),
     tied=st.booleans())
@@ -91,7 +91,7 @@ def _numbers(obj):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(EDGE_MODELS, st.sampled_from([1, 7, 1024, 10**6]), STRATEGY, LAYOUT)
 def test_scale_edges_give_finite_non_negative_figures(m, n, name, layout):
-    """One-layer and 1,000-layer models, a vocabulary larger than the rest of the model,
+    """One-layer and 256-layer models, a vocabulary larger than the rest of the model,
     100 experts a block, a million GPUs: every figure finite and non-negative (headroom is signed)."""
     import dataclasses
     import math

@@ -81,6 +81,9 @@ def recommend(
         if tokens % sc.train.seq_len:
             raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {sc.train.seq_len}")
         batch = tokens // sc.train.seq_len
+        if batch % sc.n:
+            raise UsageError(f"--global-batch-tokens {tokens} is {batch} sequences of {sc.train.seq_len} "
+                             f"tokens, not a multiple of {sc.n} GPUs; use a multiple of {sc.n * sc.train.seq_len}")
     elif gb is not None:
         batch = parse_count(str(gb), "--global-batch", integer=True)
     else:
