@@ -39,7 +39,6 @@ MAX_PARAMS = 10**13
 MAX_SEQ_LEN = 10**7
 MAX_MICRO_BATCH = 10**5
 MAX_GRAD_ACCUM = 10**6
-Count = Annotated[int, Field(gt=0)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
@@ -60,7 +59,8 @@ def bad_number(value: Any) -> str | None:
             if v < 0:
                 return f"{v} is negative"
             if v > MAX_NUMBER:
-                return f"{v:.3g} is absurdly large (limit {MAX_NUMBER:.0e})"
+                shown = f"{v:.3g}" if isinstance(v, float) else f"about 1e{int(math.log10(v))}"
+                return f"{shown} is absurdly large (limit {MAX_NUMBER:.0e})"
     return None
 
 
