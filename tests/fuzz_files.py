@@ -8,6 +8,7 @@ bytes, not UTF-8, random binary, nested 40 to 100,000 deep, dotted keys, a BOM, 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import tomllib
@@ -64,7 +65,7 @@ def mutated(draw, base: dict) -> dict:
                 continue
             action = draw(st.sampled_from(["set", "set", "set", "drop", "add"]))
             if action == "set":
-                node[k] = draw(st.sampled_from(HOSTILE_VALUES))
+                node[k] = copy.deepcopy(draw(st.sampled_from(HOSTILE_VALUES)))  # shared lists stay intact
             elif action == "drop" and isinstance(node, dict):
                 del node[k]
             elif isinstance(node, dict):
