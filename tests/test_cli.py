@@ -177,6 +177,13 @@ def test_project_file_values_of_the_wrong_type(capsys, tmp_path, toml, needle):
     assert rc == 2 and needle in one_error(err) and "zplan.toml" in err
 
 
+def test_a_bad_preset_name_from_the_project_file_says_so(capsys, tmp_path):
+    (tmp_path / "zplan.toml").write_text('cluster = "dgx-h1000"\n')
+    rc, _, err = cli(capsys, "recommend", "--model", "tiny", cwd=tmp_path)
+    line = one_error(err)
+    assert rc == 2 and "unknown cluster 'dgx-h1000'" in line and "(zplan.toml: cluster=dgx-h1000)" in line
+
+
 def test_rich_markup_in_a_model_name_is_printed_as_text(capsys, tmp_path):
     p = tmp_path / "m.toml"
     p.write_text('name = "[/x] [bold]evil"\nnum_layers = 2\nhidden = 64\nffn_hidden = 128\n'

@@ -6,6 +6,7 @@ it; it never imports the CLI. Every bad value raises one UsageError line naming 
 from __future__ import annotations
 
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
@@ -200,6 +201,18 @@ def _project_value(p: Any, key: str, v: Any, hint: Any) -> Any:
             want, "a list of strings")
         raise UsageError(f"{p}: key {key!r} is {shown}, not {kind}; fix the file")
     return v
+
+
+@contextmanager
+def project_file_named(used: list[str]):
+    """A UsageError raised while zplan.toml's values are in force says which it set."""
+    try:
+        yield
+    except UsageError as e:
+        toml = [u for u in used if u.startswith(PROJECT_FILE)]
+        if not toml:
+            raise
+        raise UsageError(f"{e} ({'; '.join(toml)})") from None
 
 
 def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE) -> list[str]:

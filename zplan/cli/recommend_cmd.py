@@ -9,7 +9,7 @@ import typer
 
 from ..errors import UsageError
 from .app import app, emit_json
-from ..scenario_options import ScenarioOptions, apply_project_file, build
+from ..scenario_options import ScenarioOptions, apply_project_file, build, project_file_named
 from .options import scenario_options
 from ..parse import check_choice, check_range, parse_count
 
@@ -72,7 +72,8 @@ def recommend(
     if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
         strategy = [s for s in STRATEGIES if s != "hsdp"]
         used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp to plan it anyway)")
-    sc = build(opts)
+    with project_file_named(used):
+        sc = build(opts)
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
     if gb is not None and gbt is not None:
         raise UsageError("give --global-batch or --global-batch-tokens, not both")
