@@ -235,8 +235,7 @@ def test_plan_with_hostile_numbers(capsys, tmp_path):
     plan = tmp_path / "plan.json"
     assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", str(plan))[0] == 0
     good = json.loads(plan.read_text())
-    for path, value, needle in ((("num_gpus",), 10**9, "field 'num_gpus' is 1000000000, outside"),
-                                (("predicted", "step_s"), -1.0, "field 'predicted': -1.0 is negative"),
+    for path, value, needle in ((("predicted", "step_s"), -1.0, "field 'predicted': -1.0 is negative"),
                                 (("gpu", "hbm_bytes_per_s"), 0, "field 'gpu.hbm_bytes_per_s'"),
                                 (("train", "micro_batch"), 10**12, "field 'train.micro_batch'")):
         d = json.loads(json.dumps(good))

@@ -67,13 +67,13 @@ def bad_number(value: Any) -> str | None:
 def validation_line(what: str, err: ValidationError) -> str:
     """pydantic's first error as one line: `what: field 'loc': message (got value)`."""
     e = err.errors()[0]
-    field = ".".join(str(x) for x in e["loc"]) or "(file)"
+    field = ".".join(str(x) for x in e["loc"])
     msg = " ".join(str(e["msg"]).split()).removeprefix("Value error, ")
     got = ""
     if e.get("type") not in ("missing", "extra_forbidden") and "input" in e and \
             not isinstance(e["input"], (dict, list)):
         got = f" (got {' '.join(repr(e['input']).split())[:80]})"
-    return f"{what}: field '{field}': {msg}{got}"
+    return f"{what}: field '{field}': {msg}{got}" if field else f"{what}: {msg}"
 
 
 class Spec(BaseModel):
