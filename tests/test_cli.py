@@ -1,6 +1,7 @@
 """The command line through a real subprocess: JSON schema, bad input, exit codes."""
 
 import json
+import os
 
 import pytest
 
@@ -104,3 +105,172 @@ def test_estimate_never_imports_torch():
             "print('ok')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "ok", p.stderr
+
+
+# ---------------------------------------------------------------- bad input, in this process
+
+def cli(capsys, *args, cwd=None):
+    """zplan.cli.main.run in this process (the subprocess tests above cover the entry point)."""
+    from zplan.cli.main import run
+
+    old = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        rc = run(list(args))
+    finally:
+        os.chdir(old)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("zplan: error:")]
+    assert len(lines) == 1 and "Traceback" not in err and "internal error" not in err, err
+    return lines[0]
+
+
+GPU_TOML = ('name = "g"\nmemory_bytes = 80000000000\npeak_flops = { fp32 = 6e13, bf16 = 9e14 }\n'
+            'hbm_bytes_per_s = 3e12\nhost_link_bytes_per_s = 5e10\nsource = "test"\n')
+
+
+@pytest.mark.parametrize("field,value", [
+    ("memory_bytes", "0"), ("memory_bytes", "-1"), ("hbm_bytes_per_s", "nan"),
+    ("hbm_bytes_per_s", "inf"), ("host_link_bytes_per_s", "0.0"), ("peak_flops", "{ fp32 = 6e13, bf16 = nan }"),
+    ("peak_flops", "{ fp32 = 6e13, bf16 = -inf }"), ("memory_bytes", "1e300"),
+])
+def test_preset_numbers_zero_negative_nan_inf_are_refused(capsys, tmp_path, field, value):
+    text = "\n".join(f"{field} = {value}" if ln.startswith(field + " ") else ln for ln in GPU_TOML.splitlines())
+    (tmp_path / "g.toml").write_text(text + "\n")
+    rc, out, err = cli(capsys, "estimate", "--gpu", str(tmp_path / "g.toml"), "--json")
+    line = one_error(err)
+    assert rc == 2 and f"g.toml: field '{field}" in line and out == ""
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    ([1, 2], "the top level is a JSON array, not an object"),
+    ({"hidden_size": [4096], "num_attention_heads": 32}, "field 'hidden_size' is [4096], not a whole number"),
+    ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2, "vocab_size": 10,
+      "tie_word_embeddings": "yes"}, "field 'tie_word_embeddings' is 'yes', not true or false"),
+    ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 10**9, "vocab_size": 10},
+     "field 'num_layers': Input should be less than or equal to 256"),
+    ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2, "vocab_size": 10,
+      "num_local_experts": "8"}, "field 'num_local_experts' is '8', not a whole number"),
+])
+def test_config_json_needs_an_object_with_typed_sane_fields(capsys, tmp_path, cfg, needle):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = cli(capsys, "estimate", "--model", str(tmp_path))
+    assert rc == 2 and needle in one_error(err) and "config.json" in err
+
+
+@pytest.mark.parametrize("toml,needle", [
+    ("seq_len = 'long'\n", "key 'seq_len' is 'long', not a whole number"),
+    ("checkpointing = 3\n", "key 'checkpointing' is 3, not a string"),
+    ("overlap = 'no'\n", "key 'overlap' is 'no', not true or false"),
+    ("headroom = [0.1]\n", "key 'headroom' is [0.1], not a number"),
+    ("gpus = 1979-05-27\n", "key 'gpus' is datetime.date(1979, 5, 27), not a string"),
+    ("a = " + "[" * 5000 + "]" * 5000 + "\n", "nests deeper than"),
+])
+def test_project_file_values_of_the_wrong_type(capsys, tmp_path, toml, needle):
+    (tmp_path / "zplan.toml").write_text(toml)
+    rc, _, err = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", cwd=tmp_path)
+    assert rc == 2 and needle in one_error(err) and "zplan.toml" in err
+
+
+def test_a_bad_preset_name_from_the_project_file_says_so(capsys, tmp_path):
+    (tmp_path / "zplan.toml").write_text('cluster = "dgx-h1000"\n')
+    rc, _, err = cli(capsys, "recommend", "--model", "tiny", cwd=tmp_path)
+    line = one_error(err)
+    assert rc == 2 and "unknown cluster 'dgx-h1000'" in line and "(zplan.toml: cluster=dgx-h1000)" in line
+
+
+def test_rich_markup_in_a_model_name_is_printed_as_text(capsys, tmp_path):
+    p = tmp_path / "m.toml"
+    p.write_text('name = "[/x] [bold]evil"\nnum_layers = 2\nhidden = 64\nffn_hidden = 128\n'
+                 'num_heads = 1\nnum_kv_heads = 1\nvocab_size = 100\nsource = "t"\n')
+    for cmd in (["estimate"], ["recommend", "--top", "2"]):
+        rc, out, err = cli(capsys, *cmd, "--model", str(p), "--gpus", "2")
+        assert rc == 0, err
+        assert "[/x] [bold]evil" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["recommend", "--model", "tiny", "--gpus", "2", "--global-batch", "1e13"], "over the limit of 1,000,000"),
+    (["estimate", "--params", "7e9", "--unit-params", "1"], "--unit-params 1 makes 7,000,000,000 units"),
+    (["estimate", "--params", ""], "--params '' is not a number"),
+    (["estimate", "--model", "x" * 300], "unknown model 'xxxx"),
+    (["estimate", "--model", "x" * 300 + ".toml"], "no such preset file"),
+    (["estimate", "--efficiency", "nan"], "--efficiency nan is out of range"),
+    (["estimate", "--checkpoint-every", "-5"], "--checkpoint-every -5 is out of range"),
+    (["launch", "--dry-run", "--nproc", "0"], "--nproc 0 is out of range"),
+    (["launch", "--dry-run", "--global-batch", "0"], "--global-batch 0 is out of range"),
+    (["launch", "--dry-run", "--save-every", "-5"], "--save-every -5 is out of range"),
+    (["launch", "--dry-run", "--data", "no-such.txt"], "--data 'no-such.txt' is not a file"),
+    (["launch", "--dry-run", "--strategy", "zero4"], "--strategy 'zero4' is not one of"),
+    (["export", "--plan", "/dev/zero", "--to", "deepspeed"], "plan /dev/zero is a character device"),
+    (["recommend", "--model", "tiny", "--gpus", "2", "--global-batch", "2.5"], "'2.5' must be a whole number"),
+    (["recommend", "--model", "tiny", "--gpus", "2", "--global-batch-tokens", "256"],
+     "--global-batch-tokens 256 is 1 sequences of 256 tokens, not a multiple of 2 GPUs"),
+])
+def test_nonsense_is_refused_in_one_line(capsys, args, needle):
+    rc, out, err = cli(capsys, *args)
+    assert rc == 2 and needle in one_error(err), err
+
+
+def test_calibrate_ranks_0_is_refused_not_the_default(capsys, tmp_path):
+    pytest.importorskip("torch")
+    rc, _, err = cli(capsys, "calibrate", "--ranks", "0", "--output", str(tmp_path / "out"))
+    assert rc == 2 and "--ranks 0 is out of range" in one_error(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_flags_next_to_a_plan_are_refused_not_dropped(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", str(plan))[0] == 0
+    rc, _, err = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--model", "llama-3.1-8b")
+    assert rc == 2 and "--model applies to a fresh plan, and --plan" in one_error(err)
+
+
+def test_plan_with_hostile_numbers(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", str(plan))[0] == 0
+    good = json.loads(plan.read_text())
+    for path, value, needle in ((("predicted", "step_s"), -1.0, "field 'predicted': -1.0 is negative"),
+                                (("gpu", "hbm_bytes_per_s"), 0, "field 'gpu.hbm_bytes_per_s'"),
+                                (("train", "micro_batch"), 10**12, "field 'train.micro_batch'")):
+        d = json.loads(json.dumps(good))
+        node = d
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        bad = tmp_path / f"bad-{'-'.join(path)}.json"
+        bad.write_text(json.dumps(d))
+        rc, _, err = cli(capsys, "export", "--plan", str(bad), "--to", "torchrun")
+        assert rc == 2 and needle in one_error(err), err
+
+
+@pytest.mark.parametrize("exc,code,needle", [
+    (OSError(30, "Read-only file system", "/mnt/ro/plan.json"), 1, "Read-only file system: /mnt/ro/plan.json"),
+    (IsADirectoryError(21, "Is a directory", "/tmp"), 2, "Is a directory: /tmp"),
+    (RecursionError("maximum recursion depth exceeded"), 2, "input nested too deeply"),
+    (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), 2, "input is not valid text"),
+    (OverflowError("int too large to convert to float"), 2, "a number in the input is too large"),
+    (MemoryError(), 2, "more memory than this machine has"),
+])
+def test_error_boundary_turns_environment_errors_into_one_line(capsys, monkeypatch, exc, code, needle):
+    import zplan.scenario_options
+
+    def boom(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(zplan.scenario_options, "build", boom)
+    monkeypatch.setattr("zplan.cli.estimate_cmd.build", boom)
+    rc, _, err = cli(capsys, "estimate")
+    assert rc == code and needle in one_error(err)
+
+
+def test_json_output_never_holds_nan(capsys, monkeypatch):
+    from zplan.cli import app
+
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        app.emit_json({"x": float("nan")})

@@ -113,3 +113,27 @@ def test_synthetic_model_keeps_the_exact_count():
     assert arch.param_count(m) == 70_000_000_000
     assert sum(u.numel for u in arch.units(m)) == 70_000_000_000
     assert math.isclose(m.hidden / m.num_layers, 128, rel_tol=0.1)
+
+
+def test_a_preset_name_that_is_not_a_regular_file_is_named(tmp_path):
+    import os
+
+    (tmp_path / "gpus").mkdir()
+    os.mkfifo(tmp_path / "gpus" / "pipe.toml")
+    (tmp_path / "gpus" / "folder.toml").mkdir()
+    for name, kind in (("pipe", "a FIFO"), ("folder", "a directory")):
+        with pytest.raises(UsageError, match=f"preset .*gpus/{name}.toml is {kind}; pass a regular file"):
+            presets.gpu(name, (str(tmp_path),))
+
+
+def test_a_presets_folder_that_cannot_be_listed_holds_none(monkeypatch):
+    monkeypatch.setenv("ZPLAN_PRESETS", "x" * 5000)  # ENAMETOOLONG, like a missing PATH entry
+    assert presets.gpu("h100-sxm").name == "h100-sxm"
+    with pytest.raises(UsageError, match="unknown gpu 'nope'"):
+        presets.gpu("nope")
+
+
+@pytest.mark.parametrize("name", ["", "   ", "x" * 5000, "a\x00b"])
+def test_empty_huge_or_nul_names(name):
+    with pytest.raises(UsageError, match="the model name"):
+        presets.model(name)

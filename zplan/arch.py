@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from . import policy
-from .specs import ModelSpec, TrainSpec
+from .specs import MAX_LAYERS, ModelSpec, TrainSpec
 from .units import DTYPE_BITS
 
 Shape = tuple[int, ...]
@@ -136,12 +136,13 @@ def synthetic(params: int, unit_params: int | None = None) -> ModelSpec:
 
     Depth from Ψ ≈ 12·L·h² with the aspect ratio h/L = 128 (Kaplan et al. 2020 found the loss
     flat for h/L between about 50 and 200); hidden rounded to a multiple of 128, heads of 128.
-    With `unit_params` the depth is ⌈Ψ / unit_params⌉ instead (one block per unit).
+    With `unit_params` the depth is ⌈Ψ / unit_params⌉ instead (one block per unit). Depth is
+    capped at specs.MAX_LAYERS (256, reached near Ψ = 3.3e12); beyond it the model gets wider.
     """
     if unit_params:
         L = max(1, -(-params // unit_params))
     else:
-        L = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+        L = min(MAX_LAYERS, max(1, round((params / (12 * 128**2)) ** (1 / 3))))
     h = max(128, round(math.sqrt(params / (12 * L)) / 128) * 128)
     return ModelSpec(
         name=f"{params:.3g}-params",

@@ -6,10 +6,9 @@ import math
 import re
 
 from .errors import UsageError
+from .specs import MAX_GPUS, MAX_PARAMS  # noqa: F401  (re-exported: the flags' limits)
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-MAX_PARAMS = 10**13  # larger is absurd for this planner; the cost models stay exact far beyond
-MAX_GPUS = 10**6
 
 
 def parse_count(text: str, flag: str, maximum: int = MAX_PARAMS, integer: bool = False) -> int:
@@ -32,13 +31,16 @@ def parse_count(text: str, flag: str, maximum: int = MAX_PARAMS, integer: bool =
 
 
 def check_range(value: int | float | None, flag: str, lo: float, hi: float) -> None:
+    """Refuse a value outside lo..hi, NaN, and anything that is not a number (from zplan.toml)."""
     if value is None:
         return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{flag} {value!r} is not a number; use a value in {lo:g}..{hi:g}")
     if not (lo <= value <= hi):
         raise UsageError(f"{flag} {value} is out of range; use a value in {lo:g}..{hi:g}")
 
 
 def check_choice(value: str, flag: str, choices: tuple[str, ...] | list[str]) -> str:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise UsageError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
     return value

@@ -7,9 +7,6 @@ report measured against predicted. Written atomically. Documented in docs/plan-f
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -17,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from . import __version__
 from .errors import UsageError
+from .files import read_json, write_text as write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .scenario import Scenario
-from .specs import Assumptions, ClusterSpec, GPUSpec, Hardware, ModelSpec, StrategyName, TrainSpec
+from .specs import (Assumptions, ClusterSpec, GPUSpec, Hardware, ModelSpec, StrategyName, TrainSpec,
+                    validation_line)
 
 PLAN_VERSION = 1
 Runner = Literal["zplan", "deepspeed"]
@@ -219,42 +218,41 @@ def make_plan(sc: Scenario, strategy: str, global_batch: int, result=None) -> Pl
                 assumptions=sc.assume, predicted=predicted)
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write beside the target, fsync, then rename over it: the file is old or new, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(plan: Plan, path: str | Path) -> None:
     write_atomic(path, plan.model_dump_json(indent=2) + "\n")
 
 
 def load(path: str | Path) -> Plan:
+    """Read and validate a plan file (files.read_json: regular file, size, UTF-8, depth, no NaN)."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise UsageError(f"cannot read plan {p}: {e.strerror}; write one with zplan recommend --write {p}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"plan {p} is not valid JSON (line {e.lineno}: {e.msg})") from None
-    if isinstance(data, dict) and data.get("plan_version") not in (None, PLAN_VERSION):
-        raise UsageError(f"plan {p} has plan_version {data.get('plan_version')!r}; this zplan reads "
+    data = read_json(p, "plan")
+    if not isinstance(data, dict):
+        raise UsageError(f"plan {p} is not a JSON object; write one with zplan recommend --write {p}")
+    if data.get("plan_version") not in (None, PLAN_VERSION):
+        shown = " ".join(repr(data.get("plan_version")).split())[:40]
+        raise UsageError(f"plan {p} has plan_version {shown}; this zplan reads "
                          f"version {PLAN_VERSION}: write it again with zplan recommend --write")
     try:
-        return Plan.model_validate(data)
+        plan = Plan.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        where = f"field '{loc}': " if loc else ""
-        msg = err["msg"].removeprefix("Value error, ")
-        raise UsageError(f"plan {p}: {where}{msg}") from None
+        raise UsageError(validation_line(f"plan {p}", e)) from None
+    check_plan_numbers(plan, p)
+    return plan
+
+
+def check_plan_numbers(plan: Plan, p: Path) -> None:
+    """Every number in the plan finite, non-negative and sane (specs' bounds); N and batch bounded."""
+    from .specs import MAX_GPUS, MAX_GRAD_ACCUM, MAX_MICRO_BATCH, bad_number
+
+    for name in Plan.model_fields:
+        why = bad_number(getattr(plan, name).model_dump() if isinstance(getattr(plan, name), BaseModel)
+                         else getattr(plan, name))
+        if why:
+            raise UsageError(f"plan {p}: field '{name}': {why}; write it again with zplan recommend --write")
+    limits = (("num_gpus", plan.num_gpus, MAX_GPUS),
+              ("global_batch", plan.global_batch, MAX_GPUS * MAX_MICRO_BATCH * MAX_GRAD_ACCUM),
+              ("shard_size", plan.shard_size, plan.num_gpus))
+    for name, v, hi in limits:
+        if v is not None and not 1 <= v <= hi:
+            raise UsageError(f"plan {p}: field '{name}' is {v}, outside 1..{hi}; "
+                             f"write it again with zplan recommend --write")

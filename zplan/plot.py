@@ -54,13 +54,11 @@ def plot_scaling(sc: Scenario, path: str) -> None:
     b.set_title(f"step time, {sc.train.micro_batch} x {sc.train.seq_len} tokens per GPU")
     a.legend(fontsize=7)
     fig.tight_layout()
-    import os  # a PNG is binary: write beside the target, then rename over it
-    import tempfile
-    from pathlib import Path
+    import io
 
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, target)
+    from .files import write_bytes
+
+    buf = io.BytesIO()  # rendered first: a bad target path leaves no half-written PNG behind
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    write_bytes(path, buf.getvalue(), "plot")

@@ -8,9 +8,7 @@ for models a local Hugging Face config.json (read offline; no hub is ever contac
 from __future__ import annotations
 
 import difflib
-import json
 import os
-import tomllib
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -19,7 +17,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from .errors import UsageError
-from .specs import ClusterSpec, GPUSpec, ModelSpec
+from .files import read_json, read_toml
+from .specs import ClusterSpec, GPUSpec, ModelSpec, validation_line
 
 KINDS = {"gpus": GPUSpec, "clusters": ClusterSpec, "models": ModelSpec}
 T = TypeVar("T", bound=BaseModel)
@@ -48,67 +47,71 @@ def names(kind: str, extra: tuple[str, ...] = ()) -> list[str]:
     """Every preset name of one kind, the user's folders first."""
     found: list[str] = []
     for d in _search_dirs(extra):
-        for p in sorted((d / kind).glob("*.toml")):
+        try:  # a search path like PATH: a folder that cannot be listed holds no presets
+            listed = sorted((d / kind).glob("*.toml"))
+        except (OSError, ValueError):
+            continue
+        for p in listed:
             if p.stem not in found:
                 found.append(p.stem)
     return found
-
-
-def _validation_line(path: Path, err: ValidationError) -> str:
-    e = err.errors()[0]
-    field = ".".join(str(x) for x in e["loc"]) or "(file)"
-    return f"preset {path}: field '{field}': {e['msg']}"
 
 
 def _parse(path: Path, cls: type[T], data: dict) -> T:
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise UsageError(_validation_line(path, err) + "; fix the file") from None
+        raise UsageError(validation_line(f"preset {path}", err) + "; fix the file") from None
 
 
 @lru_cache(maxsize=256)
 def _load_file(path_str: str, kind: str) -> BaseModel:
     path = Path(path_str)
     cls = KINDS[kind]
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read preset {path}: {e.strerror}") from None
     if path.suffix == ".json":
         if kind != "models":
             raise UsageError(f"{path}: a .json file can only be a Hugging Face model config")
-        try:
-            return _parse(path, ModelSpec, hf_config_to_model(json.loads(text), path))
-        except json.JSONDecodeError as e:
-            raise UsageError(f"preset {path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        return _parse(path, ModelSpec, hf_config_to_model(read_json(path, "model config"), path))
+    return _parse(path, cls, read_toml(path, "preset"))
+
+
+def _is(test, p: Path) -> bool:
+    """Path.is_file / is_dir, False where the OS refuses the name (too long, bad bytes)."""
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"preset {path}: not valid TOML ({e})") from None
-    return _parse(path, cls, data)
+        return test(p)
+    except (OSError, ValueError):
+        return False
+
+
+MAX_NAME = 255
 
 
 def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> BaseModel:
     """Load a preset by name or path; unknown names list the close ones."""
+    singular = kind[:-1]
+    if not name_or_path.strip():
+        raise UsageError(f"the {singular} name {name_or_path!r} is empty; name a preset or a .toml file")
+    if len(name_or_path) > 4096 or "\x00" in name_or_path:
+        raise UsageError(f"the {singular} name is {len(name_or_path)} characters or holds a NUL; "
+                         f"name a preset or a .toml file")
     p = Path(name_or_path)
-    if p.suffix in (".toml", ".json") or p.is_dir() or os.sep in name_or_path:
-        if p.is_dir() and (p / "config.json").is_file():
+    if p.suffix in (".toml", ".json") or _is(Path.is_dir, p) or os.sep in name_or_path:
+        if _is(Path.is_dir, p) and _is(Path.is_file, p / "config.json"):
             p = p / "config.json"
-        if not p.is_file():
+        if not _is(Path.exists, p):
             raise UsageError(f"no such preset file: {name_or_path}")
-        return _load_file(str(p.resolve()), kind)
+        return _load_file(os.path.realpath(p), kind)
     key = name_or_path.lower()
-    for d in _search_dirs(extra):
+    for d in _search_dirs(extra) if len(key) <= MAX_NAME else ():
         f = d / kind / f"{key}.toml"
-        if f.is_file():
+        if _is(Path.exists, f):  # the reader refuses what is not a regular file, naming it
             return _load_file(str(f), kind)
     known = names(kind, extra)
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.4)
+    close = difflib.get_close_matches(key[:MAX_NAME], known, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
-    singular = kind[:-1]
+    shown = name_or_path if len(name_or_path) <= 80 else name_or_path[:77] + "..."
     raise UsageError(
-        f"unknown {singular} '{name_or_path}': {hint} (or pass a path to a .toml file)"
+        f"unknown {singular} {' '.join(shown.split())!r}: {hint} (or pass a path to a .toml file)"
     )
 
 
@@ -124,38 +127,70 @@ def model(name: str, extra: tuple[str, ...] = ()) -> ModelSpec:
     return load("models", name, extra)  # type: ignore[return-value]
 
 
-def hf_config_to_model(cfg: dict, path: Path) -> dict:
-    """Map a Hugging Face config.json (Llama, Mistral, Mixtral, Qwen2, GPT-2 style) to ModelSpec fields."""
+def hf_config_to_model(cfg: object, path: Path) -> dict:
+    """Map a Hugging Face config.json (Llama, Mistral, Mixtral, Qwen2, GPT-2 style) to ModelSpec fields.
 
-    def get(*keys, default=None):
+    The file is data from anywhere: its top level must be an object, each field used must have
+    the type Hugging Face writes (sizes are whole numbers, flags are booleans, names strings);
+    the sizes' ranges are ModelSpec's. Anything else is one line naming the field.
+    """
+    if not isinstance(cfg, dict):
+        raise UsageError(f"model config {path}: the top level is a JSON {_json_type(cfg)}, not an "
+                         f"object; pass a Hugging Face config.json")
+
+    def typed(key: str, types: tuple[type, ...], what: str):
+        v = cfg.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+            shown = " ".join(repr(v).split())[:60]
+            raise UsageError(f"model config {path}: field '{key}' is {shown}, not {what}; fix the file")
+        return v
+
+    def get(*keys: str, default: int | None = None) -> int:
         for k in keys:
-            if k in cfg and cfg[k] is not None:
-                return cfg[k]
+            v = typed(k, (int,), "a whole number")
+            if v is not None:
+                return v
         if default is None:
-            raise UsageError(f"preset {path}: field '{keys[0]}' is missing; add it to the config")
+            raise UsageError(f"model config {path}: field '{keys[0]}' is missing; add it to the config")
         return default
 
-    model_type = str(cfg.get("model_type", ""))
+    def text(key: str, default: str = "") -> str:
+        v = typed(key, (str,), "a string")
+        return default if v is None else v
+
+    def flag(key: str, default: bool) -> bool:
+        v = typed(key, (bool,), "true or false")
+        return default if v is None else v
+
+    model_type = text("model_type")
     hidden = get("hidden_size", "n_embd", "d_model")
     heads = get("num_attention_heads", "n_head")
-    act = str(cfg.get("hidden_act", cfg.get("activation_function", "silu")))
+    act = text("hidden_act") or text("activation_function") or "silu"
     gpt2_like = model_type in ("gpt2", "gpt_neox", "gptj", "opt")
+    name = " ".join(text("_name_or_path").split())[-128:] or path.parent.name[-128:] or "hf-model"
     return {
-        "name": str(cfg.get("_name_or_path") or path.parent.name or "hf-model"),
+        "name": "".join(c for c in name if c.isprintable()) or "hf-model",
         "num_layers": get("num_hidden_layers", "n_layer"),
         "hidden": hidden,
         "ffn_hidden": get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads", default=heads),
         "vocab_size": get("vocab_size"),
-        "tied_embeddings": bool(cfg.get("tie_word_embeddings", gpt2_like)),
+        "tied_embeddings": flag("tie_word_embeddings", gpt2_like),
         "mlp": "gelu" if gpt2_like or "gelu" in act else "swiglu",
         "norm": "layernorm" if gpt2_like else "rmsnorm",
         "position": "learned" if model_type == "gpt2" else "rope",
         "max_seq_len": get("max_position_embeddings", "n_positions", "n_ctx", default=4096),
         "linear_bias": gpt2_like,
-        "qkv_bias": gpt2_like or model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        "num_experts": int(cfg.get("num_local_experts", cfg.get("num_experts", 0)) or 0),
-        "experts_per_token": int(cfg.get("num_experts_per_tok", 0) or 0),
-        "source": f"Hugging Face config.json at {path}",
+        "qkv_bias": gpt2_like or model_type == "qwen2" or flag("attention_bias", False),
+        "num_experts": get("num_local_experts", "num_experts", default=0),
+        "experts_per_token": get("num_experts_per_tok", default=0),
+        "source": f"Hugging Face config.json at {str(path)[-1000:]}",
     }
+
+
+def _json_type(v: object) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        type(v), "null")

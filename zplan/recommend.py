@@ -9,13 +9,16 @@ candidates are timed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from .errors import PlanError, UsageError
 from .parse import check_choice
 from .estimate import StrategyEstimate, estimate_one, unavailable_reason
 from .memory import memory
 from .scenario import Scenario
+from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH
 from .strategies import STRATEGIES, effective
 from .units import fmt_bytes, fmt_s
 
@@ -85,9 +88,29 @@ def plan_for_runner(opts, runner: str | None) -> list[str]:
     return []
 
 
-def _micro_batches(per_gpu: int) -> list[int]:
-    """Divisors of the per-GPU batch, largest first (micro-batch x accumulation = per-GPU batch)."""
-    return [d for d in range(per_gpu, 0, -1) if per_gpu % d == 0]
+@lru_cache(maxsize=64)
+def _micro_batches(per_gpu: int) -> tuple[int, ...]:
+    """Divisors of the per-GPU batch, largest first (micro-batch x accumulation = per-GPU batch),
+    found in O(sqrt(per_gpu)) steps; at most TrainSpec's micro-batch limit. search() bounds
+    per_gpu by the accumulation limit, so micro-batch 1 is always among them."""
+    small = [d for d in range(1, math.isqrt(per_gpu) + 1) if per_gpu % d == 0]
+    divisors = sorted(set(small + [per_gpu // d for d in small]), reverse=True)
+    return tuple(d for d in divisors if d <= MAX_MICRO_BATCH)
+
+
+def _largest_fitting(mbs: tuple[int, ...], fits) -> tuple[int, int]:
+    """Index of the largest micro-batch that fits (memory grows with it), by bisection over
+    the divisors, largest first; and how many were probed. Keeps the search bounded: O(log d)
+    probes instead of one per divisor of a huge per-GPU batch."""
+    lo, hi, probes = 0, len(mbs), 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        probes += 1
+        if fits(mbs[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, probes
 
 
 def _usable(sc: Scenario, headroom: float) -> int:
@@ -118,6 +141,9 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         raise UsageError(f"--global-batch {global_batch} is not a multiple of {n} GPUs; "
                          f"use {max(n, global_batch // n * n)} or another multiple of {n}")
     per_gpu = global_batch // n
+    if per_gpu > MAX_GRAD_ACCUM:
+        raise UsageError(f"--global-batch {global_batch} is {per_gpu:,} sequences per GPU per step, "
+                         f"over the limit of {MAX_GRAD_ACCUM:,}; use a smaller batch or more GPUs")
     families = families or list(STRATEGIES)
     feasible: list[Candidate] = []
     rejected: dict[str, str] = {}
@@ -138,12 +164,19 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                     if bpu > L or (bpu > 1 and family in ("ddp", "zero1", "zero2")):
                         continue  # units only matter where weights are gathered per unit
                     taken = 0
-                    for mb in _micro_batches(per_gpu):
+
+                    def at(mb: int, prefetch: bool) -> Scenario:
+                        return replace(sc0, train=base.train.model_copy(update={
+                            "checkpointing": ckpt, "blocks_per_unit": bpu, "micro_batch": mb,
+                            "grad_accum": per_gpu // mb, "prefetch": prefetch}))
+
+                    mbs = _micro_batches(per_gpu)
+                    start, probes = _largest_fitting(
+                        mbs, lambda mb: _fits_memory(at(mb, False), family, usable))
+                    evaluated += probes
+                    for mb in mbs[start:]:
                         for prefetch in (True, False):
-                            tr = base.train.model_copy(update={
-                                "checkpointing": ckpt, "blocks_per_unit": bpu, "micro_batch": mb,
-                                "grad_accum": per_gpu // mb, "prefetch": prefetch})
-                            sc = replace(sc0, train=tr)
+                            sc = at(mb, prefetch)
                             evaluated += 1
                             if _fits_memory(sc, family, usable):
                                 found.append(Candidate(family, sc, estimate_one(sc, family), usable))

@@ -5,16 +5,20 @@ it; it never imports the CLI. Every bad value raises one UsageError line naming 
 
 from __future__ import annotations
 
+import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import ValidationError
 
 from . import arch, presets
 from .errors import UsageError
+from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import ATTENTION_KERNELS, CHECKPOINTING, Assumptions, Hardware, Precision, TrainSpec
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, MAX_LAYERS, Assumptions, Hardware, Precision,
+                    TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
 DTYPES = tuple(DTYPE_BITS)
@@ -97,18 +101,25 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.model is not None:
         model = presets.model(o.model, extra)
     else:
-        psi = parse_count(o.params or "7e9", "--params")
-        unit = parse_count(o.unit_params, "--unit-params") if o.unit_params else None
+        psi = parse_count(o.params if o.params is not None else "7e9", "--params")
+        unit = parse_count(o.unit_params, "--unit-params") if o.unit_params is not None else None
         if unit is not None and unit > psi:
             raise UsageError(f"--unit-params {o.unit_params} is larger than --params {o.params}; a unit is part of the model")
+        if unit is not None and -(-psi // unit) > MAX_LAYERS:
+            raise UsageError(f"--unit-params {o.unit_params} makes {-(-psi // unit):,} units of "
+                             f"--params {o.params}, over the limit of {MAX_LAYERS:,}; use at least "
+                             f"{-(-psi // MAX_LAYERS):,} parameters per unit")
         model = arch.synthetic(psi, unit)
     seq = o.seq_len if o.seq_len is not None else min(4096, model.max_seq_len)
     check_range(seq, "--seq-len", 1, 10**7)
     check_range(o.micro_batch, "--micro-batch", 1, 10**5)
     check_range(o.grad_accum, "--grad-accum", 1, 10**6)
     check_range(o.blocks_per_unit, "--blocks-per-unit", 1, model.num_layers)
-    if o.checkpointing == "every-k":
-        check_range(o.checkpoint_every, "--checkpoint-every", 1, model.num_layers)
+    check_range(o.checkpoint_every, "--checkpoint-every", 1, MAX_LAYERS)
+    if o.checkpointing == "every-k" and o.checkpoint_every > model.num_layers:
+        raise UsageError(f"--checkpointing every-k with --checkpoint-every {o.checkpoint_every} "
+                         f"checkpoints no block of this {model.num_layers}-layer model; use "
+                         f"--checkpoint-every 1..{model.num_layers}")
     efficiency = o.efficiency
     if efficiency is None and gpu.kernels is None:  # no kernel constants: one efficiency
         efficiency = 1.0 if gpu.measured else 0.7
@@ -155,8 +166,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         )
         hw = Hardware(gpu=gpu, cluster=cluster, num_gpus=n)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise UsageError(validation_line("options", e)) from None
     return Scenario(model, hw, train, assume, o.shard_size)
 
 
@@ -171,35 +181,73 @@ def cpu_ranks(**kw) -> ScenarioOptions:
 PROJECT_FILE = "zplan.toml"
 
 
+def _project_value(p: Any, key: str, v: Any, hint: Any) -> Any:
+    """A zplan.toml value checked against the option's type (a flag would be parsed to it)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    want = args[0]
+    if key in ("params", "gpus", "unit_params") and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return str(v)
+    if key == "presets_dir" and isinstance(v, str):
+        return [v]
+    ok = {str: lambda x: isinstance(x, str),
+          int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+          float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+          bool: lambda x: isinstance(x, bool)}.get(want)
+    if ok is None:  # list[str]
+        ok = lambda x: isinstance(x, list) and all(isinstance(i, str) for i in x)  # noqa: E731
+    if not ok(v):
+        shown = " ".join(repr(v).split())[:60]
+        kind = {str: "a string", int: "a whole number", float: "a number", bool: "true or false"}.get(
+            want, "a list of strings")
+        raise UsageError(f"{p}: key {key!r} is {shown}, not {kind}; fix the file")
+    return v
+
+
+@contextmanager
+def project_file_named(used: list[str]):
+    """A UsageError raised while zplan.toml's values are in force says which it set."""
+    try:
+        yield
+    except UsageError as e:
+        toml = [u for u in used if u.startswith(PROJECT_FILE)]
+        if not toml:
+            raise
+        raise UsageError(f"{e} ({'; '.join(toml)})") from None
+
+
 def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE) -> list[str]:
     """Fill options the user left at their defaults from ./zplan.toml; return what was taken.
 
     Keys are the long option names with underscores (model, gpus, cluster, seq_len, ...), plus
-    the command's own (e.g. global_batch), which land in `extra`.
+    the command's own (e.g. global_batch), which land in `extra` (a string or a number each;
+    the command checks them as it checks its flags). Values of the wrong type are refused.
     """
-    import tomllib
     from pathlib import Path
 
     p = Path(path)
-    if not p.is_file():
-        return []
     try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{p}: not valid TOML ({e}); fix the file") from None
+        if not p.exists():
+            return []
+    except OSError:
+        return []
+    data = read_toml(p, "project file")
+    hints = typing.get_type_hints(ScenarioOptions)
     defaults = ScenarioOptions()
     taken = []
     for k, v in data.items():
         key = k.replace("-", "_")
-        if key in FIELDS:
+        shown = " ".join(f"{key}={v}".split())[:80]
+        if key in FIELDS:  # every value is checked, used or not: a bad file is refused whole
+            v = _project_value(p, key, v, hints[key])
             if getattr(o, key) == getattr(defaults, key):
-                setattr(o, key, str(v) if key in ("params", "gpus") else v)
-                taken.append(f"{key}={v}")
+                setattr(o, key, v)
+                taken.append(shown)
         elif key in extra:
+            v = _project_value(p, key, v, str if isinstance(v, str) else float)
             if extra[key] is None:
                 extra[key] = v
-                taken.append(f"{key}={v}")
+                taken.append(shown)
         else:
             known = ", ".join(sorted(FIELDS + list(extra)))
-            raise UsageError(f"{p}: unknown key {k!r}; known keys: {known}")
+            raise UsageError(f"{p}: unknown key {' '.join(k.split())[:60]!r}; known keys: {known}")
     return taken

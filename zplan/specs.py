@@ -6,9 +6,11 @@ Every spec is a pydantic model that refuses unknown fields and is checked once, 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PositiveInt, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PositiveInt, StringConstraints,
+                      ValidationError, field_validator, model_validator)
 
 DTypeName = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "int4"]
 StrategyName = Literal[
@@ -23,8 +25,69 @@ OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
 
 
+# Bounds on every number a spec holds. Generic (the base class checks every field, so fields
+# added later are covered): finite, non-negative, below MAX_NUMBER, which keeps products of a
+# dozen of them finite in float64. Specific bounds (Field(le=...)) say what is absurd per field.
+MAX_NUMBER = 1e24
+MAX_GPUS = 10**6
+MAX_LAYERS = 256  # 2x the deepest published model (~130); each layer is priced: recommend ~1 s
+MAX_EXPERTS = 1024  # published MoE models have up to a few hundred
+MAX_BLOCK_EXPERTS = 100_000  # num_layers x experts: each expert of each block is priced
+MAX_MEMORY_BYTES = 2**50  # 1 PiB: per GPU or per node
+MAX_RATE = 1e18  # FLOP/s or bytes/s of one device or link
+MAX_PARAMS = 10**13
+MAX_SEQ_LEN = 10**7
+MAX_MICRO_BATCH = 10**5
+MAX_GRAD_ACCUM = 10**6
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+def bad_number(value: Any) -> str | None:
+    """Why `value` (a number, or one inside a dict, list or tuple) is not a sane spec number."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, (int, float)):
+            if isinstance(v, float) and not math.isfinite(v):
+                return f"{v} is not a finite number"
+            if v < 0:
+                return f"{v} is negative"
+            if v > MAX_NUMBER:
+                shown = f"{v:.3g}" if isinstance(v, float) else f"about 1e{int(math.log10(v))}"
+                return f"{shown} is absurdly large (limit {MAX_NUMBER:.0e})"
+    return None
+
+
+def validation_line(what: str, err: ValidationError) -> str:
+    """pydantic's first error as one line: `what: field 'loc': message (got value)`."""
+    e = err.errors()[0]
+    field = ".".join(str(x) for x in e["loc"])
+    msg = " ".join(str(e["msg"]).split()).removeprefix("Value error, ")
+    got = ""
+    if e.get("type") not in ("missing", "extra_forbidden") and "input" in e and \
+            not isinstance(e["input"], (dict, list)):
+        got = f" (got {' '.join(repr(e['input']).split())[:80]})"
+    return f"{what}: field '{field}': {msg}{got}" if field else f"{what}: {msg}"
+
+
 class Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    """Frozen, unknown fields refused, and every number finite and non-negative."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, str_max_length=4096)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _sane_numbers(cls, v: Any) -> Any:
+        why = bad_number(v)
+        if why:
+            raise ValueError(why)
+        return v
 
 
 class KernelSpec(Spec):
@@ -52,11 +115,12 @@ class KernelSpec(Spec):
 class GPUSpec(Spec):
     """One accelerator, from its vendor's datasheet."""
 
-    name: str
-    memory_bytes: PositiveInt
-    peak_flops: dict[DTypeName, float] = Field(description="dense peak FLOP/s per dtype (no sparsity)")
-    hbm_bytes_per_s: float = Field(gt=0)
-    host_link_bytes_per_s: float = Field(gt=0, description="GPU<->host, one direction")
+    name: Name
+    memory_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES)
+    peak_flops: dict[DTypeName, Annotated[float, Field(gt=0, le=MAX_RATE)]] = Field(
+        description="dense peak FLOP/s per dtype (no sparsity)")
+    hbm_bytes_per_s: float = Field(gt=0, le=MAX_RATE)
+    host_link_bytes_per_s: float = Field(gt=0, le=MAX_RATE, description="GPU<->host, one direction")
     measured: bool = Field(False, description="peak_flops are achieved rates from zplan calibrate")
     device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: a CPU rank standing in for a GPU")
     kernels: KernelSpec | None = Field(
@@ -94,53 +158,53 @@ class ClusterSpec(Spec):
     latencies are NCCL's own tuning constants (src/graph/tuning.cc) for the link type.
     """
 
-    name: str
-    gpu: str | None = Field(None, description="default GPU preset for this cluster")
-    gpus_per_node: PositiveInt
+    name: Name
+    gpu: Name | None = Field(None, description="default GPU preset for this cluster")
+    gpus_per_node: int = Field(gt=0, le=1024)
     intra_node_busbw_bytes_per_s: float = Field(
-        gt=0, description="ring all-gather/reduce-scatter busbw inside one node, large messages")
+        gt=0, le=MAX_RATE, description="ring all-gather/reduce-scatter busbw inside one node, large messages")
     intra_node_allreduce_busbw_bytes_per_s: float | None = Field(
-        None, gt=0, description="all-reduce busbw inside one node where NCCL picks NVLS "
+        None, gt=0, le=MAX_RATE, description="all-reduce busbw inside one node where NCCL picks NVLS "
         "(NVLink SHARP); None: the ring figure")
     inter_node_busbw_bytes_per_s: float = Field(
-        gt=0, description="per GPU: what each GPU's share of the network adds to a ring that "
+        gt=0, le=MAX_RATE, description="per GPU: what each GPU's share of the network adds to a ring that "
         "spans nodes; a group with g GPUs in each node gets g times this")
-    intra_node_latency_s: float = Field(ge=0, description="per ring step inside a node")
-    inter_node_latency_s: float = Field(ge=0, description="per ring step that crosses nodes")
-    base_latency_s: float = Field(0.0, ge=0, description="per call (NCCL's baseLat)")
+    intra_node_latency_s: float = Field(ge=0, le=1, description="per ring step inside a node")
+    inter_node_latency_s: float = Field(ge=0, le=1, description="per ring step that crosses nodes")
+    base_latency_s: float = Field(0.0, ge=0, le=1, description="per call (NCCL's baseLat)")
     link: Literal["nvlink", "pcie", "loopback"] = Field(
         "nvlink", description="intra-node link type: selects NCCL's LL latencies")
     nccl_tests: Annotated[tuple[NcclTestFigure, ...],
                           PlainSerializer(lambda v: [f.model_dump() for f in v])] = ()
-    host_ram_bytes: PositiveInt = Field(description="per node")
-    cpu_adam_params_per_s: float = Field(2e9, gt=0, description="CPU optimizer throughput per node")
+    host_ram_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES, description="per node")
+    cpu_adam_params_per_s: float = Field(2e9, gt=0, le=MAX_RATE, description="CPU optimizer throughput per node")
     source: str
 
 
 class ModelSpec(Spec):
     """A decoder-only transformer described by its architecture; parameter counts are derived."""
 
-    name: str
-    num_layers: PositiveInt
-    hidden: PositiveInt
-    ffn_hidden: PositiveInt
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt
-    vocab_size: PositiveInt
+    name: Name
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
+    hidden: int = Field(gt=0, le=2**20)
+    ffn_hidden: int = Field(gt=0, le=2**22)
+    num_heads: int = Field(gt=0, le=2**14)
+    num_kv_heads: int = Field(gt=0, le=2**14)
+    vocab_size: int = Field(gt=0, le=2**27)
     tied_embeddings: bool = False
     mlp: Literal["gelu", "swiglu"] = "swiglu"
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     position: Literal["rope", "learned"] = "rope"
-    max_seq_len: PositiveInt = 4096
+    max_seq_len: int = Field(4096, gt=0, le=2**27)
     linear_bias: bool = False
     qkv_bias: bool = False
     dropout: bool = False
-    num_experts: int = Field(0, ge=0, description="0 for a dense model")
-    experts_per_token: int = Field(0, ge=0)
+    num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="0 for a dense model")
+    experts_per_token: int = Field(0, ge=0, le=MAX_EXPERTS)
     total_params: int | None = Field(
-        None, description="set only for a model synthesized from a bare --params count"
+        None, gt=0, le=MAX_PARAMS, description="set only for a model synthesized from a bare --params count"
     )
-    published_params: int | None = None
+    published_params: int | None = Field(None, gt=0, le=MAX_PARAMS)
     source: str = ""
 
     @model_validator(mode="after")
@@ -153,6 +217,16 @@ class ModelSpec(Spec):
             )
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError("experts_per_token must be in 1..num_experts for an MoE model")
+        if self.num_layers * max(1, self.num_experts) > MAX_BLOCK_EXPERTS:
+            raise ValueError(f"num_layers x num_experts is {self.num_layers * self.num_experts:,}, over "
+                             f"the limit of {MAX_BLOCK_EXPERTS:,}; check both")
+        if self.total_params is None:
+            from .arch import param_count  # arch imports this module
+
+            psi = param_count(self)
+            if psi > MAX_PARAMS:
+                raise ValueError(f"the architecture has {psi:.3g} parameters, over the limit of "
+                                 f"{MAX_PARAMS:.0e}; check num_layers, hidden, ffn_hidden, vocab_size")
         return self
 
     @property
@@ -186,12 +260,12 @@ class Assumptions(Spec):
         None, gt=0, le=1, description="achieved fraction of dense peak FLOP/s for all FLOPs (a "
         "user assumption); None: the per-op kernel model of the GPU preset")
     cuda_context_bytes: int = Field(
-        600 * 2**20, ge=0, description="CUDA context + cuBLAS/NCCL workspaces, per GPU"
+        600 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="CUDA context + cuBLAS/NCCL workspaces, per GPU"
     )
     fragmentation: float = Field(
         0.05, ge=0, lt=1, description="caching-allocator fragmentation, fraction of tensor bytes"
     )
-    ddp_bucket_bytes: int = Field(25 * 2**20, ge=0, description="DDP gradient bucket size")
+    ddp_bucket_bytes: int = Field(25 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="DDP gradient bucket size")
     loss_fp32: bool = Field(True, description="logits upcast to fp32 for the loss")
     overlap: bool = Field(True, description="communication runs concurrently with compute")
 
@@ -199,11 +273,11 @@ class Assumptions(Spec):
 class TrainSpec(Spec):
     """One training configuration on the model."""
 
-    seq_len: PositiveInt = 4096
-    micro_batch: PositiveInt = 1
-    grad_accum: PositiveInt = 1
+    seq_len: int = Field(4096, gt=0, le=MAX_SEQ_LEN)
+    micro_batch: int = Field(1, gt=0, le=MAX_MICRO_BATCH)
+    grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM)
     checkpointing: Checkpointing = "none"
-    checkpoint_every: PositiveInt = Field(2, description="every-k: one block in k is checkpointed")
+    checkpoint_every: int = Field(2, gt=0, le=MAX_LAYERS, description="every-k: one block in k is checkpointed")
     flash_attention: bool = True
     attention_kernel: AttentionKernel = Field(
         "flash2", description="the flash kernel: flash2 (FlashAttention-2, PyTorch's SDPA flash "
@@ -216,7 +290,7 @@ class TrainSpec(Spec):
     fused_norm: bool = Field(
         True, description="RMSNorm saves its input and rstd (fused kernel); False: the composite "
         "fp32 implementation (CPU) also saves the fp32 input and normalized output")
-    blocks_per_unit: PositiveInt = 1
+    blocks_per_unit: int = Field(1, gt=0, le=MAX_LAYERS)
     reshard_after_forward: bool = True
     prefetch: bool = True
     reduce_every_microbatch: bool = Field(
@@ -230,7 +304,7 @@ class TrainSpec(Spec):
 class Hardware(Spec):
     gpu: GPUSpec
     cluster: ClusterSpec
-    num_gpus: PositiveInt
+    num_gpus: int = Field(gt=0, le=MAX_GPUS)
 
     @property
     def num_nodes(self) -> int:

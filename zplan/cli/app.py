@@ -21,4 +21,5 @@ def _root() -> None:
 
 
 def emit_json(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    """One JSON object on stdout; NaN or infinity is a bug upstream, never printed as non-JSON."""
+    sys.stdout.write(json.dumps(obj, indent=2, allow_nan=False) + "\n")

@@ -75,6 +75,23 @@ def _split_args(ctx: typer.Context, script: str | None) -> tuple[str | None, lis
     return script, extra
 
 
+def _check_ranges(strategy, global_batch, seq_len, nproc, nnodes, node_rank,
+                  max_restarts, data) -> None:
+    """Nonsense refused in one line before anything runs (issue 10)."""
+    from ..parse import check_choice
+    from ..strategies import STRATEGIES
+
+    check_range(nproc, "--nproc", 1, 1024)
+    check_range(global_batch, "--global-batch", 1, 10**9)
+    check_range(seq_len, "--seq-len", 1, 10**7)
+    check_range(node_rank, "--node-rank", 0, nnodes - 1)
+    check_range(max_restarts, "--max-restarts", 0, 1000)
+    for s in strategy or ():
+        check_choice(s, "--strategy", tuple(STRATEGIES))
+    if data is not None and not Path(data).is_file():
+        raise UsageError(f"--data {data!r} is not a file; pass a local text file, or drop --data for synthetic data")
+
+
 @app.command(context_settings={"allow_extra_args": True, "allow_interspersed_args": False})
 def launch(
     ctx: typer.Context,
@@ -120,6 +137,7 @@ def launch(
     check_range(nnodes, "--nnodes", 1, 100000)
     check_range(steps, "--steps", 1, 10**9)
     check_range(save_every, "--save-every", 0, 10**9)
+    _check_ranges(strategy, global_batch, seq_len, nproc, nnodes, node_rank, max_restarts, data)
     check_range(keep, "--keep", 0, 10**6)
     if log_every is not None:
         check_range(log_every, "--log-every", 0, 10**9)

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import UsageError
 from .app import app, emit_json
-from ..scenario_options import ScenarioOptions, apply_project_file, build
+from ..scenario_options import ScenarioOptions, apply_project_file, build, project_file_named
 from .options import scenario_options
 from ..parse import check_choice, check_range, parse_count
 
@@ -72,17 +72,21 @@ def recommend(
     if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
         strategy = [s for s in STRATEGIES if s != "hsdp"]
         used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp to plan it anyway)")
-    sc = build(opts)
+    with project_file_named(used):
+        sc = build(opts)
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
     if gb is not None and gbt is not None:
         raise UsageError("give --global-batch or --global-batch-tokens, not both")
     if gbt is not None:
-        tokens = parse_count(str(gbt), "--global-batch-tokens")
+        tokens = parse_count(str(gbt), "--global-batch-tokens", integer=True)
         if tokens % sc.train.seq_len:
             raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {sc.train.seq_len}")
         batch = tokens // sc.train.seq_len
+        if batch % sc.n:
+            raise UsageError(f"--global-batch-tokens {tokens} is {batch} sequences of {sc.train.seq_len} "
+                             f"tokens, not a multiple of {sc.n} GPUs; use a multiple of {sc.n * sc.train.seq_len}")
     elif gb is not None:
-        batch = parse_count(str(gb), "--global-batch")
+        batch = parse_count(str(gb), "--global-batch", integer=True)
     else:
         batch = DEFAULT_PER_GPU * sc.n
         used.append(f"global batch {batch} sequences ({DEFAULT_PER_GPU} per GPU; --global-batch to change)")

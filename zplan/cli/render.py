@@ -8,6 +8,7 @@ import sys
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..estimate import StrategyEstimate
@@ -72,12 +73,12 @@ def header(console: Console, sc: Scenario, unit: str) -> None:
     m, hw, t = sc.model, sc.hw, sc.train
     psi = sc.params
     console.print(
-        f"[bold]{m.name}[/]: {psi:,} params ({fmt_count(psi)}); 16 bytes/param would be "
+        f"[bold]{escape(m.name)}[/]: {psi:,} params ({fmt_count(psi)}); 16 bytes/param would be "
         f"{fmt_bytes(16 * psi, unit)} of model state"
     )
     console.print(
-        f"{hw.num_gpus} x {hw.gpu.name} ({fmt_bytes(hw.gpu.memory_bytes, unit)} each), "
-        f"{sc.hw.num_nodes} node(s) of {hw.cluster.gpus_per_node} on {hw.cluster.name}; "
+        f"{hw.num_gpus} x {escape(hw.gpu.name)} ({fmt_bytes(hw.gpu.memory_bytes, unit)} each), "
+        f"{sc.hw.num_nodes} node(s) of {hw.cluster.gpus_per_node} on {escape(hw.cluster.name)}; "
         f"{len(sc.units)} units; seq {t.seq_len}, micro-batch {t.micro_batch}, accumulation {t.grad_accum}; "
         f"checkpointing {t.checkpointing}; layout {t.layout}; params {t.precision.param}, "
         f"reduce {t.precision.reduce}, master {t.precision.master}, {t.optimizer}"
@@ -126,7 +127,7 @@ def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide:
     add_columns(tb, heads, ("strategy", "fits"))
     for r in results:
         if r.memory is None:
-            tb.add_row(r.name, *[""] * (len(heads) - 2), f"[dim]n/a: {r.unavailable}[/]")
+            tb.add_row(r.name, *[""] * (len(heads) - 2), f"[dim]n/a: {escape(r.unavailable)}[/]")
             continue
         d = r.memory.as_dict()
         cells = _memory_cells(d, unit)
@@ -202,7 +203,7 @@ def assumptions_lines(console: Console, assumed: dict) -> None:
         val = v["value"]
         if k.endswith("_bytes"):
             val = f"{val / GiB:.2f} GiB"
-        console.print(f"  {k} = {val}  [dim]{v['meaning']}; {v['flag']}[/]")
+        console.print(f"  {k} = {escape(str(val))}  [dim]{escape(v['meaning'])}; {escape(v['flag'])}[/]")
 
 
 def print_estimate(sc: Scenario, results: list[StrategyEstimate], assumed: dict, unit: str,

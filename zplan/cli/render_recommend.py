@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from rich.markup import escape
 
 from ..recommend import Recommendation
 from ..units import fmt_bytes, fmt_s
@@ -15,7 +16,7 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
     console = make_console()
     w = rec.winner
     sc, t, m = w.sc, w.result.timing, w.result.memory
-    console.print(f"[bold]{sc.model.name}[/] on {sc.n} x {sc.hw.gpu.name} ({sc.hw.cluster.name}), "
+    console.print(f"[bold]{escape(sc.model.name)}[/] on {sc.n} x {escape(sc.hw.gpu.name)} ({escape(sc.hw.cluster.name)}), "
                   f"global batch {rec.global_batch} x {sc.train.seq_len} tokens; "
                   f"{rec.evaluated} configurations searched. Sizes in GB (10^9 bytes).")
     console.print(f"[bold green]Recommended:[/] {w.label()}")
@@ -28,14 +29,14 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
         hidden = sum(u.forward_hidden for u in t.units[1:])
         console.print(f"  all-gathers hidden in forward for {hidden} of {len(t.units) - 1} units after the first")
     for f in rec.flags:
-        console.print(f"[yellow]  note: {f}[/]")
+        console.print(f"[yellow]  note: {escape(f)}[/]")
     if top:
         console.print(runners_up(rec, top, wide))
     console.print("[bold]Each strategy family:[/]")
     for fam, why in rec.lost.items():
-        console.print(f"  {fam}: {why}")
+        console.print(f"  {fam}: {escape(why)}")
     for fam, why in rec.rejected.items():
-        console.print(f"  [red]infeasible[/] {why}")
+        console.print(f"  [red]infeasible[/] {escape(why)}")
     # messages, not data: stderr
     if written:
         print(f"zplan: plan written to {written} (zplan launch --plan {written} runs it)", file=sys.stderr)

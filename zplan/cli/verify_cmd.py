@@ -148,6 +148,8 @@ def calibrate(
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if not cuda:
         torch.set_num_threads(1)  # as each torchrun rank runs (OMP_NUM_THREADS=1)
+    check_range(ranks, "--ranks", 1, 1024)  # 0 must not mean "the default"
+    check_range(max_mb, "--max-mb", 1, 1 << 20)
     world = ranks or (torch.cuda.device_count() if cuda else 2)
     check_range(world, "--ranks", 1, 1024)
     top_mb = max_mb or (1024 if cuda else 64)

@@ -1,0 +1,145 @@
+"""The one reader and the one writer (zplan/files.py), on real files, FIFOs, devices and links."""
+
+import json
+import os
+import stat
+import threading
+
+import pytest
+
+from zplan import files
+from zplan.errors import UsageError
+
+
+def _timeout(fn, seconds=5.0):
+    """Run fn in a thread; fail if it blocks (a FIFO read waits for a writer forever)."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_catch(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "blocked"
+    return out["r"]
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except UsageError as e:
+        return e
+
+
+def test_fifo_directory_and_device_are_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory"), ("/dev/zero", "a character device")):
+        err = _timeout(lambda: files.read_json(path, "plan"))
+        assert isinstance(err, UsageError) and f"plan {path} is {kind}" in str(err)
+
+
+def test_size_limit(tmp_path):
+    p = tmp_path / "big.toml"
+    p.write_bytes(b"#" * (files.MAX_INPUT_BYTES + 1))
+    with pytest.raises(UsageError, match=r"big\.toml is 8,388,609 bytes, over the limit"):
+        files.read_toml(p, "preset")
+
+
+def test_not_utf8_names_the_byte(tmp_path):
+    p = tmp_path / "latin.toml"
+    p.write_bytes(b'name = "caf\xe9"\n')
+    with pytest.raises(UsageError, match=r"latin\.toml is not UTF-8 text \(byte 11\)"):
+        files.read_toml(p, "preset")
+
+
+def test_bom_is_dropped(tmp_path):
+    p = tmp_path / "bom.json"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"a": 1}).encode())
+    assert files.read_json(p, "plan") == {"a": 1}
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a":' * 40 + "1" + "}" * 40])
+def test_deep_json_is_refused(tmp_path, text):
+    p = tmp_path / "deep.json"
+    p.write_text(text)
+    with pytest.raises(UsageError, match=f"nests deeper than {files.MAX_DEPTH} levels"):
+        files.read_json(p, "plan")
+
+
+def test_brackets_inside_strings_do_not_count(tmp_path):
+    p = tmp_path / "ok.json"
+    p.write_text(json.dumps({"source": "[" * 1000 + '\\"{'}))
+    assert files.read_json(p, "plan")["source"].startswith("[[[")
+
+
+def test_dotted_toml_keys_nest_without_brackets(tmp_path):
+    p = tmp_path / "dots.toml"
+    p.write_text(".".join(["k"] * 200) + " = 1\n")
+    with pytest.raises(UsageError, match="nests deeper than"):
+        files.read_toml(p, "preset")
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_json_nan_and_infinity_are_refused(tmp_path, token):
+    p = tmp_path / "plan.json"
+    p.write_text('{"step_s": %s}' % token)
+    with pytest.raises(UsageError, match=f"plan {p} is not usable JSON.*{token}"):
+        files.read_json(p, "plan")
+
+
+def test_write_gives_the_umask_mode_not_0600(tmp_path):
+    old = os.umask(0o027)
+    try:
+        files.write_text(tmp_path / "a.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "a.json").st_mode) == 0o640
+
+
+def test_write_keeps_an_existing_files_mode(tmp_path):
+    p = tmp_path / "job.sh"
+    p.write_text("old")
+    os.chmod(p, 0o751)
+    files.write_text(p, "new")
+    assert p.read_text() == "new" and stat.S_IMODE(os.stat(p).st_mode) == 0o751
+
+
+def test_write_through_a_symlink_keeps_the_link(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    files.write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+
+
+@pytest.mark.parametrize("special", ["dir", "fifo", "/dev/null"])
+def test_write_refuses_special_targets_and_leaves_nothing(tmp_path, special):
+    if special == "dir":
+        target, kind = tmp_path / "out", "a directory"
+        target.mkdir()
+    elif special == "fifo":
+        target, kind = tmp_path / "out", "a FIFO"
+        os.mkfifo(target)
+    else:
+        target, kind = special, "a character device"
+    err = _timeout(lambda: files.write_text(target, "x", "plot"))
+    assert isinstance(err, UsageError) and f"plot {target} is {kind}" in str(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if special != "/dev/null" else [])
+
+
+def test_failed_write_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    p = tmp_path / "plan.json"
+    p.write_text("old")
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(files.FileWriteError, match=f"cannot write plan {p}: No space left on device"):
+        files.write_text(p, "new", "plan")
+    assert p.read_text() == "old" and [x.name for x in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_write_under_a_file_is_a_usage_error(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError, match="cannot write output .*afile/out.json: Not a directory"):
+        files.write_text(tmp_path / "afile" / "out.json", "x")
