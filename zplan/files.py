@@ -10,7 +10,7 @@ the target's folder, fsynced, then renamed over the target, so a reader sees the
 new one, never half of one. The new file gets the existing file's mode, or 0666 less the umask
 (what `open()` would give), not mkstemp's 0600. A target that exists and is not a regular file
 (a directory, FIFO, device, socket) is refused. A symlink is written through: its target file
-is replaced and the link stays a link. Guarantees and tests: docs/reliability-input.md.
+is replaced and the link stays a link. Guarantees and tests: docs/reliability.md.
 """
 
 from __future__ import annotations
