@@ -47,6 +47,7 @@ class StrategyEstimate:
             return d
         assert self.memory is not None and self.timing is not None
         d["per_gpu"] = self.memory.as_dict()
+        d["peak"] = {"phase": self.memory.peak_phase, "event": self.memory.peak_event}
         d["fits"] = self.fits
         d["headroom_bytes"] = self.headroom_bytes
         d["host_fits"] = self.host_fits

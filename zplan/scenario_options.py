@@ -20,7 +20,6 @@ from .units import DTYPE_BITS, MiB, GiB
 DTYPES = tuple(DTYPE_BITS)
 DEFAULT_CLUSTER = "dgx-h100"
 GPU_CONTEXT_GIB = 600 / 1024  # CUDA context + cuBLAS/NCCL workspaces (Assumptions.cuda_context_bytes)
-GPU_FRAGMENTATION = 0.05
 
 
 @dataclass
@@ -56,7 +55,7 @@ class ScenarioOptions:
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
     context_gib: Optional[float] = None  # None: 600 MiB on a GPU, 0 on a CPU rank
-    fragmentation: Optional[float] = None  # None: 0.05 on a GPU, 0 on a CPU rank
+    fragmentation: Optional[float] = None  # None: the caching-allocator model on a GPU, 0 on a CPU rank
     bucket_mib: float = 25.0
     overlap: bool = True
     presets_dir: Optional[list[str]] = None
@@ -117,8 +116,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     # a CPU rank has no CUDA context and no caching allocator: those defaults are GPU-only
     on_gpu = gpu.device != "cpu"
     context_gib = o.context_gib if o.context_gib is not None else (GPU_CONTEXT_GIB if on_gpu else 0.0)
-    fragmentation = o.fragmentation if o.fragmentation is not None else (GPU_FRAGMENTATION if on_gpu else 0.0)
-    check_range(fragmentation, "--fragmentation", 0.0, 0.9)
+    fragmentation = o.fragmentation if o.fragmentation is not None else (None if on_gpu else 0.0)
+    if fragmentation is not None:
+        check_range(fragmentation, "--fragmentation", 0.0, 0.9)
     check_range(context_gib, "--context-gib", 0.0, 1024)
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)

@@ -188,8 +188,9 @@ class Assumptions(Spec):
     cuda_context_bytes: int = Field(
         600 * 2**20, ge=0, description="CUDA context + cuBLAS/NCCL workspaces, per GPU"
     )
-    fragmentation: float = Field(
-        0.05, ge=0, lt=1, description="caching-allocator fragmentation, fraction of tensor bytes"
+    fragmentation: float | None = Field(
+        None, ge=0, lt=1, description="flat allocator fragmentation, fraction of allocated bytes; "
+        "None: the caching-allocator model (zplan/allocator.py)"
     )
     ddp_bucket_bytes: int = Field(25 * 2**20, ge=0, description="DDP gradient bucket size")
     loss_fp32: bool = Field(True, description="logits upcast to fp32 for the loss")

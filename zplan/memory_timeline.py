@@ -1,0 +1,169 @@
+"""Memory over the events of one training step: the peak is the largest event, not a sum of
+separate maxima.
+
+Events, in order: each unit's forward, the loss's forward and backward, each unit's backward
+(with its recomputation) and reduce-scatter, the optimizer step with its temporaries. At each
+event the live bytes are split by kind: the state at rest (sharded parameters, master weights,
+optimizer state), the sharded gradients produced so far, the gathered weights, the reduction
+buffers, and the activations. What each FSDP2 event holds follows
+torch/distributed/fsdp/_fully_shard (all-gather output then copy-out into the unsharded
+parameters; the next unit's all-gather prefetched; each unit's reduce-scatter input kept until
+the next unit's reduce-scatter, `reduce_scatter_states`); derivation in docs/formulas.md
+section 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import arch
+from .scenario import Scenario
+from .specs import TrainSpec
+
+KINDS = ("state", "grads", "gathered", "all_gather", "unsharded_grads", "reduce_scatter",
+         "activations")
+# The CUDA stream each kind is allocated on: the caching allocator reuses a freed block only for
+# requests on the stream it was allocated on. FSDP2 allocates all-gather outputs on its
+# all-gather stream, reduce-scatter inputs and outputs (the sharded gradients are views of the
+# output) on its reduce-scatter stream (_fsdp_collectives.foreach_all_gather, foreach_reduce).
+STREAM = {"state": "default", "gathered": "default", "unsharded_grads": "default",
+          "activations": "default", "all_gather": "all-gather", "grads": "reduce-scatter",
+          "reduce_scatter": "reduce-scatter"}
+
+
+@dataclass(frozen=True)
+class Event:
+    phase: str  # forward | loss | backward | optimizer
+    label: str
+    live: dict[str, int] = field(default_factory=dict)  # bytes by kind (KINDS)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.live.values())
+
+
+def _ev(phase: str, label: str, **live: int) -> Event:
+    return Event(phase, label, {k: int(live.get(k, 0)) for k in KINDS})
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What the activations of one micro-batch hold, per unit (bytes)."""
+
+    saved: tuple[int, ...]  # kept between a unit's forward and its backward
+    recompute: tuple[int, ...]  # extra, while one of the unit's blocks is recomputed in backward
+    backward_temp: tuple[int, ...]  # gradients of activations alive inside the unit's backward
+    logits_elems: int
+    loss_per_logit: dict[str, int]
+    act_bytes: int  # bytes per activation element (the param dtype)
+    stream_bytes: int  # one hidden-state tensor (s·b·h) in the param dtype
+
+
+def activations(sc: Scenario) -> Activations:
+    """Per-unit saved, recomputed and backward-temporary bytes (arch.block_* functions)."""
+    m, t = sc.model, sc.train
+    B = arch.act_dtype_bytes(t)
+    sbh = t.seq_len * t.micro_batch * m.hidden
+    none_b = arch.block_saved_bytes(m, t, "none")
+    temp_b = arch.block_backward_temp_bytes(m, t)
+    saved, extra, temp = [], [], []
+    for u in sc.units:
+        if u.blocks == 0:
+            head = u.name != "embed" and u.matmul_params > 0
+            saved.append(arch.head_saved_bytes(m, t) if head else 0)
+            extra.append(0)
+            temp.append(B * sbh if not head else 2 * B * sbh)
+            continue
+        modes = [arch.block_mode(t, i, m.num_layers) for i in range(u.first_block, u.first_block + u.blocks)]
+        per = [arch.block_saved_bytes(m, t, md) for md in modes]
+        saved.append(sum(per))
+        extra.append(max(none_b - p for p in per))
+        temp.append(temp_b)
+    return Activations(tuple(saved), tuple(extra), tuple(temp),
+                       t.seq_len * t.micro_batch * m.vocab_size,
+                       arch.loss_bytes_per_logit(t, sc.assume.loss_fp32), B, B * sbh)
+
+
+def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str) -> int:
+    """Single-tensor AdamW (the trainer's foreach=False) builds `denom` as
+    `(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: two temporaries the size of the
+    parameter alive at once (torch/optim/adamw.py, _single_tensor_adam). DeepSpeed's fused
+    kernels update in place (zero layout: 0)."""
+    if layout != "torch" or train.optimizer != "adamw":
+        return 0
+    return 2 * largest_param_elems * 4
+
+
+def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[int],
+                held: list[bool], unsharded_grad: list[int], reduce_in: list[int],
+                sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int) -> list[Event]:
+    """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order)."""
+    n = len(gathered)
+    prefetch = sc.train.prefetch
+    held_b = sum(g for g, h in zip(gathered, held) if h)
+    moving = [0 if h else g for g, h in zip(gathered, held)]
+    nxt = lambda i: moving[i + 1] if prefetch and i + 1 < n else 0  # noqa: E731
+    prv = lambda j: moving[j - 1] if prefetch and j > 0 else 0  # noqa: E731
+    ev: list[Event] = []
+    saved_before = 0
+    for i in range(n):
+        # copy-out of this unit's all-gather into its unsharded parameters, or its compute with
+        # the next unit's all-gather output already allocated (prefetch)
+        kept = sum(moving[:i]) if not reshard else 0
+        act = saved_before + acts.saved[i]
+        if i == n - 1:
+            act += acts.logits_elems * acts.act_bytes  # the head's output
+        ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b,
+                      gathered=held_b + kept + moving[i], all_gather=max(moving[i], nxt(i)),
+                      unsharded_grads=accum_b, activations=act))
+        saved_before += acts.saved[i]
+    at_loss = held_b + (0 if reshard else sum(moving))
+    for phase in ("forward", "backward"):
+        ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
+                      activations=saved_before + acts.logits_elems * acts.loss_per_logit[phase]))
+    grads = 0
+    for j in reversed(range(n)):
+        name = sc.units[j].name
+        gath = held_b + moving[j] + (0 if reshard else sum(moving[:j]))
+        before = sum(acts.saved[:j])
+        act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
+        if j == n - 1:
+            act += 2 * acts.logits_elems * acts.act_bytes  # the logits and their gradient
+        prev_rs = reduce_in[j + 1] if j + 1 < n else 0
+        ev.append(_ev("backward", f"backward {name}", state=state_b, grads=grads, gathered=gath,
+                      all_gather=prv(j), unsharded_grads=accum_b + unsharded_grad[j],
+                      reduce_scatter=prev_rs, activations=act))
+        # reduce-scatter: the unit's unsharded gradients copied into the reduce-scatter input
+        # (the previous one is released first); its output becomes the sharded gradient
+        grads += sharded_grad[j]
+        ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b, grads=grads,
+                      gathered=gath, all_gather=prv(j), unsharded_grads=accum_b + unsharded_grad[j],
+                      reduce_scatter=reduce_in[j], activations=before + acts.stream_bytes))
+    ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads,
+                  activations=opt_temp_b))
+    return ev
+
+
+def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: int,
+                      reduce_b: int, opt_temp_b: int) -> list[Event]:
+    """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
+    static): gradients and buffers held throughout; activations follow the step."""
+    n = len(acts.saved)
+    total_saved = sum(acts.saved)
+    kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
+    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.act_bytes, **kw)]
+    for phase in ("forward", "backward"):
+        ev.append(_ev("loss", f"loss {phase}", activations=total_saved
+                      + acts.logits_elems * acts.loss_per_logit[phase], **kw))
+    for j in reversed(range(n)):
+        act = sum(acts.saved[: j + 1]) + acts.recompute[j] + acts.backward_temp[j]
+        if j == n - 1:
+            act += 2 * acts.logits_elems * acts.act_bytes
+        ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act, **kw))
+    ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **kw))
+    return ev
+
+
+def peak(events: list[Event]) -> Event:
+    """The event with the most live bytes (the first one, on a tie)."""
+    return max(events, key=lambda e: e.total_bytes)
