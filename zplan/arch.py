@@ -174,13 +174,13 @@ def block_mode(train: TrainSpec, index: int, num_layers: int) -> str:
 
 
 def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
-    """Gradients of activations alive at once inside one block's backward: in the MLP, the
-    gradient of the down projection's input and the two it splits into (SwiGLU's gate and up
-    branches; GELU: one), plus the residual stream's gradient and the one being summed into it."""
+    """Gradients of activations alive at once inside one block's backward, at its largest: in
+    the MLP, the gradient of the down projection's input and the two it splits into (SwiGLU's
+    gate and up branches; GELU: one), with the residual stream's gradient."""
     B, sb = act_dtype_bytes(train), train.seq_len * train.micro_batch
     k = m.experts_per_token if m.num_experts else 1
     branches = 3 if m.mlp == "swiglu" else 2
-    return k * branches * B * sb * m.ffn_hidden + 2 * B * sb * m.hidden
+    return k * branches * B * sb * m.ffn_hidden + B * sb * m.hidden
 
 
 def head_saved_bytes(m: ModelSpec, train: TrainSpec) -> int:

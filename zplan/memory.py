@@ -155,7 +155,8 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
         grad_store = DTYPE_BITS[p.master] // 8 if not st.offload_optimizer else 0
         return mt.fsdp_events(
             sc, acts, state, [g * pb for g in padded], [u.held for u in sc.units],
-            [g * pb for g in padded], [g * rb for g in padded],
+            [g * pb for g in padded], [max(map(math.prod, u.shapes)) * pb for u in sc.units],
+            [g * rb for g in padded],
             [sc.shard_elems(u, D) * grad_store for u in sc.units],
             st.reshard_after_forward, accum_b, opt_temp)
     static, reduce_b = _static_buffers(sc, st, padded, pb, rb)

@@ -95,7 +95,8 @@ def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str
 
 
 def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[int],
-                held: list[bool], unsharded_grad: list[int], reduce_in: list[int],
+                held: list[bool], unsharded_grad: list[int], first_grad: list[int],
+                reduce_in: list[int],
                 sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order)."""
     n = len(gathered)
@@ -130,8 +131,9 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         if j == n - 1:
             act += 2 * acts.logits_elems * acts.act_bytes  # the logits and their gradient
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
+        # at its largest, early in the unit's backward: one weight's gradient so far
         ev.append(_ev("backward", f"backward {name}", state=state_b, grads=grads, gathered=gath,
-                      all_gather=prv(j), unsharded_grads=accum_b + unsharded_grad[j],
+                      all_gather=prv(j), unsharded_grads=accum_b + first_grad[j],
                       reduce_scatter=prev_rs, activations=act))
         # reduce-scatter: the unit's unsharded gradients copied into the reduce-scatter input
         # (the previous one is released first); its output becomes the sharded gradient

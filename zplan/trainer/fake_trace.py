@@ -11,6 +11,7 @@ backward, outside every module), backward or optimizer.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 PHASES = ("forward", "loss", "backward", "optimizer")
 
@@ -92,3 +93,50 @@ def trace_peak(plan, steps: int = 2) -> dict:
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class FakeCell:
+    """One traced configuration against the planner's allocated peak (torch layout)."""
+
+    name: str
+    predicted_bytes: int
+    traced_bytes: int
+    predicted_phase: str
+    traced_phase: str
+    categories: dict
+    trace_s: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_bytes - self.traced_bytes) / self.traced_bytes
+
+    def ok(self, tolerance: float) -> bool:
+        return abs(self.error) <= tolerance and self.predicted_phase == self.traced_phase
+
+
+def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
+              strategy: str) -> FakeCell:
+    """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
+    composite RMSNorm, which the trace runs, and trace it."""
+    import time
+
+    from ..errors import UsageError
+    from ..estimate import estimate_one
+    from ..plan import make_plan
+    from ..scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
+
+    if strategy in ("ddp", "zero1"):
+        raise UsageError(f"--fake traces the FSDP2 strategies; {strategy} replicates the model")
+    sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
+                         seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
+                         checkpointing=checkpointing))
+    r = estimate_one(sc, strategy)
+    if r.memory is None:
+        raise UsageError(f"{strategy}: {r.unavailable}")
+    t0 = time.perf_counter()
+    peak = trace_peak(make_plan(sc, strategy, world * micro_batch, r))
+    phase = peak.pop("phase")
+    return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch} {checkpointing} {strategy}",
+                    r.memory.allocated_bytes, peak["Total"], r.memory.peak_phase, phase or "-",
+                    peak, time.perf_counter() - t0)
