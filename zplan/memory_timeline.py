@@ -104,7 +104,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     held_b = sum(g for g, h in zip(gathered, held) if h)
     moving = [0 if h else g for g, h in zip(gathered, held)]
     nxt = lambda i: moving[i + 1] if prefetch and i + 1 < n else 0  # noqa: E731
-    prv = lambda j: moving[j - 1] if prefetch and j > 0 else 0  # noqa: E731
+    # backward prefetch all-gathers the previous unit, unless it stayed gathered (no reshard)
+    prv = lambda j: moving[j - 1] if prefetch and reshard and j > 0 else 0  # noqa: E731
     ev: list[Event] = []
     saved_before = 0
     for i in range(n):

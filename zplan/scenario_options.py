@@ -14,7 +14,7 @@ from . import arch, presets
 from .errors import UsageError
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import ATTENTION_KERNELS, CHECKPOINTING, Assumptions, Hardware, Precision, TrainSpec
+from .specs import ATTENTION_KERNELS, CHECKPOINTING, SLOT_DTYPES, Assumptions, Hardware, Precision, TrainSpec
 from .units import DTYPE_BITS, MiB, GiB
 
 DTYPES = tuple(DTYPE_BITS)
@@ -129,6 +129,12 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
                     ("--master-dtype", o.master_dtype), ("--optimizer-dtype", o.optimizer_dtype)):
         check_choice(v, flag, DTYPES)
+        slot = flag[2:].removesuffix("-dtype")
+        if v not in SLOT_DTYPES[slot]:
+            what = {"param": "the working weights (matmuls, all-gathers)", "reduce": "reduced gradients",
+                    "master": "master weights", "optimizer": "optimizer state"}[slot]
+            raise UsageError(f"{flag} {v} cannot hold {what} in training; use one of: "
+                             f"{', '.join(SLOT_DTYPES[slot])}")
     if o.float8 and "fp8" not in gpu.peak_flops:
         raise UsageError(f"--float8 needs float8 tensor cores; {gpu.name} has none "
                          "(H100, H200, B200 and MI300X do): drop --float8 or pick such a --gpu")

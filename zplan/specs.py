@@ -164,6 +164,18 @@ class ModelSpec(Spec):
         return self.head_dim * self.num_kv_heads
 
 
+# The dtypes each slot can hold: weights that matmuls use and all-gathers move are floats (fp8
+# for float8 training); gradients are reduced and master weights updated in 16 or 32 bits;
+# optimizer states may also be 8-bit (quantized states). Integer weights are a quantization
+# format for inference, not a training dtype (int4 would make a 0-byte gather buffer).
+SLOT_DTYPES: dict[str, tuple[str, ...]] = {
+    "param": ("fp32", "tf32", "bf16", "fp16", "fp8"),
+    "reduce": ("fp32", "tf32", "bf16", "fp16"),
+    "master": ("fp32", "tf32", "bf16", "fp16"),
+    "optimizer": ("fp32", "tf32", "bf16", "fp16", "fp8", "int8"),
+}
+
+
 class Precision(Spec):
     """Dtypes of each piece of training state.
 
