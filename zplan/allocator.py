@@ -20,7 +20,7 @@ model assumes cached blocks are reused fully (best-fit with splitting; with
 
 from __future__ import annotations
 
-from .memory_timeline import KINDS, STREAM, Event
+from .memory_timeline import STREAM, Event
 from .specs import Assumptions
 from .units import MiB
 
@@ -30,6 +30,7 @@ SMALL_SEGMENT_BYTES = 2 * MiB  # kSmallBuffer
 LARGE_SEGMENT_BYTES = 20 * MiB  # kLargeBuffer, for requests up to kMinLargeAlloc
 MIN_LARGE_ALLOC_BYTES = 10 * MiB  # kMinLargeAlloc
 ROUND_LARGE_BYTES = 2 * MiB  # kRoundLarge
+STREAMS = tuple(sorted(set(STREAM.values())))
 
 
 def _round_up(n: int, to: int) -> int:
@@ -52,13 +53,14 @@ def segment_bytes(request: int) -> int:
 
 def stream_peaks(events: list[Event]) -> dict[str, int]:
     """Each stream's own peak of live bytes over the step."""
-    out: dict[str, int] = {}
+    out = dict.fromkeys(STREAMS, 0)
     for e in events:
-        per: dict[str, int] = {}
-        for k in KINDS:
-            per[STREAM[k]] = per.get(STREAM[k], 0) + e.live.get(k, 0)
+        per = dict.fromkeys(STREAMS, 0)
+        for k, b in e.live.items():
+            per[STREAM[k]] += b
         for s, b in per.items():
-            out[s] = max(out.get(s, 0), b)
+            if b > out[s]:
+                out[s] = b
     return out
 
 

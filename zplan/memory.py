@@ -13,8 +13,9 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
-from . import allocator
+from . import allocator, arch
 from . import memory_timeline as mt
 from .memory_timeline import Event
 from .scenario import Scenario
@@ -83,6 +84,7 @@ class ModelState:
     optimizer_bytes: int
     padding_bytes: int
     host_bytes: int  # offloaded to host RAM, per rank
+    unit_shards: tuple[int, ...] = ()  # elements of each unit on one rank (padded)
 
     @property
     def total_bytes(self) -> int:
@@ -94,7 +96,8 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
     t, p, psi = sc.train, sc.train.precision, sc.params
     torch = t.layout == "torch"
     D = sc.shard_degree(st.hsdp)
-    shard = sum(sc.shard_elems(u, D) for u in sc.units)  # per-rank shard, padded
+    shards = tuple(sc.shard_elems(u, D) for u in sc.units)
+    shard = sum(shards)  # per-rank shard, padded
     flat = lambda sharded: shard if sharded else psi  # noqa: E731
     if torch:
         store = p.master  # FSDP2 / DDP keep the weights in full precision; they are the master
@@ -120,13 +123,23 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
     if st.offload_params:
         host += params_b
         params_b = 0
-    return ModelState(params_b, grads_b, master_b, opt_b, pad_b, host)
+    return ModelState(params_b, grads_b, master_b, opt_b, pad_b, host, shards)
 
 
-def _largest_param_elems(sc: Scenario, degree: int) -> int:
-    """The largest single parameter tensor on a rank (its dim-0 shard when sharded)."""
-    return max((ceil_div(s[0], degree) * math.prod(s[1:]) for u in sc.units for s in u.shapes),
-               default=0)
+def _largest_params(sc: Scenario, degree: int) -> list[int]:
+    """Per unit, its largest single parameter tensor on a rank (the dim-0 shard at `degree`)."""
+    if sc.custom_units is None:
+        return _decoder_largest(sc.model, sc.train.blocks_per_unit, degree)
+    return [_largest_shard(u.shapes, degree) for u in sc.units]
+
+
+@lru_cache(maxsize=1024)
+def _decoder_largest(model, blocks_per_unit: int, degree: int) -> list[int]:
+    return [_largest_shard(u.shapes, degree) for u in arch.units(model, blocks_per_unit)]
+
+
+def _largest_shard(shapes: tuple, degree: int) -> int:
+    return max((ceil_div(s[0], degree) * math.prod(s[1:]) for s in shapes), default=0)
 
 
 def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
@@ -147,17 +160,18 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     accum_b = accum_grad_bytes(sc, st)
     opt_temp = 0
     if not st.offload_optimizer:
-        opt_temp = mt.optimizer_temp_bytes(_largest_param_elems(sc, D if st.optim_sharded else 1),
-                                           t, t.layout)
-    padded = [sc.padded_elems(u, D) for u in sc.units]
+        largest = max(_largest_params(sc, D if st.optim_sharded else 1), default=0)
+        opt_temp = mt.optimizer_temp_bytes(largest, t, t.layout)
+    shards = ms.unit_shards
+    padded = [x * D for x in shards]  # Scenario.padded_elems
     if t.layout == "torch" and st.fsdp:
         state = ms.params_bytes + ms.master_bytes + ms.optimizer_bytes
         grad_store = DTYPE_BITS[p.master] // 8 if not st.offload_optimizer else 0
         return mt.fsdp_events(
             sc, acts, state, [g * pb for g in padded], [u.held for u in sc.units],
-            [g * pb for g in padded], [max(map(math.prod, u.shapes)) * pb for u in sc.units],
+            [g * pb for g in padded], [x * pb for x in _largest_params(sc, 1)],
             [g * rb for g in padded],
-            [sc.shard_elems(u, D) * grad_store for u in sc.units],
+            [x * grad_store for x in shards],
             st.reshard_after_forward, accum_b, opt_temp)
     static, reduce_b = _static_buffers(sc, st, padded, pb, rb)
     return mt.replicated_events(sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp)
@@ -202,10 +216,10 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         optimizer_bytes=ms.optimizer_bytes,
         model_state_bytes=ms.total_bytes,
         padding_bytes=ms.padding_bytes,
-        gather_buffer_bytes=live["gathered"] + live["all_gather"],
-        reduce_buffer_bytes=live["unsharded_grads"] + live["reduce_scatter"],
+        gather_buffer_bytes=live.get("gathered", 0) + live.get("all_gather", 0),
+        reduce_buffer_bytes=live.get("unsharded_grads", 0) + live.get("reduce_scatter", 0),
         accum_grad_bytes=accum_grad_bytes(sc, st),
-        activation_bytes=live["activations"],
+        activation_bytes=live.get("activations", 0),
         overhead_bytes=sc.assume.cuda_context_bytes + reserved - allocated,
         allocated_bytes=allocated,
         reserved_bytes=reserved,

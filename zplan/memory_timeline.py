@@ -14,7 +14,9 @@ section 3.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
 
 from . import arch
 from .scenario import Scenario
@@ -31,19 +33,22 @@ STREAM = {"state": "default", "gathered": "default", "unsharded_grads": "default
           "reduce_scatter": "reduce-scatter"}
 
 
-@dataclass(frozen=True)
 class Event:
-    phase: str  # forward | loss | backward | optimizer
-    label: str
-    live: dict[str, int] = field(default_factory=dict)  # bytes by kind (KINDS)
+    """One moment of the step: its phase, a label, and the live bytes by kind (KINDS; a kind
+    not named holds nothing)."""
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.live.values())
+    __slots__ = ("phase", "label", "live", "total_bytes")
+
+    def __init__(self, phase: str, label: str, live: dict[str, int]):
+        self.phase, self.label, self.live = phase, label, live  # phase: forward|loss|backward|optimizer
+        self.total_bytes = sum(live.values())
+
+    def __repr__(self) -> str:
+        return f"Event({self.phase!r}, {self.label!r}, {self.live!r})"
 
 
 def _ev(phase: str, label: str, **live: int) -> Event:
-    return Event(phase, label, {k: int(live.get(k, 0)) for k in KINDS})
+    return Event(phase, label, live)
 
 
 @dataclass(frozen=True)
@@ -61,13 +66,23 @@ class Activations:
 
 def activations(sc: Scenario) -> Activations:
     """Per-unit saved, recomputed and backward-temporary bytes (arch.block_* functions)."""
-    m, t = sc.model, sc.train
+    if sc.custom_units is None:  # the units follow from the model and the training spec
+        return _decoder_activations(sc.model, sc.train, sc.assume.loss_fp32)
+    return _unit_activations(sc.model, sc.train, sc.assume.loss_fp32, sc.units)
+
+
+@lru_cache(maxsize=512)
+def _decoder_activations(m, t: TrainSpec, loss_fp32: bool) -> Activations:
+    return _unit_activations(m, t, loss_fp32, arch.units(m, t.blocks_per_unit))
+
+
+def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     B = arch.act_dtype_bytes(t)
     sbh = t.seq_len * t.micro_batch * m.hidden
     none_b = arch.block_saved_bytes(m, t, "none")
     temp_b = arch.block_backward_temp_bytes(m, t)
     saved, extra, temp = [], [], []
-    for u in sc.units:
+    for u in units:
         if u.blocks == 0:
             head = u.name != "embed" and u.matmul_params > 0
             saved.append(arch.head_saved_bytes(m, t) if head else 0)
@@ -81,7 +96,7 @@ def activations(sc: Scenario) -> Activations:
         temp.append(temp_b)
     return Activations(tuple(saved), tuple(extra), tuple(temp),
                        t.seq_len * t.micro_batch * m.vocab_size,
-                       arch.loss_bytes_per_logit(t, sc.assume.loss_fp32), B, B * sbh)
+                       arch.loss_bytes_per_logit(t, loss_fp32), B, B * sbh)
 
 
 def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str) -> int:
@@ -106,43 +121,48 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     nxt = lambda i: moving[i + 1] if prefetch and i + 1 < n else 0  # noqa: E731
     # backward prefetch all-gathers the previous unit, unless it stayed gathered (no reshard)
     prv = lambda j: moving[j - 1] if prefetch and reshard and j > 0 else 0  # noqa: E731
+    saved_upto = [0, *accumulate(acts.saved)]  # saved_upto[i]: kept by units < i
+    moving_upto = [0, *accumulate(moving)]
+    grads_upto = [0, *accumulate(sharded_grad)]
+    # Within a run of identical units (the blocks) every kind changes linearly with the unit's
+    # index, so each stream's largest value is at one end of the run: only the ends are events.
+    sig = list(zip(moving, acts.saved, acts.recompute, acts.backward_temp, unsharded_grad,
+                   first_grad, reduce_in, sharded_grad))
+    ends = [i for i in range(n) if i in (0, n - 1) or sig[i] != sig[i - 1] or sig[i] != sig[i + 1]]
     ev: list[Event] = []
-    saved_before = 0
-    for i in range(n):
+    for i in ends:
         # copy-out of this unit's all-gather into its unsharded parameters, or its compute with
         # the next unit's all-gather output already allocated (prefetch)
-        kept = sum(moving[:i]) if not reshard else 0
-        act = saved_before + acts.saved[i]
+        kept = moving_upto[i] if not reshard else 0
+        act = saved_upto[i + 1]
         if i == n - 1:
             act += acts.logits_elems * acts.act_bytes  # the head's output
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b,
                       gathered=held_b + kept + moving[i], all_gather=max(moving[i], nxt(i)),
                       unsharded_grads=accum_b, activations=act))
-        saved_before += acts.saved[i]
-    at_loss = held_b + (0 if reshard else sum(moving))
+    at_loss = held_b + (0 if reshard else moving_upto[n])
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
-                      activations=saved_before + acts.logits_elems * acts.loss_per_logit[phase]))
-    grads = 0
-    for j in reversed(range(n)):
+                      activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]))
+    for j in reversed(ends):
         name = sc.units[j].name
-        gath = held_b + moving[j] + (0 if reshard else sum(moving[:j]))
-        before = sum(acts.saved[:j])
+        gath = held_b + moving[j] + (0 if reshard else moving_upto[j])
+        before = saved_upto[j]
         act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
         if j == n - 1:
             act += 2 * acts.logits_elems * acts.act_bytes  # the logits and their gradient
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
         # at its largest, early in the unit's backward: one weight's gradient so far
-        ev.append(_ev("backward", f"backward {name}", state=state_b, grads=grads, gathered=gath,
-                      all_gather=prv(j), unsharded_grads=accum_b + first_grad[j],
-                      reduce_scatter=prev_rs, activations=act))
+        ev.append(_ev("backward", f"backward {name}", state=state_b,
+                      grads=grads_upto[n] - grads_upto[j + 1], gathered=gath, all_gather=prv(j),
+                      unsharded_grads=accum_b + first_grad[j], reduce_scatter=prev_rs, activations=act))
         # reduce-scatter: the unit's unsharded gradients copied into the reduce-scatter input
         # (the previous one is released first); its output becomes the sharded gradient
-        grads += sharded_grad[j]
-        ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b, grads=grads,
-                      gathered=gath, all_gather=prv(j), unsharded_grads=accum_b + unsharded_grad[j],
-                      reduce_scatter=reduce_in[j], activations=before + acts.stream_bytes))
-    ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads,
+        ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b,
+                      grads=grads_upto[n] - grads_upto[j], gathered=gath, all_gather=prv(j),
+                      unsharded_grads=accum_b + unsharded_grad[j], reduce_scatter=reduce_in[j],
+                      activations=before + acts.stream_bytes))
+    ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b))
     return ev
 
@@ -158,8 +178,11 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
                       + acts.logits_elems * acts.loss_per_logit[phase], **kw))
-    for j in reversed(range(n)):
-        act = sum(acts.saved[: j + 1]) + acts.recompute[j] + acts.backward_temp[j]
+    saved_upto = [0, *accumulate(acts.saved)]
+    sig = list(zip(acts.saved, acts.recompute, acts.backward_temp))
+    ends = [i for i in range(n) if i in (0, n - 1) or sig[i] != sig[i - 1] or sig[i] != sig[i + 1]]
+    for j in reversed(ends):
+        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j]
         if j == n - 1:
             act += 2 * acts.logits_elems * acts.act_bytes
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act, **kw))
