@@ -109,6 +109,16 @@ def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str
     return 2 * largest_param_elems * 4
 
 
+def _run_ends(sig: list) -> list[int]:
+    """The units worth an event. Within a run of identical units (the blocks) every kind changes
+    linearly with the unit's index, so each stream's largest value is at an end of the run; a
+    unit's events also read its neighbours (prefetch, the previous reduce-scatter input), so the
+    two units next to each end are kept too."""
+    n = len(sig)
+    edges = {0, n} | {i for i in range(1, n) if sig[i] != sig[i - 1]}
+    return sorted({j for e in edges for j in range(e - 2, e + 2) if 0 <= j < n})
+
+
 def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[int],
                 held: list[bool], unsharded_grad: list[int], first_grad: list[int],
                 reduce_in: list[int],
@@ -124,11 +134,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     saved_upto = [0, *accumulate(acts.saved)]  # saved_upto[i]: kept by units < i
     moving_upto = [0, *accumulate(moving)]
     grads_upto = [0, *accumulate(sharded_grad)]
-    # Within a run of identical units (the blocks) every kind changes linearly with the unit's
-    # index, so each stream's largest value is at one end of the run: only the ends are events.
-    sig = list(zip(moving, acts.saved, acts.recompute, acts.backward_temp, unsharded_grad,
-                   first_grad, reduce_in, sharded_grad))
-    ends = [i for i in range(n) if i in (0, n - 1) or sig[i] != sig[i - 1] or sig[i] != sig[i + 1]]
+    ends = _run_ends(list(zip(moving, acts.saved, acts.recompute, acts.backward_temp,
+                              unsharded_grad, first_grad, reduce_in, sharded_grad)))
     ev: list[Event] = []
     for i in ends:
         # copy-out of this unit's all-gather into its unsharded parameters, or its compute with
@@ -179,8 +186,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
                       + acts.logits_elems * acts.loss_per_logit[phase], **kw))
     saved_upto = [0, *accumulate(acts.saved)]
-    sig = list(zip(acts.saved, acts.recompute, acts.backward_temp))
-    ends = [i for i in range(n) if i in (0, n - 1) or sig[i] != sig[i - 1] or sig[i] != sig[i + 1]]
+    ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp)))
     for j in reversed(ends):
         act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j]
         if j == n - 1:
