@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import allocator, arch
+from .comm import gather_dtype
 from . import memory_timeline as mt
 from .memory_timeline import Event
 from .scenario import Scenario
@@ -168,7 +169,8 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
         state = ms.params_bytes + ms.master_bytes + ms.optimizer_bytes
         grad_store = DTYPE_BITS[p.master] // 8 if not st.offload_optimizer else 0
         return mt.fsdp_events(
-            sc, acts, state, [g * pb for g in padded], [u.held for u in sc.units],
+            sc, acts, state, [nbytes(g, gather_dtype(sc, u)) for g, u in zip(padded, sc.units)],
+            [u.held for u in sc.units],
             [g * pb for g in padded], [x * pb for x in _largest_params(sc, 1)],
             [g * rb for g in padded],
             [x * grad_store for x in shards],
