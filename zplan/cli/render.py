@@ -104,7 +104,7 @@ def _host(r: StrategyEstimate, d: dict, unit: str) -> str:
 # (heading, how a row fills it); the narrow table keeps the columns a reader decides by
 MEMORY_WIDE = ("params", "grads", "master", "optim", "model state", "gather", "reduce", "activ.",
                "overhead", "allocated", "reserved", "peak at")
-MEMORY_NARROW = ("model state", "buffers", "activ.", "overhead", "allocated", "reserved", "peak at")
+MEMORY_NARROW = ("model state", "buffers", "activ.", "reserved")
 
 
 def _memory_cells(d: dict, unit: str, phase: str = "") -> dict[str, str]:
