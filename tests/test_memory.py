@@ -72,8 +72,9 @@ def test_loss_peak_against_pytorch_memtracker():
     assert abs(total - expected) <= 0.01 * expected, (total, expected)
 
 
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_saved_activations_of_a_block_against_pytorch_memtracker(mode):
+@pytest.mark.parametrize("mode,mlp", [("none", "swiglu"), ("selective", "swiglu"), ("full", "swiglu"),
+                                      ("none", "gelu"), ("selective", "gelu")])
+def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
     torch = pytest.importorskip("torch")
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -81,7 +82,7 @@ def test_saved_activations_of_a_block_against_pytorch_memtracker(mode):
     from zplan.trainer.parallel import apply_checkpointing
 
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
-                  vocab_size=64)
+                  vocab_size=64, mlp=mlp)
     model = Transformer(m).to(torch.bfloat16)
     apply_checkpointing(model, mode, 2)
     block = model.layers[0]
