@@ -154,13 +154,16 @@ source = "test: Llama-shaped, small"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,strategy", [("none", "zero3"), ("full", "zero2")])
-def test_fake_trace_small_model_within_three_percent(tmp_path, mode, strategy):
+@pytest.mark.parametrize("mode,strategy,tied", [("none", "zero3", False), ("full", "zero2", False),
+                                               ("none", "zero3", True)])
+def test_fake_trace_small_model_within_three_percent(tmp_path, mode, strategy, tied):
+    """Tied embeddings make FSDP2's root hold parameters: gathered through forward and backward,
+    resharded at the loss."""
     pytest.importorskip("torch")
     from zplan.trainer.fake_trace import fake_cell
 
     path = tmp_path / "small.toml"
-    path.write_text(SMALL)
+    path.write_text(SMALL + ("tied_embeddings = true\n" if tied else ""))
     c = fake_cell(str(path), 16, 1024, 1, mode, strategy)
     assert abs(c.error) <= 0.03, c
     assert c.predicted_phase == c.traced_phase, c

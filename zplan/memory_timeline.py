@@ -147,7 +147,9 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b,
                       gathered=held_b + kept + moving[i], all_gather=max(moving[i], nxt(i)),
                       unsharded_grads=accum_b, activations=act))
-    at_loss = held_b + (0 if reshard else moving_upto[n])
+    # the root (held) reshards after its forward too when resharding (the trainer passes
+    # reshard_after_forward to the root as well) and gathers again in its pre-backward
+    at_loss = 0 if reshard else held_b + moving_upto[n]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]))
