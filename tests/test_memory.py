@@ -167,3 +167,22 @@ def test_fake_trace_small_model_within_three_percent(tmp_path, mode, strategy, t
     c = fake_cell(str(path), 16, 1024, 1, mode, strategy)
     assert abs(c.error) <= 0.03, c
     assert c.predicted_phase == c.traced_phase, c
+
+
+def test_optimizer_temporaries_against_pytorch_memtracker():
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zplan.memory_timeline import optimizer_temp_bytes
+
+    p = torch.nn.Parameter(torch.randn(4096, 64))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], foreach=False)  # as the trainer builds it
+    opt.step()  # the states exist from here on
+    mt = MemTracker()
+    mt.track_external(p, opt)
+    with mt:
+        before = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
+        opt.step()
+        peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
+    assert peak - before == optimizer_temp_bytes(p.numel(), TrainSpec(layout="torch"), "torch")
