@@ -199,6 +199,10 @@ def norm_saved_per_token(train: TrainSpec, B: int) -> int:
 def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     """Bytes one block saves for backward with no recomputation, term by term.
 
+    With `train.compile` (torch.compile per block) the saved set is what AOTAutograd's min-cut
+    partitioner (torch/_functorch/partitioners.py, min_cut_rematerialization_partition, which
+    inductor uses) keeps: cheap pointwise results are recomputed in backward.
+
     Korthikanti et al. 2022 eq. (1) gives sbh(34 + 5as/h) for a GPT block (MHA, GELU, f = 4h,
     dropout, 16-bit); these terms reduce to exactly that and generalise it.
     """
@@ -207,7 +211,8 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     sb = s * b
     stats = 8 * sb if m.norm == "layernorm" else 4 * sb  # fp32 mean/rstd saved by each norm
     t: dict[str, int] = {
-        "norm_inputs": 2 * (norm_saved_per_token(train, B) * sb * h + stats),
+        # torch.compile (each block compiled) fuses the norm as a fused kernel would
+        "norm_inputs": 2 * ((B if train.compile else norm_saved_per_token(train, B)) * sb * h + stats),
         "qkv_input": B * sb * h,
         "q_k_v": B * sb * (h + 2 * kv),
         "attn_out_proj_input": B * sb * h,
@@ -218,14 +223,17 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         # separate contiguous copy (transpose + reshape), and RoPE's mul saves cos and sin
         t["attn_logsumexp"] = 4 * a * sb
         t["attn_output"] = B * sb * h
-        t["rope_tables"] = B * s * m.head_dim
+        if not train.compile:  # compiled, the tables are recomputed in backward
+            t["rope_tables"] = B * s * m.head_dim
     else:
         t["attn_softmax"] = B * a * s * sb
         if m.dropout:
             t["attn_dropout"] = (1 + B) * a * s * sb
     if m.dropout:
         t["residual_dropout_masks"] = 2 * sb * h
-    per_mlp = (4 if m.mlp == "swiglu" else 2) * B * sb * f
+    # SwiGLU keeps w1's and w3's outputs, silu(w1) and their product; compiled, AOTAutograd's
+    # min-cut partitioner recomputes silu(w1) in backward (3 kept). GELU: its input and output.
+    per_mlp = (2 if m.mlp == "gelu" else 3 if train.compile else 4) * B * sb * f
     if m.num_experts:
         k = m.experts_per_token
         t["router_logits"] = 4 * sb * m.num_experts
