@@ -60,9 +60,11 @@ def trace_peak(plan, steps: int = 2) -> dict:
     try:
         device = torch.device("cpu")
         mesh = build_mesh(plan, device)  # outside the fake mode: the mesh is real bookkeeping
-        with FakeTensorMode():
-            with torch.device("meta"):
-                model = Transformer(plan.model)
+        # built on the meta device outside the fake mode: parallelize casts it to the master
+        # dtype first, and a fake parameter cannot be swapped (the mode holds weak references)
+        with torch.device("meta"):
+            model = Transformer(plan.model)
+        with FakeTensorMode(allow_non_fake_inputs=True):
             par = parallelize(model, plan, device, mesh=mesh)
             # foreach under FakeTensorMode counts full-size temporaries (shared/notes/fsdp2-on-cpu.md)
             optim = build_optimizer(par, plan, lr=1e-4, foreach=False)
