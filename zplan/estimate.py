@@ -47,6 +47,7 @@ class StrategyEstimate:
             return d
         assert self.memory is not None and self.timing is not None
         d["per_gpu"] = self.memory.as_dict()
+        d["peak"] = {"phase": self.memory.peak_phase, "event": self.memory.peak_event}
         d["fits"] = self.fits
         d["headroom_bytes"] = self.headroom_bytes
         d["host_fits"] = self.host_fits
@@ -100,8 +101,10 @@ def assumptions(sc: Scenario) -> dict:
                                "meaning": "achieved fraction of dense peak FLOP/s"},
         "cuda_context_bytes": {"value": a.cuda_context_bytes, "flag": "--context-gib",
                                "meaning": "CUDA context and library workspaces per GPU"},
-        "fragmentation": {"value": a.fragmentation, "flag": "--fragmentation",
-                          "meaning": "allocator fragmentation, fraction of tensor bytes"},
+        "fragmentation": {"value": a.fragmentation if a.fragmentation is not None else "allocator model",
+                          "flag": "--fragmentation",
+                          "meaning": "reserved over allocated: the CUDA caching allocator per stream, "
+                                     "or a flat fraction if given"},
         "ddp_bucket_bytes": {"value": a.ddp_bucket_bytes, "flag": "--bucket-mib",
                              "meaning": "gradient bucket of DDP-style reduction"},
         "overlap": {"value": a.overlap, "flag": "--no-overlap",

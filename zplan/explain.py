@@ -75,8 +75,11 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
         out.append(f"  {k:30s} {_gb(v)}")
     out.append("")
     out.append("## 5. Total")
-    out.append(f"tensors + overhead (CUDA context {_gb(sc.assume.cuda_context_bytes)} + "
-               f"{sc.assume.fragmentation:.0%} fragmentation) = {_gb(mem.total_bytes)} of "
+    frag = sc.assume.fragmentation
+    how = f"{frag:.0%} fragmentation (assumed)" if frag is not None else "caching-allocator model"
+    out.append(f"peak at {mem.peak_event} ({mem.peak_phase}): allocated {_gb(mem.allocated_bytes)}, "
+               f"reserved {_gb(mem.reserved_bytes)} ({how})")
+    out.append(f"reserved + CUDA context {_gb(sc.assume.cuda_context_bytes)} = {_gb(mem.total_bytes)} of "
                f"{_gb(hw.gpu.memory_bytes)}: {'fits' if r.fits else 'does NOT fit'}")
     out.append("")
     out.append("## 6. Communication per step, as NCCL runs it (zplan/nccl.py): per call t = latency + "

@@ -13,8 +13,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
-from . import arch
+from . import allocator, arch
+from .comm import gather_dtype
+from . import memory_timeline as mt
+from .memory_timeline import Event
 from .scenario import Scenario
 from .strategies import Strategy
 from .units import DTYPE_BITS, ceil_div, nbytes
@@ -28,17 +32,22 @@ class Memory:
     optimizer_bytes: int
     model_state_bytes: int
     padding_bytes: int  # of model_state_bytes, what padding to a multiple of the degree adds
-    gather_buffer_bytes: int  # unsharded weights alive at the peak (current + prefetched units)
-    reduce_buffer_bytes: int  # unsharded grads + reduce-scatter input, or DDP buckets
+    gather_buffer_bytes: int  # gathered weights alive at the peak (current + prefetched units)
+    reduce_buffer_bytes: int  # unsharded grads + reduce-scatter inputs at the peak, or DDP buckets
     accum_grad_bytes: int  # unsharded grads held across micro-batches when the reduce is skipped
-    activation_bytes: int
-    overhead_bytes: int  # CUDA context + allocator fragmentation (assumptions)
-    total_bytes: int
+    activation_bytes: int  # activations, loss and backward temporaries alive at the peak
+    overhead_bytes: int  # CUDA context + what the allocator reserves beyond the live tensors
+    allocated_bytes: int  # live tensors at the peak (torch.cuda.max_memory_allocated)
+    reserved_bytes: int  # the caching allocator's segments then (max_memory_reserved)
+    total_bytes: int  # reserved + CUDA context: what has to fit
+    peak_phase: str  # forward | loss | backward | optimizer
+    peak_event: str
     host_bytes_per_rank: int
     host_bytes_per_node: int
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The byte figures (the plan file's per_gpu); the peak's phase and event are apart."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
 
 
 def optimizer_state_bytes(elements: int, optimizer: str, dtype: str) -> int:
@@ -66,14 +75,31 @@ def zero1_torch_max_rank(sc: Scenario) -> int:
     return max(loads)
 
 
-def memory(sc: Scenario, st: Strategy) -> Memory:
-    """Peak memory per GPU (bytes) and host memory for offload, for one strategy."""
+@dataclass(frozen=True)
+class ModelState:
+    """Persistent bytes per GPU: weights, gradients, master weights, optimizer state."""
+
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    padding_bytes: int
+    host_bytes: int  # offloaded to host RAM, per rank
+    unit_shards: tuple[int, ...] = ()  # elements of each unit on one rank (padded)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_bytes
+
+
+def model_state(sc: Scenario, st: Strategy) -> ModelState:
+    """Model states per GPU by stage (ZeRO section 3; torch layout: FSDP2 keeps fp32 shards)."""
     t, p, psi = sc.train, sc.train.precision, sc.params
     torch = t.layout == "torch"
     D = sc.shard_degree(st.hsdp)
-    shard = sum(sc.shard_elems(u, D) for u in sc.units)  # per-rank shard, padded
+    shards = tuple(sc.shard_elems(u, D) for u in sc.units)
+    shard = sum(shards)  # per-rank shard, padded
     flat = lambda sharded: shard if sharded else psi  # noqa: E731
-
     if torch:
         store = p.master  # FSDP2 / DDP keep the weights in full precision; they are the master
         params_b = nbytes(flat(st.params_sharded), store)
@@ -83,15 +109,13 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     else:
         params_b = nbytes(flat(st.params_sharded), p.param)
         grads_b = nbytes(flat(st.grads_sharded), p.param)
-        master_same = p.master == p.param
-        master_b = 0 if master_same else nbytes(flat(st.optim_sharded), p.master)
+        master_b = 0 if p.master == p.param else nbytes(flat(st.optim_sharded), p.master)
         opt_elems = flat(st.optim_sharded)
     opt_b = optimizer_state_bytes(opt_elems, t.optimizer, p.optimizer)
     # What padding each unit to a multiple of D adds to the sharded state on this rank.
     sharded_b = sum(b for b, on in ((params_b, st.params_sharded), (grads_b, st.grads_sharded),
                                      (master_b + opt_b, st.optim_sharded)) if on)
     pad_b = 0 if (torch and st.name == "zero1") else sharded_b * (shard * D - psi) // (shard * D)
-
     host = 0
     if st.offload_optimizer:
         host += master_b + opt_b + nbytes(shard, p.reduce)
@@ -100,73 +124,110 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     if st.offload_params:
         host += params_b
         params_b = 0
-    model_state = params_b + grads_b + master_b + opt_b
+    return ModelState(params_b, grads_b, master_b, opt_b, pad_b, host, shards)
 
-    # Gather and reduce buffers
-    pb, rb = DTYPE_BITS[p.param] // 8, DTYPE_BITS[p.reduce] // 8
-    gathered = [sc.padded_elems(u, D) for u in sc.units]
-    held = sum(g for g, u in zip(gathered, sc.units) if u.held)
-    moving = [g for g, u in zip(gathered, sc.units) if not u.held]
-    biggest = max(moving, default=0)
-    if st.fsdp:
-        if not st.reshard_after_forward:
-            gather_elems = sum(gathered)
-        elif t.prefetch and len(moving) > 1:
-            gather_elems = held + max(a + b for a, b in zip(moving, moving[1:]))
-        else:
-            gather_elems = held + biggest
-        gather_b = gather_elems * pb
-        reduce_b = biggest * (pb + rb)  # the unit's unsharded grads, then the reduce-scatter input
-    else:
-        cast = psi * pb if (torch and p.master != p.param) else 0  # autocast's low-precision weights
-        gather_b = cast
-        # DeepSpeed holds reduce buckets; zplan's DDP uses gradient_as_bucket_view=True, so the
-        # gradients are the buckets and nothing extra is held
-        reduce_b = 0 if torch else 2 * sc.assume.ddp_bucket_bytes
-    accum_b = 0
+
+def _largest_params(sc: Scenario, degree: int) -> list[int]:
+    """Per unit, its largest single parameter tensor on a rank (the dim-0 shard at `degree`)."""
+    if sc.custom_units is None:
+        return _decoder_largest(sc.model, sc.train.blocks_per_unit, degree)
+    return [_largest_shard(u.shapes, degree) for u in sc.units]
+
+
+@lru_cache(maxsize=1024)
+def _decoder_largest(model, blocks_per_unit: int, degree: int) -> list[int]:
+    return [_largest_shard(u.shapes, degree) for u in arch.units(model, blocks_per_unit)]
+
+
+def _largest_shard(shapes: tuple, degree: int) -> int:
+    return max((ceil_div(s[0], degree) * math.prod(s[1:]) for s in shapes), default=0)
+
+
+def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
+    """FSDP2 keeps unsharded grads in the reduce dtype across micro-batches that skip the reduce."""
+    t = sc.train
     if t.grad_accum > 1 and not t.reduce_every_microbatch and st.grads_sharded:
-        accum_b = psi * rb  # FSDP2 keeps unsharded grads in the reduce dtype across micro-batches
+        return nbytes(sc.params, t.precision.reduce)
+    return 0
 
-    act_b = arch.activation_breakdown(sc.model, t, sc.assume.loss_fp32)["total"]
-    transient = gather_b + reduce_b + accum_b + act_b
-    if torch and st.fsdp:
-        # FSDP2 allocates each sharded gradient at its unit's reduce-scatter (after zero_grad
-        # set_to_none), while that unit's activations are being freed. Without recomputation
-        # the peak is at the start of backward, before any gradient: rest + max(the two). With
-        # recomputation it is late in backward, re-running the first blocks, when all but the
-        # first two units' gradients exist.
-        # A unit's reduce-scatter buffers appear once its backward has freed its (recomputed)
-        # activations: only their excess over those adds to the peak.
-        unit_act = arch.block_saved_bytes(sc.model, t, "none") * t.blocks_per_unit
-        transient = gather_b + accum_b + act_b + max(0, reduce_b - unit_act)
-        if t.checkpointing == "none":
-            tensors = model_state - grads_b + max(grads_b, transient)
-        else:
-            early = sum(sc.shard_elems(u, D) for u in sc.units[:2])
-            late_grads = grads_b * max(0, shard - early) // max(1, shard)
-            if not st.reshard_after_forward:
-                # late in backward, the units already done have released their weights: what
-                # remains gathered is about the current and the next unit, as with resharding
-                pair = max((a + b for a, b in zip(moving, moving[1:])), default=biggest)
-                transient += (held + pair) * pb - gather_b
-            tensors = model_state - grads_b + late_grads + transient
+
+def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[Event]:
+    """The step's events with their live bytes (memory_timeline), for one strategy."""
+    t, p = sc.train, sc.train.precision
+    ms = ms or model_state(sc, st)
+    D = sc.shard_degree(st.hsdp)
+    pb, rb = DTYPE_BITS[p.param] // 8, DTYPE_BITS[p.reduce] // 8
+    acts = mt.activations(sc)
+    accum_b = accum_grad_bytes(sc, st)
+    opt_temp = 0
+    if not st.offload_optimizer:
+        largest = max(_largest_params(sc, D if st.optim_sharded else 1), default=0)
+        opt_temp = mt.optimizer_temp_bytes(largest, t, t.layout)
+    shards = ms.unit_shards
+    padded = [x * D for x in shards]  # Scenario.padded_elems
+    if t.layout == "torch" and st.fsdp:
+        state = ms.params_bytes + ms.master_bytes + ms.optimizer_bytes
+        grad_store = DTYPE_BITS[p.master] // 8 if not st.offload_optimizer else 0
+        return mt.fsdp_events(
+            sc, acts, state, [nbytes(g, gather_dtype(sc, u)) for g, u in zip(padded, sc.units)],
+            [u.held for u in sc.units],
+            [g * pb for g in padded], [x * pb for x in _largest_params(sc, 1)],
+            [g * rb for g in padded],
+            [x * grad_store for x in shards],
+            st.reshard_after_forward, accum_b, opt_temp)
+    static, reduce_b = _static_buffers(sc, st, padded, pb, rb)
+    return mt.replicated_events(sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp)
+
+
+def _static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:
+    """Gather and reduce buffers held through the step where they are not modelled unit by unit:
+    DeepSpeed's (zero layout) and autocast's low-precision weight copies under DDP."""
+    t, p = sc.train, sc.train.precision
+    if t.layout == "torch":
+        cast = sc.params * pb if p.master != p.param else 0  # autocast's low-precision weights
+        # zplan's DDP uses gradient_as_bucket_view=True: the gradients are the buckets
+        return cast, 0
+    if not st.fsdp:
+        return 0, 2 * sc.assume.ddp_bucket_bytes  # DeepSpeed's reduce buckets
+    held = sum(g for g, u in zip(padded, sc.units) if u.held)
+    moving = [g for g, u in zip(padded, sc.units) if not u.held]
+    biggest = max(moving, default=0)
+    if not st.reshard_after_forward:
+        gather = sum(padded)
+    elif t.prefetch and len(moving) > 1:
+        gather = held + max(a + b for a, b in zip(moving, moving[1:]))
     else:
-        tensors = model_state + transient
-    overhead = sc.assume.cuda_context_bytes + int(sc.assume.fragmentation * tensors)
+        gather = held + biggest
+    return gather * pb, biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
+
+
+def memory(sc: Scenario, st: Strategy) -> Memory:
+    """Peak memory per GPU (bytes) over the step's timeline, allocated and reserved, and host
+    memory for offload, for one strategy."""
+    ms = model_state(sc, st)
+    events = timeline(sc, st, ms)
+    top = mt.peak(events)
+    allocated = top.total_bytes
+    reserved = allocator.reserved_bytes(events, sc.assume)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
+    live = top.live
     return Memory(
-        params_bytes=params_b,
-        grads_bytes=grads_b,
-        master_bytes=master_b,
-        optimizer_bytes=opt_b,
-        model_state_bytes=model_state,
-        padding_bytes=pad_b,
-        gather_buffer_bytes=gather_b,
-        reduce_buffer_bytes=reduce_b,
-        accum_grad_bytes=accum_b,
-        activation_bytes=act_b,
-        overhead_bytes=overhead,
-        total_bytes=tensors + overhead,
-        host_bytes_per_rank=host,
-        host_bytes_per_node=host * ranks_per_node,
+        params_bytes=ms.params_bytes,
+        grads_bytes=ms.grads_bytes,
+        master_bytes=ms.master_bytes,
+        optimizer_bytes=ms.optimizer_bytes,
+        model_state_bytes=ms.total_bytes,
+        padding_bytes=ms.padding_bytes,
+        gather_buffer_bytes=live.get("gathered", 0) + live.get("all_gather", 0),
+        reduce_buffer_bytes=live.get("unsharded_grads", 0) + live.get("reduce_scatter", 0),
+        accum_grad_bytes=accum_grad_bytes(sc, st),
+        activation_bytes=live.get("activations", 0),
+        overhead_bytes=sc.assume.cuda_context_bytes + reserved - allocated,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        total_bytes=reserved + sc.assume.cuda_context_bytes,
+        peak_phase=top.phase,
+        peak_event=top.label,
+        host_bytes_per_rank=ms.host_bytes,
+        host_bytes_per_node=ms.host_bytes * ranks_per_node,
     )

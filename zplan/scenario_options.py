@@ -17,14 +17,13 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, MAX_LAYERS, Assumptions, Hardware, Precision,
-                    TrainSpec, validation_line)
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, MAX_LAYERS, SLOT_DTYPES, Assumptions, Hardware,
+                    Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
 DTYPES = tuple(DTYPE_BITS)
 DEFAULT_CLUSTER = "dgx-h100"
 GPU_CONTEXT_GIB = 600 / 1024  # CUDA context + cuBLAS/NCCL workspaces (Assumptions.cuda_context_bytes)
-GPU_FRAGMENTATION = 0.05
 
 
 @dataclass
@@ -60,7 +59,7 @@ class ScenarioOptions:
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
     context_gib: Optional[float] = None  # None: 600 MiB on a GPU, 0 on a CPU rank
-    fragmentation: Optional[float] = None  # None: 0.05 on a GPU, 0 on a CPU rank
+    fragmentation: Optional[float] = None  # None: the caching-allocator model on a GPU, 0 on a CPU rank
     bucket_mib: float = 25.0
     overlap: bool = True
     presets_dir: Optional[list[str]] = None
@@ -128,8 +127,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     # a CPU rank has no CUDA context and no caching allocator: those defaults are GPU-only
     on_gpu = gpu.device != "cpu"
     context_gib = o.context_gib if o.context_gib is not None else (GPU_CONTEXT_GIB if on_gpu else 0.0)
-    fragmentation = o.fragmentation if o.fragmentation is not None else (GPU_FRAGMENTATION if on_gpu else 0.0)
-    check_range(fragmentation, "--fragmentation", 0.0, 0.9)
+    fragmentation = o.fragmentation if o.fragmentation is not None else (None if on_gpu else 0.0)
+    if fragmentation is not None:
+        check_range(fragmentation, "--fragmentation", 0.0, 0.9)
     check_range(context_gib, "--context-gib", 0.0, 1024)
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
@@ -140,6 +140,12 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
                     ("--master-dtype", o.master_dtype), ("--optimizer-dtype", o.optimizer_dtype)):
         check_choice(v, flag, DTYPES)
+        slot = flag[2:].removesuffix("-dtype")
+        if v not in SLOT_DTYPES[slot]:
+            what = {"param": "the working weights (matmuls, all-gathers)", "reduce": "reduced gradients",
+                    "master": "master weights", "optimizer": "optimizer state"}[slot]
+            raise UsageError(f"{flag} {v} cannot hold {what} in training; use one of: "
+                             f"{', '.join(SLOT_DTYPES[slot])}")
     if o.float8 and "fp8" not in gpu.peak_flops:
         raise UsageError(f"--float8 needs float8 tensor cores; {gpu.name} has none "
                          "(H100, H200, B200 and MI300X do): drop --float8 or pick such a --gpu")

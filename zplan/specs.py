@@ -238,6 +238,18 @@ class ModelSpec(Spec):
         return self.head_dim * self.num_kv_heads
 
 
+# The dtypes each slot can hold: weights that matmuls use and all-gathers move are floats (fp8
+# for float8 training); gradients are reduced and master weights updated in 16 or 32 bits;
+# optimizer states may also be 8-bit (quantized states). Integer weights are a quantization
+# format for inference, not a training dtype (int4 would make a 0-byte gather buffer).
+SLOT_DTYPES: dict[str, tuple[str, ...]] = {
+    "param": ("fp32", "tf32", "bf16", "fp16", "fp8"),
+    "reduce": ("fp32", "tf32", "bf16", "fp16"),
+    "master": ("fp32", "tf32", "bf16", "fp16"),
+    "optimizer": ("fp32", "tf32", "bf16", "fp16", "fp8", "int8"),
+}
+
+
 class Precision(Spec):
     """Dtypes of each piece of training state.
 
@@ -262,8 +274,9 @@ class Assumptions(Spec):
     cuda_context_bytes: int = Field(
         600 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="CUDA context + cuBLAS/NCCL workspaces, per GPU"
     )
-    fragmentation: float = Field(
-        0.05, ge=0, lt=1, description="caching-allocator fragmentation, fraction of tensor bytes"
+    fragmentation: float | None = Field(
+        None, ge=0, lt=1, description="flat allocator fragmentation, fraction of allocated bytes; "
+        "None: the caching-allocator model (zplan/allocator.py)"
     )
     ddp_bucket_bytes: int = Field(25 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="DDP gradient bucket size")
     loss_fp32: bool = Field(True, description="logits upcast to fp32 for the loss")

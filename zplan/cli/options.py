@@ -47,7 +47,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "shard_size": ((), "HSDP shard group size (default: one node)"),
     "efficiency": ((), "Assume one achieved fraction of peak FLOP/s for all work instead of the per-op kernel model (presets without kernel figures: 0.7; 1 when calibrated)"),
     "context_gib": ((), "Assumed CUDA context per GPU, GiB"),
-    "fragmentation": ((), "Assumed allocator fragmentation fraction"),
+    "fragmentation": ((), "Flat allocator reserve over allocated bytes, a fraction (default: the caching-allocator model)"),
     "bucket_mib": ((), "DDP gradient bucket, MiB"),
     "overlap": ((), "Assume communication overlaps compute"),
     "presets_dir": (("--presets",), "Folder of your own presets (gpus/, clusters/, models/)"),

@@ -104,17 +104,18 @@ def _host(r: StrategyEstimate, d: dict, unit: str) -> str:
 
 # (heading, how a row fills it); the narrow table keeps the columns a reader decides by
 MEMORY_WIDE = ("params", "grads", "master", "optim", "model state", "gather", "reduce", "activ.",
-               "overhead")
-MEMORY_NARROW = ("model state", "buffers", "activ.", "overhead")
+               "overhead", "allocated", "reserved", "peak at")
+MEMORY_NARROW = ("model state", "buffers", "activ.", "reserved")
 
 
-def _memory_cells(d: dict, unit: str) -> dict[str, str]:
+def _memory_cells(d: dict, unit: str, phase: str = "") -> dict[str, str]:
     f = lambda k: fmt_bytes(d[k], unit)  # noqa: E731
     return {"params": f("params_bytes"), "grads": f("grads_bytes"), "master": f("master_bytes"),
             "optim": f("optimizer_bytes"), "model state": f("model_state_bytes"),
             "gather": f("gather_buffer_bytes"), "reduce": f("reduce_buffer_bytes"),
             "buffers": fmt_bytes(d["gather_buffer_bytes"] + d["reduce_buffer_bytes"], unit),
-            "activ.": f("activation_bytes"), "overhead": f("overhead_bytes")}
+            "activ.": f("activation_bytes"), "overhead": f("overhead_bytes"),
+            "allocated": f("allocated_bytes"), "reserved": f("reserved_bytes"), "peak at": phase}
 
 
 def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: bool = False) -> Table:
@@ -130,7 +131,7 @@ def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide:
             tb.add_row(r.name, *[""] * (len(heads) - 2), f"[dim]n/a: {escape(r.unavailable)}[/]")
             continue
         d = r.memory.as_dict()
-        cells = _memory_cells(d, unit)
+        cells = _memory_cells(d, unit, r.memory.peak_phase)
         tb.add_row(r.name, *[cells[c] for c in cols], fmt_bytes(d["total_bytes"], unit), _fit(r),
                    _headroom(r, unit), *((_host(r, d, unit),) if host else ()))
     return tb

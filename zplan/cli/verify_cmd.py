@@ -74,7 +74,8 @@ def verify(
     if fake and as_json:
         raise UsageError("--json covers the real matrix; drop it with --fake (its table is on stdout)")
     if fake:
-        return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance)
+        return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance,
+                            checkpointing or ["none"])
     import tempfile
     from pathlib import Path
 
@@ -203,33 +204,29 @@ def calibrate(
     print(f"wrote {g} and {c}; use --presets {output} --gpu {name} --cluster {name}")
 
 
-def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float) -> None:
-    """One traced step per strategy at real scale, against the planner (torch layout)."""
-    from ..scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
-    from ..estimate import estimate_one
-    from ..plan import make_plan
-    from ..trainer.fake_trace import trace_peak
-    from ..parse import check_range
+def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float,
+                 modes: list[str]) -> None:
+    """One traced step per strategy at real scale, against the planner (torch layout): the
+    allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase."""
+    from ..specs import CHECKPOINTING
+    from ..trainer.fake_trace import fake_cell
+    from ..parse import check_choice, check_range
 
     check_range(world, "--world-size", 1, 1 << 20)
     names = strategy or ["zero3"]
+    for mode in modes:
+        check_choice(mode, "--checkpointing", CHECKPOINTING)
     bad = []
-    print(f"{'strategy':16s} {'predicted':>12s} {'traced':>12s} {'error':>8s}   traced by category (GiB)")
-    for name in names:
-        # the trace runs CPU kernels: F.rms_norm is the composite, not the fused CUDA kernel
-        # a GPU preset (not the CPU one) with the CPU's composite norm and no CUDA context
-        sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
-                             seq_len=seq_len, micro_batch=micro_batch, fused_norm=False))
-        r = estimate_one(sc, name)
-        if r.memory is None:
-            raise UsageError(f"{name}: {r.unavailable}")
-        peak = trace_peak(make_plan(sc, name, world * micro_batch, r))
-        err = (r.memory.total_bytes - peak["Total"]) / peak["Total"]
-        cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in peak.items() if v and k != "Total")
-        print(f"{name:16s} {r.memory.total_bytes / 2**30:>8.2f} GiB {peak['Total'] / 2**30:>8.2f} GiB "
-              f"{err:>+8.1%}   {cats}")
-        if abs(err) > tolerance:
-            bad.append(name)
+    print(f"{'strategy':28s} {'predicted':>12s} {'traced':>12s} {'error':>8s} {'phase (pred/traced)':>22s}"
+          f"   traced by category (GiB)")
+    for name, mode in ((n, md) for n in names for md in modes):
+        c = fake_cell(model, world, seq_len, micro_batch, mode, name)
+        label = f"{name} ckpt={mode}"
+        cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
+        print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "
+              f"{c.error:>+8.1%} {c.predicted_phase + '/' + c.traced_phase:>22s}   {cats}")
+        if not c.ok(tolerance):
+            bad.append(label)
     if bad:
-        raise PlanError(f"{', '.join(bad)}: predicted peak outside {tolerance:.0%} of PyTorch's tracker "
-                        f"at {world} ranks")
+        raise PlanError(f"{', '.join(bad)}: predicted peak outside {tolerance:.0%} of PyTorch's tracker, "
+                        f"or in another phase, at {world} ranks")

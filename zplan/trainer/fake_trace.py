@@ -2,17 +2,48 @@
 process group, in one process, with PyTorch's FSDPMemTracker counting what FSDP2 would hold on
 one rank (shared/notes: a 6.7B model at 64 ranks in about 10 s and 300 MiB).
 
-Used by `zplan verify --fake` to hold the planner against PyTorch's own accounting at sizes no
-test machine can run.
+Used by `zplan verify --fake` (and benchmarks/fake_matrix.py) to hold the planner against
+PyTorch's own accounting at sizes no test machine can run. Besides the peak by category it
+reports the phase of the step where the peak happened: forward, loss (the loss's forward and
+backward, outside every module), backward or optimizer.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+def _phase(tracker) -> str:
+    """The phase the tracker is in now, from its module stack (ModTracker.parents)."""
+    if tracker._in_opt:
+        return "optimizer"
+    mt = tracker._mod_tracker
+    if not (set(mt.parents) - {"Global"}):
+        return "loss"  # between the root's forward and its backward: the loss, forward or backward
+    return "backward" if mt.is_bw else "forward"
+
+
+def _record_phase(tracker) -> dict:
+    """Wrap the tracker's peak update so that each new global peak records its phase."""
+    seen = {"phase": None, "peak": 0}
+    update = tracker._update_peak_stats
+
+    def wrapped(peak_state):
+        update(peak_state)
+        peak = max(tracker._peak_mem.values(), default=0)
+        if peak > seen["peak"]:
+            seen["peak"], seen["phase"] = peak, _phase(tracker)
+
+    tracker._update_peak_stats = wrapped
+    return seen
 
 
 def trace_peak(plan, steps: int = 2) -> dict:
-    """Peak bytes per category on rank 0 of plan.num_gpus fake ranks (FSDP2 strategies)."""
+    """Peak bytes per category on rank 0 of plan.num_gpus fake ranks (FSDP2 strategies), with
+    "phase" naming where in the step the peak was reached."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -21,23 +52,24 @@ def trace_peak(plan, steps: int = 2) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .model import Transformer
-    from .parallel import build_optimizer, parallelize
+    from .parallel import build_mesh, build_optimizer, parallelize
 
     if plan.strategy in ("ddp", "zero1"):
         raise ValueError("--fake traces the FSDP2 strategies; ddp and zero1 replicate the model")
     dist.init_process_group("fake", rank=0, world_size=plan.num_gpus, store=FakeStore())
     try:
         device = torch.device("cpu")
-        from .parallel import build_mesh
-
         mesh = build_mesh(plan, device)  # outside the fake mode: the mesh is real bookkeeping
-        with FakeTensorMode():
-            with torch.device("meta"):
-                model = Transformer(plan.model)
+        # built on the meta device outside the fake mode: parallelize casts it to the master
+        # dtype first, and a fake parameter cannot be swapped (the mode holds weak references)
+        with torch.device("meta"):
+            model = Transformer(plan.model)
+        with FakeTensorMode(allow_non_fake_inputs=True):
             par = parallelize(model, plan, device, mesh=mesh)
             # foreach under FakeTensorMode counts full-size temporaries (shared/notes/fsdp2-on-cpu.md)
             optim = build_optimizer(par, plan, lr=1e-4, foreach=False)
             tracker = FSDPMemTracker(par.model, optim)
+            seen = _record_phase(tracker)
             t = plan.train
             with tracker:
                 for step in range(steps):
@@ -45,9 +77,11 @@ def trace_peak(plan, steps: int = 2) -> dict:
                         x = torch.randint(0, plan.model.vocab_size, (t.micro_batch, t.seq_len))
                         sync = micro == t.grad_accum - 1 or t.reduce_every_microbatch
                         par.model.set_requires_gradient_sync(sync)
+                        # as zplan/trainer/loop.py computes it: `logits` stays referenced
                         logits = par.model(x)
                         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.reshape(-1))
                         (loss / t.grad_accum).backward()
+                        del logits, loss
                         if micro < t.grad_accum - 1:
                             tracker.reset_mod_stats()
                     optim.step()
@@ -55,7 +89,56 @@ def trace_peak(plan, steps: int = 2) -> dict:
                     tracker.reset_mod_stats()
             snap = tracker.get_tracker_snapshot("peak")
         per = next(iter(snap.values()))
-        return {str(getattr(k, "value", k)): int(v) for k, v in per.items()}
+        out: dict = {str(getattr(k, "value", k)): int(v) for k, v in per.items()}
+        out["phase"] = seen["phase"]
+        return out
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class FakeCell:
+    """One traced configuration against the planner's allocated peak (torch layout)."""
+
+    name: str
+    predicted_bytes: int
+    traced_bytes: int
+    predicted_phase: str
+    traced_phase: str
+    categories: dict
+    trace_s: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_bytes - self.traced_bytes) / self.traced_bytes
+
+    def ok(self, tolerance: float) -> bool:
+        return abs(self.error) <= tolerance and self.predicted_phase == self.traced_phase
+
+
+def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
+              strategy: str) -> FakeCell:
+    """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
+    composite RMSNorm, which the trace runs, and trace it."""
+    import time
+
+    from ..errors import UsageError
+    from ..estimate import estimate_one
+    from ..plan import make_plan
+    from ..scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
+
+    if strategy in ("ddp", "zero1"):
+        raise UsageError(f"--fake traces the FSDP2 strategies; {strategy} replicates the model")
+    sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
+                         seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
+                         checkpointing=checkpointing))
+    r = estimate_one(sc, strategy)
+    if r.memory is None:
+        raise UsageError(f"{strategy}: {r.unavailable}")
+    t0 = time.perf_counter()
+    peak = trace_peak(make_plan(sc, strategy, world * micro_batch, r))
+    phase = peak.pop("phase")
+    return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch} {checkpointing} {strategy}",
+                    r.memory.allocated_bytes, peak["Total"], r.memory.peak_phase, phase or "-",
+                    peak, time.perf_counter() - t0)

@@ -1,0 +1,203 @@
+"""Memory over the events of one training step: the peak is the largest event, not a sum of
+separate maxima.
+
+Events, in order: each unit's forward, the loss's forward and backward, each unit's backward
+(with its recomputation) and reduce-scatter, the optimizer step with its temporaries. At each
+event the live bytes are split by kind: the state at rest (sharded parameters, master weights,
+optimizer state), the sharded gradients produced so far, the gathered weights, the reduction
+buffers, and the activations. What each FSDP2 event holds follows
+torch/distributed/fsdp/_fully_shard (all-gather output then copy-out into the unsharded
+parameters; the next unit's all-gather prefetched; each unit's reduce-scatter input kept until
+the next unit's reduce-scatter, `reduce_scatter_states`); derivation in docs/formulas.md
+section 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+
+from . import arch
+from .scenario import Scenario
+from .specs import TrainSpec
+
+KINDS = ("state", "grads", "gathered", "all_gather", "unsharded_grads", "reduce_scatter",
+         "activations")
+# The CUDA stream each kind is allocated on: the caching allocator reuses a freed block only for
+# requests on the stream it was allocated on. FSDP2 allocates all-gather outputs on its
+# all-gather stream, reduce-scatter inputs and outputs (the sharded gradients are views of the
+# output) on its reduce-scatter stream (_fsdp_collectives.foreach_all_gather, foreach_reduce).
+STREAM = {"state": "default", "gathered": "default", "unsharded_grads": "default",
+          "activations": "default", "all_gather": "all-gather", "grads": "reduce-scatter",
+          "reduce_scatter": "reduce-scatter"}
+
+
+class Event:
+    """One moment of the step: its phase, a label, and the live bytes by kind (KINDS; a kind
+    not named holds nothing)."""
+
+    __slots__ = ("phase", "label", "live", "total_bytes")
+
+    def __init__(self, phase: str, label: str, live: dict[str, int]):
+        self.phase, self.label, self.live = phase, label, live  # phase: forward|loss|backward|optimizer
+        self.total_bytes = sum(live.values())
+
+    def __repr__(self) -> str:
+        return f"Event({self.phase!r}, {self.label!r}, {self.live!r})"
+
+
+def _ev(phase: str, label: str, **live: int) -> Event:
+    return Event(phase, label, live)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What the activations of one micro-batch hold, per unit (bytes)."""
+
+    saved: tuple[int, ...]  # kept between a unit's forward and its backward
+    recompute: tuple[int, ...]  # extra, while one of the unit's blocks is recomputed in backward
+    backward_temp: tuple[int, ...]  # gradients of activations alive inside the unit's backward
+    logits_elems: int
+    loss_per_logit: dict[str, int]
+    act_bytes: int  # bytes per activation element (the param dtype)
+    stream_bytes: int  # one hidden-state tensor (s·b·h) in the param dtype
+
+
+def activations(sc: Scenario) -> Activations:
+    """Per-unit saved, recomputed and backward-temporary bytes (arch.block_* functions)."""
+    if sc.custom_units is None:  # the units follow from the model and the training spec
+        return _decoder_activations(sc.model, sc.train, sc.assume.loss_fp32)
+    return _unit_activations(sc.model, sc.train, sc.assume.loss_fp32, sc.units)
+
+
+@lru_cache(maxsize=512)
+def _decoder_activations(m, t: TrainSpec, loss_fp32: bool) -> Activations:
+    return _unit_activations(m, t, loss_fp32, arch.units(m, t.blocks_per_unit))
+
+
+def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
+    B = arch.act_dtype_bytes(t)
+    sbh = t.seq_len * t.micro_batch * m.hidden
+    none_b = arch.block_saved_bytes(m, t, "none")
+    temp_b = arch.block_backward_temp_bytes(m, t)
+    saved, extra, temp = [], [], []
+    for u in units:
+        if u.blocks == 0:
+            head = u.name != "embed" and u.matmul_params > 0
+            saved.append(arch.head_saved_bytes(m, t) if head else 0)
+            extra.append(0)
+            temp.append(B * sbh if not head else 2 * B * sbh)
+            continue
+        modes = [arch.block_mode(t, i, m.num_layers) for i in range(u.first_block, u.first_block + u.blocks)]
+        per = [arch.block_saved_bytes(m, t, md) for md in modes]
+        saved.append(sum(per))
+        extra.append(max(none_b - p for p in per))
+        temp.append(temp_b)
+    return Activations(tuple(saved), tuple(extra), tuple(temp),
+                       t.seq_len * t.micro_batch * m.vocab_size,
+                       arch.loss_bytes_per_logit(t, loss_fp32), B, B * sbh)
+
+
+def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str) -> int:
+    """Single-tensor AdamW (the trainer's foreach=False) builds `denom` as
+    `(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: two temporaries the size of the
+    parameter alive at once (torch/optim/adamw.py, _single_tensor_adam). DeepSpeed's fused
+    kernels update in place (zero layout: 0)."""
+    if layout != "torch" or train.optimizer != "adamw":
+        return 0
+    return 2 * largest_param_elems * 4
+
+
+def _run_ends(sig: list) -> list[int]:
+    """The units worth an event. Within a run of identical units (the blocks) every kind changes
+    linearly with the unit's index, so each stream's largest value is at an end of the run; a
+    unit's events also read its neighbours (prefetch, the previous reduce-scatter input), so the
+    two units next to each end are kept too."""
+    n = len(sig)
+    edges = {0, n} | {i for i in range(1, n) if sig[i] != sig[i - 1]}
+    return sorted({j for e in edges for j in range(e - 2, e + 2) if 0 <= j < n})
+
+
+def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[int],
+                held: list[bool], unsharded_grad: list[int], first_grad: list[int],
+                reduce_in: list[int],
+                sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int) -> list[Event]:
+    """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order)."""
+    n = len(gathered)
+    prefetch = sc.train.prefetch
+    held_b = sum(g for g, h in zip(gathered, held) if h)
+    moving = [0 if h else g for g, h in zip(gathered, held)]
+    nxt = lambda i: moving[i + 1] if prefetch and i + 1 < n else 0  # noqa: E731
+    # backward prefetch all-gathers the previous unit, unless it stayed gathered (no reshard)
+    prv = lambda j: moving[j - 1] if prefetch and reshard and j > 0 else 0  # noqa: E731
+    saved_upto = [0, *accumulate(acts.saved)]  # saved_upto[i]: kept by units < i
+    moving_upto = [0, *accumulate(moving)]
+    grads_upto = [0, *accumulate(sharded_grad)]
+    ends = _run_ends(list(zip(moving, acts.saved, acts.recompute, acts.backward_temp,
+                              unsharded_grad, first_grad, reduce_in, sharded_grad)))
+    ev: list[Event] = []
+    for i in ends:
+        # copy-out of this unit's all-gather into its unsharded parameters, or its compute with
+        # the next unit's all-gather output already allocated (prefetch)
+        kept = moving_upto[i] if not reshard else 0
+        act = saved_upto[i + 1]
+        if i == n - 1:
+            act += acts.logits_elems * acts.act_bytes  # the head's output
+        ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b,
+                      gathered=held_b + kept + moving[i], all_gather=max(moving[i], nxt(i)),
+                      unsharded_grads=accum_b, activations=act))
+    # the root (held) reshards after its forward too when resharding (the trainer passes
+    # reshard_after_forward to the root as well) and gathers again in its pre-backward
+    at_loss = 0 if reshard else held_b + moving_upto[n]
+    for phase in ("forward", "backward"):
+        ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
+                      activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]))
+    for j in reversed(ends):
+        name = sc.units[j].name
+        gath = held_b + moving[j] + (0 if reshard else moving_upto[j])
+        before = saved_upto[j]
+        act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
+        if j == n - 1:
+            act += 2 * acts.logits_elems * acts.act_bytes  # the logits and their gradient
+        prev_rs = reduce_in[j + 1] if j + 1 < n else 0
+        # at its largest, early in the unit's backward: one weight's gradient so far
+        ev.append(_ev("backward", f"backward {name}", state=state_b,
+                      grads=grads_upto[n] - grads_upto[j + 1], gathered=gath, all_gather=prv(j),
+                      unsharded_grads=accum_b + first_grad[j], reduce_scatter=prev_rs, activations=act))
+        # reduce-scatter: the unit's unsharded gradients copied into the reduce-scatter input
+        # (the previous one is released first); its output becomes the sharded gradient
+        ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b,
+                      grads=grads_upto[n] - grads_upto[j], gathered=gath, all_gather=prv(j),
+                      unsharded_grads=accum_b + unsharded_grad[j], reduce_scatter=reduce_in[j],
+                      activations=before + acts.stream_bytes))
+    ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
+                  activations=opt_temp_b))
+    return ev
+
+
+def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: int,
+                      reduce_b: int, opt_temp_b: int) -> list[Event]:
+    """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
+    static): gradients and buffers held throughout; activations follow the step."""
+    n = len(acts.saved)
+    total_saved = sum(acts.saved)
+    kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
+    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.act_bytes, **kw)]
+    for phase in ("forward", "backward"):
+        ev.append(_ev("loss", f"loss {phase}", activations=total_saved
+                      + acts.logits_elems * acts.loss_per_logit[phase], **kw))
+    saved_upto = [0, *accumulate(acts.saved)]
+    ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp)))
+    for j in reversed(ends):
+        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j]
+        if j == n - 1:
+            act += 2 * acts.logits_elems * acts.act_bytes
+        ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act, **kw))
+    ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **kw))
+    return ev
+
+
+def peak(events: list[Event]) -> Event:
+    """The event with the most live bytes (the first one, on a tie)."""
+    return max(events, key=lambda e: e.total_bytes)
