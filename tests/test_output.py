@@ -127,3 +127,16 @@ def test_estimate_follows_the_terminal_width():
     os.close(master)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode()).replace("\r", "")
     assert 100 < _widths(text) <= 120
+
+
+def test_written_plan_names_the_command_that_runs_it(run_zplan, tmp_path):
+    """A DeepSpeed plan is run through export (launch refuses it); a zplan plan through launch."""
+    for runner, hint in (("deepspeed", "zplan export --plan"), ("zplan", "zplan launch --plan")):
+        plan = tmp_path / f"{runner}.json"
+        p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--cluster",
+                      "cpu-local", "--seq-len", "128", "--for", runner, "--write", str(plan),
+                      "--top", "0", env=_no_columns())
+        assert p.returncode == 0, p.stderr
+        assert hint in p.stderr, p.stderr
+    launch = run_zplan("launch", "--dry-run", "--plan", str(tmp_path / "deepspeed.json"))
+    assert launch.returncode != 0  # the hint above must not point at a command that refuses it

@@ -36,10 +36,12 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
     for fam, why in rec.lost.items():
         console.print(f"  {fam}: {escape(why)}")
     for fam, why in rec.rejected.items():
-        console.print(f"  [red]infeasible[/] {escape(why)}")
+        console.print(f"  [red]infeasible[/] {escape(fam)}: {escape(why)}")
     # messages, not data: stderr
     if written:
-        print(f"zplan: plan written to {written} (zplan launch --plan {written} runs it)", file=sys.stderr)
+        runs = (f"zplan export --plan {written} --to deepspeed turns it into DeepSpeed's config"
+                if sc.train.layout == "zero" else f"zplan launch --plan {written} runs it")
+        print(f"zplan: plan written to {written} ({runs})", file=sys.stderr)
     if plot:
         print(f"zplan: plot written to {plot}", file=sys.stderr)
 
