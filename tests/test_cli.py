@@ -274,3 +274,13 @@ def test_json_output_never_holds_nan(capsys, monkeypatch):
 
     with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
         app.emit_json({"x": float("nan")})
+
+
+def test_slurm_name_whose_plan_name_is_too_long_names_the_flag(capsys, tmp_path, monkeypatch):
+    """The plan goes beside the script as NAME.plan.json: a name that fits 255 bytes but whose
+    plan name does not is refused naming --slurm, before anything is written (found by the fuzzer)."""
+    monkeypatch.chdir(tmp_path)
+    name = "n" * 250 + ".json"
+    rc, _, err = cli(capsys, "launch", "--dry-run", "--run-dir", "run", "--slurm", name)
+    assert rc == 2 and one_error(err).startswith(f"zplan: error: --slurm {name}")
+    assert list(tmp_path.iterdir()) == []

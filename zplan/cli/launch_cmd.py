@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -201,6 +202,9 @@ def launch(
                                             ("local-ranks-filter", local_ranks_filter)) if v is not None)
     if slurm:
         plan_path = str(Path(slurm).resolve().with_suffix(".plan.json"))
+        if len(os.fsencode(Path(plan_path).name)) > 255:
+            raise UsageError(f"--slurm {slurm}: the plan written beside it, {Path(plan_path).name}, "
+                             f"would be a file name over 255 bytes; choose a shorter name")
         spec = LaunchSpec(plan_path, per_node, nnodes, None, rdzv_endpoint, rdzv_id, max_restarts, script,
                           tuple(extra), torchrun_opts=opts)
         save(p, plan_path)
