@@ -71,6 +71,27 @@ def test_prefetched_batches_are_the_contract_batches():
         pre.close()
 
 
+
+def test_prepared_batches_are_contiguous_before_pinning():
+    """Inputs and targets are views of one (B, s + 1) tensor; pin_memory keeps strides, and a
+    non-contiguous pinned source makes the host-to-GPU copy stage through a pageable tensor on
+    the training thread (a blocking copy). The prefetch thread hands over contiguous tensors."""
+    from zplan.trainer.data import Prefetcher, TokenSource
+
+    src = TokenSource(97, 16, seed=5)
+    raw_x, raw_y = src.batch(0, 0, 0, 1, 4, 2)
+    assert not raw_x.is_contiguous() and not raw_y.is_contiguous()  # what the source gives
+    pre = Prefetcher(src, rank=0, world=1, global_batch=4, micro_batch=2, grad_accum=2,
+                     device=torch.device("cpu"))
+    try:
+        x, y = pre.get(0, 0)
+        nx, ny = pre._next[1].result()  # micro-batch 1, prepared on the prefetch thread
+        assert x.is_contiguous() and y.is_contiguous() and nx.is_contiguous() and ny.is_contiguous()
+        assert torch.equal(x, raw_x) and torch.equal(y, raw_y)
+    finally:
+        pre.close()
+
+
 def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
     import torch.distributed as dist
 
