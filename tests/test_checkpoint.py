@@ -113,6 +113,32 @@ def test_crafted_zero1_optimizer_file_is_refused(tmp_path):
     assert not marker.exists()
 
 
+
+def test_zero1_shard_saved_on_a_gpu_loads_on_any_device(tmp_path):
+    """A zero1 optimizer shard saved by rank 7 of an 8-GPU node records cuda:7 in the file;
+    resumed at the same world size on nodes of 4 GPUs, rank 7 has no cuda:7. The shard is read
+    onto the host and load_state_dict moves it to the parameters' device. Reproduced here by
+    tagging the saved storages cuda:7, which this machine lacks too."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    m, _ = _model(3)
+    zopt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+    zopt.step()
+    want = {k: v["exp_avg"].clone() for k, v in zopt.optim.state_dict()["state"].items()}
+    shard = tmp_path / "zero1_optim_rank0.pt"
+    registry = list(torch.serialization._package_registry)
+    torch.serialization.register_package(1, lambda obj: "cuda:7", lambda obj, location: None)
+    try:
+        torch.save(zopt.optim.state_dict(), shard)
+    finally:
+        torch.serialization._package_registry[:] = registry
+    with pytest.raises(RuntimeError, match="(?i)cuda"):  # what a plain torch.load does with it
+        torch.load(shard, weights_only=True)
+    got = ckpt.load_zero1_shard(shard)["state"]
+    assert set(got) == set(want) and all(torch.equal(got[k]["exp_avg"], want[k]) for k in want)
+    assert all(v["exp_avg"].device.type == "cpu" for v in got.values())
+
+
 def test_empty_metadata_is_one_line_not_aborted(tmp_path, capsys):
     _save(tmp_path, 2, seed=1)
     (tmp_path / "step_00000002" / ".metadata").write_bytes(b"")

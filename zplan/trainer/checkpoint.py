@@ -184,15 +184,21 @@ def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_
     dcp.load(state, storage_reader=SafeReader(str(path)))
     if zero1:
         set_model_state_dict(model, state["model"])
-        shard = path / f"zero1_optim_rank{dist.get_rank()}.pt"
-        try:  # tensors and plain containers only: never weights_only=False on a file from disk
-            local = torch.load(shard, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
-            raise CheckpointError(f"refused {shard}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        optim.optim.load_state_dict(local)
+        optim.optim.load_state_dict(load_zero1_shard(path / f"zero1_optim_rank{dist.get_rank()}.pt"))
     else:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"meta": meta, **state["extra"]}
+
+
+def load_zero1_shard(shard: Path) -> dict:
+    """One rank's ZeroRedundancyOptimizer state, read onto the host: torch.load would put each
+    tensor back on the GPU it was saved from (cuda:7 on an 8-GPU node), which a rank of the same
+    world size laid out on other nodes may not have; load_state_dict moves the state to its
+    parameters' device."""
+    try:  # tensors and plain containers only: never weights_only=False on a file from disk
+        return torch.load(shard, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"refused {shard}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def _say(line: str) -> None:
