@@ -250,3 +250,29 @@ def test_gpu_check_summary(tmp_path):
     assert mod.main([str(tmp_path)]) == 1
     failed = json.loads((tmp_path / "summary.json").read_text())["checks"]
     assert failed["train"] is False and failed["resumed from the checkpoint"] is False
+
+
+def test_offload_all_ranks_share_the_node_cpus():
+    """The planner prices offload-all's host optimizer step at the node's CPU throughput shared
+    by its ranks; torchrun's OMP_NUM_THREADS=1 would leave each GPU rank one core."""
+    from zplan.trainer.run_setup import host_threads
+
+    assert host_threads("offload-all", True, 8, 112, "1") == 14
+    assert host_threads("offload-all", True, 8, 112, None) == 14
+    assert host_threads("offload-all", True, 3, 16, "") == 5
+    assert host_threads("offload-all", True, 8, 4, "1") == 1  # never 0
+    assert host_threads("offload-all", True, 8, 112, "6") is None  # the user's own choice stays
+    assert host_threads("offload-all", False, 2, 16, "1") is None  # CPU ranks: one thread each
+    assert host_threads("zero3", True, 8, 112, "1") is None  # the host does no optimizer work
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """LOCAL_RANK beyond the node's GPUs: a usage error naming the fix, not 'invalid device
+    ordinal' (the GPU count is faked: this machine has none)."""
+    from zplan.errors import UsageError
+    from zplan.trainer.run_setup import set_local_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(UsageError, match="LOCAL_RANK is 5 but its node shows 4 GPU"):
+        set_local_device()
