@@ -276,3 +276,16 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "5")
     with pytest.raises(UsageError, match="LOCAL_RANK is 5 but its node shows 4 GPU"):
         set_local_device()
+
+
+def test_calibrate_refuses_more_nccl_ranks_than_gpus(monkeypatch):
+    """calibrate's NCCL ranks each take GPU `rank`: more ranks than GPUs is one line before any
+    process starts, not a CUDA error inside a spawned child (the GPU count is faked)."""
+    from zplan import calibrate
+    from zplan.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("torch.multiprocessing.start_processes",
+                        lambda *a, **k: pytest.fail("no rank may start"))
+    with pytest.raises(UsageError, match="--ranks 4: this machine shows 2 GPU"):
+        calibrate.collective_times(4, [1 << 20], backend="nccl")

@@ -114,6 +114,11 @@ def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str =
 
     from .netutil import free_port
 
+    if backend == "nccl" and world > torch.cuda.device_count():
+        from .errors import UsageError  # each rank takes GPU `rank`: one past the last is a CUDA error in a child
+
+        raise UsageError(f"--ranks {world}: this machine shows {torch.cuda.device_count()} GPU(s); "
+                         f"pass at most that many (one rank per GPU)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "res.pt")
