@@ -98,6 +98,35 @@ def test_crafted_metadata_runs_nothing(tmp_path, capsys, nested):
     assert not marker.exists()
 
 
+
+def test_crafted_non_tensor_item_in_a_shard_runs_nothing(tmp_path, capsys):
+    """DCP stores non-tensor values (the step, the optimizer's hyper-parameters) as pickles in
+    the shard files, and its default load planner reads them with torch.load(weights_only=False):
+    a shard whose `extra.step` bytes are a crafted pickle ran code at resume. Here the metadata
+    (itself well-formed) points `extra.step` at such a pickle appended to the shard."""
+    import dataclasses
+
+    _save(tmp_path, 2, seed=1)
+    folder = tmp_path / "step_00000002"
+    marker = tmp_path / "marker"
+    md = read_metadata(folder)
+    index = next(i for i in md.storage_data if i.fqn == "extra.step")
+    info = md.storage_data[index]
+    shard = folder / info.relative_path
+    payload = pickle.dumps(Evil(marker))
+    md.storage_data[index] = dataclasses.replace(info, offset=shard.stat().st_size, length=len(payload))
+    with open(shard, "ab") as f:
+        f.write(payload)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    assert read_metadata(folder).storage_data[index].length == len(payload)  # still well-formed
+    with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
+        _resume(tmp_path)
+    assert not marker.exists()
+    err = capsys.readouterr().err
+    assert "CheckpointError: refused the value of extra.step in a checkpoint shard" in err
+    assert "FrameSummary" not in err  # DCP's (exception, traceback) pair, unwrapped
+
+
 def test_crafted_zero1_optimizer_file_is_refused(tmp_path):
     _save(tmp_path, 1, seed=1)
     folder = tmp_path / "step_00000001"

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
-from .ckpt_files import CheckpointError, SafeReader, check_complete, read_metadata
+from .ckpt_files import CheckpointError, SafeLoadPlanner, SafeReader, check_complete, read_metadata
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_DIR = re.compile(r"^\.tmp-step_\d{8}$")
@@ -181,7 +181,7 @@ def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_
     state = {"model": msd, "extra": {"step": 0, "data_seed": 0}}
     if osd is not None:
         state["optim"] = osd
-    dcp.load(state, storage_reader=SafeReader(str(path)))
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     if zero1:
         set_model_state_dict(model, state["model"])
         optim.optim.load_state_dict(load_zero1_shard(path / f"zero1_optim_rank{dist.get_rank()}.pt"))
@@ -216,6 +216,8 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from .rank_errors import dcp_failures
+
     published = _published(Path(root))
     for path in complete(root, _say):
         try:
@@ -225,7 +227,7 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
                 raise
             _say(f"checkpoint {path.name} cannot be read ({e}); trying the previous one")
         except CheckpointException as e:  # a BaseException: DCP gathers every rank's failure
-            first = next(iter(getattr(e, "failures", {}).values()), e)
+            first = next(iter(dcp_failures(e)), e)
             _say(f"checkpoint {path.name} cannot be loaded ({type(first).__name__}: "
                  f"{str(first).splitlines()[0] if str(first) else ''}); trying the previous one")
     if published:
