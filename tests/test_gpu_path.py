@@ -289,3 +289,22 @@ def test_calibrate_refuses_more_nccl_ranks_than_gpus(monkeypatch):
                         lambda *a, **k: pytest.fail("no rank may start"))
     with pytest.raises(UsageError, match="--ranks 4: this machine shows 2 GPU"):
         calibrate.collective_times(4, [1 << 20], backend="nccl")
+
+
+def test_calibrated_cpu_adamw_uses_the_trainers_kernel_on_the_given_threads(monkeypatch):
+    """The offload figure is measured with the fused AdamW the trainer builds, on the threads
+    asked for (the node's CPUs), and leaves this process's thread count as it found it."""
+    from zplan import calibrate
+
+    seen = {}
+    real = torch.optim.AdamW
+
+    def spy(params, **kw):
+        seen["kw"], seen["threads"] = kw, torch.get_num_threads()
+        return real(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    before = torch.get_num_threads()
+    rate = calibrate.adamw_params_per_s(n=50_000, reps=1, threads=before + 1)
+    assert rate > 0 and seen["kw"].get("fused") is True and seen["threads"] == before + 1
+    assert torch.get_num_threads() == before
