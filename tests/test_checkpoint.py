@@ -98,6 +98,35 @@ def test_crafted_metadata_runs_nothing(tmp_path, capsys, nested):
     assert not marker.exists()
 
 
+
+def test_crafted_non_tensor_item_in_a_shard_runs_nothing(tmp_path, capsys):
+    """DCP stores non-tensor values (the step, the optimizer's hyper-parameters) as pickles in
+    the shard files, and its default load planner reads them with torch.load(weights_only=False):
+    a shard whose `extra.step` bytes are a crafted pickle ran code at resume. Here the metadata
+    (itself well-formed) points `extra.step` at such a pickle appended to the shard."""
+    import dataclasses
+
+    _save(tmp_path, 2, seed=1)
+    folder = tmp_path / "step_00000002"
+    marker = tmp_path / "marker"
+    md = read_metadata(folder)
+    index = next(i for i in md.storage_data if i.fqn == "extra.step")
+    info = md.storage_data[index]
+    shard = folder / info.relative_path
+    payload = pickle.dumps(Evil(marker))
+    md.storage_data[index] = dataclasses.replace(info, offset=shard.stat().st_size, length=len(payload))
+    with open(shard, "ab") as f:
+        f.write(payload)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    assert read_metadata(folder).storage_data[index].length == len(payload)  # still well-formed
+    with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
+        _resume(tmp_path)
+    assert not marker.exists()
+    err = capsys.readouterr().err
+    assert "CheckpointError: refused the value of extra.step in a checkpoint shard" in err
+    assert "FrameSummary" not in err  # DCP's (exception, traceback) pair, unwrapped
+
+
 def test_crafted_zero1_optimizer_file_is_refused(tmp_path):
     _save(tmp_path, 1, seed=1)
     folder = tmp_path / "step_00000001"
@@ -111,6 +140,32 @@ def test_crafted_zero1_optimizer_file_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="refused"):
         ckpt.load(folder, m, zopt, 1, zero1=True, model_name="tiny")
     assert not marker.exists()
+
+
+
+def test_zero1_shard_saved_on_a_gpu_loads_on_any_device(tmp_path):
+    """A zero1 optimizer shard saved by rank 7 of an 8-GPU node records cuda:7 in the file;
+    resumed at the same world size on nodes of 4 GPUs, rank 7 has no cuda:7. The shard is read
+    onto the host and load_state_dict moves it to the parameters' device. Reproduced here by
+    tagging the saved storages cuda:7, which this machine lacks too."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    m, _ = _model(3)
+    zopt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+    zopt.step()
+    want = {k: v["exp_avg"].clone() for k, v in zopt.optim.state_dict()["state"].items()}
+    shard = tmp_path / "zero1_optim_rank0.pt"
+    registry = list(torch.serialization._package_registry)
+    torch.serialization.register_package(1, lambda obj: "cuda:7", lambda obj, location: None)
+    try:
+        torch.save(zopt.optim.state_dict(), shard)
+    finally:
+        torch.serialization._package_registry[:] = registry
+    with pytest.raises(RuntimeError, match="(?i)cuda"):  # what a plain torch.load does with it
+        torch.load(shard, weights_only=True)
+    got = ckpt.load_zero1_shard(shard)["state"]
+    assert set(got) == set(want) and all(torch.equal(got[k]["exp_avg"], want[k]) for k in want)
+    assert all(v["exp_avg"].device.type == "cpu" for v in got.values())
 
 
 def test_empty_metadata_is_one_line_not_aborted(tmp_path, capsys):

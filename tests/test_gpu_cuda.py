@@ -33,7 +33,8 @@ def _gpu_rank(rank: int, port: int, out: str) -> None:
     src = TokenSource(1000, 128, seed=3)
     pre = Prefetcher(src, 0, 1, 4, 2, 2, dev)
     x, y = pre.get(0, 0)
-    res["pinned"] = bool(pre._next[1].result()[0].is_pinned())
+    nxt = pre._next[1].result()[0]
+    res["pinned"] = bool(nxt.is_pinned()) and nxt.is_contiguous()  # one DMA, no pageable staging
     res["device"] = str(x.device)
     res["same"] = bool(torch.equal(x.cpu(), src.batch(0, 0, 0, 1, 4, 2)[0]))
     pre.close()

@@ -71,6 +71,27 @@ def test_prefetched_batches_are_the_contract_batches():
         pre.close()
 
 
+
+def test_prepared_batches_are_contiguous_before_pinning():
+    """Inputs and targets are views of one (B, s + 1) tensor; pin_memory keeps strides, and a
+    non-contiguous pinned source makes the host-to-GPU copy stage through a pageable tensor on
+    the training thread (a blocking copy). The prefetch thread hands over contiguous tensors."""
+    from zplan.trainer.data import Prefetcher, TokenSource
+
+    src = TokenSource(97, 16, seed=5)
+    raw_x, raw_y = src.batch(0, 0, 0, 1, 4, 2)
+    assert not raw_x.is_contiguous() and not raw_y.is_contiguous()  # what the source gives
+    pre = Prefetcher(src, rank=0, world=1, global_batch=4, micro_batch=2, grad_accum=2,
+                     device=torch.device("cpu"))
+    try:
+        x, y = pre.get(0, 0)
+        nx, ny = pre._next[1].result()  # micro-batch 1, prepared on the prefetch thread
+        assert x.is_contiguous() and y.is_contiguous() and nx.is_contiguous() and ny.is_contiguous()
+        assert torch.equal(x, raw_x) and torch.equal(y, raw_y)
+    finally:
+        pre.close()
+
+
 def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -229,3 +250,61 @@ def test_gpu_check_summary(tmp_path):
     assert mod.main([str(tmp_path)]) == 1
     failed = json.loads((tmp_path / "summary.json").read_text())["checks"]
     assert failed["train"] is False and failed["resumed from the checkpoint"] is False
+
+
+def test_offload_all_ranks_share_the_node_cpus():
+    """The planner prices offload-all's host optimizer step at the node's CPU throughput shared
+    by its ranks; torchrun's OMP_NUM_THREADS=1 would leave each GPU rank one core."""
+    from zplan.trainer.run_setup import host_threads
+
+    assert host_threads("offload-all", True, 8, 112, "1") == 14
+    assert host_threads("offload-all", True, 8, 112, None) == 14
+    assert host_threads("offload-all", True, 3, 16, "") == 5
+    assert host_threads("offload-all", True, 8, 4, "1") == 1  # never 0
+    assert host_threads("offload-all", True, 8, 112, "6") is None  # the user's own choice stays
+    assert host_threads("offload-all", False, 2, 16, "1") is None  # CPU ranks: one thread each
+    assert host_threads("zero3", True, 8, 112, "1") is None  # the host does no optimizer work
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """LOCAL_RANK beyond the node's GPUs: a usage error naming the fix, not 'invalid device
+    ordinal' (the GPU count is faked: this machine has none)."""
+    from zplan.errors import UsageError
+    from zplan.trainer.run_setup import set_local_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(UsageError, match="LOCAL_RANK is 5 but its node shows 4 GPU"):
+        set_local_device()
+
+
+def test_calibrate_refuses_more_nccl_ranks_than_gpus(monkeypatch):
+    """calibrate's NCCL ranks each take GPU `rank`: more ranks than GPUs is one line before any
+    process starts, not a CUDA error inside a spawned child (the GPU count is faked)."""
+    from zplan import calibrate
+    from zplan.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("torch.multiprocessing.start_processes",
+                        lambda *a, **k: pytest.fail("no rank may start"))
+    with pytest.raises(UsageError, match="--ranks 4: this machine shows 2 GPU"):
+        calibrate.collective_times(4, [1 << 20], backend="nccl")
+
+
+def test_calibrated_cpu_adamw_uses_the_trainers_kernel_on_the_given_threads(monkeypatch):
+    """The offload figure is measured with the fused AdamW the trainer builds, on the threads
+    asked for (the node's CPUs), and leaves this process's thread count as it found it."""
+    from zplan import calibrate
+
+    seen = {}
+    real = torch.optim.AdamW
+
+    def spy(params, **kw):
+        seen["kw"], seen["threads"] = kw, torch.get_num_threads()
+        return real(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    before = torch.get_num_threads()
+    rate = calibrate.adamw_params_per_s(n=50_000, reps=1, threads=before + 1)
+    assert rate > 0 and seen["kw"].get("fused") is True and seen["threads"] == before + 1
+    assert torch.get_num_threads() == before

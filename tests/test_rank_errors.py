@@ -44,6 +44,21 @@ def test_checkpoint_exception_is_caught_and_unwrapped():
     assert rank_errors.classify(e) == ("wrong model", 2, False)
 
 
+def test_checkpoint_exception_as_dcp_raises_it_is_unwrapped():
+    """DCP fills `failures` with (exception, traceback summary) pairs (its _wrap_exception, torch
+    2.11 and 2.13), not bare exceptions: the line names the exception, not the pair."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise ValueError("size mismatch for model.0.weight")
+    except ValueError as err:
+        mismatch = _wrap_exception(err)
+    e = CheckpointException("load", {0: mismatch, 1: _wrap_exception(UsageError("wrong model"))})
+    assert rank_errors.classify(e) == ("wrong model", 2, False)
+    line = rank_errors.classify(CheckpointException("load", {0: mismatch}))[0]
+    assert line == "checkpoint cannot be loaded (ValueError: size mismatch for model.0.weight)"
+
+
 def test_one_line_per_distinct_error_and_the_agreed_code(tmp_path, monkeypatch, capsys):
     same = {r: _failure(tmp_path, r, UsageError("the plan is for 4 ranks"), monkeypatch=monkeypatch) for r in (0, 1)}
     assert capsys.readouterr().err == ""  # under the launcher the ranks leave their lines to it

@@ -1,9 +1,10 @@
 """`zplan calibrate`: measure this machine and write presets the planner can use.
 
 Measures, on the device the trainer would use (a GPU, or one CPU thread as a torchrun rank has):
-achievable matmul FLOP/s per dtype, memory bandwidth (a large copy), the CPU's AdamW throughput
-(for offload), and the bus bandwidth of all-gather, reduce-scatter and all-reduce over message
-sizes (nccl-tests' definitions) between N local processes (NCCL on GPUs, gloo on CPUs). Writes
+achievable matmul FLOP/s per dtype, memory bandwidth (a large copy), the node's CPU AdamW
+throughput on all its CPUs together (for offload), and the bus bandwidth of all-gather,
+reduce-scatter and all-reduce over message sizes (nccl-tests' definitions) between N local
+processes (NCCL on GPUs, gloo on CPUs). Writes
 OUT/gpus/NAME.toml and OUT/clusters/NAME.toml; use them with --presets OUT --gpu NAME
 --cluster NAME. The GPU preset is marked `measured`, so the efficiency assumption defaults to 1.
 """
@@ -59,14 +60,24 @@ def memory_bandwidth(device, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
     return 2 * nbytes / t
 
 
-def adamw_params_per_s(n: int = 4_000_000, reps: int = 3) -> float:
-    """CPU AdamW throughput (one thread), the offload strategies' optimizer step."""
+def adamw_params_per_s(n: int = 4_000_000, reps: int = 3, threads: int | None = None) -> float:
+    """CPU AdamW throughput with the trainer's kernel (fused: zplan/trainer/parallel.py
+    build_optimizer) on `threads` threads (None: as torch is set), the offload strategies'
+    optimizer step. A node's figure is measured on all its usable CPUs at once, as the ranks of
+    an offload-all run share them (zplan/trainer/run_setup.py host_threads): the step is
+    memory-bound, so one thread's rate times the cores overstates a many-core node."""
     import torch
 
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
-    opt = torch.optim.AdamW([p], foreach=False)
-    t = _timeit(opt.step, torch.device("cpu"), reps)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = torch.randn(n)
+        opt = torch.optim.AdamW([p], fused=True)
+        t = _timeit(opt.step, torch.device("cpu"), reps)
+    finally:
+        torch.set_num_threads(before)
     return n / t
 
 
@@ -114,6 +125,11 @@ def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str =
 
     from .netutil import free_port
 
+    if backend == "nccl" and world > torch.cuda.device_count():
+        from .errors import UsageError  # each rank takes GPU `rank`: one past the last is a CUDA error in a child
+
+        raise UsageError(f"--ranks {world}: this machine shows {torch.cuda.device_count()} GPU(s); "
+                         f"pass at most that many (one rank per GPU)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "res.pt")

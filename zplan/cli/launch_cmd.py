@@ -260,7 +260,9 @@ def consolidate(
     try:
         n = run_consolidate(src, output)
     except CheckpointException as e:  # a BaseException: the boundary would not catch it
-        first = next(iter(getattr(e, "failures", {}).values()), e)
+        from ..trainer.rank_errors import dcp_failures
+
+        first = next(iter(dcp_failures(e)), e)
         raise UsageError(f"checkpoint {src} cannot be read ({type(first).__name__}: "
                          f"{str(first).splitlines()[0] if str(first) else ''}); pass another step_N folder") from None
     except OSError as e:

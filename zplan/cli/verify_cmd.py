@@ -161,7 +161,7 @@ def calibrate(
         mb *= 4
     flops = cal.matmul_flops(device)
     hbm = cal.memory_bandwidth(device)
-    adam = cal.adamw_params_per_s()
+    adam = cal.adamw_params_per_s(n=16_000_000, threads=found.cpus)  # the node's CPUs together
     link = {}
     if world > 1:
         times = cal.collective_times(world, sizes, backend="nccl" if cuda else "gloo")
@@ -189,7 +189,7 @@ def calibrate(
                "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),
                "intra_node_latency_s": float(f"{alpha:.3g}"), "inter_node_latency_s": float(f"{alpha * 4:.3g}"),
                "link": "nvlink" if cuda else "loopback",
-               "host_ram_bytes": int(found.host_ram_bytes), "cpu_adam_params_per_s": float(f"{adam * found.cpus:.4g}"),
+               "host_ram_bytes": int(found.host_ram_bytes), "cpu_adam_params_per_s": float(f"{adam:.4g}"),
                "source": source + "; inter-node figures are not measured (assumed 1/10 and 4x)"}
     g, c = cal.write_presets(Path(output), name, gpu, cluster)
     if as_json:
@@ -198,7 +198,7 @@ def calibrate(
         return
     for d, per in flops.items():
         print(f"matmul {d}: " + ", ".join(f"{n}: {v / 1e9:,.1f} GFLOP/s" for n, v in per.items()))
-    print(f"memory bandwidth: {hbm / 1e9:,.1f} GB/s; CPU AdamW: {adam / 1e6:,.0f} M params/s per thread")
+    print(f"memory bandwidth: {hbm / 1e9:,.1f} GB/s; CPU AdamW: {adam / 1e6:,.0f} M params/s on {found.cpus} CPUs")
     if link:
         print(f"collectives over {world} ranks: bus bandwidth {bw / 1e9:,.2f} GB/s, latency {alpha * 1e6:,.0f} us per step")
     print(f"wrote {g} and {c}; use --presets {output} --gpu {name} --cluster {name}")

@@ -103,11 +103,14 @@ def _main(args: argparse.Namespace) -> int:
 
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    from .run_setup import set_host_threads, set_local_device
+
+    if cuda:  # before anything asks the current device (check_plan reads this rank's GPU's name)
+        set_local_device()
     why = check_plan(plan, world, cuda, builtin_model=True)
     if why:
         raise UsageError(why)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    set_host_threads(plan.strategy, cuda)
     backend = "nccl" if cuda else "gloo"
     from .distributed import init_process_group_for
     init_process_group_for("cuda" if cuda else "cpu")

@@ -125,13 +125,15 @@ def init(ckpt_dir: str | None = None) -> Context:
         raise RuntimeError("$ZPLAN_PLAN is not set: start this script with zplan launch")
     plan = load(path)
     from .plan_check import check_plan
+    from .run_setup import set_host_threads, set_local_device
 
     cuda = torch.cuda.is_available()
+    if cuda:  # before anything asks the current device (check_plan reads this rank's GPU's name)
+        set_local_device()
     why = check_plan(plan, int(os.environ.get("WORLD_SIZE", "1")), cuda)
     if why:
         raise RuntimeError(why)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    set_host_threads(plan.strategy, cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         init_process_group_for(device)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
-from .ckpt_files import CheckpointError, SafeReader, check_complete, read_metadata
+from .ckpt_files import CheckpointError, SafeLoadPlanner, SafeReader, check_complete, read_metadata
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_DIR = re.compile(r"^\.tmp-step_\d{8}$")
@@ -181,18 +181,24 @@ def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_
     state = {"model": msd, "extra": {"step": 0, "data_seed": 0}}
     if osd is not None:
         state["optim"] = osd
-    dcp.load(state, storage_reader=SafeReader(str(path)))
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     if zero1:
         set_model_state_dict(model, state["model"])
-        shard = path / f"zero1_optim_rank{dist.get_rank()}.pt"
-        try:  # tensors and plain containers only: never weights_only=False on a file from disk
-            local = torch.load(shard, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
-            raise CheckpointError(f"refused {shard}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        optim.optim.load_state_dict(local)
+        optim.optim.load_state_dict(load_zero1_shard(path / f"zero1_optim_rank{dist.get_rank()}.pt"))
     else:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"meta": meta, **state["extra"]}
+
+
+def load_zero1_shard(shard: Path) -> dict:
+    """One rank's ZeroRedundancyOptimizer state, read onto the host: torch.load would put each
+    tensor back on the GPU it was saved from (cuda:7 on an 8-GPU node), which a rank of the same
+    world size laid out on other nodes may not have; load_state_dict moves the state to its
+    parameters' device."""
+    try:  # tensors and plain containers only: never weights_only=False on a file from disk
+        return torch.load(shard, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"refused {shard}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def _say(line: str) -> None:
@@ -210,6 +216,8 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from .rank_errors import dcp_failures
+
     published = _published(Path(root))
     for path in complete(root, _say):
         try:
@@ -219,7 +227,7 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
                 raise
             _say(f"checkpoint {path.name} cannot be read ({e}); trying the previous one")
         except CheckpointException as e:  # a BaseException: DCP gathers every rank's failure
-            first = next(iter(getattr(e, "failures", {}).values()), e)
+            first = next(iter(dcp_failures(e)), e)
             _say(f"checkpoint {path.name} cannot be loaded ({type(first).__name__}: "
                  f"{str(first).splitlines()[0] if str(first) else ''}); trying the previous one")
     if published:

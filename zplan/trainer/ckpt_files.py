@@ -4,8 +4,9 @@ DCP's `.metadata` is a pickle, and `pickle.load` runs whatever callable the file
 is read by an unpickler that resolves only the classes a DCP checkpoint's metadata is made of
 (torch.distributed.checkpoint.metadata's dataclasses, the file system reader's storage info,
 torch.Size, dtypes and layouts, pathlib paths); any other global refuses the file with one line.
-`SafeReader` is DCP's FileSystemReader with that reader in place of pickle.load, and every
-zplan load goes through it. `check_complete` says whether every byte range the metadata names
+`SafeReader` is DCP's FileSystemReader with that reader in place of pickle.load, and
+`SafeLoadPlanner` reads the non-tensor values inside the shards with weights_only=True; every
+zplan load goes through both. `check_complete` says whether every byte range the metadata names
 exists on disk (a truncated or missing shard makes a checkpoint incomplete).
 """
 
@@ -16,7 +17,7 @@ import pickle
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from ..errors import UsageError
 
@@ -94,6 +95,28 @@ def check_complete(folder: str | Path, md=None) -> str | None:
         if f.stat().st_size < end:
             return f"shard {rel} is {f.stat().st_size:,} bytes, shorter than the {end:,} its metadata names"
     return None
+
+
+def _refused(what: str, e: BaseException) -> CheckpointError:
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(f"refused {what}: {first} (the file may be crafted; nothing from it was run)")
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with the non-tensor values of a checkpoint (the step, the
+    optimizer's hyper-parameters: DCP stores each as a pickle inside a shard) read by
+    torch.load(weights_only=True). DCP's own load_bytes uses weights_only=False, so a crafted
+    shard ran code at resume. Tensors are read by DCP with weights_only=True already."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as e:
+            raise _refused(f"the value of {read_item.dest_index.fqn} in a checkpoint shard", e) from None
+        clean = io.BytesIO()  # handed to DCP's own placement, re-serialised from the vetted value
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
 
 
 class SafeReader(FileSystemReader):

@@ -42,13 +42,13 @@ def load_tensor(path: str | Path, name: str, shape, dtype) -> torch.Tensor:
 
     import torch.distributed.checkpoint as dcp
 
-    from .ckpt_files import SafeReader
+    from .ckpt_files import SafeLoadPlanner, SafeReader
 
     t = torch.empty(shape, dtype=dtype)
     state = {"model": {name: t}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": we are
-        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
     return state["model"][name]
 
 

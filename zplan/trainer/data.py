@@ -95,6 +95,11 @@ class Prefetcher:
 
     def _prepare(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.source.batch(step, micro, self.rank, self.world, self.global_batch, self.micro_batch)
+        # x and y are strided views of one (B, s + 1) tensor, and pin_memory keeps strides: a
+        # non-contiguous pinned source makes the copy to the GPU stage it through a fresh pageable
+        # contiguous tensor on the caller's thread, a blocking copy. Contiguous here, on this
+        # thread, so the copy in get() is one asynchronous DMA from pinned memory.
+        x, y = x.contiguous(), y.contiguous()
         if self.pin:
             x, y = x.pin_memory(), y.pin_memory()
         return x, y

@@ -19,6 +19,16 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "Connection refused", "Timed out waiting", "DistNetworkError", "failed to recv", "failed to send")
 
 
+def dcp_failures(e: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside DCP's CheckpointException. Its `failures` maps each rank
+    to (exception, traceback summary) on torch 2.11 and 2.13; a bare exception is taken as is."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    out = [v[0] if isinstance(v, tuple) and v else v for v in failures.values()]
+    return [x for x in out if isinstance(x, BaseException)]
+
+
 def classify(e: BaseException) -> tuple[str, int, bool]:
     """(one line, exit code, whether it is only the echo of another rank's failure)."""
     from ..errors import ZplanError
@@ -27,13 +37,13 @@ def classify(e: BaseException) -> tuple[str, int, bool]:
         return str(e), e.exit_code, False
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", 130, False
-    failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> exception
-    if isinstance(failures, dict) and failures:
-        inner = [classify(x) for x in failures.values() if isinstance(x, BaseException)]
+    failures = dcp_failures(e)  # DCP's CheckpointException: one per failed rank
+    if failures:
+        inner = [classify(x) for x in failures]
         if inner:  # the most telling: zplan's own lines, then the rest, then echoes
             line, code, secondary = min(inner, key=lambda t: (t[2], t[0].startswith("internal error")))
             if line.startswith("internal error"):
-                x = next(iter(failures.values()))
+                x = failures[0]
                 line = f"checkpoint cannot be loaded ({type(x).__name__}: {str(x).splitlines()[0][:300] if str(x) else ''})"
             return line, code, secondary
     if isinstance(e, OSError):

@@ -61,3 +61,40 @@ def inject_fault(step: int, rank: int) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def host_threads(strategy: str, cuda: bool, local_world: int, cpus: int, omp_env: str | None) -> int | None:
+    """Threads for this rank's host work, or None to keep torch's setting.
+
+    Under offload-all on GPUs the optimizer step runs on the host, and the planner prices it at
+    the node's `cpu_adam_params_per_s` shared by the node's ranks (docs/formulas.md, section 6):
+    each rank takes its share of the usable CPUs. torchrun and zplan launch start ranks with
+    OMP_NUM_THREADS=1, which would leave one core per rank and the step many times slower than
+    planned. An OMP_NUM_THREADS other than 1 is the user's choice and is kept."""
+    if strategy != "offload-all" or not cuda or (omp_env not in (None, "", "1")):
+        return None
+    return max(1, cpus // max(1, local_world))
+
+
+def set_host_threads(strategy: str, cuda: bool) -> int | None:
+    """Apply host_threads to this process (the trainer and api.init call it); the count set."""
+    from ..hardware import usable_cpus
+
+    n = host_threads(strategy, cuda, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), usable_cpus(),
+                     os.environ.get("OMP_NUM_THREADS"))
+    if n is not None:
+        torch.set_num_threads(n)
+    return n
+
+
+def set_local_device() -> torch.device:
+    """This rank's GPU, LOCAL_RANK, made current before any CUDA tensor, collective or device
+    query (otherwise every rank would meet GPU 0 first). More ranks on a node than it has GPUs
+    is refused with one line, not a CUDA 'invalid device ordinal'."""
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    count = torch.cuda.device_count()
+    if not 0 <= local < count:
+        raise UsageError(f"this rank's LOCAL_RANK is {local} but its node shows {count} GPU(s): start at "
+                         f"most {count} ranks per node (--nproc-per-node), or check CUDA_VISIBLE_DEVICES")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
