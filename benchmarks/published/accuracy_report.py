@@ -124,8 +124,9 @@ def markdown(results, groups: dict, command: str, compared_to: str) -> str:
         "nothing is tuned per row. Errors are predicted / measured - 1 (positive: zplan predicts more).",
         "Measured memory is a peak of PyTorch's caching allocator, reserved (R) or allocated (A) as the source",
         "states. Neither includes the CUDA context, and allocated memory has no fragmentation, so each is held",
-        f"against the matching part of the prediction: {compared_to}. Rows marked * ran with torch.compile or float8,",
-        "which this zplan does not model: they are predicted without them and grouped apart below.",
+        f"against the matching part of the prediction: {compared_to}. Rows that ran with torch.compile or",
+        "torchao's tensorwise float8 are predicted with --compile and --float8; a recipe zplan cannot express",
+        "(another float8 scaling) is predicted without it and the row is marked *. Both are grouped apart below.",
         "",
         f"{len(rows)} rows from {len(sources)} sources ({len({s.org for s in sources.values()})} independent "
         f"organisations); {len(scored)} expressible, {len(skipped)} not (listed at the end).",
