@@ -143,3 +143,26 @@ def test_write_under_a_file_is_a_usage_error(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(UsageError, match="cannot write output .*afile/out.json: Not a directory"):
         files.write_text(tmp_path / "afile" / "out.json", "x")
+
+
+def test_atomic_writer_streams_and_leaves_old_file_on_error(tmp_path):
+    """The streaming form (consolidate writes through it): a failure mid-stream keeps the old
+    file and leaves no temporary; success gets the umask's mode, not mkstemp's 0600."""
+    out = tmp_path / "w.safetensors"
+    out.write_bytes(b"old")
+    try:
+        with files.atomic_writer(out, "weights") as f:
+            f.write(b"half")
+            raise RuntimeError("rank died")
+    except RuntimeError:
+        pass
+    assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+    new = tmp_path / "n.pt"
+    old_mask = os.umask(0o022)
+    try:
+        with files.atomic_writer(new, "weights") as f:
+            f.write(b"a")
+            f.write(b"b")
+    finally:
+        os.umask(old_mask)
+    assert new.read_bytes() == b"ab" and stat.S_IMODE(new.stat().st_mode) == 0o644

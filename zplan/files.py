@@ -15,6 +15,7 @@ is replaced and the link stays a link. Guarantees and tests: docs/reliability.md
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -22,7 +23,7 @@ import stat
 import tempfile
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 from .errors import UsageError, ZplanError
 
@@ -209,15 +210,18 @@ def _write_error(e: OSError, what: str, path: Path) -> ZplanError:
     return cls(f"cannot write {what} {path}: {e.strerror or e}; choose another path")
 
 
-def write_bytes(path: str | Path, data: bytes, what: str = "output") -> None:
-    """Write beside the target, fsync, then rename over it: the file is old or new, never half."""
+@contextlib.contextmanager
+def atomic_writer(path: str | Path, what: str = "output") -> Iterator[BinaryIO]:
+    """A binary file to stream into; on a clean exit it is fsynced and renamed over `path`
+    (keeping the old file's mode, or the umask's), on an error removed: `path` is old or new,
+    never half. Special files and directories are refused as targets."""
     target, mode = _target(path, what)
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
@@ -228,6 +232,12 @@ def write_bytes(path: str | Path, data: bytes, what: str = "output") -> None:
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def write_bytes(path: str | Path, data: bytes, what: str = "output") -> None:
+    """Write beside the target, fsync, then rename over it: the file is old or new, never half."""
+    with atomic_writer(path, what) as f:
+        f.write(data)
 
 
 def write_text(path: str | Path, text: str, what: str = "output") -> None:

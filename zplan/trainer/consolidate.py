@@ -8,12 +8,13 @@ its bytes appended. (`.pt` output is torch.save of the whole state dict, which d
 from __future__ import annotations
 
 import json
-import os
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
+
+from ..errors import UsageError
+from ..files import atomic_writer
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
@@ -58,12 +59,13 @@ def consolidate(path: str | Path, out: str | Path) -> int:
     if not tensors:
         raise ValueError(f"{path} holds no model tensors (is it a zplan checkpoint?)")
     out = Path(out)
+    if not out.parent.is_dir():  # the shared writer would create it; consolidate never did
+        raise UsageError(f"cannot write consolidated weights {out}: folder {out.parent} does not "
+                         f"exist; create it or choose another path")
     if out.suffix == ".pt":
         full = {n: load_tensor(path, n, s, d) for n, (s, d) in tensors.items()}
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-        os.close(fd)
-        torch.save(full, tmp)
-        os.replace(tmp, out)
+        with atomic_writer(out, "consolidated weights") as f:
+            torch.save(full, f)
         return out.stat().st_size
     header, offset = {}, 0
     for name, (shape, dtype) in tensors.items():
@@ -72,14 +74,10 @@ def consolidate(path: str | Path, out: str | Path) -> int:
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    fd, tmp = tempfile.mkstemp(dir=out.parent or ".", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
+    with atomic_writer(out, "consolidated weights") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, (shape, dtype) in tensors.items():
             t = load_tensor(path, name, shape, dtype).contiguous()
             f.write(t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
     return out.stat().st_size
