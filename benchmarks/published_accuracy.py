@@ -61,12 +61,12 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         grad_accum=row.grad_accum, checkpointing=row.checkpointing, param_dtype=row.param_dtype,
         reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,
         optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout="torch", shard_size=row.shard_size,
-        attention_kernel=row.attention_kernel, fused_norm=row.fused_norm,
+        attention_kernel=row.attention_kernel, fused_norm=row.fused_norm, loss_fp32=row.loss_fp32,
     )
     ignored = []
     if row.compile:
         if "compile" in FIELDS:
-            o = replace(o, compile=True)
+            o = replace(o, compile=True, eager_loss=row.compile_loss is False)
         else:
             ignored.append("compile")
     if row.float8 != "none":

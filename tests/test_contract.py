@@ -93,6 +93,8 @@ def test_node_problem_for_the_launcher():
     (dict(master_dtype="bf16", optimizer_dtype="fp32"), "optimizer dtype fp32 differs from master dtype bf16"),
     (dict(flash=False), "--flash"),
     (dict(gpu="h100-sxm", cluster="dgx-h100", float8=True), "without --float8"),
+    (dict(gpu="h100-sxm", cluster="dgx-h100", compile=True), "without --compile"),
+    (dict(loss_fp32=False), "without --no-loss-fp32"),
     (dict(params="1e6", model=None), "bare parameter count"),
 ])
 def test_trainer_refuses_what_it_cannot_apply(kw, needle):

@@ -149,7 +149,14 @@ def test_cross_entropy_over_the_vocabulary():
     assert ce.bytes == 14 * 128256 * 4096
     fused = scenario(model="llama-3.1-8b", gpus=8, seq_len=4096, layout="torch", compile=True)
     ce_c = [o for o in unit_ops.unit_ops(fused, head, False) if o.name == "cross-entropy"][0]
-    assert ce_c.bytes == 2 * 128256 * 4096
+    assert ce_c.bytes == 2 * 128256 * 4096  # compiled: one pass reading the bf16 logits
+    eager_loss = scenario(model="llama-3.1-8b", gpus=8, seq_len=4096, layout="torch", compile=True,
+                          eager_loss=True)
+    ce_e = [o for o in unit_ops.unit_ops(eager_loss, head, False) if o.name == "cross-entropy"][0]
+    assert ce_e.bytes == ce.bytes  # blocks compiled, the loss eager: as without compile
+    bf16 = scenario(model="llama-3.1-8b", gpus=8, seq_len=4096, layout="torch", loss_fp32=False)
+    ce_b = [o for o in unit_ops.unit_ops(bf16, head, False) if o.name == "cross-entropy"][0]
+    assert ce_b.bytes == 4 * 128256 * 4096  # log_softmax reads and writes bf16
 
 
 def test_fused_adamw_moves_28_bytes_per_parameter():

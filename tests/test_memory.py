@@ -53,23 +53,68 @@ def test_loss_backward_holds_fourteen_bytes_per_bf16_logit():
     assert arch.loss_bytes_per_logit(fp32) == {"forward": 8, "backward": 16}  # .float() is a no-op
 
 
-def test_loss_peak_against_pytorch_memtracker():
+def _traced_loss_peak_bytes(T: int, V: int, upcast: bool) -> int:
+    """PyTorch's MemTracker's peak over the loss and its backward, bf16 logits of (T, V)."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    T, V = 256, 1000
     x = torch.randn(T, V, dtype=torch.bfloat16, requires_grad=True)
     y = torch.randint(0, V, (T,))
     mt = MemTracker()
     mt.track_external(x)
     with mt:
         logits = x * 1.0  # the head's bf16 output, referenced through the backward as in the loop
-        loss = F.cross_entropy(logits.float().view(-1, V), y)
-        loss.backward()
-    total = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
-    expected = T * V * (2 + arch.loss_bytes_per_logit(TrainSpec())["backward"])  # + the leaf x
+        F.cross_entropy((logits.float() if upcast else logits).view(-1, V), y).backward()
+    return next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
+
+
+@pytest.mark.parametrize("upcast,per_logit", [(True, {"forward": 10, "backward": 14}),
+                                              (False, {"forward": 4, "backward": 8})])
+def test_loss_peak_against_pytorch_memtracker(upcast, per_logit):
+    """fp32 upcast (the trainer, torchtitan): 14 B per bf16 logit; in the logits' dtype (no
+    .float(): KempnerForge, fms-fsdp): 8 B."""
+    T, V = 256, 1000
+    total = _traced_loss_peak_bytes(T, V, upcast)
+    per = arch.loss_bytes_per_logit(TrainSpec(), loss_fp32=upcast)
+    assert per == per_logit
+    expected = T * V * (2 + per["backward"])  # + the leaf x
     assert abs(total - expected) <= 0.01 * expected, (total, expected)
+
+
+@pytest.mark.slow  # torch.compile of the loss: ~20 s of inductor codegen on CPU
+def test_compiled_loss_buffers_against_inductors_generated_code():
+    """What inductor allocates for `F.cross_entropy(pred.float(), y)` (torchtitan's compiled
+    loss), read from the code it generates: the forward allocates no vocabulary-sized buffer and
+    keeps the bf16 logits for backward; the backward allocates one, the logits' gradient in bf16.
+    The model's compiled figures are those: B forward (the kept logits), 2B backward."""
+    torch = pytest.importorskip("torch")
+    import re
+
+    import torch.nn.functional as F
+    from torch._inductor.utils import run_and_get_code
+
+    N, V = 64, 4096
+    pred = torch.randn(1, N, V, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, V, (1, N))
+
+    def step():
+        loss = torch.compile(lambda p, t: F.cross_entropy(p.flatten(0, 1).float(), t.flatten(0, 1)))(pred, y)
+        loss.backward()
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(step)
+    sizes = {"torch.bfloat16": 2, "torch.float32": 4}
+    per_graph = []
+    for code in codes:  # forward graph, then backward graph
+        big = re.findall(r"empty_strided_\w+\(\((\d+), (\d+)\), \([^)]*\), (torch\.\w+)\)", code)
+        per_graph.append(sum(sizes[dt] for n, v, dt in big if int(n) * int(v) == N * V))
+    assert len(per_graph) == 2, codes
+    fwd_alloc, bwd_alloc = per_graph
+    compiled = arch.loss_bytes_per_logit(TrainSpec(compile=True, compile_loss=True))
+    assert fwd_alloc == 0
+    assert compiled["forward"] == 2 + fwd_alloc  # the kept bf16 logits
+    assert compiled["backward"] == 2 + bwd_alloc  # the kept logits + what backward allocates
 
 
 @pytest.mark.parametrize("mode,mlp", [("none", "swiglu"), ("selective", "swiglu"), ("full", "swiglu"),

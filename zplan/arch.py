@@ -285,15 +285,24 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
 
 
 def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
-    """Bytes per logit alive in the loss as the trainer computes it,
-    `F.cross_entropy(logits.float().view(-1, V), y)` (zplan/trainer/loop.py).
+    """Bytes per logit alive in the loss, eager as the trainer computes it,
+    `F.cross_entropy(logits.float().view(-1, V), y)` (zplan/trainer/loop.py), or compiled.
 
-    forward: the logits (param dtype), their fp32 copy (`.float()`, none when they are fp32
-    already) and log_softmax's output. backward: the logits (still referenced), log_softmax's
-    saved output, nll_loss's gradient (vocabulary-sized) and log_softmax's input gradient, alive
-    together inside log_softmax_backward: 2 + 4 + 4 + 4 = 14 B for bf16 logits (what PyTorch's
-    FSDPMemTracker shows)."""
+    Eager, forward: the logits (param dtype), their fp32 copy (`.float()`, none when they are
+    fp32 already or not upcast) and log_softmax's output. Backward: the logits (still
+    referenced), log_softmax's saved output, nll_loss's gradient (vocabulary-sized) and
+    log_softmax's input gradient, alive together inside log_softmax_backward: 2 + 4 + 4 + 4 = 14 B
+    for bf16 logits upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16.
+
+    Compiled (`train.compile_loss`): inductor's forward is row reductions only (max and
+    log-sum-exp, per row) and keeps the logits for backward; its backward writes the logits'
+    gradient in their dtype in one kernel (the upcast fused, the NLL scatter turned pointwise):
+    B forward, 2B backward, whether or not the source upcasts (the code inductor generates for
+    `F.cross_entropy(pred.float(), y)`, torch 2.13, shown by TORCH_LOGS=output_code;
+    docs/formulas.md section 3)."""
     B = act_dtype_bytes(train)
+    if train.compile_loss:
+        return {"forward": B, "backward": 2 * B}
     L = 4 if loss_fp32 else B
     upcast = 4 if loss_fp32 and B != 4 else 0
     return {"forward": B + upcast + L, "backward": B + 3 * L}

@@ -155,6 +155,10 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         flag = "--float8" if t.float8 else "--compile"
         return (f"the trainer runs eager bf16/fp32 linears, not {flag[2:]}: plan again without "
                 f"{flag}, or export the plan for your own training code")
+    if t.compile_loss or not plan.assumptions.loss_fp32:
+        why = "compiled" if t.compile_loss else "in the logits' dtype"
+        return (f"the trainer computes the loss eager over fp32 logits, not {why}: plan again "
+                f"without {'--compile' if t.compile_loss else '--no-loss-fp32'}, or export the plan")
     if not t.flash_attention:
         return ("the trainer always runs fused attention (scaled_dot_product_attention), which keeps "
                 "no s x s scores: plan again with --flash")

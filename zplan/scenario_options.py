@@ -55,6 +55,8 @@ class ScenarioOptions:
     prefetch: bool = True
     fused_norm: Optional[bool] = None
     compile: bool = False
+    eager_loss: bool = False  # with compile: the loss stays eager (compile_loss False)
+    loss_fp32: bool = True
     float8: bool = False
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
@@ -146,6 +148,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                     "master": "master weights", "optimizer": "optimizer state"}[slot]
             raise UsageError(f"{flag} {v} cannot hold {what} in training; use one of: "
                              f"{', '.join(SLOT_DTYPES[slot])}")
+    if o.eager_loss and not o.compile:
+        raise UsageError("--eager-loss goes with --compile (without it the loss is eager already): "
+                         "drop --eager-loss, or add --compile")
     if o.float8 and "fp8" not in gpu.peak_flops:
         raise UsageError(f"--float8 needs float8 tensor cores; {gpu.name} has none "
                          "(H100, H200, B200 and MI300X do): drop --float8 or pick such a --gpu")
@@ -163,12 +168,12 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             layout=layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             reduce_every_microbatch=not o.reduce_last_only,
-            compile=o.compile, float8=o.float8,
+            compile=o.compile, compile_loss=o.compile and not o.eager_loss, float8=o.float8,
         )
         assume = Assumptions(
             compute_efficiency=efficiency, cuda_context_bytes=int(context_gib * GiB),
             fragmentation=fragmentation, ddp_bucket_bytes=int(o.bucket_mib * MiB),
-            overlap=o.overlap,
+            overlap=o.overlap, loss_fp32=o.loss_fp32,
         )
         hw = Hardware(gpu=gpu, cluster=cluster, num_gpus=n)
     except ValidationError as e:

@@ -310,6 +310,9 @@ class TrainSpec(Spec):
         True, description="reduce-scatter on every micro-batch (False: only the last; holds grads)"
     )
     compile: bool = Field(False, description="torch.compile: elementwise work fused")
+    compile_loss: bool = Field(False, description="the loss under torch.compile: the fp32 upcast, "
+                               "log-softmax and NLL fused, no vocabulary-sized fp32 buffers "
+                               "(torchtitan compiles it with --training.compile since 2025-04)")
     float8: bool = Field(False, description="float8 linears (tensorwise scaling) with float8 "
                          "all-gather of their weights (torchao)")
 

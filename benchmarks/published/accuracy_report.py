@@ -23,7 +23,9 @@ def _shape(r) -> str:
     row = r.row
     par = row.strategy + (f"/{row.shard_size}" if row.shard_size else "")
     kernels = (f" attn:{row.attention_kernel}" if row.attention_kernel != "flash2" else "") + \
-        (" norm:composite" if row.fused_norm is False else "")
+        (" norm:composite" if row.fused_norm is False else "") + \
+        (" loss:eager" if row.compile and row.compile_loss is False else "") + \
+        (" loss:bf16" if not row.loss_fp32 else "")
     return (f"{row.model} {row.num_gpus}x{row.gpu} {par} mb{row.micro_batch}x{row.grad_accum} "
             f"s{row.seq_len} ac:{row.checkpointing}{kernels}")
 
@@ -120,7 +122,9 @@ def markdown(results, groups: dict, command: str, compared_to: str) -> str:
         "",
         "Every prediction uses the row's facts (model, GPU, GPUs and GPUs per node, strategy, HSDP shard",
         "size, micro-batch, accumulation, sequence, checkpointing, dtypes, the attention kernel and the norm's "
-        "implementation where the source names them: attn:, norm: in the run column) and zplan's default assumptions;",
+        "implementation and the loss's where the source names them: attn:, norm:, loss: in the run column; loss:eager",
+        "is a compiled run whose loss was not compiled, loss:bf16 a loss without the fp32 upcast) and zplan's",
+        "default assumptions;",
         "nothing is tuned per row. Errors are predicted / measured - 1 (positive: zplan predicts more).",
         "Measured memory is a peak of PyTorch's caching allocator, reserved (R) or allocated (A) as the source",
         "states. Neither includes the CUDA context, and allocated memory has no fragmentation, so each is held",

@@ -73,6 +73,8 @@ class Row:
     gpu_variant: str = ""  # where the GPU differs from its preset (memory size, HBM, power limit)
     attention_kernel: str = "flash2"  # flash-triton: FlashAttention in Triton (llm-foundry attn_impl triton)
     fused_norm: bool | None = None  # False: the norm is the composite fp32 implementation (eager); None: zplan's default
+    compile_loss: bool | None = None  # with compile: was the loss compiled too (None: yes, as zplan's --compile)
+    loss_fp32: bool = True  # the loss upcasts the logits to fp32 (False: cross-entropy in their dtype)
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -108,7 +110,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "compile_loss": bool, "loss_fp32": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -157,6 +159,8 @@ def _row(raw: dict, source: Source, where: str) -> Row:
         raise RowError(f"{where}: expressible = false needs why_not")
     if r.num_gpus > r.gpus_per_node and r.num_gpus % r.gpus_per_node:
         raise RowError(f"{where}: num_gpus {r.num_gpus} is not a whole number of nodes of {r.gpus_per_node}")
+    if r.compile_loss is not None and not r.compile:
+        raise RowError(f"{where}: compile_loss says how a compiled run treated its loss; it needs compile = true")
     if (r.strategy == "hsdp") != (r.shard_size is not None):
         raise RowError(f"{where}: shard_size goes with strategy hsdp, and hsdp needs it")
     if r.shard_size is not None and r.num_gpus % r.shard_size:
