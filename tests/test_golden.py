@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from zplan import arch, presets
+from zplan import activation_memory, arch, presets
 from zplan.comm import collective_seconds
 from zplan.specs import TrainSpec
 from tests.helpers import est, scenario
@@ -100,26 +100,26 @@ def test_korthikanti_eq1_no_recompute():
     m, t = _gpt_block()
     s, b, h, a = 2048, 1, m.hidden, m.num_heads
     expect = s * b * h * (34 + 5 * a * s / h)
-    got = arch.block_saved_bytes(m, t, "none")
+    got = activation_memory.block_saved_bytes(m, t, "none")
     assert got == pytest.approx(expect, rel=1e-3)  # + the norms' fp32 statistics (8sb each)
 
 
 def test_korthikanti_selective_recompute():
     """34·sbh per layer when the attention core is recomputed (section 5)."""
     m, t = _gpt_block()
-    got = arch.block_saved_bytes(m, t, "attention")
+    got = activation_memory.block_saved_bytes(m, t, "attention")
     assert got == pytest.approx(2048 * m.hidden * 34, rel=1e-3)
 
 
 def test_full_checkpointing_keeps_block_inputs():
     m, t = _gpt_block()
-    assert arch.block_saved_bytes(m, t, "full") == 2 * 2048 * m.hidden
+    assert activation_memory.block_saved_bytes(m, t, "full") == 2 * 2048 * m.hidden
 
 
 def test_flash_attention_drops_the_quadratic_term():
     m = presets.model("llama-3.1-8b")
-    flash = arch.block_saved_bytes(m, TrainSpec(seq_len=8192), "none")
-    plain = arch.block_saved_bytes(m, TrainSpec(seq_len=8192, flash_attention=False), "none")
+    flash = activation_memory.block_saved_bytes(m, TrainSpec(seq_len=8192), "none")
+    plain = activation_memory.block_saved_bytes(m, TrainSpec(seq_len=8192, flash_attention=False), "none")
     # flash keeps its logsumexp, its own output (besides the output projection's contiguous
     # input) and RoPE's cos/sin tables instead of the s x s scores
     extra = 4 * m.num_heads * 8192 + 2 * 8192 * m.hidden + 2 * 8192 * m.head_dim
@@ -129,15 +129,15 @@ def test_flash_attention_drops_the_quadratic_term():
 def test_every_k_checkpoints_l_over_k_blocks():
     m = presets.model("llama-3.1-8b")
     t = TrainSpec(seq_len=4096, checkpointing="every-k", checkpoint_every=4)
-    none_b = arch.block_saved_bytes(m, t, "none")
-    full_b = arch.block_saved_bytes(m, t, "full")
-    saved = arch.activation_breakdown(m, t)["blocks_saved"]
+    none_b = activation_memory.block_saved_bytes(m, t, "none")
+    full_b = activation_memory.block_saved_bytes(m, t, "full")
+    saved = activation_memory.activation_breakdown(m, t)["blocks_saved"]
     assert saved == 8 * full_b + 24 * none_b
 
 
 def test_ordering_of_checkpointing_modes():
     m = presets.model("llama-3.1-8b")
-    acts = {mode: arch.activation_breakdown(m, TrainSpec(seq_len=4096, checkpointing=mode))["total"]
+    acts = {mode: activation_memory.activation_breakdown(m, TrainSpec(seq_len=4096, checkpointing=mode))["total"]
             for mode in ("none", "attention", "selective", "every-k", "full")}
     assert acts["full"] < acts["selective"] < acts["none"]
     assert acts["full"] < acts["every-k"] < acts["none"]

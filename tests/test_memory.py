@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from zplan import allocator, arch
+from zplan import activation_memory, allocator, arch
 from zplan.errors import UsageError
 from zplan.memory import model_state, timeline
 from zplan.memory_timeline import KINDS, Event, peak
@@ -33,6 +33,29 @@ def test_model_state_fsdp2_is_16_bytes_per_param_over_n():
     assert ms.padding_bytes == 0 and ms.total_bytes == 16 * psi // 8
 
 
+# ------------------------------------------------------------------ buffers
+
+def test_static_buffers_by_hand():
+    """Buffers held through the step where they are not modelled unit by unit, against counts
+    made here from the model's shapes: DeepSpeed ZeRO-3 gathers the held units plus the largest
+    two consecutive moving units (prefetch) in the param dtype and keeps one unit's unsharded
+    gradient and reduce input; ZeRO-1/2 keep two reduce buckets; DDP under autocast keeps a bf16
+    copy of the fp32 weights, its gradients being the buckets (gradient_as_bucket_view)."""
+    from zplan.memory import static_buffers
+
+    sc = _sc(layout="zero")
+    D = 8
+    sizes = [u.numel for u in arch.units(sc.model)]
+    padded = [-(-n // D) * D for n in sizes]
+    moving = [n for n, u in zip(padded, arch.units(sc.model)) if not u.held]
+    held = sum(padded) - sum(moving)
+    pair = max(a + b for a, b in zip(moving, moving[1:]))
+    assert static_buffers(sc, effective("zero3", "zero"), padded, 2, 4) == ((held + pair) * 2, max(moving) * 6)
+    assert static_buffers(sc, effective("zero2", "zero"), padded, 2, 4) == (0, 2 * 25 * MiB)
+    ddp = _sc(layout="torch", master_dtype="fp32")
+    assert static_buffers(ddp, effective("ddp", "torch"), padded, 2, 4) == (2 * arch.param_count(ddp.model), 0)
+
+
 # ------------------------------------------------------------------ timeline
 
 def test_peak_is_the_largest_event_not_a_sum_of_maxima():
@@ -48,9 +71,9 @@ def test_peak_is_the_largest_event_not_a_sum_of_maxima():
 
 def test_loss_backward_holds_fourteen_bytes_per_bf16_logit():
     t = TrainSpec()
-    assert arch.loss_bytes_per_logit(t) == {"forward": 10, "backward": 14}
+    assert activation_memory.loss_bytes_per_logit(t) == {"forward": 10, "backward": 14}
     fp32 = TrainSpec(precision={"param": "fp32"})
-    assert arch.loss_bytes_per_logit(fp32) == {"forward": 8, "backward": 16}  # .float() is a no-op
+    assert activation_memory.loss_bytes_per_logit(fp32) == {"forward": 8, "backward": 16}  # .float() is a no-op
 
 
 def _traced_loss_peak_bytes(T: int, V: int, upcast: bool) -> int:
@@ -76,7 +99,7 @@ def test_loss_peak_against_pytorch_memtracker(upcast, per_logit):
     .float(): KempnerForge, fms-fsdp): 8 B."""
     T, V = 256, 1000
     total = _traced_loss_peak_bytes(T, V, upcast)
-    per = arch.loss_bytes_per_logit(TrainSpec(), loss_fp32=upcast)
+    per = activation_memory.loss_bytes_per_logit(TrainSpec(), loss_fp32=upcast)
     assert per == per_logit
     expected = T * V * (2 + per["backward"])  # + the leaf x
     assert abs(total - expected) <= 0.01 * expected, (total, expected)
@@ -111,7 +134,7 @@ def test_compiled_loss_buffers_against_inductors_generated_code():
         per_graph.append(sum(sizes[dt] for n, v, dt in big if int(n) * int(v) == N * V))
     assert len(per_graph) == 2, codes
     fwd_alloc, bwd_alloc = per_graph
-    compiled = arch.loss_bytes_per_logit(TrainSpec(compile=True, compile_loss=True))
+    compiled = activation_memory.loss_bytes_per_logit(TrainSpec(compile=True, compile_loss=True))
     assert fwd_alloc == 0
     assert compiled["forward"] == 2 + fwd_alloc  # the kept bf16 logits
     assert compiled["backward"] == 2 + bwd_alloc  # the kept logits + what backward allocates
@@ -141,7 +164,7 @@ def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
         after = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
     t = TrainSpec(seq_len=s, fused_norm=False)  # CPU: the composite RMSNorm
     # the block's input x is already counted before; "full" keeps nothing else than it
-    kept = arch.block_saved_bytes(m, t, mode) - (2 * s * m.hidden if mode != "none" else 0)
+    kept = activation_memory.block_saved_bytes(m, t, mode) - (2 * s * m.hidden if mode != "none" else 0)
     assert after - before == kept + out.numel() * 2
 
 
@@ -258,4 +281,4 @@ def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         torch.compile(block, backend="aot_eager_decomp_partition")(x)
     t = TrainSpec(seq_len=s, fused_norm=False, compile=True)
-    assert sum(saved.values()) == arch.block_saved_bytes(m, t, "none")
+    assert sum(saved.values()) == activation_memory.block_saved_bytes(m, t, "none")

@@ -34,7 +34,7 @@ def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(ml
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.flop_counter import FlopCounterMode
 
-    from zplan import arch
+    from zplan import activation_memory, arch
     from zplan.arch import Unit
     from zplan.specs import Precision, TrainSpec
 
@@ -60,7 +60,7 @@ def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(ml
     _, _, flop_none = measure("none")
     train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing="selective", fused_norm=False,
                       precision=Precision(param="bf16"))
-    assert arch.block_saved_bytes(m, train, "selective") == kept
+    assert activation_memory.block_saved_bytes(m, train, "selective") == kept
     unit = Unit("blocks.0", (), 1, 0, 0)
     assert arch.unit_recompute_flop(m, unit, train) == flop - flop_none
 

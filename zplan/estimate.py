@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from . import arch
+from . import activation_memory
 from .comm import Collective, collectives
 from .compute import Timing, timing
 from .memory import Memory, memory
@@ -136,7 +136,7 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
             "gpus_per_node": hw.cluster.gpus_per_node,
             "hsdp_shard_size": sc.hsdp_shard,
             "train": t.model_dump(),
-            "activations": dict(arch.activation_breakdown(m, t, sc.assume.loss_fp32)),
+            "activations": dict(activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32)),
         },
         "assumptions": assumptions(sc),
         "strategies": [r.as_dict() for r in results],

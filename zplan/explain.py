@@ -7,7 +7,7 @@ the arithmetic): this module only prints their inputs beside their outputs.
 
 from __future__ import annotations
 
-from . import arch
+from . import activation_memory, arch
 from . import kernels as K
 from . import nccl
 from . import unit_ops
@@ -67,11 +67,11 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
         out.append(f"unsharded grads kept across micro-batches: Ψ x {b(p.reduce)} B = {_gb(mem.accum_grad_bytes)}")
     out.append("")
     out.append(f"## 4. Activations (s={t.seq_len}, b={t.micro_batch}, h={m.hidden}, {t.checkpointing} checkpointing)")
-    for k, v in arch.block_activation_terms(m, t).items():
+    for k, v in activation_memory.block_activation_terms(m, t).items():
         out.append(f"  per block, {k:24s} {_gb(v)}")
-    per = arch.block_saved_bytes(m, t, t.checkpointing if t.checkpointing != "every-k" else "none")
+    per = activation_memory.block_saved_bytes(m, t, t.checkpointing if t.checkpointing != "every-k" else "none")
     out.append(f"  kept per block under '{t.checkpointing}': {_gb(per)}")
-    for k, v in arch.activation_breakdown(m, t, sc.assume.loss_fp32).items():
+    for k, v in activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32).items():
         out.append(f"  {k:30s} {_gb(v)}")
     out.append("")
     out.append("## 5. Total")

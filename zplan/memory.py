@@ -175,11 +175,11 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
             [g * rb for g in padded],
             [x * grad_store for x in shards],
             st.reshard_after_forward, accum_b, opt_temp)
-    static, reduce_b = _static_buffers(sc, st, padded, pb, rb)
+    static, reduce_b = static_buffers(sc, st, padded, pb, rb)
     return mt.replicated_events(sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp)
 
 
-def _static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:
+def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:
     """Gather and reduce buffers held through the step where they are not modelled unit by unit:
     DeepSpeed's (zero layout) and autocast's low-precision weight copies under DDP."""
     t, p = sc.train, sc.train.precision

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 
-from . import arch
+from . import activation_memory, arch
 from .scenario import Scenario
 from .specs import TrainSpec
 
@@ -65,7 +65,7 @@ class Activations:
 
 
 def activations(sc: Scenario) -> Activations:
-    """Per-unit saved, recomputed and backward-temporary bytes (arch.block_* functions)."""
+    """Per-unit saved, recomputed and backward-temporary bytes (activation_memory.block_* functions)."""
     if sc.custom_units is None:  # the units follow from the model and the training spec
         return _decoder_activations(sc.model, sc.train, sc.assume.loss_fp32)
     return _unit_activations(sc.model, sc.train, sc.assume.loss_fp32, sc.units)
@@ -77,26 +77,26 @@ def _decoder_activations(m, t: TrainSpec, loss_fp32: bool) -> Activations:
 
 
 def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
-    B = arch.act_dtype_bytes(t)
+    B = activation_memory.act_dtype_bytes(t)
     sbh = t.seq_len * t.micro_batch * m.hidden
-    none_b = arch.block_saved_bytes(m, t, "none")
-    temp_b = arch.block_backward_temp_bytes(m, t)
+    none_b = activation_memory.block_saved_bytes(m, t, "none")
+    temp_b = activation_memory.block_backward_temp_bytes(m, t)
     saved, extra, temp = [], [], []
     for u in units:
         if u.blocks == 0:
             head = u.name != "embed" and u.matmul_params > 0
-            saved.append(arch.head_saved_bytes(m, t) if head else 0)
+            saved.append(activation_memory.head_saved_bytes(m, t) if head else 0)
             extra.append(0)
             temp.append(B * sbh if not head else 2 * B * sbh)
             continue
-        modes = [arch.block_mode(t, i, m.num_layers) for i in range(u.first_block, u.first_block + u.blocks)]
-        per = [arch.block_saved_bytes(m, t, md) for md in modes]
+        modes = [activation_memory.block_mode(t, i, m.num_layers) for i in range(u.first_block, u.first_block + u.blocks)]
+        per = [activation_memory.block_saved_bytes(m, t, md) for md in modes]
         saved.append(sum(per))
         extra.append(max(none_b - p for p in per))
         temp.append(temp_b)
     return Activations(tuple(saved), tuple(extra), tuple(temp),
                        t.seq_len * t.micro_batch * m.vocab_size,
-                       arch.loss_bytes_per_logit(t, loss_fp32), B, B * sbh)
+                       activation_memory.loss_bytes_per_logit(t, loss_fp32), B, B * sbh)
 
 
 def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str) -> int:

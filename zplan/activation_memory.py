@@ -1,0 +1,174 @@
+"""Activation memory of one micro-batch: what each block, the head and the loss keep for
+backward, and the temporaries of a block's backward (bytes; frozen specs in, integers out).
+
+Sources: Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models,
+section 4.1), generalised to GQA, SwiGLU, flash attention and MoE, checked tensor by tensor against
+PyTorch's MemTracker and FSDPMemTracker (tests/test_memory.py); the loss from PyTorch's own kernels
+and inductor's generated code. Derivations: docs/formulas.md sections 3 and 4. The step's peak
+combines these event by event (memory_timeline).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from . import arch, policy
+from .specs import ModelSpec, TrainSpec
+from .units import DTYPE_BITS
+
+
+def act_dtype_bytes(train: TrainSpec) -> int:
+    """Bytes per activation element: activations are kept in the param dtype."""
+    return DTYPE_BITS[train.precision.param] // 8
+
+
+def block_mode(train: TrainSpec, index: int, num_layers: int) -> str:
+    """The recomputation mode of block `index` (every-k: the blocks policy.checkpointed_blocks
+    wraps are fully checkpointed, the others keep everything)."""
+    if train.checkpointing == "every-k":
+        wrapped = policy.checkpointed_blocks(num_layers, "every-k", train.checkpoint_every)
+        return "full" if wrapped[index] else "none"
+    return train.checkpointing
+
+
+def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
+    """Gradients of activations alive at once inside one block's backward, at its largest: in
+    the MLP, the gradient of the down projection's input and the two it splits into (SwiGLU's
+    gate and up branches; GELU: one), with the residual stream's gradient."""
+    B, sb = act_dtype_bytes(train), train.seq_len * train.micro_batch
+    k = m.experts_per_token if m.num_experts else 1
+    branches = 3 if m.mlp == "swiglu" else 2
+    return k * branches * B * sb * m.ffn_hidden + B * sb * m.hidden
+
+
+def head_saved_bytes(m: ModelSpec, train: TrainSpec) -> int:
+    """The final norm keeps what a block's norm keeps; the head keeps the norm's output."""
+    B, sbh = act_dtype_bytes(train), train.seq_len * train.micro_batch * m.hidden
+    return norm_saved_per_token(train, B) * sbh + B * sbh
+
+
+def norm_saved_per_token(train: TrainSpec, B: int) -> int:
+    """Bytes per element a norm keeps besides its statistics: its input (fused kernel), or the
+    fp32 upcast input and the fp32 normalized output (the composite implementation F.rms_norm
+    falls back to on CPU, as torch 2.13's saved tensors show)."""
+    return B if train.fused_norm else 8
+
+
+def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
+    """Bytes one block saves for backward with no recomputation, term by term.
+
+    With `train.compile` (torch.compile per block) the saved set is what AOTAutograd's min-cut
+    partitioner (torch/_functorch/partitioners.py, min_cut_rematerialization_partition, which
+    inductor uses) keeps: cheap pointwise results are recomputed in backward.
+
+    Korthikanti et al. 2022 eq. (1) gives sbh(34 + 5as/h) for a GPT block (MHA, GELU, f = 4h,
+    dropout, 16-bit); these terms reduce to exactly that and generalise it.
+    """
+    s, b, h, f, a = train.seq_len, train.micro_batch, m.hidden, m.ffn_hidden, m.num_heads
+    kv, B = m.kv_hidden, act_dtype_bytes(train)
+    sb = s * b
+    stats = 8 * sb if m.norm == "layernorm" else 4 * sb  # fp32 mean/rstd saved by each norm
+    t: dict[str, int] = {
+        # torch.compile (each block compiled) fuses the norm as a fused kernel would
+        "norm_inputs": 2 * ((B if train.compile else norm_saved_per_token(train, B)) * sb * h + stats),
+        "qkv_input": B * sb * h,
+        "q_k_v": B * sb * (h + 2 * kv),
+        "attn_out_proj_input": B * sb * h,
+        "mlp_input": B * sb * h,
+    }
+    if train.flash_attention:
+        # the flash kernel saves its output and logsumexp; the output projection's input is a
+        # separate contiguous copy (transpose + reshape), and RoPE's mul saves cos and sin
+        t["attn_logsumexp"] = 4 * a * sb
+        t["attn_output"] = B * sb * h
+        if not train.compile:  # compiled, the tables are recomputed in backward
+            t["rope_tables"] = B * s * m.head_dim
+    else:
+        t["attn_softmax"] = B * a * s * sb
+        if m.dropout:
+            t["attn_dropout"] = (1 + B) * a * s * sb
+    if m.dropout:
+        t["residual_dropout_masks"] = 2 * sb * h
+    # SwiGLU keeps w1's and w3's outputs, silu(w1) and their product; compiled, AOTAutograd's
+    # min-cut partitioner recomputes silu(w1) in backward (3 kept). GELU: its input and output.
+    per_mlp = (2 if m.mlp == "gelu" else 3 if train.compile else 4) * B * sb * f
+    if m.num_experts:
+        k = m.experts_per_token
+        t["router_logits"] = 4 * sb * m.num_experts
+        t["expert_inputs"] = k * B * sb * h
+        t["mlp_hidden"] = k * per_mlp
+    else:
+        t["mlp_hidden"] = per_mlp
+    return t
+
+
+@lru_cache(maxsize=4096)
+def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
+    """What one block keeps between forward and backward under a recomputation mode."""
+    h, f = m.hidden, m.ffn_hidden
+    B, sb = act_dtype_bytes(train), train.seq_len * train.micro_batch
+    full = block_activation_terms(m, train)
+    if mode == "none":
+        return sum(full.values())
+    if mode == "full":
+        return B * sb * h  # the block's input only
+    if mode == "attention":  # Megatron's selective: the attention core is recomputed
+        return sum(v for k, v in full.items() if k not in ("attn_softmax", "attn_dropout"))
+    if mode == "selective":
+        # torchtitan op-level SAC (zplan/policy.py): the block's input, the outputs of the saved
+        # matmuls and of the attention kernel; pointwise ops are recomputed.
+        saved = B * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp)))
+        if policy.SELECTIVE_SAVES_ATTENTION:
+            saved += B * sb * h + (4 * m.num_heads * sb if train.flash_attention else 0)
+        return saved
+    raise ValueError(mode)
+
+
+def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
+    """Bytes per logit alive in the loss, eager as the trainer computes it,
+    `F.cross_entropy(logits.float().view(-1, V), y)` (zplan/trainer/loop.py), or compiled.
+
+    Eager, forward: the logits (param dtype), their fp32 copy (`.float()`, none when they are
+    fp32 already or not upcast) and log_softmax's output. Backward: the logits (still
+    referenced), log_softmax's saved output, nll_loss's gradient (vocabulary-sized) and
+    log_softmax's input gradient, alive together inside log_softmax_backward: 2 + 4 + 4 + 4 = 14 B
+    for bf16 logits upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16.
+
+    Compiled (`train.compile_loss`): inductor's forward is row reductions only (max and
+    log-sum-exp, per row) and keeps the logits for backward; its backward writes the logits'
+    gradient in their dtype in one kernel (the upcast fused, the NLL scatter turned pointwise):
+    B forward, 2B backward, whether or not the source upcasts (the code inductor generates for
+    `F.cross_entropy(pred.float(), y)`, torch 2.13, shown by TORCH_LOGS=output_code;
+    docs/formulas.md section 3)."""
+    B = act_dtype_bytes(train)
+    if train.compile_loss:
+        return {"forward": B, "backward": 2 * B}
+    L = 4 if loss_fp32 else B
+    upcast = 4 if loss_fp32 and B != 4 else 0
+    return {"forward": B + upcast + L, "backward": B + 3 * L}
+
+
+def logits_bytes(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> int:
+    """Peak bytes of the loss over the logits: the larger of its forward and its backward."""
+    sbv = train.seq_len * train.micro_batch * m.vocab_size
+    return sbv * max(loss_bytes_per_logit(train, loss_fp32).values())
+
+
+@lru_cache(maxsize=4096)
+def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
+    """Activation bytes per GPU for one micro-batch (data parallelism does not shard them): what
+    the blocks and the head keep, and the larger of the loss and one block's recomputation. The
+    step's peak combines these with the other pieces event by event (memory_timeline)."""
+    L = m.num_layers
+    none_b = block_saved_bytes(m, train, "none")
+    per = [block_saved_bytes(m, train, block_mode(train, i, L)) for i in range(L)]
+    saved = sum(per)
+    recompute = max(none_b - p for p in per)
+    head = head_saved_bytes(m, train)
+    lg = logits_bytes(m, train, loss_fp32)
+    return {
+        "blocks_saved": saved,
+        "head_inputs": head,
+        "loss_or_recompute": max(lg, recompute),
+        "total": saved + head + max(lg, recompute),
+    }
