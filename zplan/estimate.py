@@ -80,12 +80,24 @@ def estimate_one(sc: Scenario, name: str) -> StrategyEstimate:
     mem = memory(sc, st)
     colls = collectives(sc, st)
     tm = timing(sc, st, mem, colls)
-    cap = sc.hw.gpu.memory_bytes
+    fits, host_fits = _fits(sc, mem)
+    return StrategyEstimate(name, st, mem, colls, tm, fits, sc.hw.gpu.memory_bytes - mem.total_bytes,
+                            host_fits)
+
+
+def _fits(sc: Scenario, mem: Memory) -> tuple[bool, bool | None]:
+    """Whether `mem` fits one GPU and the host (None: nothing on the host), and the host part."""
     host_fits = None
     if mem.host_bytes_per_node:
         host_fits = mem.host_bytes_per_node <= sc.hw.cluster.host_ram_bytes
-    fits = mem.total_bytes <= cap and host_fits is not False
-    return StrategyEstimate(name, st, mem, colls, tm, fits, cap - mem.total_bytes, host_fits)
+    return mem.total_bytes <= sc.hw.gpu.memory_bytes and host_fits is not False, host_fits
+
+
+def fits(sc: Scenario, name: str) -> bool:
+    """estimate_one(sc, name).fits from the memory model alone: no traffic, no timing."""
+    if unavailable_reason(sc, name):
+        return False
+    return _fits(sc, memory(sc, effective(name, sc.train.layout)))[0]
 
 
 def estimate(sc: Scenario, names: list[str] | None = None) -> list[StrategyEstimate]:
@@ -152,7 +164,7 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
         hints.append(f"{best.name} needs {need / GB:.1f} GB more per GPU")
     full = sc.train.model_copy(update={"checkpointing": "full"})
     ckpt_fits = sc.train.checkpointing != "full" and any(
-        estimate_one(replace(sc, train=full), r.name).fits for r in results if r.memory)
+        fits(replace(sc, train=full), r.name) for r in results if r.memory)
     if ckpt_fits:
         hints.append("--checkpointing full makes it fit")
     for train, extra in ((sc.train, ""), (full, " --checkpointing full")):
@@ -162,7 +174,7 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
             break
     if sc.train.micro_batch > 1:
         tr = sc.train.model_copy(update={"micro_batch": 1})
-        if any(estimate_one(replace(sc, train=tr), r.name).fits for r in results if r.memory):
+        if any(fits(replace(sc, train=tr), r.name) for r in results if r.memory):
             hints.append("--micro-batch 1 makes it fit")
     return "; ".join(hints) or "no change zplan tried makes it fit"
 
@@ -173,6 +185,6 @@ def smallest_n(sc: Scenario, train) -> int | None:
     while n < 2**20:
         n *= 2
         hw = sc.hw.model_copy(update={"num_gpus": n})
-        if estimate_one(replace(sc, hw=hw, train=train), "zero3").fits:
+        if fits(replace(sc, hw=hw, train=train), "zero3"):
             return n
     return None

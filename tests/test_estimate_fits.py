@@ -1,0 +1,30 @@
+"""estimate.fits, the memory-only check fit_hints and smallest_n use, against the full estimate."""
+
+from dataclasses import replace
+
+import pytest
+
+from zplan.estimate import estimate_one, fits, smallest_n
+from zplan.scenario_options import ScenarioOptions, build
+from zplan.strategies import STRATEGIES
+
+
+@pytest.mark.parametrize("opts", [
+    dict(model="llama-3.1-70b", gpus="64"),
+    dict(model="llama-3.1-70b", gpus="64", checkpointing="full"),
+    dict(model="llama-3.1-405b", gpus="16", layout="torch"),
+    dict(model="mixtral-8x7b", gpus="12", micro_batch=4, seq_len=8192),
+    dict(params="1e12", gpus="512", checkpointing="full", cluster="dgx-a100"),
+])
+def test_fits_agrees_with_the_full_estimate(opts):
+    sc = build(ScenarioOptions(**opts))
+    answers = {name: fits(sc, name) for name in STRATEGIES}
+    assert answers == {name: estimate_one(sc, name).fits for name in STRATEGIES}
+
+
+def test_smallest_n_is_the_first_doubling_at_which_zero3_fits():
+    sc = build(ScenarioOptions(model="llama-3.1-405b", gpus="8", checkpointing="full"))
+    n = smallest_n(sc, sc.train)
+    assert n is not None and n > 8 and n & (n - 1) == 0
+    at = lambda k: estimate_one(replace(sc, hw=sc.hw.model_copy(update={"num_gpus": k})), "zero3")  # noqa: E731
+    assert at(n).fits and not at(n // 2).fits
