@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import typer
+
+from .json_out import dumps
 
 app = typer.Typer(
     add_completion=False,
@@ -22,4 +23,4 @@ def _root() -> None:
 
 def emit_json(obj: dict) -> None:
     """One JSON object on stdout; NaN or infinity is a bug upstream, never printed as non-JSON."""
-    sys.stdout.write(json.dumps(obj, indent=2, allow_nan=False) + "\n")
+    sys.stdout.write(dumps(obj) + "\n")
