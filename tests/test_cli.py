@@ -265,16 +265,16 @@ def test_error_boundary_turns_environment_errors_into_one_line(capsys, monkeypat
         raise exc
 
     monkeypatch.setattr(zplan.scenario_options, "build", boom)
-    monkeypatch.setattr("zplan.cli.estimate_cmd.build", boom)
+    monkeypatch.setattr("zplan.cli.estimate_fast.build", boom)
     rc, _, err = cli(capsys, "estimate")
     assert rc == code and needle in one_error(err)
 
 
 def test_json_output_never_holds_nan(capsys, monkeypatch):
-    from zplan.cli import app
+    from zplan.cli.json_out import emit_json
 
     with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
-        app.emit_json({"x": float("nan")})
+        emit_json({"x": float("nan")})
 
 
 def test_slurm_name_whose_plan_name_is_too_long_names_the_flag(capsys, tmp_path, monkeypatch):

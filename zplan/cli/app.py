@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
 import typer
-
-from .json_out import dumps
 
 app = typer.Typer(
     add_completion=False,
@@ -20,7 +16,3 @@ app = typer.Typer(
 def _root() -> None:
     """zplan: does it fit, which strategy, how fast; then launch it and measure."""
 
-
-def emit_json(obj: dict) -> None:
-    """One JSON object on stdout; NaN or infinity is a bug upstream, never printed as non-JSON."""
-    sys.stdout.write(dumps(obj) + "\n")

@@ -11,6 +11,7 @@ which produces the same text or raises the same error.
 from __future__ import annotations
 
 import json
+import sys
 from json.encoder import encode_basestring_ascii as _quote
 
 _INF = float("inf")
@@ -18,6 +19,11 @@ _INF = float("inf")
 
 class _Unusual(Exception):
     """A value this writer leaves to json.dumps."""
+
+
+def emit_json(obj: dict) -> None:
+    """One JSON object on stdout; NaN or infinity is a bug upstream, never printed as non-JSON."""
+    sys.stdout.write(dumps(obj) + "\n")
 
 
 def dumps(obj) -> str:

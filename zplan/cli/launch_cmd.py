@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from .app import app, emit_json
+from .app import app
+from .json_out import emit_json
 from ..parse import check_range
 
 CPU_RANKS = 2

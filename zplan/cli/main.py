@@ -10,7 +10,6 @@ import os
 import sys
 
 from ..errors import ZplanError
-from .app import app
 
 # Every command and the module that registers it on the app, in `zplan --help`'s order. A run of
 # one command imports and builds only that one (start-up time: estimate answers in < 0.3 s).
@@ -54,6 +53,8 @@ def _command(name: str | None = None):
     others cost ~40 ms); with None, every command, for help, no arguments and unknown names."""
     import typer.main
 
+    from .app import app
+
     wanted = [name] if name is not None else list(COMMANDS)
     for module in dict.fromkeys(COMMANDS[n] for n in wanted):
         importlib.import_module(f"{__package__}.{module}")
@@ -94,7 +95,15 @@ def run(argv: list[str] | None = None) -> int:
     """Entry point: the one place that turns errors into one line and an exit code."""
     debug = os.environ.get("ZPLAN_DEBUG") == "1"
     try:
-        first = next(iter(sys.argv[1:] if argv is None else argv), None)
+        args = sys.argv[1:] if argv is None else argv
+        first = next(iter(args), None)
+        if first == "estimate" and not os.environ.get("_ZPLAN_COMPLETE"):  # Typer's completion
+            from . import estimate_fast
+
+            plain = estimate_fast.parse(args[1:])
+            if plain is not None:  # a plain command line: no Typer to import and build
+                estimate_fast.run(plain[0], **plain[1])
+                return 0
         rv = _command(first if first in COMMANDS else None)(args=argv, standalone_mode=False,
                                                            prog_name="zplan")
         return rv if isinstance(rv, int) else 0  # click returns an Exit's code in this mode

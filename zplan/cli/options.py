@@ -13,8 +13,6 @@ import typing
 from dataclasses import fields
 from typing import Annotated
 
-import typer
-
 from ..scenario_options import FIELDS, ScenarioOptions
 
 OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -58,6 +56,8 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
 
 @functools.lru_cache(maxsize=1)
 def _annotated() -> dict:
+    import typer  # here, not above: estimate's plain path reads OPTION_ARGS without Typer
+
     hints = typing.get_type_hints(ScenarioOptions)
     return {name: Annotated[hints[name], typer.Option(*OPTION_ARGS[name][0], help=OPTION_ARGS[name][1])]
             for name in FIELDS}

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from .app import app, emit_json
+from .app import app
+from .json_out import emit_json
 from ..scenario_options import ScenarioOptions, apply_project_file, build, project_file_named
 from .options import scenario_options
 from ..parse import check_choice, check_range, parse_count

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import PlanError, UsageError
-from .app import app, emit_json
+from .app import app
+from .json_out import emit_json
 
 
 def _need_torch(what: str) -> None:
