@@ -1,0 +1,34 @@
+"""The console the tables print through: highlighting is off only where it cannot show."""
+
+import io
+
+from rich.console import Console
+
+from zplan.cli import render
+from zplan.estimate import assumptions, estimate
+from zplan.scenario_options import ScenarioOptions, build
+
+
+def printed(monkeypatch, make) -> str:
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr(render, "make_console", make)
+    sc = build(ScenarioOptions(model="mixtral-8x7b", gpus="16", checkpointing="selective"))
+    render.print_estimate(sc, estimate(sc), assumptions(sc), "GiB", wide=True)
+    return out.getvalue()
+
+
+def test_piped_tables_are_the_same_with_the_highlighter_off(monkeypatch):
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    made = render.make_console()
+    assert made.color_system is None and made._highlight is False
+    fast = printed(monkeypatch, render.make_console)
+    full = printed(monkeypatch, lambda: Console(width=render.console_width()))
+    assert fast == full and "Memory per GPU" in fast
+
+
+def test_a_colour_console_keeps_its_highlighter(monkeypatch):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    made = render.make_console()
+    assert made.color_system is not None and made._highlight is True
