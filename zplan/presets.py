@@ -7,7 +7,6 @@ for models a local Hugging Face config.json (read offline; no hub is ever contac
 
 from __future__ import annotations
 
-import difflib
 import os
 from functools import lru_cache
 from importlib import resources
@@ -106,6 +105,8 @@ def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> BaseModel
         f = d / kind / f"{key}.toml"
         if _is(Path.exists, f):  # the reader refuses what is not a regular file, naming it
             return _load_file(str(f), kind)
+    import difflib  # only for an unknown name: estimate's start-up is counted (issue 8)
+
     known = names(kind, extra)
     close = difflib.get_close_matches(key[:MAX_NAME], known, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
