@@ -37,15 +37,30 @@ def test_help_lists_every_command_in_the_table_order():
     assert at == sorted(at), at
 
 
-def test_one_command_imports_only_its_own_module():
+def imported_by(argv: list[str]) -> tuple[int, list[str]]:
+    """zplan.cli.main.run(argv)'s exit code in a fresh process, and the zplan.cli, typer and
+    click modules it imported."""
     code = ("import sys, io, contextlib\n"
             "from zplan.cli.main import run\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    rc = run(['detect', '--json'])\n"
-            "print(rc, sorted(m for m in sys.modules if m.startswith('zplan.cli.')))\n")
+            f"    rc = run({argv!r})\n"
+            "print(rc, *sorted(m for m in sys.modules if m.startswith(('zplan.cli.', 'typer', 'click'))))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    rc, mods = p.stdout.split(" ", 1)
-    assert rc == "0", p.stderr
-    assert "zplan.cli.launch_cmd" in mods
+    rc, *mods = p.stdout.split()
+    assert rc.isdigit(), p.stderr
+    return int(rc), mods
+
+
+def test_one_command_imports_only_its_own_module():
+    rc, mods = imported_by(["detect", "--json"])
+    assert rc == 0 and "zplan.cli.launch_cmd" in mods
     for other in ("estimate_cmd", "recommend_cmd", "verify_cmd"):
         assert f"zplan.cli.{other}" not in mods, mods
+
+
+def test_a_plain_estimate_never_imports_typer():
+    rc, mods = imported_by(["estimate", "--model", "tiny", "--gpus", "2", "--strategy", "zero3"])
+    assert rc == 0 and "zplan.cli.estimate_fast" in mods
+    assert not [m for m in mods if m.split(".")[0] in ("typer", "click")], mods
+    rc, mods = imported_by(["estimate", "--model", "tiny", "--seq-len", "0512"])  # not plain: Typer's
+    assert rc == 0 and "typer" in mods and "zplan.cli.estimate_cmd" in mods

@@ -53,31 +53,21 @@ def _encode(o, newline: str, out) -> None:
         out("true")
     elif o is False:
         out("false")
-    elif t is dict:
+    elif t is dict or t is list:
         if not o:
-            out("{}")
+            out("{}" if t is dict else "[]")
             return
         inner = newline + "  "
-        sep = "{" + inner
-        for k, v in o.items():
-            if type(k) is not str:
-                raise _Unusual
+        sep = ("{" if t is dict else "[") + inner
+        for k, v in o.items() if t is dict else zip(o, o):  # a list: each item is its own value
             out(sep)
-            out(_quote(k))
-            out(": ")
+            if t is dict:
+                if type(k) is not str:
+                    raise _Unusual
+                out(_quote(k))
+                out(": ")
             _encode(v, inner, out)
             sep = "," + inner
-        out(newline + "}")
-    elif t is list:
-        if not o:
-            out("[]")
-            return
-        inner = newline + "  "
-        sep = "[" + inner
-        for v in o:
-            out(sep)
-            _encode(v, inner, out)
-            sep = "," + inner
-        out(newline + "]")
+        out(newline + ("}" if t is dict else "]"))
     else:
         raise _Unusual
