@@ -77,8 +77,9 @@ def _given_flags(opts: ScenarioOptions) -> list[str]:
 
 
 def flags() -> dict[str, tuple[str, object]]:
-    """Every flag of estimate -> (parameter, reader): a type that reads the value that follows,
-    "many" (a repeatable string), or the constant a flag without a value sets."""
+    """Every flag of estimate -> (parameter, reader): str, int or float, which reads the value
+    that follows, "many" (a repeatable string), the constant a flag without a value sets, or
+    None (a type this module does not read: a line with that flag goes to Typer)."""
     out = dict(OWN)
     hints = typing.get_type_hints(ScenarioOptions)
     for name in FIELDS:
@@ -87,8 +88,10 @@ def flags() -> dict[str, tuple[str, object]]:
         if kind[0] is bool:
             out[flag] = (name, True)
             out[f"--no-{flag[2:]}"] = (name, False)
+        elif kind[0] in (str, int, float):
+            out[flag] = (name, kind[0])
         else:
-            out[flag] = (name, "many" if typing.get_origin(kind[0]) is list else kind[0])
+            out[flag] = (name, "many" if kind[0] == list[str] else None)
     return out
 
 
@@ -103,7 +106,7 @@ def parse(args: list[str]) -> tuple[ScenarioOptions, dict] | None:
     while i < len(args):
         flag, eq, value = args[i].partition("=")
         name, reader = table.get(flag, (None, None))
-        if name is None:
+        if reader is None:
             return None
         if not isinstance(reader, type) and reader != "many":  # a flag without a value
             if eq:

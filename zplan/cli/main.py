@@ -20,6 +20,7 @@ COMMANDS = {
     "calibrate": "verify_cmd",
 }
 
+
 def _kind(e: BaseException) -> str:
     """Classify click's exceptions by name: Typer vendors click, so its classes move between
     versions (click.UsageError or typer._click.exceptions.UsageError)."""
