@@ -10,6 +10,7 @@ against Typer's own reading of many command lines.
 
 from __future__ import annotations
 
+import inspect
 import re
 import typing
 from dataclasses import fields
@@ -20,9 +21,9 @@ from .json_out import emit_json
 from .options import OPTION_ARGS
 
 # estimate's own options as its Typer signature declares them: flag -> (parameter, reader)
+# (their defaults: run's signature)
 OWN = {"--strategy": ("strategy", "many"), "--json": ("as_json", True), "--unit": ("unit", str),
        "--plan": ("plan", str), "--wide": ("wide", True), "--no-wide": ("wide", False)}
-OWN_DEFAULTS = {"strategy": None, "as_json": False, "unit": "GB", "plan": None, "wide": False}
 
 # Values read here only where every reader agrees on them (Typer converts with pydantic's lax
 # mode): plain decimal integers, plain decimal floats; anything else is left to Typer.
@@ -124,7 +125,8 @@ def parse(args: list[str]) -> tuple[ScenarioOptions, dict] | None:
             return None
         values[name] = values.get(name, []) + [got] if reader == "many" else got
     opts = ScenarioOptions(**{k: v for k, v in values.items() if k in FIELDS})
-    return opts, {**OWN_DEFAULTS, **{k: v for k, v in values.items() if k not in FIELDS}}
+    own = {k: p.default for k, p in inspect.signature(run).parameters.items() if k != "opts"}
+    return opts, {**own, **{k: v for k, v in values.items() if k not in FIELDS}}
 
 
 def _read(value: str, reader: object):
