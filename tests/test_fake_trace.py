@@ -40,7 +40,7 @@ def test_sharding_propagation_is_not_counted(fake_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from zplan.trainer.fake_trace import _propagation_outside_trace
+    from zplan.trainer.fake_tracker import propagation_outside_trace
 
     mesh = init_device_mesh("cpu", (16,))
 
@@ -53,7 +53,7 @@ def test_sharding_propagation_is_not_counted(fake_group):
             return next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
 
     local_bytes = 37 * 1024 * 4
-    assert peak(16 * 37, _propagation_outside_trace()) == local_bytes
+    assert peak(16 * 37, propagation_outside_trace()) == local_bytes
     # without it the tracker counts the global shape: the artefact this guards against
     assert peak(16 * 41, contextlib.nullcontext()) >= 16 * 41 * 1024 * 4
 
@@ -63,25 +63,40 @@ def test_global_peak_only_matches_the_trackers_own_update(tmp_path, monkeypatch)
     """The trace keeps the global peak only; the tracker's own update (per module too) gives
     the same peak, category by category, and the same phase."""
     pytest.importorskip("torch")
-    from zplan.trainer import fake_trace
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from zplan.trainer import fake_trace, fake_tracker
 
     path = tmp_path / "small.toml"
     path.write_text(SMALL)
     lean = fake_trace.fake_cell(str(path), 16, 1024, 1, "full", "zero3")
 
-    def own(tracker):  # the tracker's update, then the phase of each new global peak
-        seen, update = {"phase": None, "peak": 0}, tracker._update_peak_stats
+    def own(self, state):  # the tracker's update, then the phase of each new global peak
+        top = max(self._peak_mem.values(), default=0)
+        FSDPMemTracker._update_peak_stats(self, state)
+        if max(self._peak_mem.values(), default=0) > top:
+            self.peak_phase = fake_tracker.phase(self)
 
-        def wrapped(state):
-            update(state)
-            top = max(tracker._peak_mem.values(), default=0)
-            if top > seen["peak"]:
-                seen["peak"], seen["phase"] = top, fake_trace._phase(tracker)
-
-        tracker._update_peak_stats = wrapped
-        return seen
-
-    monkeypatch.setattr(fake_trace, "_record_phase", own)
+    monkeypatch.setattr(fake_tracker.tracker_class(), "_update_peak_stats", own)
     full = fake_trace.fake_cell(str(path), 16, 1024, 1, "full", "zero3")
     assert lean.categories == full.categories and lean.traced_phase == full.traced_phase
     assert lean.categories["Total"] > 0
+
+
+@pytest.mark.slow
+def test_grouped_units_reduce_once_per_step(tmp_path, monkeypatch):
+    """Norm and head are one FSDP2 unit (fully_shard([norm, output])): one reduce-scatter per
+    unit per step, as without a tracker. FSDPMemTracker's own instrumentation registers each
+    module of a group separately, which reduce-scattered the group twice."""
+    pytest.importorskip("torch")
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from zplan.trainer import fake_trace
+
+    calls = []
+    reduce = _fsdp_param_group.foreach_reduce
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: calls.append(1) or reduce(*a, **k))
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    fake_trace.fake_cell(str(path), 16, 512, 1, "none", "zero3")
+    assert len(calls) == 4  # embeddings, two blocks, norm + head

@@ -153,22 +153,25 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]))
+    logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
     for j in reversed(ends):
         name = sc.units[j].name
         gath = held_b + moving[j] + (0 if reshard else moving_upto[j])
-        before = saved_upto[j]
+        before = saved_upto[j] + logits_b
         act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
         if j == n - 1:
-            act += 2 * acts.logits_elems * acts.act_bytes  # the logits and their gradient
+            act += logits_b  # the logits' gradient
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
         # at its largest, early in the unit's backward: one weight's gradient so far
         ev.append(_ev("backward", f"backward {name}", state=state_b,
                       grads=grads_upto[n] - grads_upto[j + 1], gathered=gath, all_gather=prv(j),
                       unsharded_grads=accum_b + first_grad[j], reduce_scatter=prev_rs, activations=act))
         # reduce-scatter: the unit's unsharded gradients copied into the reduce-scatter input
-        # (the previous one is released first); its output becomes the sharded gradient
+        # (the previous one is released first); its output becomes the sharded gradient. The
+        # unit's own weights are resharded just before (FSDPParamGroup.post_backward:
+        # reshard_after_backward, True by default, then foreach_reduce)
         ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b,
-                      grads=grads_upto[n] - grads_upto[j], gathered=gath, all_gather=prv(j),
+                      grads=grads_upto[n] - grads_upto[j], gathered=gath - moving[j], all_gather=prv(j),
                       unsharded_grads=accum_b + unsharded_grad[j], reduce_scatter=reduce_in[j],
                       activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
@@ -189,10 +192,11 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                       + acts.logits_elems * acts.loss_per_logit[phase], **kw))
     saved_upto = [0, *accumulate(acts.saved)]
     ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp)))
+    logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
     for j in reversed(ends):
-        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j]
+        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_b
         if j == n - 1:
-            act += 2 * acts.logits_elems * acts.act_bytes
+            act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act, **kw))
     ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **kw))
     return ev

@@ -13,65 +13,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from .fake_tracker import propagation_outside_trace, tracker_class
+
 PHASES = ("forward", "loss", "backward", "optimizer")
-
-
-def _phase(tracker) -> str:
-    """The phase the tracker is in now, from its module stack (ModTracker.parents)."""
-    if tracker._in_opt:
-        return "optimizer"
-    mt = tracker._mod_tracker
-    if not (set(mt.parents) - {"Global"}):
-        return "loss"  # between the root's forward and its backward: the loss, forward or backward
-    return "backward" if mt.is_bw else "forward"
-
-
-def _record_phase(tracker) -> dict:
-    """Replace the tracker's peak update by one that keeps the global peak only, and records
-    the phase of each new one. The tracker's own update also keeps a peak per module: after
-    every op it walks all the modules it has seen (a weak-keyed dictionary, a `hasattr` through
-    each checkpoint wrapper's __getattr__ per module), which was 40% of a trace; nothing here
-    reads the per-module peaks. The global part is the tracker's own code
-    (torch/distributed/_tools/mem_tracker.py, MemTracker._update_peak_stats)."""
-    from copy import deepcopy
-
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
-
-    seen = {"phase": None}
-
-    def update(_peak_state):
-        for dev, snap in tracker._curr_mem_snap.items():
-            if tracker._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                tracker._peak_mem[dev] = snap[_TOTAL_KEY]
-                tracker._peak_mem_snap[dev] = deepcopy(snap)
-                seen["phase"] = _phase(tracker)
-
-    tracker._update_peak_stats = update
-    return seen
-
-
-@contextlib.contextmanager
-def _propagation_outside_trace():
-    """DTensor's sharding propagation derives each op's output metadata by running the op on
-    global-shape fake tensors in `detect_fake_mode() or FakeTensorMode()`
-    (torch/distributed/tensor/_sharding_prop.py, _propagate_tensor_meta_non_cached). On a real
-    run no fake mode is active, so it runs in a mode of its own, which FSDPMemTracker skips
-    (it counts only ops under the fake mode it was entered in, fsdp2_mem_tracker.py
-    __torch_dispatch__). Under this trace's FakeTensorMode it would find that mode and the
-    tracker would count full-size, unsharded copies of a parameter (three fp32 copies of the
-    vocabulary matrix in AdamW's step: 12.6 GB for Llama 3.1 70B). Let it find none, as on a
-    real run."""
-    from torch.distributed.tensor import _sharding_prop
-
-    saved = getattr(_sharding_prop, "detect_fake_mode", None)
-    if saved is None:  # another torch: nothing to redirect
-        yield
-        return
-    _sharding_prop.detect_fake_mode = lambda *_a, **_k: None
-    try:
-        yield
-    finally:
-        _sharding_prop.detect_fake_mode = saved
 
 
 def _init_optimizer_state(optim) -> None:
@@ -95,7 +39,6 @@ def trace_peak(plan, steps: int = 1) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .model import Transformer
@@ -111,13 +54,12 @@ def trace_peak(plan, steps: int = 1) -> dict:
         # dtype first, and a fake parameter cannot be swapped (the mode holds weak references)
         with torch.device("meta"):
             model = Transformer(plan.model)
-        with FakeTensorMode(allow_non_fake_inputs=True), _propagation_outside_trace():
+        with FakeTensorMode(allow_non_fake_inputs=True), propagation_outside_trace():
             par = parallelize(model, plan, device, mesh=mesh)
             # single-tensor AdamW, whose temporaries the planner prices (memory_timeline.py)
             optim = build_optimizer(par, plan, lr=1e-4, foreach=False)
             _init_optimizer_state(optim)
-            tracker = FSDPMemTracker(par.model, optim)
-            seen = _record_phase(tracker)
+            tracker = tracker_class()(par.model, optim)
             t = plan.train
             with tracker:
                 for step in range(steps):
@@ -138,7 +80,7 @@ def trace_peak(plan, steps: int = 1) -> dict:
             snap = tracker.get_tracker_snapshot("peak")
         per = next(iter(snap.values()))
         out: dict = {str(getattr(k, "value", k)): int(v) for k, v in per.items()}
-        out["phase"] = seen["phase"]
+        out["phase"] = tracker.peak_phase
         return out
     finally:
         with contextlib.suppress(Exception):

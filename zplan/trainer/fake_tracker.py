@@ -1,0 +1,116 @@
+"""PyTorch's FSDPMemTracker as the fake trace (fake_trace.py) runs it, with what a real run
+would not show taken out. Each adjustment keeps the tracker's own accounting and names the
+torch 2.13 source it works around:
+
+- DTensor's sharding propagation runs in a fake mode of its own, as on a real run
+  (`propagation_outside_trace`): otherwise the global-shape tensors it makes are counted.
+- Grouped units (`fully_shard([norm, output])`, several blocks per unit) keep FSDP2's group
+  forward hooks (`TraceTracker._instrument_fsdp_module`): the tracker's own instrumentation
+  registers each module of a group separately, so a group was gathered and reduce-scattered
+  once per module.
+- Only the global peak is kept, with the phase it was reached in
+  (`TraceTracker._update_peak_stats`): the tracker's per-module peaks cost 40% of a trace and
+  nothing reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from copy import deepcopy
+from functools import lru_cache
+
+
+def phase(tracker) -> str:
+    """The phase the tracker is in now, from its module stack (ModTracker.parents)."""
+    if tracker._in_opt:
+        return "optimizer"
+    mt = tracker._mod_tracker
+    if not (set(mt.parents) - {"Global"}):
+        return "loss"  # between the root's forward and its backward: the loss, forward or backward
+    return "backward" if mt.is_bw else "forward"
+
+
+@contextlib.contextmanager
+def propagation_outside_trace():
+    """DTensor's sharding propagation derives each op's output metadata by running the op on
+    global-shape fake tensors in `detect_fake_mode() or FakeTensorMode()`
+    (torch/distributed/tensor/_sharding_prop.py, _propagate_tensor_meta_non_cached). On a real
+    run no fake mode is active, so it runs in a mode of its own, which FSDPMemTracker skips
+    (it counts only ops under the fake mode it was entered in, fsdp2_mem_tracker.py
+    __torch_dispatch__). Under the trace's FakeTensorMode it would find that mode and the
+    tracker would count full-size, unsharded copies of a parameter (three fp32 copies of the
+    vocabulary matrix in AdamW's step: 12.6 GB for Llama 3.1 70B). Let it find none, as on a
+    real run."""
+    from torch.distributed.tensor import _sharding_prop
+
+    saved = getattr(_sharding_prop, "detect_fake_mode", None)
+    if saved is None:  # another torch: nothing to redirect
+        yield
+        return
+    _sharding_prop.detect_fake_mode = lambda *_a, **_k: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved
+
+
+@lru_cache(maxsize=1)
+def tracker_class():
+    """FSDPMemTracker with the adjustments above (a class made on first use: torch is imported
+    lazily)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    class TraceTracker(FSDPMemTracker):
+        peak_phase: str | None = None
+
+        def _update_peak_stats(self, _peak_state) -> None:
+            """The global part of MemTracker._update_peak_stats (torch/distributed/_tools/
+            mem_tracker.py), and the phase of each new peak."""
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = deepcopy(snap)
+                    self.peak_phase = phase(self)
+
+        def _instrument_fsdp_module(self) -> None:
+            """FSDPMemTracker._instrument_fsdp_module, once per FSDP state rather than once
+            per module: a group's forward hooks go back as a group
+            (_fsdp_state._register_group_forward_hooks, as FSDPState.init registers them), with
+            the tracker's wrappers around them."""
+            states = {}
+            for module in self._root_mod.modules():
+                if isinstance(module, FSDPModule):
+                    state = module._get_fsdp_state()
+                    if state._fsdp_param_group is not None:
+                        states.setdefault(id(state), (state, module))
+            for state, _ in states.values():
+                state._pre_forward_hook_handle.remove()
+                if state._post_forward_hook_handle is not state._pre_forward_hook_handle:
+                    state._post_forward_hook_handle.remove()
+            for state, module in states.values():
+                group = state._fsdp_param_group
+                self._instrument_fsdp_sharded_params_grads(group)
+                pre = self._fsdp_state_pre_forward(module, state._pre_forward)
+                post = self._fsdp_state_post_forward(module, state._post_forward)
+                if len(state._modules) == 1:
+                    state._pre_forward_hook_handle = module.register_forward_pre_hook(
+                        pre, prepend=True, with_kwargs=True)
+                    state._post_forward_hook_handle = module.register_forward_hook(
+                        post, prepend=False, always_call=True)
+                else:
+                    register = _fsdp_state._register_group_forward_hooks
+                    extra = ((state._cast_output_dtype,) if "cast_output_dtype"
+                             in inspect.signature(register).parameters else ())
+                    handle = register(state._modules, pre, post, state._modules_to_run_forward, *extra)
+                    state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
+                self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
+                group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
+                group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
+            for buffer in self._root_mod.buffers():
+                self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+    return TraceTracker
