@@ -1,6 +1,6 @@
-"""The fake-trace harness (zplan/trainer/fake_trace.py) measures what PyTorch's tracker measures:
-its shortcuts change nothing in the traced peak, and DTensor's sharding propagation, which
-allocates nothing on a real run, is not counted."""
+"""The fake-trace harness (zplan/trainer/fake_trace.py, fake_tracker.py) measures what a real run
+holds: its shortcuts change nothing in the traced peak, DTensor's sharding propagation (which
+allocates nothing on a real run) is not counted, and a grouped FSDP2 unit stays one unit."""
 
 from __future__ import annotations
 
@@ -8,16 +8,7 @@ import contextlib
 
 import pytest
 
-SMALL = """name = "small-llama"
-num_layers = 2
-hidden = 512
-ffn_hidden = 1792
-num_heads = 8
-num_kv_heads = 2
-vocab_size = 32000
-max_seq_len = 2048
-source = "test: Llama-shaped, small"
-"""
+from tests.test_memory import SMALL  # a 2-block Llama-shaped model
 
 
 @pytest.fixture
