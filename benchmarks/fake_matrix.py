@@ -27,10 +27,12 @@ HOW = ("Each cell plans the configuration as on a GPU (allocated bytes, no CUDA 
        "16 fake ranks (zplan/trainer/fake_trace.py): the model built on the meta device, "
        "fully_shard, single-tensor AdamW (`foreach=False`, whose temporaries the planner prices), "
        "its state made by one step on zero gradients before the tracker starts (as in any step "
-       "after a run's first). DTensor's sharding propagation runs in a fake mode of its own, as "
-       "on a real run, so the tracker does not count the global-shape tensors it makes "
-       "(otherwise three fp32 copies of the 70B vocabulary matrix, 12.6 GB, appear inside "
-       "`optim.step()`). error = (predicted - traced) / traced; a row is ok within the tolerance "
+       "after a run's first). The tracker is adjusted where it would count what a real "
+       "run does not hold (zplan/trainer/fake_tracker.py): DTensor's sharding propagation runs "
+       "in a fake mode of its own, as on a real run (otherwise three fp32 copies of the 70B "
+       "vocabulary matrix, 12.6 GB, appear inside `optim.step()`), and grouped units keep "
+       "FSDP2's group hooks (the tracker registers `fully_shard([norm, output])` module by "
+       "module, which gathered and reduce-scattered norm and head twice). error = (predicted - traced) / traced; a row is ok within the tolerance "
        "and with the peak in the same phase (forward, loss, backward, optimizer).")
 HEADER = ["| model | seq | micro-batch | checkpointing | strategy | predicted | traced | error "
           "| peak phase (predicted / traced) | ok |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,6 +1,7 @@
 """Trace a training step at real scale without real memory: FakeTensorMode plus the fake
 process group, in one process, with PyTorch's FSDPMemTracker counting what FSDP2 would hold on
-one rank (shared/notes: a 6.7B model at 64 ranks in about 10 s and 300 MiB).
+one rank (fake_tracker.py: the tracker with what a real run would not show taken out). Llama
+3.1 70B at 16 ranks traces in 15-25 s on one core.
 
 Used by `zplan verify --fake` (and benchmarks/fake_matrix.py) to hold the planner against
 PyTorch's own accounting at sizes no test machine can run. Besides the peak by category it
