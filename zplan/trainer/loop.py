@@ -54,9 +54,14 @@ def _memory_tracker(p: Parallelized, optim, device):
     if device.type == "cuda":
         return None
     if p.fsdp:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        try:  # grouped units (norm + head) keep FSDP2's group hooks under the tracker (fake_tracker.py)
+            from .fake_tracker import tracker_class
 
-        return FSDPMemTracker(p.model, optim)
+            return tracker_class()(p.model, optim)
+        except (ImportError, AttributeError):  # another torch's private names: the tracker as it is
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            return FSDPMemTracker(p.model, optim)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
