@@ -128,6 +128,13 @@ def test_explain_shows_how_nccl_runs_the_largest_gather():
     assert "8 per node (8 node(s)): ring/Simple, busbw 292 GB/s" in line
 
 
+def test_explain_hsdp_with_a_shard_group_of_one_gathers_nothing(run_zplan):
+    """--shard-size 1: nothing to gather (was a ZeroDivisionError, found by tests/test_fuzz.py)."""
+    p = run_zplan("explain", "--shard-size", "1", "--strategy", "hsdp")
+    assert p.returncode == 0, p.stderr
+    assert "shard group of 1 rank: no all-gather" in p.stdout
+
+
 def test_tree_all_reduce_across_many_nodes():
     """1024 GPUs, 128 nodes: a ring all-reduce pays 2(n-1) steps (~9.7 ms of latency); NCCL's
     tree pays 8.4 + 2(7 x 4 + 7 x 14) us. At 2 nodes and 4 GB the ring's bandwidth wins."""
