@@ -107,6 +107,8 @@ def test_trainer_accepts_the_dtypes_it_applies():
                                     reduce_dtype="bf16")) is None
     assert "reduces gradients in the weights' dtype" in trainer_refusal(plan_for("ddp", reduce_dtype="bf16"))
     assert trainer_refusal(plan_for("ddp", param_dtype="bf16")) is None
+    # a user's script computes its own loss: planning it in bf16 is the user's to say
+    assert trainer_refusal(plan_for("zero3", loss_fp32=False), builtin_model=False) is None
 
 
 def _recommend(run_zplan, tmp_path, *args, name="plan.json"):

@@ -155,15 +155,15 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         flag = "--float8" if t.float8 else "--compile"
         return (f"the trainer runs eager bf16/fp32 linears, not {flag[2:]}: plan again without "
                 f"{flag}, or export the plan for your own training code")
+    if not t.flash_attention:
+        return ("the trainer always runs fused attention (scaled_dot_product_attention), which keeps "
+                "no s x s scores: plan again with --flash")
+    if not builtin_model:  # the script computes its own loss
+        return None
     if t.compile_loss or not plan.assumptions.loss_fp32:
         why = "compiled" if t.compile_loss else "in the logits' dtype"
         return (f"the trainer computes the loss eager over fp32 logits, not {why}: plan again "
                 f"without {'--compile' if t.compile_loss else '--no-loss-fp32'}, or export the plan")
-    if not t.flash_attention:
-        return ("the trainer always runs fused attention (scaled_dot_product_attention), which keeps "
-                "no s x s scores: plan again with --flash")
-    if not builtin_model:
-        return None
     if m.total_params is not None:
         return (f"model {m.name} is a bare parameter count, not an architecture the trainer can "
                 f"build: plan again with --model NAME")
