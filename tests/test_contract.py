@@ -102,6 +102,15 @@ def test_trainer_refuses_what_it_cannot_apply(kw, needle):
     assert why is not None and needle in why
 
 
+def test_a_plan_written_before_compile_loss_keeps_its_meaning():
+    """Plan files from before compile_loss existed priced the loss as compiled under compile."""
+    from zplan.specs import TrainSpec
+
+    assert TrainSpec.model_validate({"compile": True}).compile_loss is True
+    assert TrainSpec.model_validate({}).compile_loss is False
+    assert TrainSpec.model_validate({"compile": True, "compile_loss": False}).compile_loss is False
+
+
 def test_trainer_accepts_the_dtypes_it_applies():
     assert trainer_refusal(plan_for("zero3", master_dtype="bf16", optimizer_dtype="bf16",
                                     reduce_dtype="bf16")) is None

@@ -91,3 +91,22 @@ def test_grouped_units_reduce_once_per_step(tmp_path, monkeypatch):
     path.write_text(SMALL)
     fake_trace.fake_cell(str(path), 16, 512, 1, "none", "zero3")
     assert len(calls) == 4  # embeddings, two blocks, norm + head
+
+
+def test_another_torchs_internals_fall_back_to_the_trackers_own_hooks(tmp_path, monkeypatch):
+    """Where FSDP2's private names differ (another torch), TraceTracker leaves the hooks to
+    FSDPMemTracker's own instrumentation before touching any: the trace still runs, with the
+    group reduce-scattered once per module as torch's tracker does (5, not 4)."""
+    pytest.importorskip("torch")
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from zplan.trainer import fake_trace, fake_tracker
+
+    calls = []
+    reduce = _fsdp_param_group.foreach_reduce
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: calls.append(1) or reduce(*a, **k))
+    monkeypatch.setattr(fake_tracker, "_private_names_present", lambda *a: False)
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    fake_trace.fake_cell(str(path), 16, 512, 1, "none", "zero3")
+    assert len(calls) == 5

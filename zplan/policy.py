@@ -6,7 +6,7 @@
   and, for the selective policy, which ops' outputs are kept (`selective_saved_matmuls`,
   `SELECTIVE_SAVES_ATTENTION`), by op kind so that the planner can price them.
 
-The planner (zplan/arch.py) turns these into bytes and FLOPs; the trainer
+The planner (zplan/activation_memory.py, zplan/arch.py) turns these into bytes and FLOPs; the trainer
 (zplan/trainer/parallel.py) turns them into fully_shard groups and checkpoint contexts.
 Torch-free: the planning path imports it.
 """

@@ -286,6 +286,15 @@ class Assumptions(Spec):
 class TrainSpec(Spec):
     """One training configuration on the model."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_follows_compile(cls, data: Any) -> Any:
+        """A spec written before `compile_loss` existed (plan files) meant a compiled loss with
+        `compile`, as the time model then priced it: a missing field follows `compile`."""
+        if isinstance(data, dict) and "compile_loss" not in data:
+            data = {**data, "compile_loss": bool(data.get("compile", False))}
+        return data
+
     seq_len: int = Field(4096, gt=0, le=MAX_SEQ_LEN)
     micro_batch: int = Field(1, gt=0, le=MAX_MICRO_BATCH)
     grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM)

@@ -55,6 +55,17 @@ def propagation_outside_trace():
         _sharding_prop.detect_fake_mode = saved
 
 
+_STATE_NAMES = ("_pre_forward_hook_handle", "_post_forward_hook_handle", "_modules",
+                "_modules_to_run_forward", "_pre_forward", "_post_forward")
+
+
+def _private_names_present(states, fsdp_state_module) -> bool:
+    """Whether this torch has the FSDP2 internals TraceTracker re-registers (torch 2.13's
+    FSDPState and _register_group_forward_hooks); checked before any hook is removed."""
+    return hasattr(fsdp_state_module, "_register_group_forward_hooks") and all(
+        hasattr(state, name) for state, _ in states for name in _STATE_NAMES)
+
+
 @lru_cache(maxsize=1)
 def tracker_class():
     """FSDPMemTracker with the adjustments above (a class made on first use: torch is imported
@@ -85,8 +96,12 @@ def tracker_class():
             for module in self._root_mod.modules():
                 if isinstance(module, FSDPModule):
                     state = module._get_fsdp_state()
-                    if state._fsdp_param_group is not None:
+                    if getattr(state, "_fsdp_param_group", None) is not None:
                         states.setdefault(id(state), (state, module))
+            if not _private_names_present(states.values(), _fsdp_state):
+                # another torch's FSDP2 internals: the tracker's own instrumentation, before any
+                # hook is touched (grouped units are then gathered once per module, as in torch)
+                return super()._instrument_fsdp_module()
             for state, _ in states.values():
                 state._pre_forward_hook_handle.remove()
                 if state._post_forward_hook_handle is not state._pre_forward_hook_handle:
