@@ -72,9 +72,14 @@ def _given_flags(opts: ScenarioOptions) -> list[str]:
         v = getattr(opts, f.name)
         if v == getattr(default, f.name):
             continue
-        flag = "presets" if f.name == "presets_dir" else f.name.replace("_", "-")
-        out.append(f"--{'no-' if v is False else ''}{flag}")
+        flag = _flag(f.name)
+        out.append(f"--no-{flag[2:]}" if v is False else flag)
     return out
+
+
+def _flag(name: str) -> str:
+    """A scenario option's flag as Typer declares it (options.OPTION_ARGS)."""
+    return (OPTION_ARGS[name][0] or (f"--{name.replace('_', '-')}",))[0]
 
 
 def flags() -> dict[str, tuple[str, object]]:
@@ -85,7 +90,7 @@ def flags() -> dict[str, tuple[str, object]]:
     hints = typing.get_type_hints(ScenarioOptions)
     for name in FIELDS:
         kind = [a for a in typing.get_args(hints[name]) if a is not type(None)] or [hints[name]]
-        flag = (OPTION_ARGS[name][0] or (f"--{name.replace('_', '-')}",))[0]
+        flag = _flag(name)
         if kind[0] is bool:
             out[flag] = (name, True)
             out[f"--no-{flag[2:]}"] = (name, False)
