@@ -67,6 +67,8 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
     if row.compile:
         if "compile" in FIELDS:
             o = replace(o, compile=True, eager_loss=row.compile_loss is False)
+            if row.compile_scope != "block":
+                o = replace(o, compile_scope=row.compile_scope)
         else:
             ignored.append("compile")
     if row.float8 != "none":

@@ -64,9 +64,11 @@ SCENARIO = {
     "--context-gib": number(["0", "0.5", "1024"]),
     "--fragmentation": number(["0", "0.05", "0.9"]),
     "--bucket-mib": number(["0", "25", "1000000"]),
+    "--attention-kernel": choice_or_hostile(["flash2", "flash-triton"]),
+    "--compile-scope": choice_or_hostile(["block", "model"]),
 }
 SWITCHES = ["--reduce-last-only", "--no-flash", "--no-prefetch", "--fused-norm", "--no-fused-norm",
-            "--no-overlap"]
+            "--no-overlap", "--compile", "--eager-loss", "--float8", "--no-loss-fp32"]
 OWN = {
     "estimate": {"--strategy": choice_or_hostile(STRATEGIES), "--unit": choice_or_hostile(["GB", "GiB"])},
     "recommend": {"--global-batch": number(["8", "64", "1e13", "1000000", "7"]),

@@ -62,6 +62,7 @@ def test_one_strategy(run_zplan):
     (["--params", "7e9", "--model", "tiny"], "either --params or --model"),
     (["--no-such-flag"], "No such option"),
     (["--model", "llama-3.1-8b", "--eager-loss"], "--eager-loss goes with --compile"),
+    (["--model", "llama-3.1-8b", "--compile-scope", "model"], "--compile-scope model goes with --compile"),
 ])
 def test_bad_input_is_one_line_exit_2(run_zplan, args, needle):
     p = run_zplan("estimate", *args)

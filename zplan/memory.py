@@ -176,7 +176,46 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
             [x * grad_store for x in shards],
             st.reshard_after_forward, accum_b, opt_temp)
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
-    return mt.replicated_events(sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp)
+    return mt.replicated_events(sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp,
+                                compiled_graphs(sc, st))
+
+
+def compiled_graphs(sc: Scenario, st: Strategy) -> mt.CompiledGraphs | None:
+    """The compiled backward graphs of a replicated strategy (DDP, ZeRO-1) and the gradients
+    they hold until they return; None where eager autograd's accumulation is what runs.
+
+    AOTAutograd compiles a backward into one graph whose outputs are the parameters' gradients:
+    each is alive from the op that makes it until the graph returns, and only then does
+    AccumulateGrad add it into `.grad` (torch/_functorch/_aot_autograd/runtime_wrappers.py;
+    measured on CPU with PyTorch's memory profiler in tests/test_compile_scope.py). With
+    accumulation (`.grad` already holds the earlier micro-batches) that is a second copy of the
+    graph's gradients; without, the graph's outputs become `.grad`. torch.compile(model) over an
+    unwrapped model (one rank) is one graph over every unit; per-block compile is a graph per
+    block (embedding and head stay eager). Under DDP, dynamo's DDPOptimizer splits graphs at the
+    gradient buckets (torch/_dynamo/backends/distributed.py): at most one bucket held. Inductor
+    decomposes the embedding's backward (torch/_decomp/decompositions.py
+    embedding_dense_backward) into an index_put into a zeroed vocabulary x hidden buffer in the
+    computation dtype (fp32 for bf16/fp16) and a cast to the gradient's dtype: both alive at the
+    graph's end. Under FSDP2 its hooks break the graph at each unit
+    (torch._dynamo.config.skip_fsdp_hooks) and the unit's gradients are reduce-scattered as
+    eager ones are (fsdp_events); DeepSpeed's engine accumulates through its own hooks: neither
+    is modelled here."""
+    t = sc.train
+    if not (t.compile and t.layout == "torch" and not st.fsdp):
+        return None
+    grad_b = DTYPE_BITS[t.precision.master] // 8  # DDP keeps gradients in the weights' dtype
+    n = len(sc.units)
+    if t.compile_scope == "model":
+        graphs = (range(0, n),)
+    else:
+        graphs = tuple(range(i, i + 1) for i, u in enumerate(sc.units) if u.blocks)
+    in_graph = {i for g in graphs for i in g}
+    second = t.grad_accum > 1
+    return mt.CompiledGraphs(
+        new_grads=tuple(u.numel * grad_b if second else 0 for u in sc.units), graphs=graphs,
+        cap_bytes=sum(u.numel for u in sc.units) * grad_b if sc.n == 1 else sc.assume.ddp_bucket_bytes,
+        end_temp=tuple(u.numel * 4 if u.name == "embed" and i in in_graph and grad_b < 4 else 0
+                       for i, u in enumerate(sc.units)))
 
 
 def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:

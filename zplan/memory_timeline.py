@@ -99,6 +99,17 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
                        activation_memory.loss_bytes_per_logit(t, loss_fp32), B, B * sbh)
 
 
+@dataclass(frozen=True)
+class CompiledGraphs:
+    """Compiled backward graphs of a replicated strategy (memory.compiled_graphs)."""
+
+    new_grads: tuple[int, ...]  # per unit, the new gradients its graph holds until it returns
+    graphs: tuple[range, ...]  # each graph's units (forward order)
+    cap_bytes: int  # the most new gradients held at once (DDP: one bucket)
+    end_temp: tuple[int, ...]  # per unit, what its graph's end holds besides its gradients (the
+    # embedding's fp32 gradient buffer)
+
+
 def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str) -> int:
     """Single-tensor AdamW (the trainer's foreach=False) builds `denom` as
     `(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: two temporaries the size of the
@@ -180,9 +191,14 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
 
 
 def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: int,
-                      reduce_b: int, opt_temp_b: int) -> list[Event]:
+                      reduce_b: int, opt_temp_b: int, compiled: CompiledGraphs | None = None) -> list[Event]:
     """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
-    static): gradients and buffers held throughout; activations follow the step."""
+    static): gradients and buffers held throughout; activations follow the step.
+
+    Compiled backward graphs hold the new gradients they make until they return: a unit's
+    backward holds those of the later units of its graph (at most `cap_bytes`), and the graph's
+    end holds all of its own with its end temporaries, beside the activations of the units
+    before it."""
     n = len(acts.saved)
     total_saved = sum(acts.saved)
     kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
@@ -191,13 +207,30 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
                       + acts.logits_elems * acts.loss_per_logit[phase], **kw))
     saved_upto = [0, *accumulate(acts.saved)]
-    ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp)))
+    new = list(compiled.new_grads) if compiled else [0] * n
+    end_temp = list(compiled.end_temp) if compiled else [0] * n
+    cap = compiled.cap_bytes if compiled else 0
+    graph_of: list[range | None] = [None] * n
+    for g in compiled.graphs if compiled else ():
+        for i in g:
+            graph_of[i] = g
+    after = [*accumulate(reversed(new))][::-1] + [0]  # after[j]: new gradients of units >= j
+    # new gradients a compiled graph holds at unit j's backward: its later units'
+    held = [min(cap, after[j + 1] - after[g.stop]) if (g := graph_of[j]) else 0 for j in range(n)]
+    ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp)))
     logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
     for j in reversed(ends):
         act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_b
         if j == n - 1:
             act += logits_b  # their gradient
-        ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act, **kw))
+        ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
+                      **{**kw, "unsharded_grads": reduce_b + held[j]}))
+        g = graph_of[j]
+        if g is not None and j == g.start:  # the graph returns its gradients
+            label = sc.units[g.start].name + (f"..{sc.units[g.stop - 1].name}" if len(g) > 1 else "")
+            ev.append(_ev("backward", f"backward graph of {label} returns",
+                          activations=saved_upto[j] + logits_b + sum(end_temp[g.start:g.stop]),
+                          **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])}))
     ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **kw))
     return ev
 

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, MAX_LAYERS, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, MAX_LAYERS, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
@@ -56,6 +56,7 @@ class ScenarioOptions:
     fused_norm: Optional[bool] = None
     compile: bool = False
     eager_loss: bool = False  # with compile: the loss stays eager (compile_loss False)
+    compile_scope: str = "block"  # with compile: block (each block) or model (torch.compile(model))
     loss_fp32: bool = True
     float8: bool = False
     shard_size: Optional[int] = None
@@ -151,6 +152,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.eager_loss and not o.compile:
         raise UsageError("--eager-loss goes with --compile (without it the loss is eager already): "
                          "drop --eager-loss, or add --compile")
+    check_choice(o.compile_scope, "--compile-scope", COMPILE_SCOPES)
+    if o.compile_scope != "block" and not o.compile:
+        raise UsageError(f"--compile-scope {o.compile_scope} goes with --compile: add --compile, "
+                         "or drop --compile-scope")
     if o.float8 and "fp8" not in gpu.peak_flops:
         raise UsageError(f"--float8 needs float8 tensor cores; {gpu.name} has none "
                          "(H100, H200, B200 and MI300X do): drop --float8 or pick such a --gpu")
@@ -168,7 +173,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             layout=layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             reduce_every_microbatch=not o.reduce_last_only,
-            compile=o.compile, compile_loss=o.compile and not o.eager_loss, float8=o.float8,
+            compile=o.compile, compile_loss=o.compile and not o.eager_loss,
+            compile_scope=o.compile_scope, float8=o.float8,
         )
         assume = Assumptions(
             compute_efficiency=efficiency, cuda_context_bytes=int(context_gib * GiB),

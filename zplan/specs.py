@@ -19,8 +19,10 @@ StrategyName = Literal[
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
 AttentionKernel = Literal["flash2", "flash-triton"]
+CompileScope = Literal["block", "model"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
+COMPILE_SCOPES: tuple[str, ...] = CompileScope.__args__  # type: ignore[attr-defined]
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
 
@@ -322,6 +324,10 @@ class TrainSpec(Spec):
     compile_loss: bool = Field(False, description="the loss under torch.compile: the fp32 upcast, "
                                "log-softmax and NLL fused, no vocabulary-sized fp32 buffers "
                                "(torchtitan compiles it with --training.compile since 2025-04)")
+    compile_scope: CompileScope = Field(
+        "block", description="what one torch.compile covers: block (each block compiled on its own: "
+        "torchtitan) or model (torch.compile(model): one graph over a model no DDP/FSDP wraps, so "
+        "its backward returns every gradient at once; KempnerForge on one GPU)")
     float8: bool = Field(False, description="float8 linears (tensorwise scaling) with float8 "
                          "all-gather of their weights (torchao)")
 

@@ -19,6 +19,7 @@ SOURCE_OPTIONAL = {"repository", "commit"}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all")
 CHECKPOINTING = ("none", "full", "selective", "blocks-fraction-unstated")
 ATTENTION_KERNELS = ("flash2", "flash-triton")  # zplan's --attention-kernel
+COMPILE_SCOPES = ("block", "model")  # zplan's --compile-scope
 FLOAT8 = ("none", "tensorwise", "tensorwise-fp8-allgather", "rowwise", "te-delayed")
 DTYPES = ("fp32", "bf16", "fp16")
 MEMORY_UNITS = {"GiB": 2**30, "GB": 10**9}
@@ -74,6 +75,7 @@ class Row:
     attention_kernel: str = "flash2"  # flash-triton: FlashAttention in Triton (llm-foundry attn_impl triton)
     fused_norm: bool | None = None  # False: the norm is the composite fp32 implementation (eager); None: zplan's default
     compile_loss: bool | None = None  # with compile: was the loss compiled too (None: yes, as zplan's --compile)
+    compile_scope: str = "block"  # with compile: block (each block compiled) or model (torch.compile(model))
     loss_fp32: bool = True  # the loss upcasts the logits to fp32 (False: cross-entropy in their dtype)
     tp: int = 1
     pp: int = 1
@@ -110,7 +112,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "compile_loss": bool, "loss_fp32": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "compile_loss": bool, "compile_scope": str, "loss_fp32": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -118,7 +120,8 @@ REQUIRED = ("id", "model", "gpu", "num_gpus", "gpus_per_node", "parallelism", "s
             "grad_accum", "seq_len", "checkpointing", "compile", "float8", "param_dtype", "reduce_dtype", "table")
 CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLOAT8, "param_dtype": DTYPES,
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
-           "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS}
+           "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS,
+           "compile_scope": COMPILE_SCOPES}
 
 
 def _typed(key: str, value, where: str):
@@ -161,6 +164,8 @@ def _row(raw: dict, source: Source, where: str) -> Row:
         raise RowError(f"{where}: num_gpus {r.num_gpus} is not a whole number of nodes of {r.gpus_per_node}")
     if r.compile_loss is not None and not r.compile:
         raise RowError(f"{where}: compile_loss says how a compiled run treated its loss; it needs compile = true")
+    if r.compile_scope != "block" and not r.compile:
+        raise RowError(f"{where}: compile_scope says what a compiled run compiled; it needs compile = true")
     if (r.strategy == "hsdp") != (r.shard_size is not None):
         raise RowError(f"{where}: shard_size goes with strategy hsdp, and hsdp needs it")
     if r.shard_size is not None and r.num_gpus % r.shard_size:

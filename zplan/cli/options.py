@@ -42,6 +42,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "fused_norm": ((), "RMSNorm as one fused kernel (default: yes on GPUs, no on CPU ranks)"),
     "compile": ((), "torch.compile the blocks and the loss: elementwise work fused (fewer HBM passes)"),
     "eager_loss": ((), "With --compile, the loss stays eager (torchtitan before 2025-04, KempnerForge)"),
+    "compile_scope": ((), "With --compile: block (each block compiled on its own, as torchtitan) | model (torch.compile(model) over a model no DDP/FSDP wraps: its backward returns every gradient at once)"),
     "loss_fp32": ((), "The loss upcasts the logits to fp32 (--no-loss-fp32: in the logits' dtype)"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),
     "shard_size": ((), "HSDP shard group size (default: one node)"),

@@ -1,0 +1,122 @@
+"""torch.compile(model) over an unwrapped model holds a second gradient set under accumulation
+(memory.compiled_graph_grads), held against PyTorch's own memory profiler on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from zplan.errors import UsageError
+from zplan.memory import compiled_graphs, memory, timeline
+from zplan.scenario import Scenario
+from zplan.scenario_options import ScenarioOptions, build, cpu_ranks
+from zplan.specs import ModelSpec
+from zplan.strategies import effective
+
+TINY = ModelSpec(name="t", num_layers=4, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
+                 vocab_size=512)
+
+
+def _tiny(scope: str, accum: int = 2, gpus: str = "1", seq: int = 32) -> Scenario:
+    o = cpu_ranks(model="llama-3.1-8b", gpus=gpus, seq_len=seq, grad_accum=accum, compile=True,
+                  eager_loss=True, loss_fp32=False, compile_scope=scope, master_dtype="bf16",
+                  optimizer_dtype="bf16", reduce_dtype="bf16")
+    sc = build(o)
+    return Scenario(TINY, sc.hw, sc.train, sc.assume, None)
+
+
+def _new_bytes_peak(sc: Scenario) -> int:
+    """zplan's peak of what one micro-batch allocates beyond the persistent model state."""
+    st = effective("ddp", "torch")
+    return max(e.total_bytes for e in timeline(sc, st)) - memory(sc, st).model_state_bytes
+
+
+@pytest.mark.slow  # inductor compiles the model twice on CPU (~30 s)
+def test_whole_model_graph_holds_every_gradient_as_pytorchs_profiler_measures():
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    from zplan.trainer.model import Transformer
+
+    def measured(scope: str) -> int:
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = Transformer(TINY).to(torch.bfloat16)
+        if scope == "model":
+            run = torch.compile(model)  # KempnerForge on one GPU
+        else:
+            for layer in model.layers:  # torchtitan's per-block compile
+                layer.compile()
+            run = model
+        tokens = torch.randint(0, TINY.vocab_size, (1, 32))
+
+        def micro_batch():
+            logits = run(tokens)
+            F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+
+        micro_batch()  # `.grad` now holds the first micro-batch's gradients
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            micro_batch()
+        live = top = 0
+        for _, action, _, nbytes in prof._memory_profile().timeline:
+            live += nbytes if action == Action.CREATE else -nbytes if action == Action.DESTROY else 0
+            top = max(top, live)
+        return top
+
+    # what micro-batch 2 allocates at its peak beyond the model state, per scope: whole-model
+    # compile holds a second gradient set (and the embedding's fp32 gradient buffer), per-block
+    # compile one block's gradients
+    grads_b = sum(u.numel for u in _tiny("model").units) * 2
+    for scope in ("model", "block"):
+        got, want = measured(scope), _new_bytes_peak(_tiny(scope))
+        print(f"{scope}: measured {got} predicted {want} gradient set {grads_b}")
+        assert abs(got - want) <= 0.05 * grads_b, (scope, got, want, grads_b)
+
+
+def test_graphs_and_their_gradients_by_scope():
+    st = effective("ddp", "torch")
+    sc = _tiny("model")
+    cg = compiled_graphs(sc, st)
+    assert cg.new_grads == tuple(u.numel * 2 for u in sc.units)  # bf16 gradients
+    assert cg.graphs == (range(len(sc.units)),) and cg.cap_bytes == sum(cg.new_grads)  # one graph
+    # the embedding's gradient made in an fp32 buffer, then cast (inductor's decomposition)
+    assert cg.end_temp == (TINY.vocab_size * TINY.hidden * 4,) + (0,) * (len(sc.units) - 1)
+    # without accumulation the graph's gradients become .grad: no second copy
+    assert compiled_graphs(_tiny("model", accum=1), st).new_grads == (0,) * len(sc.units)
+    assert compiled_graphs(_tiny("model"), effective("zero3", "torch")) is None  # FSDP2 units
+    # per-block compile: a graph per block; embedding and head stay eager
+    cg = compiled_graphs(_tiny("block"), st)
+    assert [sc.units[g.start].name for g in cg.graphs] == [u.name for u in sc.units if u.blocks]
+    assert all(len(g) == 1 for g in cg.graphs) and not any(cg.end_temp)
+    # DDP's DDPOptimizer splits the graph at its buckets: one bucket at most
+    sc2 = _tiny("model", gpus="2")
+    assert compiled_graphs(sc2, st).cap_bytes == sc2.assume.ddp_bucket_bytes
+
+
+def test_graph_end_events_hold_both_gradient_sets():
+    sc = _tiny("model", seq=8)
+    st = effective("ddp", "torch")
+    ev = timeline(sc, st)
+    end = [e for e in ev if e.label.startswith("backward graph of ") and ".." in e.label]
+    assert len(end) == 1
+    grads_b = sum(u.numel for u in sc.units) * 2
+    ms = memory(sc, st)
+    logits_b = 8 * TINY.vocab_size * 2
+    embed_b = TINY.vocab_size * TINY.hidden * 4
+    assert end[0].total_bytes == ms.model_state_bytes + grads_b + logits_b + embed_b
+    assert ms.allocated_bytes >= end[0].total_bytes
+    # per-block graphs: the last block's graph returns that block's gradients, with the
+    # activations the units before it saved
+    sc = _tiny("block", seq=8)
+    block = [e for e in timeline(sc, st) if e.label == f"backward graph of {sc.units[-3].name} returns"]
+    assert sc.units[-3].blocks and len(block) == 1
+    assert block[0].live["unsharded_grads"] == sc.units[-3].numel * 2
+
+
+def test_compile_scope_model_needs_compile():
+    with pytest.raises(UsageError, match="--compile-scope model goes with --compile"):
+        build(ScenarioOptions(model="llama-3.1-8b", compile_scope="model"))
+    with pytest.raises(UsageError, match="--compile-scope"):
+        build(ScenarioOptions(model="llama-3.1-8b", compile=True, compile_scope="graph"))
