@@ -197,8 +197,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
 
     Compiled backward graphs hold the new gradients they make until they return: a unit's
     backward holds those of the later units of its graph (at most `cap_bytes`), and the graph's
-    end holds all of its own with its end temporaries, beside the activations of the units
-    before it."""
+    end holds all of its own with its end temporaries and its input's gradient, beside the
+    activations of the units before it."""
     n = len(acts.saved)
     total_saved = sum(acts.saved)
     kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
@@ -229,7 +229,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         if g is not None and j == g.start:  # the graph returns its gradients
             label = sc.units[g.start].name + (f"..{sc.units[g.stop - 1].name}" if len(g) > 1 else "")
             ev.append(_ev("backward", f"backward graph of {label} returns",
-                          activations=saved_upto[j] + logits_b + sum(end_temp[g.start:g.stop]),
+                          activations=saved_upto[j] + logits_b + sum(end_temp[g.start:g.stop])
+                          + (acts.stream_bytes if j else 0),  # and its input's gradient
                           **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])}))
     ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **kw))
     return ev
