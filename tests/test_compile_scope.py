@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zplan.errors import UsageError
-from zplan.memory import compiled_graphs, memory, timeline
+from zplan.memory import compiled_graphs, ddp_graph_buckets, memory, timeline
 from zplan.scenario import Scenario
 from zplan.scenario_options import ScenarioOptions, build, cpu_ranks
 from zplan.specs import ModelSpec
@@ -30,12 +30,26 @@ def _new_bytes_peak(sc: Scenario) -> int:
     return max(e.total_bytes for e in timeline(sc, st)) - memory(sc, st).model_state_bytes
 
 
+def profiled_peak_bytes(micro_batch) -> int:
+    """The most bytes alive at once among those `micro_batch()` allocates, from PyTorch's memory
+    profiler (its timeline of allocations and frees, CPU tensors included)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        micro_batch()
+    live = top = 0
+    for _, action, _, nbytes in prof._memory_profile().timeline:
+        live += nbytes if action == Action.CREATE else -nbytes if action == Action.DESTROY else 0
+        top = max(top, live)
+    return top
+
+
 @pytest.mark.slow  # inductor compiles the model twice on CPU (~30 s)
 def test_whole_model_graph_holds_every_gradient_as_pytorchs_profiler_measures():
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
     from zplan.trainer.model import Transformer
 
@@ -56,14 +70,7 @@ def test_whole_model_graph_holds_every_gradient_as_pytorchs_profiler_measures():
             F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
 
         micro_batch()  # `.grad` now holds the first micro-batch's gradients
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
-            micro_batch()
-        live = top = 0
-        for _, action, _, nbytes in prof._memory_profile().timeline:
-            live += nbytes if action == Action.CREATE else -nbytes if action == Action.DESTROY else 0
-            top = max(top, live)
-        return top
+        return profiled_peak_bytes(micro_batch)
 
     # what micro-batch 2 allocates at its peak beyond the model state, per scope: whole-model
     # compile holds a second gradient set (and the embedding's fp32 gradient buffer), per-block
@@ -73,6 +80,67 @@ def test_whole_model_graph_holds_every_gradient_as_pytorchs_profiler_measures():
         got, want = measured(scope), _new_bytes_peak(_tiny(scope))
         print(f"{scope}: measured {got} predicted {want} gradient set {grads_b}")
         assert abs(got - want) <= 0.05 * grads_b, (scope, got, want, grads_b)
+
+
+_DDP_RUN = """
+import json, sys, tempfile
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from zplan.specs import ModelSpec
+from zplan.trainer.model import Transformer
+
+sys.path.insert(0, sys.argv[2])
+from test_compile_scope import profiled_peak_bytes
+
+m = ModelSpec.model_validate_json(sys.argv[1])
+store = tempfile.NamedTemporaryFile(delete=False).name
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+out = {}
+for mib in (1.0, 25.0):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    ddp = DDP(Transformer(m).to(torch.bfloat16), bucket_cap_mb=mib, gradient_as_bucket_view=True)
+    run = torch.compile(ddp)
+    tokens = torch.randint(0, m.vocab_size, (1, 32))
+
+    def micro_batch():
+        F.cross_entropy(run(tokens).flatten(0, 1), tokens.flatten()).backward()
+
+    micro_batch()
+    micro_batch()  # DDP rebuilds its buckets after the first iteration: steady state from here
+    out[str(mib)] = profiled_peak_bytes(micro_batch)
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # a gloo process group of one rank in a subprocess; inductor compiles twice
+def test_ddp_graphs_split_at_buckets_as_pytorchs_profiler_measures(tmp_path):
+    """DDPOptimizer splits a compiled DDP model at its gradient buckets: the largest bucket's
+    gradients are what a graph holds beside the buckets (gradient_as_bucket_view)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    script = tmp_path / "ddp_run.py"
+    script.write_text(_DDP_RUN)
+    from pathlib import Path
+
+    argv = [sys.executable, str(script), TINY.model_dump_json(), str(Path(__file__).parent)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    measured = json.loads(p.stdout.strip().splitlines()[-1])
+    grads_b = sum(u.numel for u in _tiny("model").units) * 2
+    for mib in (1.0, 25.0):
+        o = cpu_ranks(model="llama-3.1-8b", gpus="2", seq_len=32, grad_accum=1, compile=True,
+                      eager_loss=True, loss_fp32=False, compile_scope="model", master_dtype="bf16",
+                      optimizer_dtype="bf16", reduce_dtype="bf16", bucket_mib=mib)
+        sc = build(o)
+        want = _new_bytes_peak(Scenario(TINY, sc.hw, sc.train, sc.assume, None))
+        got = measured[str(mib)]
+        print(f"DDP bucket {mib} MiB: measured {got} predicted {want} gradient set {grads_b}")
+        assert abs(got - want) <= 0.05 * grads_b, (mib, got, want, grads_b)
 
 
 def test_graphs_and_their_gradients_by_scope():
@@ -90,9 +158,38 @@ def test_graphs_and_their_gradients_by_scope():
     cg = compiled_graphs(_tiny("block"), st)
     assert [sc.units[g.start].name for g in cg.graphs] == [u.name for u in sc.units if u.blocks]
     assert all(len(g) == 1 for g in cg.graphs) and not any(cg.end_temp)
-    # DDP's DDPOptimizer splits the graph at its buckets: one bucket at most
-    sc2 = _tiny("model", gpus="2")
-    assert compiled_graphs(sc2, st).cap_bytes == sc2.assume.ddp_bucket_bytes
+    # DDP's DDPOptimizer closes a graph once its bucket reaches the cap (ddp_graph_buckets); its
+    # gradients are bucket views, so even one micro-batch makes a copy
+    sc2 = _tiny("model", gpus="2", accum=1)
+    assert compiled_graphs(sc2, st).cap_bytes == max(ddp_graph_buckets(sc2, 2))
+    assert compiled_graphs(sc2, st).new_grads == tuple(u.numel * 2 for u in sc2.units)
+
+
+def test_ddp_buckets_close_once_they_reach_the_cap():
+    sc = _tiny("model", gpus="2")
+    buckets = ddp_graph_buckets(sc, 2)
+    assert sum(buckets) == sum(u.numel for u in sc.units) * 2
+    # the first closes at 1 MiB (the head's output weight, the norm, then the last block's
+    # parameters until 1 MiB is passed); the rest fits one 25 MiB bucket
+    head = TINY.vocab_size * TINY.hidden * 2 + TINY.hidden * 2
+    assert len(buckets) == 2 and 2**20 <= buckets[0] and buckets[0] - head < 2**20 + 2 * TINY.ffn_hidden * TINY.hidden
+
+
+def test_tied_embeddings_and_grouped_blocks():
+    st = effective("ddp", "torch")
+    tied = TINY.model_copy(update={"tied_embeddings": True})
+    sc = _tiny("model")
+    sc = Scenario(tied, sc.hw, sc.train, sc.assume, None)
+    cg = compiled_graphs(sc, st)
+    assert sc.units[0].name == "embed+head"  # the tied root still makes the fp32 buffer
+    assert cg.end_temp[0] == TINY.vocab_size * TINY.hidden * 4
+    # two blocks per unit under per-block compile: each graph holds one block's gradients
+    sc = _tiny("block")
+    sc = Scenario(TINY, sc.hw, sc.train.model_copy(update={"blocks_per_unit": 2}), sc.assume, None)
+    cg = compiled_graphs(sc, st)
+    pairs = [u for u in sc.units if u.blocks]
+    assert [u.blocks for u in pairs] == [2, 2]
+    assert [cg.new_grads[i] for i, u in enumerate(sc.units) if u.blocks] == [u.numel for u in pairs]
 
 
 def test_graph_end_events_hold_both_gradient_sets():

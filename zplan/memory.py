@@ -184,38 +184,63 @@ def compiled_graphs(sc: Scenario, st: Strategy) -> mt.CompiledGraphs | None:
     """The compiled backward graphs of a replicated strategy (DDP, ZeRO-1) and the gradients
     they hold until they return; None where eager autograd's accumulation is what runs.
 
-    AOTAutograd compiles a backward into one graph whose outputs are the parameters' gradients:
-    each is alive from the op that makes it until the graph returns, and only then does
-    AccumulateGrad add it into `.grad` (torch/_functorch/_aot_autograd/runtime_wrappers.py;
-    measured on CPU with PyTorch's memory profiler in tests/test_compile_scope.py). With
-    accumulation (`.grad` already holds the earlier micro-batches) that is a second copy of the
-    graph's gradients; without, the graph's outputs become `.grad`. torch.compile(model) over an
-    unwrapped model (one rank) is one graph over every unit; per-block compile is a graph per
-    block (embedding and head stay eager). Under DDP, dynamo's DDPOptimizer splits graphs at the
-    gradient buckets (torch/_dynamo/backends/distributed.py): at most one bucket held. Inductor
-    decomposes the embedding's backward (torch/_decomp/decompositions.py
-    embedding_dense_backward) into an index_put into a zeroed vocabulary x hidden buffer in the
-    computation dtype (fp32 for bf16/fp16) and a cast to the gradient's dtype: both alive at the
-    graph's end. Under FSDP2 its hooks break the graph at each unit
-    (torch._dynamo.config.skip_fsdp_hooks) and the unit's gradients are reduce-scattered as
-    eager ones are (fsdp_events); DeepSpeed's engine accumulates through its own hooks: neither
-    is modelled here."""
+    AOTAutograd compiles a backward into one graph whose outputs are the parameters' gradients
+    (torch/_functorch/_aot_autograd/runtime_wrappers.py, CompiledFunction.backward): each is
+    alive from the op that makes it until the graph returns, and only then do the AccumulateGrad
+    nodes after it add them into `.grad` (measured on CPU with PyTorch's memory profiler in
+    tests/test_compile_scope.py). Where `.grad` is already allocated that is a second copy of
+    the graph's gradients: with accumulation (the earlier micro-batches), and always under DDP,
+    whose gradients are views of its persistent buckets (gradient_as_bucket_view). On one rank
+    without accumulation the graph's outputs become `.grad`.
+
+    What one graph covers: torch.compile(model) over an unwrapped model (one rank) is one graph
+    over every unit; per-block compile is a graph per block (embedding and head stay eager).
+    Under DDP, dynamo's DDPOptimizer (torch._dynamo.config.optimize_ddp, on by default) splits
+    graphs at the gradient buckets (ddp_graph_buckets): at most the largest bucket held. Inductor
+    decomposes the embedding's backward (torch/_inductor/decomposition.py registers
+    torch/_decomp's embedding_dense_backward on every device but XPU) into an index_put into a
+    zeroed vocabulary x hidden buffer in the computation dtype (fp32 for bf16/fp16) and a cast to
+    the gradient's dtype: both alive at the end of a graph that holds the embedding. FSDP2's
+    hooks are `_dynamo_disable`d (torch/distributed/fsdp/_fully_shard/_fsdp_common.py), so
+    torch.compile(model) breaks at each unit as per-block compile does, and a unit's gradients
+    are held no longer than its reduce-scatter event already counts (fsdp_events); DeepSpeed's
+    engine accumulates through its own hooks: neither is modelled here."""
     t = sc.train
     if not (t.compile and t.layout == "torch" and not st.fsdp):
         return None
     grad_b = DTYPE_BITS[t.precision.master] // 8  # DDP keeps gradients in the weights' dtype
     n = len(sc.units)
-    if t.compile_scope == "model":
-        graphs = (range(0, n),)
-    else:
-        graphs = tuple(range(i, i + 1) for i, u in enumerate(sc.units) if u.blocks)
+    whole = t.compile_scope == "model"
+    graphs = (range(0, n),) if whole else tuple(range(i, i + 1) for i, u in enumerate(sc.units) if u.blocks)
     in_graph = {i for g in graphs for i in g}
-    second = t.grad_accum > 1
+    second = t.grad_accum > 1 or sc.n > 1
+    # per unit, what its graph holds: under per-block compile one block's share of the unit
+    per = [u.numel * grad_b // (1 if whole else max(u.blocks, 1)) if second and i in in_graph else 0
+           for i, u in enumerate(sc.units)]
     return mt.CompiledGraphs(
-        new_grads=tuple(u.numel * grad_b if second else 0 for u in sc.units), graphs=graphs,
-        cap_bytes=sum(u.numel for u in sc.units) * grad_b if sc.n == 1 else sc.assume.ddp_bucket_bytes,
-        end_temp=tuple(u.numel * 4 if u.name == "embed" and i in in_graph and grad_b < 4 else 0
-                       for i, u in enumerate(sc.units)))
+        new_grads=tuple(per), graphs=graphs,
+        cap_bytes=sum(per) if sc.n == 1 else max(ddp_graph_buckets(sc, grad_b), default=0),
+        end_temp=tuple(math.prod(u.shapes[0]) * 4 if u.name.split("+")[0] == "embed" and i in in_graph
+                       and grad_b < 4 else 0 for i, u in enumerate(sc.units)))
+
+
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (c10d reducer.hpp kDefaultFirstBucketBytes)
+
+
+def ddp_graph_buckets(sc: Scenario, grad_b: int) -> list[int]:
+    """The gradient bytes of each graph DDPOptimizer splits a compiled model into, last layer
+    first: parameters are added in reverse order and a bucket closes once it holds at least the
+    cap, 1 MiB for the first (torch/_dynamo/backends/distributed.py DDPOptimizer.compile_fn,
+    mirroring DDP's own buckets). zplan walks the units' parameters in reverse; DDPOptimizer
+    walks graph nodes, so a boundary may fall a few parameters apart."""
+    out, cur, cap = [], 0, FIRST_BUCKET_BYTES
+    for u in reversed(sc.units):
+        for shape in reversed(u.shapes):
+            if cur >= cap:
+                out.append(cur)
+                cur, cap = 0, max(sc.assume.ddp_bucket_bytes, FIRST_BUCKET_BYTES)
+            cur += math.prod(shape) * grad_b
+    return out + [cur] if cur else out
 
 
 def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:

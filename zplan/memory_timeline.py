@@ -105,7 +105,7 @@ class CompiledGraphs:
 
     new_grads: tuple[int, ...]  # per unit, the new gradients its graph holds until it returns
     graphs: tuple[range, ...]  # each graph's units (forward order)
-    cap_bytes: int  # the most new gradients held at once (DDP: one bucket)
+    cap_bytes: int  # the most new gradients held at once (DDP: the largest bucket)
     end_temp: tuple[int, ...]  # per unit, what its graph's end holds besides its gradients (the
     # embedding's fp32 gradient buffer)
 
