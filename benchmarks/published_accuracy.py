@@ -62,6 +62,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,
         optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout="torch", shard_size=row.shard_size,
         attention_kernel=row.attention_kernel, fused_norm=row.fused_norm, loss_fp32=row.loss_fp32,
+        checkpoint_early_stop=row.checkpoint_early_stop,
     )
     ignored = []
     if row.compile:

@@ -86,3 +86,52 @@ def test_trainer_wraps_the_blocks_the_planner_prices(mode, every, wrapped):
     units = arch.units(m, 1)
     recomputing = [u.first_block for u in units if u.blocks and arch.unit_recompute_flop(m, u, t)]
     assert recomputing == wrapped
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+@pytest.mark.parametrize("mode", ["full", "every-k"])
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_full_recompute_flops_against_flopcounter(mlp, mode, early_stop):
+    """What full and every-k checkpointing rerun in backward, against FlopCounterMode on the
+    trainer's blocks. With early stop (non-reentrant checkpoint's default since PyTorch 2.1) the
+    block's last matmul is not rerun: nothing saves its output. SDPA's math backend, so that the
+    attention matmuls are counted (the CPU flash kernel has no FLOP formula)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zplan import arch
+    from zplan.specs import TrainSpec
+
+    seq, mb = 64, 2
+
+    def backward_flop(mode):
+        m, net = _tiny_blocks(mlp, mode, layers=4)
+        x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+        with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(early_stop):
+            y = x
+            for blk in net.layers:
+                y = blk(y)
+            with FlopCounterMode(display=False) as fc:
+                y.sum().backward()
+        return m, fc.get_total_flops()
+
+    m, flop = backward_flop(mode)
+    _, flop_none = backward_flop("none")
+    train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing=mode, checkpoint_every=2,
+                      checkpoint_early_stop=early_stop)
+    units = [u for u in arch.units(m, 1) if u.blocks]
+    assert len(units) == 4
+    assert sum(arch.unit_recompute_flop(m, u, train) for u in units) == flop - flop_none
+    # and the time model reruns the same matmuls
+    from zplan import unit_ops
+    from zplan.scenario import Scenario
+    from zplan.scenario_options import ScenarioOptions, build
+
+    sc = build(ScenarioOptions(model="tiny", gpu="h100-sxm", gpus="1", seq_len=seq, micro_batch=mb,
+                               checkpointing=mode, checkpoint_early_stop=early_stop))
+    sc = Scenario(m, sc.hw, sc.train, sc.assume, None)
+    ops, _ = unit_ops.recompute_ops(sc, units[1])  # every-k (k = 2) wraps the second block
+    linears = [o.name for o in ops if o.name.split()[0] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
+    assert ("w2" in {n.split()[0] for n in linears}) is (not early_stop)

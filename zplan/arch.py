@@ -185,21 +185,27 @@ def unit_forward_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
 
 
 def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
-    """Extra forward work that activation checkpointing adds in backward."""
+    """Extra forward work that activation checkpointing adds in backward: the matmuls
+    policy.recomputed_matmuls names (early stop: not a dense block's last; torch.utils.checkpoint,
+    pytorch/pytorch#96866), the router, and attention's 4·s·h per token where the block reruns it
+    (full, every-k; PaLM appendix B counting). Checked with FlopCounterMode (tests/test_policy.py)."""
     mode, T = train.checkpointing, train.seq_len * train.micro_batch
     if u.blocks == 0 or mode == "none":
         return 0
-    fwd = unit_forward_flop(m, u, train)
-    if mode == "full":
-        return fwd
-    if mode == "every-k":
-        wrapped = policy.checkpointed_blocks(m.num_layers, mode, train.checkpoint_every)
-        n_ckpt = sum(wrapped[u.first_block: u.first_block + u.blocks])
-        return fwd * n_ckpt // u.blocks
     if mode == "attention":
         return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.hidden * T
-    # selective: the matmuls whose outputs are not kept run again (zplan/policy.py)
-    return 2 * matmul_params(m, policy.selective_recomputed_matmuls(m.mlp)) * T * u.blocks
+    # the matmuls not kept run again (zplan/policy.py recomputed_matmuls); full and every-k rerun
+    # attention (its output feeds wo), selective keeps it
+    names = policy.recomputed_matmuls(m.mlp, mode, train.checkpoint_early_stop, bool(m.num_experts))
+    per_block = 2 * matmul_params(m, names) * T
+    if mode == "selective":
+        return per_block * u.blocks
+    router = 2 * m.num_experts * m.hidden * T if m.num_experts else 0
+    per_block += router + 4 * train.seq_len * m.hidden * T
+    if mode == "full":
+        return per_block * u.blocks
+    wrapped = policy.checkpointed_blocks(m.num_layers, mode, train.checkpoint_every)  # every-k
+    return per_block * sum(wrapped[u.first_block: u.first_block + u.blocks])
 
 
 def model_flop_per_token(m: ModelSpec, seq_len: int) -> int:

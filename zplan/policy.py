@@ -62,13 +62,21 @@ def selective_saved_matmuls(mlp: str) -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(order) if i % 2 == 0)
 
 
-def selective_recomputed_matmuls(mlp: str) -> tuple[str, ...]:
-    """The matmuls that backward runs again under selective checkpointing: those not kept, less
-    the block's last one. torch.utils.checkpoint stops recomputing once every tensor backward
-    needs is rebuilt (early stopping, on by default), and nothing needs the last matmul's output
-    (its backward needs its input and weight). SwiGLU reruns wk, wo, w3; GELU reruns wk, wo."""
-    order, saved = BLOCK_MATMULS[mlp], selective_saved_matmuls(mlp)
-    return tuple(name for name in order[:-1] if name not in saved)
+def recomputed_matmuls(mlp: str, mode: str, early_stop: bool = True, moe: bool = False) -> tuple[str, ...]:
+    """The block matmuls that backward runs again for a checkpointed block: under full (and
+    every-k's checkpointed blocks) all of them, under selective those whose outputs are not kept.
+    With early stop (non-reentrant torch.utils.checkpoint since PyTorch 2.1, the default;
+    `set_checkpoint_early_stop`, pytorch/pytorch#96866) recomputation stops once every tensor
+    backward saved is rebuilt: a dense block's last matmul is not rerun, since nothing saves its
+    output (its backward needs its input and weight, which are saved before its kernel runs, and
+    the residual add saves nothing). An MoE block's combine saves the experts' outputs, so its last
+    matmul is rerun. Without early stop (reentrant checkpoint, or PyTorch before 2.1) the whole
+    block is. Measured with PyTorch's FlopCounterMode on the trainer's block (tests/test_policy.py).
+    SwiGLU selective reruns wk, wo, w3; GELU selective wk, wo."""
+    order = BLOCK_MATMULS[mlp]
+    kept = selective_saved_matmuls(mlp) if mode == "selective" else ()
+    last = order[-1] if early_stop and not moe else None
+    return tuple(name for name in order if name not in kept and name != last)
 
 
 def selective_saved_positions(mlp: str) -> frozenset[int]:

@@ -43,6 +43,7 @@ class ScenarioOptions:
     reduce_last_only: bool = False
     checkpointing: str = "none"
     checkpoint_every: int = 2
+    checkpoint_early_stop: bool = True
     flash: bool = True
     attention_kernel: str = "flash2"
     optimizer: str = "adamw"
@@ -167,6 +168,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         train = TrainSpec(
             seq_len=seq, micro_batch=o.micro_batch, grad_accum=o.grad_accum,
             checkpointing=o.checkpointing, checkpoint_every=o.checkpoint_every,
+            checkpoint_early_stop=o.checkpoint_early_stop,
             flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),

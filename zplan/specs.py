@@ -320,6 +320,10 @@ class TrainSpec(Spec):
     reduce_every_microbatch: bool = Field(
         True, description="reduce-scatter on every micro-batch (False: only the last; holds grads)"
     )
+    checkpoint_early_stop: bool = Field(
+        True, description="checkpointed blocks stop recomputing once backward's saved tensors are "
+        "rebuilt (non-reentrant torch.utils.checkpoint since PyTorch 2.1): a dense block's last "
+        "matmul is not rerun; False: reentrant checkpoint or older PyTorch rerun the whole block")
     compile: bool = Field(False, description="torch.compile: elementwise work fused")
     compile_loss: bool = Field(False, description="the loss under torch.compile: the fp32 upcast, "
                                "log-softmax and NLL fused, no vocabulary-sized fp32 buffers "

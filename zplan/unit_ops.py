@@ -56,7 +56,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
             if t.float8:  # tensorwise scaling: amax + cast of the input (or grad), 5 B/element
                 ops.append(K.memory(gpu, f"{name} float8 casts", 5 * T * (o if backward else i)
                                     + 3 * o * i, 3))
-    if m.num_experts and (only is None):
+    if m.num_experts and (only is None or "w1" in only):  # the router runs before the experts
         ops += K.linear(gpu, "router", T, m.num_experts, h, act, act, backward)
     if with_attention:
         if t.flash_attention:
@@ -167,20 +167,21 @@ def unit_ops(sc: Scenario, u: Unit, backward: bool) -> Ops:
 
 def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
     """What checkpointing recomputes in this unit's backward, and the share of blocks it covers."""
-    mode = sc.train.checkpointing
+    mode, m = sc.train.checkpointing, sc.model
     if not u.blocks or mode == "none":
         return [], 0.0
-    if mode == "full":
-        return _block(sc, False), float(u.blocks)
-    if mode == "every-k":  # the blocks zplan/policy.py wraps, as the trainer does
-        wrapped = policy.checkpointed_blocks(sc.model.num_layers, mode, sc.train.checkpoint_every)
-        return _block(sc, False), float(sum(wrapped[u.first_block: u.first_block + u.blocks]))
     if mode == "attention":  # the trainer checkpoints the attention core (SDPA) and reruns it
         return _block(sc, False, only=(), with_memory=False), float(u.blocks)
-    # selective (torchtitan op-level SAC, zplan/policy.py): the matmuls not kept (SwiGLU wk, wo,
-    # w3; GELU wk, wo) and every pointwise op are recomputed
-    only = policy.selective_recomputed_matmuls(sc.model.mlp)
-    return _block(sc, False, only=only, with_attention=False), float(u.blocks)
+    # the matmuls not kept (policy.recomputed_matmuls: with early stop not a dense block's last;
+    # selective, torchtitan's op-level SAC, keeps every second one) and every pointwise op
+    only = policy.recomputed_matmuls(m.mlp, mode, sc.train.checkpoint_early_stop, bool(m.num_experts))
+    if mode == "selective":
+        return _block(sc, False, only=only, with_attention=False), float(u.blocks)
+    if mode == "full":
+        return _block(sc, False, only=only), float(u.blocks)
+    # every-k: the blocks zplan/policy.py wraps, as the trainer does
+    wrapped = policy.checkpointed_blocks(m.num_layers, mode, sc.train.checkpoint_every)
+    return _block(sc, False, only=only), float(sum(wrapped[u.first_block: u.first_block + u.blocks]))
 
 
 def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) -> tuple[Ops, Ops]:

@@ -42,7 +42,14 @@ Attention kernel: FlashAttention in Triton (attention_kernel = "flash-triton"), 
 scripts/train/benchmarking/submit_benchmarks.py sets model.attn_config.attn_impl from --attn_impl,
 default 'triton', and sweep.sh never passes --attn_impl: at b2a43a147 (PR #543, 2023-10, the H100
 tables and the updated A100 rows) and at 5e85bd62d (PR #838, the large-scale H100 table); the A100
-rows kept from before (mosaicml/examples era) were submitted with the same default ('triton')."""
+rows kept from before (mosaicml/examples era) were submitted with the same default ('triton').
+Checkpointing: the pretrain yamls set fsdp_config.activation_checkpointing_reentrant: false (non-reentrant
+checkpoint), whose early stop (a block's last matmul not rerun) is in PyTorch 2.1 and later
+(pytorch/pytorch#96866, 2023-03). The large-scale H100 table (PR #838) ran llm-foundry 5e85bd62d, whose
+setup.py requires torch>=2.1,<2.1.1: checkpoint_early_stop = true. The other tables (PR #543 and before)
+ran llm-foundry b2a43a147 or older: setup.py torch>=1.13.1,<2.1.1, submit_benchmarks.py's default image
+mosaicml/pytorch:1.13.1_cu117, the README 'tested with PyTorch 1.13.1 and PyTorch 2.0.1':
+checkpoint_early_stop = false (the whole block is rerun)."""
 '''
 
 
@@ -63,7 +70,8 @@ def rows(text: str):
             model=f"mpt-{model}", gpu=GPU[gpu], num_gpus=int(ngpu), gpus_per_node=8,
             parallelism=f"FSDP1 {sharding}", strategy=STRATEGY[sharding],
             micro_batch=int(mb), grad_accum=int(ga), seq_len=int(seq),
-            checkpointing="full" if ac == "True" else "none", compile=False,
+            checkpointing="full" if ac == "True" else "none",
+            checkpoint_early_stop=table.startswith("H100 80GB BF16 (Large Scale"), compile=False,
             float8="te-delayed" if precision == "amp_fp8" else "none", attention_kernel="flash-triton",
             param_dtype="bf16", reduce_dtype=REDUCE[mp],
             tokens_per_s_per_gpu=float(tps_gpu), tokens_per_s_global=float(tps),

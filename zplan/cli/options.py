@@ -29,6 +29,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "reduce_last_only": ((), "Reduce gradients only on the last micro-batch"),
     "checkpointing": ((), "none | full | selective | attention | every-k"),
     "checkpoint_every": ((), "every-k: checkpoint one block in k"),
+    "checkpoint_early_stop": ((), "Recomputation stops once backward's tensors are rebuilt (non-reentrant checkpoint, PyTorch >= 2.1; --no-checkpoint-early-stop: reentrant or older, the whole block reruns)"),
     "flash": ((), "Flash attention (no s^2 scores kept)"),
     "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2; zplan's trainer) | flash-triton (FlashAttention in Triton, e.g. llm-foundry attn_impl: triton)"),
     "optimizer": ((), "adamw | sgd | adam8bit | muon"),
