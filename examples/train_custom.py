@@ -66,7 +66,7 @@ def main():
     full = ctx.full_state_dict(model)
     if ctx.rank == 0:
         print(f"full weights on rank 0: {sum(t.numel() for t in full.values()):,} parameters")
-    ctx.close()
+    ctx.close(leave=True)  # the last line: ends the process (no teardown abort in gloo)
 
 
 if __name__ == "__main__":

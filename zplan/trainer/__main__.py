@@ -132,4 +132,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .rank_errors import leave
+
+    leave(main())  # not sys.exit: a rank that finished must not abort in gloo's teardown

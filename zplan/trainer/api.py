@@ -113,9 +113,16 @@ class Context:
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.rank == 0 else None
 
-    def close(self) -> None:
+    def close(self, leave: bool = False) -> None:
+        """Meet the other ranks and destroy the process group. `leave=True` then ends the
+        process at once, exit code 0 (rank_errors.leave): for the script's last line, so that
+        gloo cannot abort the rank in interpreter teardown after its work is done."""
         dist.barrier()
         dist.destroy_process_group()
+        if leave:
+            from .rank_errors import leave as leave_now
+
+            leave_now(0)
 
 
 def init(ckpt_dir: str | None = None) -> Context:

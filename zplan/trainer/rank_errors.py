@@ -77,6 +77,18 @@ def report(e: BaseException) -> int:
     return code
 
 
+def leave(code: int):
+    """End this rank's process now with `code`, its output flushed: no interpreter finalization
+    and no C++ static destructors. A process group that the model's FSDP state or a device mesh
+    still references outlives destroy_process_group; gloo's worker threads can then abort the
+    process in interpreter teardown ("terminate called without an active exception", SIGABRT;
+    seen in 2 of 3 whole-suite runs once, pytorch/pytorch#179291 describes it). Everything a
+    rank writes (checkpoints, the run report) is complete and closed before it gets here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def guarded(fn, *args) -> int:
     """Run fn(*args) -> exit code; any error becomes one line (the traceback with ZPLAN_DEBUG=1).
 
@@ -89,7 +101,4 @@ def guarded(fn, *args) -> int:
     except BaseException as e:
         if os.environ.get("ZPLAN_DEBUG") == "1":
             raise
-        code = report(e)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        leave(report(e))
