@@ -41,6 +41,7 @@ class Result:
     memory_compared_to: str = ""  # which predicted figure the measured memory is held against
     ignored: tuple[str, ...] = ()  # row facts zplan has no option for (compile, float8)
     error: str = ""  # the scenario could not be built: the one-line reason
+    fits: bool | None = None  # zplan's verdict on the row's configuration (every row ran)
 
     @property
     def tokens_err(self) -> float | None:
@@ -62,7 +63,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,
         optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout="torch", shard_size=row.shard_size,
         attention_kernel=row.attention_kernel, fused_norm=row.fused_norm, loss_fp32=row.loss_fp32,
-        checkpoint_early_stop=row.checkpoint_early_stop,
+        checkpoint_early_stop=row.checkpoint_early_stop, fused_loss=row.fused_loss,
     )
     ignored = []
     if row.compile:
@@ -103,7 +104,7 @@ def predict(row: Row) -> Result:
     if est.memory is None or est.timing is None:
         return Result(row, ignored=ignored, error=est.unavailable or "no estimate")
     mem, compared = _memory_figure(est.memory, sc, row.memory_kind or "reserved")
-    return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored)
+    return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored, fits=est.fits)
 
 
 def _memory_figure(memory, sc, kind: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from zplan.errors import UsageError
 from zplan.memory import model_state, timeline
 from zplan.memory_timeline import KINDS, Event, peak
 from zplan.scenario_options import ScenarioOptions, build
-from zplan.specs import Assumptions, ModelSpec, TrainSpec
+from zplan.specs import Assumptions, ModelSpec, Precision, TrainSpec
 from zplan.strategies import effective
 from zplan.units import MiB
 
@@ -106,6 +106,23 @@ def test_loss_peak_against_pytorch_memtracker(upcast, per_logit):
 
 
 @pytest.mark.slow  # torch.compile of the loss: ~20 s of inductor codegen on CPU
+def test_fused_cross_entropy_kernel_holds_the_logits_and_their_gradient():
+    """flash-attn's xentropy (llm-foundry's default loss): the forward keeps the logits and fp32
+    per-row statistics, the backward writes a new gradient in the logits' dtype
+    (csrc/xentropy/xentropy_kernel.cu, v1.0.9: `gI = inplace ? logits_ : at::empty_like(logits_)`),
+    whatever loss_fp32 says; and its time is one kernel each way, as a compiled loss's."""
+    from zplan import unit_ops
+
+    for param, B in (("bf16", 2), ("fp32", 4)):
+        t = TrainSpec(fused_loss=True, precision=Precision(param=param))
+        for upcast in (True, False):
+            assert activation_memory.loss_bytes_per_logit(t, upcast) == {"forward": B, "backward": 2 * B}
+    fused, eager = _sc(fused_loss=True), _sc()
+    head = [u for u in fused.units if "head" in u.name][0]
+    ce = lambda sc: [o for o in unit_ops.unit_ops(sc, head, True) if o.name.startswith("cross")][0]  # noqa: E731
+    assert ce(fused).seconds < ce(eager).seconds
+
+
 def test_compiled_loss_buffers_against_inductors_generated_code():
     """What inductor allocates for `F.cross_entropy(pred.float(), y)` (torchtitan's compiled
     loss), read from the code it generates: the forward allocates no vocabulary-sized buffer and

@@ -139,9 +139,11 @@ def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, 
     gradient in their dtype in one kernel (the upcast fused, the NLL scatter turned pointwise):
     B forward, 2B backward, whether or not the source upcasts (the code inductor generates for
     `F.cross_entropy(pred.float(), y)`, torch 2.13, shown by TORCH_LOGS=output_code;
-    docs/formulas.md section 3)."""
+    docs/formulas.md section 3). A fused cross-entropy kernel (`train.fused_loss`) holds the same:
+    flash-attn's xentropy (v1.0.9 csrc/xentropy/xentropy_kernel.cu: fp32 per-row losses and
+    log-sum-exp, the logits saved, `gI = at::empty_like(logits)` in backward unless in place)."""
     B = act_dtype_bytes(train)
-    if train.compile_loss:
+    if train.loss_fused:
         return {"forward": B, "backward": 2 * B}
     L = 4 if loss_fp32 else B
     upcast = 4 if loss_fp32 and B != 4 else 0

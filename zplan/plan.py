@@ -164,10 +164,11 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
                 "no s x s scores: plan again with --flash")
     if not builtin_model:  # the script computes its own loss
         return None
-    if t.compile_loss or not plan.assumptions.loss_fp32:
-        why = "compiled" if t.compile_loss else "in the logits' dtype"
+    if t.loss_fused or not plan.assumptions.loss_fp32:
+        why, flag = (("compiled", "--compile") if t.compile_loss else
+                     ("fused", "--fused-loss") if t.fused_loss else ("in the logits' dtype", "--no-loss-fp32"))
         return (f"the trainer computes the loss eager over fp32 logits, not {why}: plan again "
-                f"without {'--compile' if t.compile_loss else '--no-loss-fp32'}, or export the plan")
+                f"without {flag}, or export the plan")
     if m.total_params is not None:
         return (f"model {m.name} is a bare parameter count, not an architecture the trainer can "
                 f"build: plan again with --model NAME")

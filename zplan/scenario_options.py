@@ -59,6 +59,7 @@ class ScenarioOptions:
     eager_loss: bool = False  # with compile: the loss stays eager (compile_loss False)
     compile_scope: str = "block"  # with compile: block (each block) or model (torch.compile(model))
     loss_fp32: bool = True
+    fused_loss: bool = False
     float8: bool = False
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
@@ -176,7 +177,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             reduce_every_microbatch=not o.reduce_last_only,
             compile=o.compile, compile_loss=o.compile and not o.eager_loss,
-            compile_scope=o.compile_scope, float8=o.float8,
+            compile_scope=o.compile_scope, fused_loss=o.fused_loss, float8=o.float8,
         )
         assume = Assumptions(
             compute_efficiency=efficiency, cuda_context_bytes=int(context_gib * GiB),

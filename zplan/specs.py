@@ -328,12 +328,22 @@ class TrainSpec(Spec):
     compile_loss: bool = Field(False, description="the loss under torch.compile: the fp32 upcast, "
                                "log-softmax and NLL fused, no vocabulary-sized fp32 buffers "
                                "(torchtitan compiles it with --training.compile since 2025-04)")
+    fused_loss: bool = Field(
+        False, description="the loss is one fused cross-entropy kernel without torch.compile "
+        "(flash-attn's, as llm-foundry's default loss_fn fused_crossentropy): logits kept, their "
+        "gradient written in their dtype, as a compiled loss")
     compile_scope: CompileScope = Field(
         "block", description="what one torch.compile covers: block (each block compiled on its own: "
         "torchtitan) or model (torch.compile(model): one graph over a model no DDP/FSDP wraps, so "
         "its backward returns every gradient at once; KempnerForge on one GPU)")
     float8: bool = Field(False, description="float8 linears (tensorwise scaling) with float8 "
                          "all-gather of their weights (torchao)")
+
+
+    @property
+    def loss_fused(self) -> bool:
+        """The loss runs as fused kernels (compiled, or a fused cross-entropy kernel)."""
+        return self.compile_loss or self.fused_loss
 
 
 class Hardware(Spec):

@@ -135,7 +135,7 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     per, kern = norm_bytes(t, B, backward)
     ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern)]
     ops += K.linear(gpu, "output", T, V, h, act, act, backward)
-    if t.compile_loss:  # one fused kernel each way, bf16 in and out (activation_memory.loss_bytes_per_logit)
+    if t.loss_fused:  # one fused kernel each way, bf16 in and out (activation_memory.loss_bytes_per_logit)
         per, kern = (2 * B * V, 1) if backward else (B * V, 1)
     elif sc.assume.loss_fp32 and B != 4:
         per, kern = (22 * V, 4) if backward else (14 * V, 3)

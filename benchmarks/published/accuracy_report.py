@@ -26,7 +26,7 @@ def _shape(r) -> str:
         (" norm:composite" if row.fused_norm is False else "") + \
         (" loss:eager" if row.compile and row.compile_loss is False else "") + \
         (f" compile:{row.compile_scope}" if row.compile_scope != "block" else "") + \
-        (" loss:bf16" if not row.loss_fp32 else "") + \
+        (" loss:bf16" if not row.loss_fp32 else "") + (" loss:fused" if row.fused_loss else "") + \
         (" ac:no-early-stop" if not row.checkpoint_early_stop and row.checkpointing in ("full", "every-k") else "")
     return (f"{row.model} {row.num_gpus}x{row.gpu} {par} mb{row.micro_batch}x{row.grad_accum} "
             f"s{row.seq_len} ac:{row.checkpointing}{kernels}")
@@ -99,6 +99,11 @@ def targets(results) -> list[str]:
         out.append(f"{metric}: mean abs error {100 * sum(errs) / len(errs):.1f}% (target <= {100 * mean_max:.0f}%; "
                    f"{100 * macro:.1f}% with the {len(by_source)} sources weighted equally), "
                    f"{over} of {len(errs)} rows beyond {100 * each_max:.0f}% (target: none)")
+    judged = [r for r in results if r.row.expressible and not r.error and r.fits is not None]
+    wrong = [r.row.id for r in judged if not r.fits]
+    if judged:  # every row is a run that happened: a verdict of 'does not fit' is wrong
+        out.append(f"fits: {len(judged) - len(wrong)} of {len(judged)} runs that ran are predicted to fit"
+                   + (f" (not: {', '.join(wrong)})" if wrong else ""))
     return out
 
 

@@ -49,7 +49,11 @@ checkpoint), whose early stop (a block's last matmul not rerun) is in PyTorch 2.
 setup.py requires torch>=2.1,<2.1.1: checkpoint_early_stop = true. The other tables (PR #543 and before)
 ran llm-foundry b2a43a147 or older: setup.py torch>=1.13.1,<2.1.1, submit_benchmarks.py's default image
 mosaicml/pytorch:1.13.1_cu117, the README 'tested with PyTorch 1.13.1 and PyTorch 2.0.1':
-checkpoint_early_stop = false (the whole block is rerun)."""
+checkpoint_early_stop = false (the whole block is rerun).
+Loss: llmfoundry/models/mpt/modeling_mpt.py (b2a43a147 line 724, 5e85bd62d line 981) takes
+loss_fn 'fused_crossentropy' by default, flash-attn's CrossEntropyLoss (xentropy CUDA kernel, flash-attn
+1.0.9 / 2.3.2 in setup.py's gpu extras), and the MPT pretrain yamls do not override it: fused_loss = true
+(the logits kept, fp32 per-row statistics, the gradient a new tensor in the logits' dtype)."""
 '''
 
 
@@ -72,6 +76,7 @@ def rows(text: str):
             micro_batch=int(mb), grad_accum=int(ga), seq_len=int(seq),
             checkpointing="full" if ac == "True" else "none",
             checkpoint_early_stop=table.startswith("H100 80GB BF16 (Large Scale"), compile=False,
+            fused_loss=True,
             float8="te-delayed" if precision == "amp_fp8" else "none", attention_kernel="flash-triton",
             param_dtype="bf16", reduce_dtype=REDUCE[mp],
             tokens_per_s_per_gpu=float(tps_gpu), tokens_per_s_global=float(tps),

@@ -45,6 +45,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "eager_loss": ((), "With --compile, the loss stays eager (torchtitan before 2025-04, KempnerForge)"),
     "compile_scope": ((), "With --compile: block (each block compiled on its own, as torchtitan) | model (torch.compile(model) over a model no DDP/FSDP wraps: its backward returns every gradient at once)"),
     "loss_fp32": ((), "The loss upcasts the logits to fp32 (--no-loss-fp32: in the logits' dtype)"),
+    "fused_loss": ((), "The loss is a fused cross-entropy kernel (flash-attn's, e.g. llm-foundry's default): logits kept, their gradient in their dtype"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),
     "shard_size": ((), "HSDP shard group size (default: one node)"),
     "efficiency": ((), "Assume one achieved fraction of peak FLOP/s for all work instead of the per-op kernel model (presets without kernel figures: 0.7; 1 when calibrated)"),
