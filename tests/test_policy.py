@@ -35,7 +35,6 @@ def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(ml
     from torch.utils.flop_counter import FlopCounterMode
 
     from zplan import activation_memory, arch
-    from zplan.arch import Unit
     from zplan.specs import Precision, TrainSpec
 
     seq, mb = 64, 2
@@ -61,7 +60,7 @@ def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(ml
     train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing="selective", fused_norm=False,
                       precision=Precision(param="bf16"))
     assert activation_memory.block_saved_bytes(m, train, "selective") == kept
-    unit = Unit("blocks.0", (), 1, 0, 0)
+    unit = [u for u in arch.units(m, 1) if u.blocks][0]
     assert arch.unit_recompute_flop(m, unit, train) == flop - flop_none
 
 
@@ -135,3 +134,18 @@ def test_full_recompute_flops_against_flopcounter(mlp, mode, early_stop):
     ops, _ = unit_ops.recompute_ops(sc, units[1])  # every-k (k = 2) wraps the second block
     linears = [o.name for o in ops if o.name.split()[0] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
     assert ("w2" in {n.split()[0] for n in linears}) is (not early_stop)
+
+
+@pytest.mark.parametrize("params", ["7e9", "1e6"])
+def test_bare_parameter_count_reruns_its_own_forward(params):
+    """A --params model's units carry the count's share of matmul weights, not the stand-in
+    decoder's widths: without early stop full checkpointing reruns exactly the unit's forward,
+    with it less (the last matmul's share)."""
+    from zplan import arch
+    from zplan.scenario_options import ScenarioOptions, build
+
+    for early_stop in (False, True):
+        sc = build(ScenarioOptions(params=params, checkpointing="full", checkpoint_early_stop=early_stop))
+        for u in (u for u in sc.units if u.blocks):
+            fwd, rerun = arch.unit_forward_flop(sc.model, u, sc.train), arch.unit_recompute_flop(sc.model, u, sc.train)
+            assert rerun == fwd if not early_stop else 0.5 * fwd < rerun < fwd

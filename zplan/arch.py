@@ -197,11 +197,14 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     # the matmuls not kept run again (zplan/policy.py recomputed_matmuls); full and every-k rerun
     # attention (its output feeds wo), selective keeps it
     names = policy.recomputed_matmuls(m.mlp, mode, train.checkpoint_early_stop, bool(m.num_experts))
-    per_block = 2 * matmul_params(m, names) * T
+    router_params = m.num_experts * m.hidden if m.num_experts else 0
+    # the unit's own matmul weights per block (a bare --params count sizes them, not the
+    # stand-in widths), the rerun share by the block's matmul widths
+    block_mm = u.matmul_params // u.blocks - router_params
+    per_block = 2 * (block_mm * matmul_params(m, names) // matmul_params(m, policy.BLOCK_MATMULS[m.mlp])) * T
     if mode == "selective":
         return per_block * u.blocks
-    router = 2 * m.num_experts * m.hidden * T if m.num_experts else 0
-    per_block += router + 4 * train.seq_len * m.hidden * T
+    per_block += 2 * router_params * T + 4 * train.seq_len * m.hidden * T
     if mode == "full":
         return per_block * u.blocks
     wrapped = policy.checkpointed_blocks(m.num_layers, mode, train.checkpoint_every)  # every-k

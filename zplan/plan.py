@@ -155,7 +155,7 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         flag = "--float8" if t.float8 else "--compile"
         return (f"the trainer runs eager bf16/fp32 linears, not {flag[2:]}: plan again without "
                 f"{flag}, or export the plan for your own training code")
-    if not t.checkpoint_early_stop and t.checkpointing in ("full", "every-k"):
+    if not t.checkpoint_early_stop and t.checkpointing in ("full", "every-k", "selective"):
         return ("the trainer checkpoints with torch's non-reentrant checkpoint, which stops "
                 "recomputing once backward's tensors are rebuilt: plan again without "
                 "--no-checkpoint-early-stop, or export the plan")

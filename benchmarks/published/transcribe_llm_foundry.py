@@ -49,7 +49,8 @@ checkpoint), whose early stop (a block's last matmul not rerun) is in PyTorch 2.
 setup.py requires torch>=2.1,<2.1.1: checkpoint_early_stop = true. The other tables (PR #543 and before)
 ran llm-foundry b2a43a147 or older: setup.py torch>=1.13.1,<2.1.1, submit_benchmarks.py's default image
 mosaicml/pytorch:1.13.1_cu117, the README 'tested with PyTorch 1.13.1 and PyTorch 2.0.1':
-checkpoint_early_stop = false (the whole block is rerun).
+checkpoint_early_stop = false (the whole block is rerun). An inference, not a record: the H100 runs
+needed CUDA >= 11.8, so not that default image, and torch 2.1.0 (which stops early) was in range.
 Loss: llmfoundry/models/mpt/modeling_mpt.py (b2a43a147 line 724, 5e85bd62d line 981) takes
 loss_fn 'fused_crossentropy' by default, flash-attn's CrossEntropyLoss (xentropy CUDA kernel, flash-attn
 1.0.9 / 2.3.2 in setup.py's gpu extras), and the MPT pretrain yamls do not override it: fused_loss = true

@@ -116,7 +116,8 @@ class Context:
     def close(self, leave: bool = False) -> None:
         """Meet the other ranks and destroy the process group. `leave=True` then ends the
         process at once, exit code 0 (rank_errors.leave): for the script's last line, so that
-        gloo cannot abort the rank in interpreter teardown after its work is done."""
+        gloo cannot abort the rank in interpreter teardown after its work is done. It skips the
+        script's own atexit handlers (a logger's final flush, for one): close those first."""
         dist.barrier()
         dist.destroy_process_group()
         if leave:

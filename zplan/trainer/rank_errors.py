@@ -84,8 +84,11 @@ def leave(code: int):
     process in interpreter teardown ("terminate called without an active exception", SIGABRT;
     seen in 2 of 3 whole-suite runs once, pytorch/pytorch#179291 describes it). Everything a
     rank writes (checkpoints, the run report) is complete and closed before it gets here."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe must not bring teardown back
+            pass
     os._exit(code)
 
 
