@@ -96,6 +96,7 @@ def test_node_problem_for_the_launcher():
     (dict(gpu="h100-sxm", cluster="dgx-h100", compile=True), "without --compile"),
     (dict(loss_fp32=False), "without --no-loss-fp32"),
     (dict(fused_loss=True), "without --fused-loss"),
+    (dict(norm_output_fp32=False), "without --no-norm-output-fp32"),
     (dict(checkpointing="full", checkpoint_early_stop=False), "without --no-checkpoint-early-stop"),
     (dict(params="1e6", model=None), "bare parameter count"),
 ])

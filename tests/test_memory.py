@@ -299,3 +299,47 @@ def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp):
         torch.compile(block, backend="aot_eager_decomp_partition")(x)
     t = TrainSpec(seq_len=s, fused_norm=False, compile=True)
     assert sum(saved.values()) == activation_memory.block_saved_bytes(m, t, "none")
+
+
+@pytest.mark.parametrize("impl", ["functional", "torchtitan-module"])
+def test_composite_norm_saves_against_pytorch_memtracker(impl):
+    """What an unfused RMSNorm keeps for backward beside its per-row rstd: F.rms_norm's CPU
+    fallback (the trainer on CPU ranks) keeps the fp32 input and fp32 normalized output (8 B per
+    element); torchtitan's module (torchtitan/models/norms.py, 2024: `self._norm(x.float())
+    .type_as(x) * self.weight`) casts back first and keeps 4 + 2 B (norm_output_fp32 = False)."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TorchtitanRMSNorm(nn.Module):  # the source's module, as published
+        def __init__(self, dim):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(dim)), 1e-6
+
+        def _norm(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+        def forward(self, x):
+            return self._norm(x.float()).type_as(x) * self.weight
+
+    class Functional(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+    rows, dim = 4 * 256, 1024
+    norm = (Functional if impl == "functional" else TorchtitanRMSNorm)(dim).to(torch.bfloat16)
+    x = torch.randn(4, 256, dim, dtype=torch.bfloat16, requires_grad=True)
+    mt = MemTracker()
+    mt.track_external(norm, x)
+    cpu = torch.device("cpu")
+    with mt:
+        before = mt.get_tracker_snapshot("current")[cpu]["Total"]
+        y = norm(x)
+        after = mt.get_tracker_snapshot("current")[cpu]["Total"]
+    kept = after - before - y.numel() * y.element_size() - 4 * rows  # less the output and fp32 rstd
+    t = TrainSpec(fused_norm=False, norm_output_fp32=impl == "functional")
+    assert kept == activation_memory.norm_saved_per_token(t, 2) * rows * dim

@@ -49,9 +49,13 @@ def head_saved_bytes(m: ModelSpec, train: TrainSpec) -> int:
 
 def norm_saved_per_token(train: TrainSpec, B: int) -> int:
     """Bytes per element a norm keeps besides its statistics: its input (fused kernel), or the
-    fp32 upcast input and the fp32 normalized output (the composite implementation F.rms_norm
-    falls back to on CPU, as torch 2.13's saved tensors show)."""
-    return B if train.fused_norm else 8
+    fp32 upcast input and the normalized output: in fp32 for the composite implementation
+    F.rms_norm falls back to on CPU (torch 2.13's saved tensors), in the input's dtype for a
+    module that casts back before multiplying by the weight (torchtitan/models/norms.py RMSNorm,
+    `self._norm(x.float()).type_as(x) * self.weight`: 4 + B; MemTracker, tests/test_memory.py)."""
+    if train.fused_norm:
+        return B
+    return 4 + (4 if train.norm_output_fp32 else B)
 
 
 def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:

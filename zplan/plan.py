@@ -164,6 +164,9 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
                 "no s x s scores: plan again with --flash")
     if not builtin_model:  # the script computes its own loss
         return None
+    if not t.fused_norm and not t.norm_output_fp32:
+        return ("the trainer's unfused norm is F.rms_norm, which keeps its normalized output in "
+                "fp32: plan again without --no-norm-output-fp32, or export the plan")
     if t.loss_fused or not plan.assumptions.loss_fp32:
         why, flag = (("compiled", "--compile") if t.compile_loss else
                      ("fused", "--fused-loss") if t.fused_loss else ("in the logits' dtype", "--no-loss-fp32"))

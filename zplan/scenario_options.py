@@ -55,6 +55,7 @@ class ScenarioOptions:
     blocks_per_unit: int = 1
     prefetch: bool = True
     fused_norm: Optional[bool] = None
+    norm_output_fp32: bool = True
     compile: bool = False
     eager_loss: bool = False  # with compile: the loss stays eager (compile_loss False)
     compile_scope: str = "block"  # with compile: block (each block) or model (torch.compile(model))
@@ -175,6 +176,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
             layout=layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
+            norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,
             compile=o.compile, compile_loss=o.compile and not o.eager_loss,
             compile_scope=o.compile_scope, fused_loss=o.fused_loss, float8=o.float8,

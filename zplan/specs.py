@@ -314,6 +314,10 @@ class TrainSpec(Spec):
     fused_norm: bool = Field(
         True, description="RMSNorm saves its input and rstd (fused kernel); False: the composite "
         "fp32 implementation (CPU) also saves the fp32 input and normalized output")
+    norm_output_fp32: bool = Field(
+        True, description="with fused_norm off, the composite norm keeps its normalized output in "
+        "fp32 (F.rms_norm's fallback, the trainer on CPU ranks); False: in the input's dtype (a "
+        "module that casts back before the weight, torchtitan's RMSNorm)")
     blocks_per_unit: int = Field(1, gt=0, le=MAX_LAYERS)
     reshard_after_forward: bool = True
     prefetch: bool = True

@@ -41,6 +41,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "blocks_per_unit": ((), "Transformer blocks per sharding unit"),
     "prefetch": ((), "Prefetch the next unit's all-gather"),
     "fused_norm": ((), "RMSNorm as one fused kernel (default: yes on GPUs, no on CPU ranks)"),
+    "norm_output_fp32": ((), "Without a fused norm, it keeps its normalized output in fp32 (F.rms_norm's fallback; --no-norm-output-fp32: in the input's dtype, as torchtitan's RMSNorm module)"),
     "compile": ((), "torch.compile the blocks and the loss: elementwise work fused (fewer HBM passes)"),
     "eager_loss": ((), "With --compile, the loss stays eager (torchtitan before 2025-04, KempnerForge)"),
     "compile_scope": ((), "With --compile: block (each block compiled on its own, as torchtitan) | model (torch.compile(model) over a model no DDP/FSDP wraps: its backward returns every gradient at once)"),
