@@ -273,14 +273,32 @@ def test_signal_ends_every_rank(tmp_path, sig, mode, code):
     """Ctrl-C or SIGTERM to zplan launch ends torchrun and every rank, even ranks that ignore the
     signal (the grace-period kill), and exits 128 + the signal. Ranks report their pids on stdout;
     the test reads them from the pipe, then checks /proc."""
+    import queue
+    import threading
+
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    p = subprocess.Popen([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"),
-                          str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    pids = []
+    err_path = tmp_path / "launch.err"  # kept for the failure message (this test has timed out
+    with open(err_path, "w") as err:    # twice under a loaded CI machine; the cause is not known)
+        p = subprocess.Popen([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"),
+                              str(script), mode], stdout=subprocess.PIPE, stderr=err, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: ([lines.put(x) for x in p.stdout], lines.put("")), daemon=True).start()
+    pids, deadline = [], time.monotonic() + 120
     while len(pids) < 2:
-        line = p.stdout.readline()
-        assert line, "the launcher ended before both ranks started"
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if not line:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)  # the launcher's own clean-up ends torchrun and ranks
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            why = "the launcher ended" if line == "" else "no rank reported its pid within 120 s"
+            pytest.fail(f"{why} ({len(pids)} of 2 pids); launcher stderr:\n{err_path.read_text()[-3000:]}")
         if line.startswith("pid "):
             pids.append(int(line.split()[1]))
     assert all(_alive(pid) for pid in pids)
