@@ -87,6 +87,21 @@ def test_recommend_messages_go_to_stderr(run_zplan, tmp_path):
     assert p.returncode == 0, p.stderr
     assert plan.is_file() and f"plan written to {plan}" in p.stderr and "written" not in p.stdout
     assert "Recommended:" in p.stdout and _widths(p.stdout) <= 100
+    assert f"zplan launch --plan {plan} runs it" in p.stderr
+
+
+@pytest.mark.parametrize("flag,says", [
+    ("--fused-loss", "YOUR_SCRIPT.py runs it with your own script; the built-in trainer cannot"),
+    ("--compile", "zplan's trainer cannot run it: the trainer runs eager"),
+])
+def test_recommend_says_what_can_run_the_plan(run_zplan, tmp_path, flag, says):
+    """A plan zplan's trainer refuses is not announced as one `zplan launch` runs: the line names
+    a script of the user's own (which computes its own loss), or no runner, with the reason."""
+    plan = tmp_path / "p.json"
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "h100-sxm", "--seq-len", "128",
+                  "--write", str(plan), "--top", "1", flag)
+    assert p.returncode == 0, p.stderr
+    assert says in p.stderr and f"zplan launch --plan {plan} runs it)" not in p.stderr
 
 
 def test_recommend_wide_adds_columns(run_zplan):

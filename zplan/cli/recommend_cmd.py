@@ -106,7 +106,23 @@ def recommend(
     else:
         from .render_recommend import print_recommendation
 
-        print_recommendation(rec, top, write, plot, wide)
+        print_recommendation(rec, top, write, plot, wide, _launch_note(plan, write) if write else "")
+
+
+def _launch_note(plan, written: str) -> str:
+    """What runs the written plan: DeepSpeed's export, zplan launch, or (where zplan's trainer
+    refuses a field, plan.trainer_refusal) a script of the user's own, or neither."""
+    from ..plan import trainer_refusal
+
+    if plan.train.layout == "zero":
+        return f"zplan export --plan {written} --to deepspeed turns it into DeepSpeed's config"
+    builtin, script = trainer_refusal(plan, builtin_model=True), trainer_refusal(plan, builtin_model=False)
+    if builtin is None:
+        return f"zplan launch --plan {written} runs it"
+    if script is None:
+        return (f"zplan launch --plan {written} YOUR_SCRIPT.py runs it with your own script; the "
+                f"built-in trainer cannot: {builtin}")
+    return f"zplan's trainer cannot run it: {script}"
 
 
 def _json(rec, plan, top: int) -> dict:

@@ -12,7 +12,7 @@ from .render import add_columns, bar, make_console, new_table
 
 
 def print_recommendation(rec: Recommendation, top: int, written: str | None, plot: str | None,
-                         wide: bool = False) -> None:
+                         wide: bool = False, launch_note: str = "") -> None:
     console = make_console()
     w = rec.winner
     sc, t, m = w.sc, w.result.timing, w.result.memory
@@ -39,9 +39,7 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
         console.print(f"  [red]infeasible[/] {escape(fam)}: {escape(why)}")
     # messages, not data: stderr
     if written:
-        runs = (f"zplan export --plan {written} --to deepspeed turns it into DeepSpeed's config"
-                if sc.train.layout == "zero" else f"zplan launch --plan {written} runs it")
-        print(f"zplan: plan written to {written} ({runs})", file=sys.stderr)
+        print(f"zplan: plan written to {written} ({launch_note})", file=sys.stderr)
     if plot:
         print(f"zplan: plot written to {plot}", file=sys.stderr)
 
