@@ -252,8 +252,8 @@ if len(sys.argv) > 1 and sys.argv[1] == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 # one write: torchrun runs ranks with `python -u`, where print() issues a write per piece and
-# two ranks' "pid", " ", "123", "\n" interleave in the shared pipe (the lost pids of this test)
-os.write(1, f"pid {os.getpid()}\n".encode())
+# two ranks' "pid", " ", "123" and newline interleave in the shared pipe (the lost pids)
+os.write(1, f"pid {os.getpid()}\\n".encode())
 while True:
     signal.pause()
 """
