@@ -16,10 +16,10 @@ TINY = ModelSpec(name="t", num_layers=4, hidden=256, ffn_hidden=704, num_heads=4
                  vocab_size=512)
 
 
-def _tiny(scope: str, accum: int = 2, gpus: str = "1", seq: int = 32) -> Scenario:
+def _tiny(scope: str, accum: int = 2, gpus: str = "1", seq: int = 32, bucket_mib: float = 25.0) -> Scenario:
     o = cpu_ranks(model="llama-3.1-8b", gpus=gpus, seq_len=seq, grad_accum=accum, compile=True,
                   eager_loss=True, loss_fp32=False, compile_scope=scope, master_dtype="bf16",
-                  optimizer_dtype="bf16", reduce_dtype="bf16")
+                  optimizer_dtype="bf16", reduce_dtype="bf16", bucket_mib=bucket_mib)
     sc = build(o)
     return Scenario(TINY, sc.hw, sc.train, sc.assume, None)
 
@@ -133,11 +133,7 @@ def test_ddp_graphs_split_at_buckets_as_pytorchs_profiler_measures(tmp_path):
     measured = json.loads(p.stdout.strip().splitlines()[-1])
     grads_b = sum(u.numel for u in _tiny("model").units) * 2
     for mib in (1.0, 25.0):
-        o = cpu_ranks(model="llama-3.1-8b", gpus="2", seq_len=32, grad_accum=1, compile=True,
-                      eager_loss=True, loss_fp32=False, compile_scope="model", master_dtype="bf16",
-                      optimizer_dtype="bf16", reduce_dtype="bf16", bucket_mib=mib)
-        sc = build(o)
-        want = _new_bytes_peak(Scenario(TINY, sc.hw, sc.train, sc.assume, None))
+        want = _new_bytes_peak(_tiny("model", accum=1, gpus="2", bucket_mib=mib))
         got = measured[str(mib)]
         print(f"DDP bucket {mib} MiB: measured {got} predicted {want} gradient set {grads_b}")
         assert abs(got - want) <= 0.05 * grads_b, (mib, got, want, grads_b)

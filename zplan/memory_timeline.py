@@ -207,11 +207,11 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
                       + acts.logits_elems * acts.loss_per_logit[phase], **kw))
     saved_upto = [0, *accumulate(acts.saved)]
-    new = list(compiled.new_grads) if compiled else [0] * n
-    end_temp = list(compiled.end_temp) if compiled else [0] * n
-    cap = compiled.cap_bytes if compiled else 0
+    if compiled is None:  # eager: every gradient accumulated as soon as it is made
+        compiled = CompiledGraphs((0,) * n, (), 0, (0,) * n)
+    new, end_temp, cap = compiled.new_grads, compiled.end_temp, compiled.cap_bytes
     graph_of: list[range | None] = [None] * n
-    for g in compiled.graphs if compiled else ():
+    for g in compiled.graphs:
         for i in g:
             graph_of[i] = g
     after = [*accumulate(reversed(new))][::-1] + [0]  # after[j]: new gradients of units >= j
