@@ -66,10 +66,11 @@ SCENARIO = {
     "--bucket-mib": number(["0", "25", "1000000"]),
     "--attention-kernel": choice_or_hostile(["flash2", "flash-triton"]),
     "--compile-scope": choice_or_hostile(["block", "model"]),
+    "--optimizer-kernels": choice_or_hostile(["fused", "foreach", "single"]),
 }
 SWITCHES = ["--reduce-last-only", "--no-flash", "--no-prefetch", "--fused-norm", "--no-fused-norm",
             "--no-overlap", "--compile", "--eager-loss", "--float8", "--no-loss-fp32",
-            "--no-checkpoint-early-stop", "--fused-loss",
+            "--no-checkpoint-early-stop", "--fused-loss", "--no-grad-clip",
             "--no-norm-output-fp32"]
 OWN = {
     "estimate": {"--strategy": choice_or_hostile(STRATEGIES), "--unit": choice_or_hostile(["GB", "GiB"])},

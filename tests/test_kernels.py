@@ -163,7 +163,7 @@ def test_fused_adamw_moves_28_bytes_per_parameter():
     """torch's fused AdamW, fp32: reads param, grad, exp_avg, exp_avg_sq and writes param,
     exp_avg, exp_avg_sq, 7 x 4 bytes; 100 tensors of 10^7 elements (153 chunks of 65536 each)
     fill the 320 blocks of a launch: 15,300 chunks in ceil(15300 / 320) = 48 launches."""
-    sc = scenario(model="llama-3.1-8b", gpus=8, layout="torch")
+    sc = scenario(model="llama-3.1-8b", gpus=8, layout="torch", grad_clip=False)
     [op] = unit_ops.optimizer_ops(sc, [10**7] * 100)
     assert op.bytes == 28 * 10**9 and op.kernels == 48
     assert op.seconds == pytest.approx(28e9 / HBM_H100, rel=1e-9)
@@ -173,9 +173,10 @@ def test_adamw_bytes_follow_the_master_and_state_dtypes():
     """bf16 weights and states (KempnerForge's runs): every tensor AdamW touches is half as wide,
     14 bytes per parameter; bf16 states beside fp32 weights: p read + write and g 3 x 4, m and
     v read + write 4 x 2 = 20."""
-    both = scenario(model="llama-3.1-8b", gpus=8, layout="torch", master_dtype="bf16", optimizer_dtype="bf16")
+    both = scenario(model="llama-3.1-8b", gpus=8, layout="torch", master_dtype="bf16", optimizer_dtype="bf16",
+                    grad_clip=False)
     assert unit_ops.optimizer_ops(both, [10**9])[0].bytes == 14 * 10**9
-    states = scenario(model="llama-3.1-8b", gpus=8, layout="torch", optimizer_dtype="bf16")
+    states = scenario(model="llama-3.1-8b", gpus=8, layout="torch", optimizer_dtype="bf16", grad_clip=False)
     assert unit_ops.optimizer_ops(states, [10**9])[0].bytes == 20 * 10**9
 
 
@@ -183,7 +184,7 @@ def test_deepspeed_fused_adam_adds_the_16_bit_weight_copy():
     """DeepSpeed's FusedAdam over the flat fp32 partition: the same 28 bytes, then the fp32
     partition copied into the bf16 weights (read 4, write 2); one tensor of 10^9 elements is
     15,259 chunks, ceil(15259 / 320) = 48 launches."""
-    sc = scenario(model="llama-3.1-8b", gpus=8, layout="zero")
+    sc = scenario(model="llama-3.1-8b", gpus=8, layout="zero", grad_clip=False)
     adam, copy = unit_ops.optimizer_ops(sc, [10**9])
     assert (adam.bytes, adam.kernels) == (28 * 10**9, 48)
     assert (copy.bytes, copy.kernels) == (6 * 10**9, 1)

@@ -254,23 +254,32 @@ def test_fake_trace_small_model_within_three_percent(tmp_path, mode, strategy, t
     assert c.predicted_phase == c.traced_phase, c
 
 
-def test_optimizer_temporaries_against_pytorch_memtracker():
+@pytest.mark.parametrize("kernels", ["single", "foreach", "fused"])
+def test_optimizer_temporaries_against_pytorch_memtracker(kernels):
+    """PyTorch's MemTracker over one AdamW step on three parameters of different sizes: single
+    builds two temporaries of the largest, foreach a sqrt of every exp_avg_sq at once, fused
+    none."""
     torch = pytest.importorskip("torch")
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from zplan.memory_timeline import optimizer_temp_bytes
 
-    p = torch.nn.Parameter(torch.randn(4096, 64))
-    p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW([p], foreach=False)  # as the trainer builds it
+    ps = [torch.nn.Parameter(torch.randn(n, 64)) for n in (4096, 1024, 512)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    flags = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    opt = torch.optim.AdamW(ps, **flags[kernels])
     opt.step()  # the states exist from here on
     mt = MemTracker()
-    mt.track_external(p, opt)
+    mt.track_external(*ps, opt)
     with mt:
         before = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
         opt.step()
         peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
-    assert peak - before == optimizer_temp_bytes(p.numel(), TrainSpec(layout="torch"), "torch")
+    spec = TrainSpec(layout="torch", optimizer_kernels=kernels)
+    largest, local = 4096 * 64, sum(p.numel() for p in ps)
+    assert peak - before == optimizer_temp_bytes(largest, local, spec, "torch")
+    assert (peak - before > 0) == (kernels != "fused")  # the oracle sees what is claimed
 
 
 @pytest.mark.slow  # compiling takes about a minute on 2 cores

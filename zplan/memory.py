@@ -161,8 +161,10 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     accum_b = accum_grad_bytes(sc, st)
     opt_temp = 0
     if not st.offload_optimizer:
-        largest = max(_largest_params(sc, D if st.optim_sharded else 1), default=0)
-        opt_temp = mt.optimizer_temp_bytes(largest, t, t.layout)
+        D_opt = D if st.optim_sharded else 1
+        largest = max(_largest_params(sc, D_opt), default=0)
+        local = sum(sc.shard_elems(u, D_opt) for u in sc.units) if t.optimizer_kernels == "foreach" else 0
+        opt_temp = mt.optimizer_temp_bytes(largest, local, t, t.layout)
     shards = ms.unit_shards
     padded = [x * D for x in shards]  # Scenario.padded_elems
     if t.layout == "torch" and st.fsdp:

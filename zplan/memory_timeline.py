@@ -21,6 +21,7 @@ from itertools import accumulate
 from . import activation_memory, arch
 from .scenario import Scenario
 from .specs import TrainSpec
+from .units import DTYPE_BITS
 
 KINDS = ("state", "grads", "gathered", "all_gather", "unsharded_grads", "reduce_scatter",
          "activations")
@@ -110,14 +111,20 @@ class CompiledGraphs:
     # embedding's fp32 gradient buffer)
 
 
-def optimizer_temp_bytes(largest_param_elems: int, train: TrainSpec, layout: str) -> int:
-    """Single-tensor AdamW (the trainer's foreach=False) builds `denom` as
-    `(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: two temporaries the size of the
-    parameter alive at once (torch/optim/adamw.py, _single_tensor_adam). DeepSpeed's fused
-    kernels update in place (zero layout: 0)."""
-    if layout != "torch" or train.optimizer != "adamw":
+def optimizer_temp_bytes(largest_param_elems: int, local_elems: int, train: TrainSpec, layout: str) -> int:
+    """AdamW's temporaries in its step, by implementation (torch/optim/adam.py, torch 2.13), S the
+    state dtype's bytes: single (foreach=False) builds `denom` as
+    `(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`, two temporaries the size of one
+    parameter alive at once, 2S x the largest; foreach builds `exp_avg_sq_sqrt =
+    _foreach_sqrt(exp_avg_sqs)` for every local parameter at once, S x all local elements (its
+    div_, add_ and addcdiv_ work in place); fused updates in place (0), as DeepSpeed's kernels
+    (zero layout: 0)."""
+    if layout != "torch" or train.optimizer != "adamw" or train.optimizer_kernels == "fused":
         return 0
-    return 2 * largest_param_elems * 4
+    S = DTYPE_BITS[train.precision.optimizer] // 8
+    if train.optimizer_kernels == "foreach":
+        return S * local_elems
+    return 2 * S * largest_param_elems
 
 
 def _run_ends(sig: list) -> list[int]:

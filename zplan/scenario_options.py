@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, MAX_LAYERS, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, MAX_LAYERS, OPTIMIZER_KERNELS, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
@@ -61,6 +61,8 @@ class ScenarioOptions:
     compile_scope: str = "block"  # with compile: block (each block) or model (torch.compile(model))
     loss_fp32: bool = True
     fused_loss: bool = False
+    optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
+    grad_clip: bool = True
     float8: bool = False
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
@@ -141,8 +143,12 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
     check_choice(o.attention_kernel, "--attention-kernel", ATTENTION_KERNELS)
     check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))
+    check_choice(o.optimizer_kernels, "--optimizer-kernels", OPTIMIZER_KERNELS)
     layout = o.layout or "zero"
     check_choice(layout, "--layout", ("zero", "torch"))
+    if layout == "zero" and o.optimizer_kernels != "fused":
+        raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is torch's AdamW; the zero layout "
+                         "(DeepSpeed) runs its FusedAdam: add --layout torch, or drop --optimizer-kernels")
     for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
                     ("--master-dtype", o.master_dtype), ("--optimizer-dtype", o.optimizer_dtype)):
         check_choice(v, flag, DTYPES)
@@ -172,6 +178,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             checkpointing=o.checkpointing, checkpoint_every=o.checkpoint_every,
             checkpoint_early_stop=o.checkpoint_early_stop,
             flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
+            optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
             layout=layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,

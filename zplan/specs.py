@@ -20,9 +20,11 @@ STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
 AttentionKernel = Literal["flash2", "flash-triton"]
 CompileScope = Literal["block", "model"]
+OptimizerKernels = Literal["fused", "foreach", "single"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
 COMPILE_SCOPES: tuple[str, ...] = CompileScope.__args__  # type: ignore[attr-defined]
+OPTIMIZER_KERNELS: tuple[str, ...] = OptimizerKernels.__args__  # type: ignore[attr-defined]
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
 
@@ -307,6 +309,13 @@ class TrainSpec(Spec):
         "flash2", description="the flash kernel: flash2 (FlashAttention-2, PyTorch's SDPA flash "
         "backend) or flash-triton (FlashAttention in Triton, as llm-foundry's attn_impl: triton)")
     optimizer: OptimizerName = "adamw"
+    optimizer_kernels: OptimizerKernels = Field(
+        "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "
+        "torch.optim.AdamW(fused=True), DeepSpeed's FusedAdam), foreach (torch's multi-tensor "
+        "ops, AdamW's default on CUDA without fused=True) or single (a loop over parameters: "
+        "foreach=False, Composer's DecoupledAdamW)")
+    grad_clip: bool = Field(True, description="gradients clipped by their global norm every "
+                            "step (clip_grad_norm_: read each gradient, then scale it)")
     precision: Precision = Precision()
     layout: Layout = Field(
         "zero", description="zero: the ZeRO paper / DeepSpeed layout; torch: DDP, ZeRO-RO and FSDP2"

@@ -202,30 +202,79 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
 
 def optimizer_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
     """The optimizer step over this rank's state, `local_sizes` the element counts of the tensors
-    it steps. AdamW runs fused: torch layout, the trainer's torch.optim.AdamW(fused=True) (one
-    param group); zero layout, DeepSpeed's FusedAdam over its flat fp32 partition (one tensor).
-    Either is one multi-tensor pass that reads the parameter P, its gradient G (the master
-    dtype in both layouts), exp_avg and exp_avg_sq S each and writes the parameter and both
-    states: 2P + G + 4S bytes per element (28 in fp32), in the launches of torch's
-    multi_tensor_apply chunking at depth 4 (kernels.multi_tensor_launches). The trainer's
-    --deterministic runs the foreach kernels instead, a run option the plan does not carry:
-    priced as fused (docs/formulas.md, section 6). zero layout adds DeepSpeed's copy of the
-    updated master partition into the 16-bit weights (master + param bytes, one kernel)."""
+    it steps: gradient clipping first (`grad_clip_ops`), then AdamW as the run's implementation
+    launches it (`TrainSpec.optimizer_kernels`, torch layout): fused, one multi-tensor pass
+    (torch.optim.AdamW(fused=True), the trainer's default) of 2P + G + 4S bytes per element; foreach,
+    torch's eight multi-tensor ops (`ADAMW_FOREACH_OPS`, AdamW's default on CUDA), 4P + 2G + 14S;
+    single, the same eight ops one parameter at a time (foreach=False; Composer's
+    DecoupledAdamW). P, G: master dtype (weights and gradients), S: state dtype. zero layout:
+    DeepSpeed's FusedAdam over its flat fp32 partition (one tensor) and its copy of the updated
+    master partition into the 16-bit weights (master + param bytes, one kernel). Launches follow
+    torch's multi_tensor_apply chunking (kernels.multi_tensor_launches). The trainer's
+    --deterministic runs foreach where the plan says fused, a run option the plan does not carry:
+    priced as planned (docs/formulas.md, section 6)."""
     gpu, t = sc.hw.gpu, sc.train
     tensors = sum(1 for n in local_sizes if n)
     local_elems = sum(local_sizes)
+    ops = grad_clip_ops(sc, local_sizes)
     if t.optimizer not in ("adamw", "adam8bit"):
-        return [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
+        return ops + [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
     P, S = _b(t.precision.master), _b(t.precision.optimizer)
     if t.layout == "torch":
-        return [K.memory(gpu, "AdamW (fused)", adamw_fused_bytes(P, S) * local_elems,
-                         K.multi_tensor_launches(local_sizes, 4))]
-    ops = [K.memory(gpu, "FusedAdam (DeepSpeed)", adamw_fused_bytes(P, S) * local_elems,
-                    K.multi_tensor_launches(local_sizes, 4))]
+        if t.optimizer_kernels == "fused":
+            return ops + [K.memory(gpu, "AdamW (fused)", adamw_fused_bytes(P, S) * local_elems,
+                                   K.multi_tensor_launches(local_sizes, 4))]
+        foreach = t.optimizer_kernels == "foreach"
+        launches = (sum(K.multi_tensor_launches(local_sizes, d) for _, _, d in ADAMW_FOREACH_OPS)
+                    if foreach else len(ADAMW_FOREACH_OPS) * tensors)
+        name = "AdamW (foreach, 8 ops)" if foreach else "AdamW (per parameter, 8 ops)"
+        return ops + [K.memory(gpu, name, adamw_unfused_bytes(P, P, S) * local_elems, launches)]
+    ops.append(K.memory(gpu, "FusedAdam (DeepSpeed)", adamw_fused_bytes(P, S) * local_elems,
+                        K.multi_tensor_launches(local_sizes, 4)))
     if t.precision.master != t.precision.param:
         ops.append(K.memory(gpu, "weight copy (master to 16-bit)",
                             (P + _b(t.precision.param)) * local_elems, 1))
     return ops
+
+
+def grad_clip_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
+    """Clipping by the global norm (`TrainSpec.grad_clip`): torch.nn.utils.clip_grad_norm_ reads
+    every local gradient for its norm (_foreach_norm) and then scales every gradient by the clip
+    coefficient, clamped to 1 but always applied (_foreach_mul_): 3 x gradient bytes per element,
+    two multi-tensor ops (one tensor per parameter under `single`: FSDP1's clip_grad_norm_ and
+    Composer's loop take the gradients one at a time; DeepSpeed's flat partition: one each). The
+    norm's all-reduce is one scalar (latency only, not priced)."""
+    t = sc.train
+    if not t.grad_clip:
+        return []
+    G = _b(t.precision.master)
+    tensors = sum(1 for n in local_sizes if n)
+    launches = (2 * tensors if t.optimizer_kernels == "single" and t.layout == "torch"
+                else 2 * K.multi_tensor_launches(local_sizes, 1))
+    return [K.memory(sc.hw.gpu, "gradient clipping (norm, scale)", 3 * G * sum(local_sizes), launches)]
+
+
+# torch 2.13 torch/optim/adam.py, _multi_tensor_adam (decoupled weight decay, capturable False)
+# and _single_tensor_adam: each op's HBM bytes per element as (P, G, S) multipliers (P the
+# weight, G the gradient, S the state dtype; an op reading one tensor twice reads it once from
+# HBM) and its tensor lists (multi_tensor_apply depth).
+ADAMW_FOREACH_OPS: tuple[tuple[str, tuple[int, int, int], int], ...] = (
+    ("mul_ (weight decay)", (2, 0, 0), 1),
+    ("lerp_ (exp_avg)", (0, 1, 2), 2),
+    ("mul_ (exp_avg_sq)", (0, 0, 2), 1),
+    ("addcmul_ (exp_avg_sq)", (0, 1, 2), 3),
+    ("sqrt (new)", (0, 0, 2), 2),
+    ("div_ (bias correction)", (0, 0, 2), 1),
+    ("add_ (eps)", (0, 0, 2), 1),
+    ("addcdiv_ (weight)", (2, 0, 2), 3),
+)
+
+
+def adamw_unfused_bytes(param: int, grad: int, state: int) -> int:
+    """Bytes per element of AdamW's eight unfused ops (foreach or per parameter): 4P + 2G + 14S,
+    80 in fp32 (ADAMW_FOREACH_OPS). Composer's DecoupledAdamW with weight decay 0 (llm-foundry)
+    runs mul_ + add_ for the lerp and no decay: 2P + 2G + 16S, the same 80 when P = S."""
+    return sum(p * param + g * grad + s * state for _, (p, g, s), _ in ADAMW_FOREACH_OPS)
 
 
 def adamw_fused_bytes(master: int, state: int) -> int:

@@ -54,7 +54,13 @@ needed CUDA >= 11.8, so not that default image, and torch 2.1.0 (which stops ear
 Loss: llmfoundry/models/mpt/modeling_mpt.py (b2a43a147 line 724, 5e85bd62d line 981) takes
 loss_fn 'fused_crossentropy' by default, flash-attn's CrossEntropyLoss (xentropy CUDA kernel, flash-attn
 1.0.9 / 2.3.2 in setup.py's gpu extras), and the MPT pretrain yamls do not override it: fused_loss = true
-(the logits kept, fp32 per-row statistics, the gradient a new tensor in the logits' dtype)."""
+(the logits kept, fp32 per-row statistics, the gradient a new tensor in the logits' dtype).
+Optimizer: the pretrain yamls (b2a43a147, 5e85bd62d) set optimizer name decoupled_adamw, weight_decay 0.0,
+and algorithms.gradient_clipping (norm, 1.0); submit_benchmarks.py's mod_parameters changes neither.
+Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py at 2deccf2, DecoupledAdamW.adamw) is a
+loop over parameters of mul_/add_/mul_/addcmul_/sqrt/div/add_/addcdiv_: optimizer_kernels = "single"
+(its bytes with weight decay 0 equal torch's per-parameter AdamW with decay when the state and master
+dtypes are equal, fp32 here). Clipping goes through FSDP1's clip_grad_norm_: grad_clip = true (the default)."""
 '''
 
 
@@ -77,7 +83,7 @@ def rows(text: str):
             micro_batch=int(mb), grad_accum=int(ga), seq_len=int(seq),
             checkpointing="full" if ac == "True" else "none",
             checkpoint_early_stop=table.startswith("H100 80GB BF16 (Large Scale"), compile=False,
-            fused_loss=True,
+            fused_loss=True, optimizer_kernels="single",
             float8="te-delayed" if precision == "amp_fp8" else "none", attention_kernel="flash-triton",
             param_dtype="bf16", reduce_dtype=REDUCE[mp],
             tokens_per_s_per_gpu=float(tps_gpu), tokens_per_s_global=float(tps),

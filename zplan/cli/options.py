@@ -46,6 +46,8 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "eager_loss": ((), "With --compile, the loss stays eager (torchtitan before 2025-04, KempnerForge)"),
     "compile_scope": ((), "With --compile: block (each block compiled on its own, as torchtitan) | model (torch.compile(model) over a model no DDP/FSDP wraps: its backward returns every gradient at once)"),
     "loss_fp32": ((), "The loss upcasts the logits to fp32 (--no-loss-fp32: in the logits' dtype)"),
+    "optimizer_kernels": ((), "How AdamW's step runs: fused (one kernel: AdamW(fused=True), DeepSpeed's FusedAdam) | foreach (torch's multi-tensor ops, AdamW's default on CUDA) | single (a loop over parameters: foreach=False, Composer's DecoupledAdamW)"),
+    "grad_clip": ((), "Gradients are clipped by their global norm every step (--no-grad-clip: no clipping)"),
     "fused_loss": ((), "The loss is a fused cross-entropy kernel (flash-attn's, e.g. llm-foundry's default): logits kept, their gradient in their dtype"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),
     "shard_size": ((), "HSDP shard group size (default: one node)"),

@@ -57,8 +57,9 @@ def trace_peak(plan, steps: int = 1) -> dict:
             model = Transformer(plan.model)
         with FakeTensorMode(allow_non_fake_inputs=True), propagation_outside_trace():
             par = parallelize(model, plan, device, mesh=mesh)
-            # single-tensor AdamW, whose temporaries the planner prices (memory_timeline.py)
-            optim = build_optimizer(par, plan, lr=1e-4, foreach=False)
+            # the plan's AdamW (fake_cell plans single-tensor: a multi-tensor peak is inflated
+            # under fake tensors), whose temporaries the planner prices (memory_timeline.py)
+            optim = build_optimizer(par, plan, lr=1e-4)
             _init_optimizer_state(optim)
             tracker = tracker_class()(par.model, optim)
             t = plan.train
@@ -111,7 +112,7 @@ class FakeCell:
 def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
               strategy: str) -> FakeCell:
     """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
-    composite RMSNorm, which the trace runs, and trace it."""
+    composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it."""
     import time
 
     from ..errors import UsageError
@@ -123,7 +124,7 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
         raise UsageError(f"--fake traces the FSDP2 strategies; {strategy} replicates the model")
     sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
                          seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
-                         checkpointing=checkpointing))
+                         checkpointing=checkpointing, optimizer_kernels="single"))
     r = estimate_one(sc, strategy)
     if r.memory is None:
         raise UsageError(f"{strategy}: {r.unavailable}")

@@ -118,7 +118,10 @@ class Trainer:
 
     def _clip(self) -> torch.Tensor:
         """The global gradient norm, left where it is (the device; the host under offload-all,
-        whose gradients are CPU DTensors: the group's CPU backend reduces it)."""
+        whose gradients are CPU DTensors: the group's CPU backend reduces it). A plan without
+        clipping (grad_clip False, priced as no work) computes no norm: NaN in the report."""
+        if not self.plan.train.grad_clip:
+            return torch.full((), float("nan"), device=self.device)
         norm = torch.nn.utils.clip_grad_norm_(self.par.model.parameters(), self.cfg.clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # a collective: every rank calls it

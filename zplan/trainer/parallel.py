@@ -199,19 +199,21 @@ def set_sync(p: Parallelized, sync: bool):
     return contextlib.nullcontext() if sync else p.model.no_sync()
 
 
-def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1,
-                    foreach: bool = True):
+def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1):
     """AdamW over this rank's parameters, its state in their dtype (the plan's master dtype, =
-    its optimizer dtype: trainer_refusal checks). Fused kernels (one pass, no full-size
-    temporaries); under --deterministic the foreach kernels, bit for bit the per-parameter
-    AdamW (fused rounds differently). foreach=False: one parameter at a time (fake-tensor
-    traces, whose multi-tensor peak is inflated)."""
+    its optimizer dtype: trainer_refusal checks), run as the plan's `optimizer_kernels` says
+    (the time and memory models price the same): fused (one pass, no full-size temporaries),
+    foreach (torch's multi-tensor ops) or single (one parameter at a time: fake-tensor traces,
+    whose multi-tensor peak is inflated). Under --deterministic a fused plan runs the foreach
+    kernels, bit for bit the per-parameter AdamW (fused rounds differently)."""
     if plan.train.optimizer != "adamw":
         raise ValueError(f"the trainer runs AdamW; the plan asks for {plan.train.optimizer}")
     params = [q for q in p.model.parameters() if q.requires_grad]
-    kernels = {"foreach": True} if p.deterministic else {"fused": True}
-    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8,
-              **(kernels if foreach else {"foreach": False}))
+    kernels = plan.train.optimizer_kernels
+    if kernels == "fused" and p.deterministic:
+        kernels = "foreach"
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[kernels]
+    kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8, **flags)
     if plan.strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
