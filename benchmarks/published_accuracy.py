@@ -76,13 +76,14 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         else:
             ignored.append("compile")
     if row.float8 != "none":
-        default = getattr(ScenarioOptions(), "float8", None)
-        if "float8" in FIELDS and not isinstance(default, bool):
-            o = replace(o, float8=row.float8)  # a recipe-valued option: build() judges the recipe
-        elif "float8" in FIELDS and row.float8.startswith("tensorwise"):
-            o = replace(o, float8=True)  # a yes/no option models torchao's tensorwise recipe (issue 8)
+        if row.float8.startswith("tensorwise"):
+            # torchao's tensorwise recipe; float8 all-gather where the row says so, and where it
+            # is not stated zplan's default (on)
+            o = replace(o, float8=True)
+        elif row.float8 == "te-delayed":
+            o = replace(o, float8=True, float8_recipe="te-delayed")
         else:
-            ignored.append("float8")
+            ignored.append("float8")  # rowwise scaling: no kernel-level rate to price it
     return o, tuple(ignored)
 
 

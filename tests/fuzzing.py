@@ -67,10 +67,11 @@ SCENARIO = {
     "--attention-kernel": choice_or_hostile(["flash2", "flash-triton"]),
     "--compile-scope": choice_or_hostile(["block", "model"]),
     "--optimizer-kernels": choice_or_hostile(["fused", "foreach", "single"]),
+    "--float8-recipe": choice_or_hostile(["tensorwise", "te-delayed"]),
 }
 SWITCHES = ["--reduce-last-only", "--no-flash", "--no-prefetch", "--fused-norm", "--no-fused-norm",
             "--no-overlap", "--compile", "--eager-loss", "--float8", "--no-loss-fp32",
-            "--no-checkpoint-early-stop", "--fused-loss", "--no-grad-clip",
+            "--no-checkpoint-early-stop", "--fused-loss", "--no-grad-clip", "--no-float8-all-gather",
             "--no-norm-output-fp32"]
 OWN = {
     "estimate": {"--strategy": choice_or_hostile(STRATEGIES), "--unit": choice_or_hostile(["GB", "GiB"])},

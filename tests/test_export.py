@@ -84,6 +84,10 @@ def test_deepspeed_reads_dtypes_optimizers_and_zeropp(ds_load):
     assert sgd.optimizer_name == "SGD" and sgd.zero_allow_untested_optimizer
     pp = ds_load(deepspeed_config(plan_for("zero3"), zeropp=True)).zero_config
     assert pp.zero_hpz_partition_size == 8 and pp.zero_quantized_weights and pp.zero_quantized_gradients
+    assert ds_load(deepspeed_config(plan_for("zero3"))).gradient_clipping == 1.0
+    assert ds_load(deepspeed_config(plan_for("zero3", grad_clip=False))).gradient_clipping == 0.0
+    foreach = deepspeed_config(plan_for("zero3", layout="torch", optimizer_kernels="foreach"))
+    assert ds_load(foreach).optimizer_params["torch_adam"] is True  # torch.optim.AdamW, foreach
 
 
 @pytest.mark.parametrize("strategy,kw,needle", [
@@ -91,6 +95,7 @@ def test_deepspeed_reads_dtypes_optimizers_and_zeropp(ds_load):
     ("hsdp", dict(), "removed MiCS"),
     ("ddp", dict(master_dtype="bf16", optimizer_dtype="bf16"), "only under ZeRO 1-3"),
     ("zero3", dict(master_dtype="fp32", optimizer_dtype="bf16"), "bf16 master"),
+    ("zero3", dict(layout="torch", optimizer_kernels="single"), "not a loop over parameters"),
 ])
 def test_deepspeed_refuses_what_its_config_cannot_say(strategy, kw, needle):
     with pytest.raises(UsageError, match=needle):

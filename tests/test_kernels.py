@@ -236,6 +236,53 @@ def test_compile_and_float8_make_the_step_faster_and_float8_gathers_one_byte():
     assert g8.bytes_per_step == pytest.approx(blocks, rel=0.001)  # 1 byte per block parameter
 
 
+def test_float8_recipes_gather_and_cast_as_their_libraries_do():
+    """TransformerEngine (te-delayed) and torchao without float8 all-gather gather the block
+    weights in bf16, as plain bf16 training; te-delayed casts with one cast+transpose kernel,
+    B + 2 = 4 bytes per element of the input and the weight forward and of the gradient backward
+    (transformer_engine/pytorch/module/linear.py at v0.10)."""
+    kw = dict(model="llama-3.1-8b", gpus=8, layout="torch", seq_len=4096)
+
+    def gather_bytes(r):
+        return sum(c.bytes_per_step for c in r.collectives if c.name.startswith("all-gather (forward"))
+
+    base, te = est("zero3", **kw), est("zero3", float8=True, float8_recipe="te-delayed", **kw)
+    bf16_gather = est("zero3", float8=True, float8_all_gather=False, **kw)
+    f8_gather = est("zero3", float8=True, **kw)
+    assert gather_bytes(te) == gather_bytes(base) == gather_bytes(bf16_gather)
+    blocks = sum(u.numel for u in scenario(**kw).units if u.blocks)
+    assert gather_bytes(base) - gather_bytes(f8_gather) == pytest.approx(blocks, rel=0.001)  # 2 -> 1 B
+    assert te.timing.breakdown["gemm"] == f8_gather.timing.breakdown["gemm"]
+    sc = scenario(float8=True, float8_recipe="te-delayed", **kw)
+    fwd = {o.name: o.bytes for o in unit_ops.unit_ops(sc, sc.units[1], False) if "float8" in o.name}
+    bwd = {o.name: o.bytes for o in unit_ops.unit_ops(sc, sc.units[1], True) if "float8" in o.name}
+    T, h, f = 4096, 4096, 14336
+    assert fwd["w1 float8 cast+transpose"] == 4 * (T * h + f * h)
+    assert bwd["w1 float8 cast+transpose"] == 4 * T * f
+
+
+def test_fused_qkv_casts_its_input_once():
+    kw = dict(model="mpt-7b", gpus=8, layout="torch", seq_len=2048, float8=True, float8_recipe="te-delayed")
+    sc = scenario(**kw)
+    fwd = {o.name: o.bytes for o in unit_ops.unit_ops(sc, sc.units[1], False) if "float8" in o.name}
+    h = sc.model.hidden
+    assert fwd["wq float8 cast+transpose"] == 4 * (2048 * h + h * h)
+    assert fwd["wk float8 cast+transpose"] == 4 * h * h  # the weight only: the input was cast for wq
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(float8_recipe="te-delayed"), "goes with --float8"),
+    (dict(float8_all_gather=False), "goes with --float8"),
+    (dict(float8=True, float8_recipe="te-delayed", checkpointing="selective"), "does not model"),
+    (dict(float8=True, float8_recipe="te-delayed", compile=True), "does not model"),
+    (dict(float8=True, float8_recipe="te-delayed", float8_all_gather=False), "always gathers"),
+    (dict(float8=True, float8_recipe="rowwise"), "not one of"),
+])
+def test_float8_recipe_options_are_checked(kw, needle):
+    with pytest.raises(UsageError, match=needle):
+        scenario(model="llama-3.1-8b", gpus=8, layout="torch", **kw)
+
+
 def test_contention_charges_the_sm_share_of_hidden_communication():
     r = est("zero3", model="llama-3.1-8b", gpus=16, cluster="dgx-h100", layout="torch")
     t = r.timing

@@ -160,6 +160,15 @@ def test_compiled_loss_buffers_against_inductors_generated_code():
 @pytest.mark.parametrize("mode,mlp", [("none", "swiglu"), ("selective", "swiglu"), ("full", "swiglu"),
                                       ("none", "gelu"), ("selective", "gelu")])
 def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
+    m, kept = _block_kept_bytes(mode, mlp)
+    t = TrainSpec(seq_len=128, fused_norm=False)  # CPU: the composite RMSNorm
+    assert kept == activation_memory.block_saved_bytes(m, t, mode)
+
+
+def _block_kept_bytes(mode: str, mlp: str, linear=None):
+    """What one block of the trainer's model keeps after forward (MemTracker on CPU), with its
+    input counted as the block keeps it (`block_saved_bytes`' convention); `linear` replaces each
+    nn.Linear (a module class built from the Linear)."""
     torch = pytest.importorskip("torch")
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -169,6 +178,11 @@ def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
                   vocab_size=64, mlp=mlp)
     model = Transformer(m).to(torch.bfloat16)
+    if linear is not None:
+        for parent in list(model.layers[0].modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, linear(child))
     apply_checkpointing(model, mode, 2)
     block = model.layers[0]
     s = 128
@@ -179,10 +193,53 @@ def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
         before = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
         out = block(x)
         after = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
-    t = TrainSpec(seq_len=s, fused_norm=False)  # CPU: the composite RMSNorm
-    # the block's input x is already counted before; "full" keeps nothing else than it
-    kept = activation_memory.block_saved_bytes(m, t, mode) - (2 * s * m.hidden if mode != "none" else 0)
-    assert after - before == kept + out.numel() * 2
+    # the block's input x is counted before; "full" keeps nothing else than it
+    return m, after - before - out.numel() * 2 + (2 * s * m.hidden if mode != "none" else 0)
+
+
+class _TEFloat8Linear:
+    """A stand-in for TransformerEngine v0.10's float8 Linear (no CUDA here): the same tensors
+    saved for backward (transformer_engine/pytorch/module/linear.py, `ctx.save_for_backward(
+    inputmat_no_fp8 if not fp8_wgrad else None, inputmat_t, weight, weight_t_fp8, scale_inv)`):
+    the float8 transpose of the input and of the weight; the output in the input's dtype."""
+
+    @staticmethod
+    def make(torch):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, weight):
+                f8 = torch.float8_e4m3fn
+                x_t = x.reshape(-1, x.shape[-1]).t().contiguous().to(f8)
+                w_t = weight.t().contiguous().to(f8)
+                ctx.save_for_backward(x_t, weight, w_t)
+                return x @ weight.t()
+
+            @staticmethod
+            def backward(ctx, g):  # not run: the test measures what forward keeps
+                raise NotImplementedError
+
+        class Linear(torch.nn.Module):
+            def __init__(self, lin):
+                super().__init__()
+                self.weight = lin.weight
+
+            def forward(self, x):
+                return Fn.apply(x, self.weight)
+
+        return Linear
+
+
+@pytest.mark.parametrize("mode,mlp", [("none", "swiglu"), ("none", "gelu"), ("full", "swiglu")])
+def test_te_float8_block_keeps_float8_inputs_and_weight_transposes(mode, mlp):
+    """The trainer's block with every linear replaced by TransformerEngine's saving contract:
+    MemTracker's kept bytes equal zplan's te-delayed terms (the linear inputs nothing else keeps
+    at 1 byte, the weights' float8 transposes)."""
+    torch = pytest.importorskip("torch")
+    m, kept = _block_kept_bytes(mode, mlp, _TEFloat8Linear.make(torch))
+    t = TrainSpec(seq_len=128, fused_norm=False, float8=True, float8_recipe="te-delayed")
+    assert kept == activation_memory.block_saved_bytes(m, t, mode)
+    if mode == "none":  # and it is not the bf16 block's figure
+        assert kept != activation_memory.block_saved_bytes(m, TrainSpec(seq_len=128, fused_norm=False), mode)
 
 
 # ------------------------------------------------------------------ allocator

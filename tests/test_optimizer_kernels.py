@@ -112,10 +112,11 @@ def test_adamw_bytes_are_the_ops_pytorch_runs(kernels):
 
 def test_foreach_adamw_ops_and_their_tensor_lists():
     """The model's eight foreach ops, in order, with the tensor lists each carries (the depth its
-    multi_tensor_apply launches at)."""
+    multi_tensor_apply launches at) and whether it takes a list of scalars (a smaller launch)."""
     c, _ = _adamw_step("foreach")
-    seen = [(name.split(".")[0].removeprefix("_foreach_"), lists) for name, lists in c.ops]
-    model = [(name.split(" ")[0], depth) for name, _, depth in unit_ops.ADAMW_FOREACH_OPS]
+    seen = [(name.split(".")[0].removeprefix("_foreach_"), lists, name.endswith(".ScalarList"))
+            for name, lists in c.ops]
+    model = [(name.split(" ")[0], depth, scalars) for name, _, depth, scalars in unit_ops.ADAMW_FOREACH_OPS]
     assert seen == model
 
 
@@ -154,11 +155,11 @@ def test_zero_layout_refuses_torch_optimizer_kernels():
 
 
 @pytest.mark.parametrize("kernels,deterministic,flags", [
-    ("fused", False, {"fused": True}), ("fused", True, {"foreach": True}),
+    ("fused", False, {"fused": True}), ("fused", True, {"foreach": False}),
     ("foreach", False, {"foreach": True}), ("single", False, {"foreach": False})])
 def test_trainer_runs_the_plans_adamw(kernels, deterministic, flags):
-    """The trainer builds the AdamW the plan priced (a fused plan under --deterministic runs
-    foreach, bit for bit the per-parameter AdamW)."""
+    """The trainer builds the AdamW the plan priced (a fused plan under --deterministic runs the
+    per-parameter AdamW, its reference's)."""
     from types import SimpleNamespace
 
     from tests.test_contract import plan_for
@@ -189,3 +190,45 @@ def test_trainer_without_clipping_computes_no_norm():
     me.plan = plan_for("zero3")
     assert float(Trainer._clip(me)) == pytest.approx(400.0)  # the norm before clipping
     assert float(model.weight.grad.norm()) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_unfused_bytes_put_each_dtype_in_its_place():
+    """fp32 weights and gradients with bf16 states (P = G = 4, S = 2): 4P + 2G + 14S = 52; the
+    foreach temporaries are the state's width (sqrt of exp_avg_sq)."""
+    from zplan.memory_timeline import optimizer_temp_bytes
+    from zplan.specs import Precision, TrainSpec
+
+    assert unit_ops.adamw_unfused_bytes(4, 4, 2) == 52
+    assert unit_ops.adamw_fused_bytes(4, 2) == 20
+    spec = TrainSpec(layout="torch", optimizer_kernels="foreach", precision=Precision(optimizer="bf16"))
+    assert optimizer_temp_bytes(10, 1000, spec, "torch") == 2 * 1000
+    single = spec.model_copy(update={"optimizer_kernels": "single"})
+    assert optimizer_temp_bytes(10, 1000, single, "torch") == 2 * 2 * 10
+
+
+def test_foreach_launches_follow_each_ops_tensor_limit():
+    """200 small tensors: one launch per 110 at depth 1 (2), per 96 with a scalar list (3), 64 at
+    depth 2 (4), 48 at depth 3 (5), for the eight ops: 2 + 4 + 2 + 5 + 4 + 3 + 2 + 5 = 27."""
+    sc = scenario(model="llama-3.1-8b", gpus=8, layout="torch", optimizer_kernels="foreach",
+                  grad_clip=False)
+    [op] = unit_ops.optimizer_ops(sc, [1000] * 200)
+    assert op.kernels == 27
+
+
+def test_clipping_covers_the_gradients_each_rank_holds():
+    """ddp and zero1 (DDP's whole gradients) clip every gradient on every rank; zero2 and zero3
+    clip their shards. zero1's AdamW steps the whole parameters ZeroRedundancyOptimizer gives
+    the fullest rank."""
+    from zplan.compute import optimizer_ops
+    from zplan.memory import zero1_torch_partition
+    from zplan.strategies import STRATEGIES
+
+    sc = scenario(model="llama-3.1-8b", gpus=8, layout="torch", optimizer_kernels="single")
+    clip = {s: optimizer_ops(sc, STRATEGIES[s])[0] for s in ("ddp", "zero1", "zero2", "zero3")}
+    full = 12 * sc.params
+    assert clip["ddp"].bytes == clip["zero1"].bytes == full
+    assert clip["zero2"].bytes == clip["zero3"].bytes < full / 7
+    held = zero1_torch_partition(sc)
+    adam = optimizer_ops(sc, STRATEGIES["zero1"])[1]
+    assert adam.bytes == 80 * sum(held) and adam.kernels == 8 * len(held)
+    assert sum(held) >= sc.params / 8

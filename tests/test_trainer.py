@@ -48,6 +48,8 @@ def test_launch_without_arguments_trains_and_compares(run_zplan, tmp_path):
     assert rep["losses"][-1] < rep["losses"][0] - 0.3
     assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
     assert rep["measured"]["peak_memory_bytes"] > 0
+    assert rep["config"]["steps"] == 6 and rep["config"]["clip"] == 1.0  # the run's settings
+    assert all(n is not None and n > 0 for n in rep["grad_norms"])  # clipped: a norm each step
 
 
 def test_zero3_matches_ddp(run_zplan, tmp_path):

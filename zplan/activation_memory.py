@@ -103,7 +103,28 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         t["mlp_hidden"] = k * per_mlp
     else:
         t["mlp_hidden"] = per_mlp
+    if train.te_float8:
+        _te_float8_saves(t, m, sb, B)
     return t
+
+
+def _te_float8_saves(t: dict[str, int], m: ModelSpec, sb: int, B: int) -> None:
+    """TransformerEngine's float8 linear (transformer_engine/pytorch/module/linear.py at v0.10,
+    `ctx.save_for_backward(..., inputmat_t, weight, weight_t_fp8, ...)`) keeps for backward the
+    float8 transpose of its input (1 byte per element) instead of the 16-bit input, and the float8
+    transpose of its weight (1 byte per weight element, a new tensor every forward). The linear
+    inputs nothing else saves (the norms save their own inputs; GELU/SiLU theirs) become one
+    1-byte copy per linear that reads them: q/k/v's input (three linears, one when the model
+    fuses them), the output projection's, the MLP's input (SwiGLU's w1 and w3: two) and the down
+    projection's input (the last MLP term). Held against MemTracker on the trainer's block with
+    every linear keeping what TransformerEngine's keeps (tests/test_memory.py)."""
+    h, f, kv = m.hidden, m.ffn_hidden, m.kv_hidden
+    t["qkv_input"] = (1 if m.qkv_fused else 3) * sb * h
+    t["attn_out_proj_input"] = sb * h
+    t["mlp_input"] = (2 if m.mlp == "swiglu" else 1) * sb * h
+    t["mlp_hidden"] -= (B - 1) * sb * f
+    mlp_weights = (3 if m.mlp == "swiglu" else 2) * h * f
+    t["float8_weight_transposes"] = h * (h + 2 * kv) + h * h + mlp_weights
 
 
 @lru_cache(maxsize=4096)

@@ -136,9 +136,10 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
 
 def gather_dtype(sc: Scenario, u) -> str:
     """What an FSDP all-gather moves per element: the param dtype, or float8 for the linear
-    weights of a block under --float8 (torchao's float8 all-gather; norms stay in bf16, which
-    is a fraction of a percent of a block and is neglected)."""
-    if getattr(sc.train, "float8", False) and u.blocks > 0:
+    weights of a block under torchao's tensorwise float8 with float8 all-gather (norms stay in
+    bf16, which is a fraction of a percent of a block and is neglected). TransformerEngine
+    casts inside its linears: the gather moves the param dtype."""
+    if sc.train.float8_gather and u.blocks > 0:
         return "fp8"
     return sc.train.precision.param
 

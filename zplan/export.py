@@ -87,9 +87,13 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         zo["stage3_param_persistence_threshold"] = 0  # the plan shards every parameter
         zo["stage3_max_live_parameters"] = live if reshard else max(everything, KEEP_GATHERED)
         zo["stage3_max_reuse_distance"] = 0 if reshard else KEEP_GATHERED
+    if t.optimizer == "adamw" and t.optimizer_kernels == "single":
+        raise UsageError("DeepSpeed runs AdamW as FusedAdam or, with torch_adam, torch's foreach "
+                         "AdamW, not a loop over parameters: export a plan made with "
+                         "--optimizer-kernels fused or foreach")
     if t.float8:
-        raise UsageError("DeepSpeed's config has no float8 linears (torchao's float8 training is "
-                         "applied in code): export a plan made without --float8")
+        raise UsageError("DeepSpeed's config has no float8 linears (torchao's and TransformerEngine's "
+                         "float8 training are applied in code): export a plan made without --float8")
     if plan.strategy == "hsdp":
         raise UsageError("DeepSpeed has no shard-within-a-group ZeRO-3 since it removed MiCS "
                          "(github.com/deepspeedai/DeepSpeed/issues/8489): export a zero3 plan, or "
@@ -108,11 +112,13 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         "train_batch_size": t.micro_batch * t.grad_accum * n,
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": 1.0 if t.grad_clip else 0.0,
         "zero_optimization": zo,
     }
     cfg.update(_ds_precision(plan, stage))
     cfg["optimizer"] = {"type": DS_OPTIMIZER[t.optimizer], "params": {"lr": 3e-4, "weight_decay": 0.1}}
+    if t.optimizer == "adamw" and t.optimizer_kernels == "foreach":
+        cfg["optimizer"]["params"]["torch_adam"] = True  # torch.optim.AdamW: foreach on CUDA
     if t.optimizer == "sgd" and stage:
         cfg["zero_allow_untested_optimizer"] = True  # torch.optim.SGD is not one of ZeRO's own
     if t.checkpointing != "none":

@@ -137,15 +137,18 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
 # (2048 x 32) and the 4 KB limits.
 MTA_CHUNK_ELEMS = 65536
 MTA_MAX_TENSORS = (110, 64, 48, 36, 30)
+MTA_MAX_TENSORS_SCALARLIST = (96, 64, 48, 36, 30)  # ops taking a list of scalars (one per tensor)
 MTA_MAX_BLOCKS = (320, 320, 320, 320, 320)
 
 
-def multi_tensor_launches(sizes: list[int], depth: int) -> int:
+def multi_tensor_launches(sizes: list[int], depth: int, scalar_list: bool = False) -> int:
     """Kernel launches of one multi_tensor_apply over tensors of these element counts, with
     `depth` tensor lists (fused Adam: param, grad, exp_avg, exp_avg_sq = 4): torch's loop, which
     launches when the blocks fill, or the tensors fill on a tensor's last chunk, and once more for
-    what is left. Empty tensors are skipped."""
-    max_t, max_b = MTA_MAX_TENSORS[depth - 1], MTA_MAX_BLOCKS[depth - 1]
+    what is left. Empty tensors are skipped. `scalar_list`: the op takes one scalar per tensor
+    (depth_to_max_tensors_scalarlist: fewer tensors per launch at depth 1)."""
+    max_t = (MTA_MAX_TENSORS_SCALARLIST if scalar_list else MTA_MAX_TENSORS)[depth - 1]
+    max_b = MTA_MAX_BLOCKS[depth - 1]
     launches = blocks = loaded = 0
     for n in sizes:
         if n == 0:

@@ -63,16 +63,26 @@ def optimizer_state_bytes(elements: int, optimizer: str, dtype: str) -> int:
 
 
 def zero1_torch_max_rank(sc: Scenario) -> int:
-    """Elements of optimizer state on the fullest rank under ZeroRedundancyOptimizer.
+    """Elements of optimizer state on the fullest rank under ZeroRedundancyOptimizer."""
+    return sum(zero1_torch_partition(sc))
 
-    It assigns whole parameters, largest first, each to the rank holding the fewest elements so
-    far (torch.distributed.optim.ZeroRedundancyOptimizer._partition_parameters)."""
-    sizes = sorted((math.prod(s) for u in sc.units for s in u.shapes), reverse=True)
-    loads = [0] * sc.n
-    heapq.heapify(loads)
-    for size in sizes:
-        heapq.heappush(loads, heapq.heappop(loads) + size)
-    return max(loads)
+
+def zero1_torch_partition(sc: Scenario) -> list[int]:
+    """The parameter sizes ZeroRedundancyOptimizer gives its fullest rank: it assigns whole
+    parameters, largest first, each to the rank holding the fewest elements so far
+    (torch.distributed.optim.ZeroRedundancyOptimizer._partition_parameters)."""
+    return list(_zero1_partition(tuple(math.prod(s) for u in sc.units for s in u.shapes), sc.n))
+
+
+@lru_cache(maxsize=256)
+def _zero1_partition(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
+    held: list[list[int]] = [[] for _ in range(n)]
+    loads = [(0, r) for r in range(n)]  # (elements so far, rank): the lowest rank on a tie
+    for size in sorted(sizes, reverse=True):
+        load, r = heapq.heappop(loads)
+        held[r].append(size)
+        heapq.heappush(loads, (load + size, r))
+    return tuple(held[max(loads)[1]])
 
 
 @dataclass(frozen=True)
@@ -162,8 +172,12 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     opt_temp = 0
     if not st.offload_optimizer:
         D_opt = D if st.optim_sharded else 1
-        largest = max(_largest_params(sc, D_opt), default=0)
-        local = sum(sc.shard_elems(u, D_opt) for u in sc.units) if t.optimizer_kernels == "foreach" else 0
+        if st.name == "zero1" and t.layout == "torch" and D_opt > 1:  # whole parameters per rank
+            held = zero1_torch_partition(sc)
+            largest, local = max(held, default=0), sum(held)
+        else:
+            largest = max(_largest_params(sc, D_opt), default=0)
+            local = sum(sc.shard_elems(u, D_opt) for u in sc.units)
         opt_temp = mt.optimizer_temp_bytes(largest, local, t, t.layout)
     shards = ms.unit_shards
     padded = [x * D for x in shards]  # Scenario.padded_elems

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, MAX_LAYERS, OPTIMIZER_KERNELS, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, FLOAT8_RECIPES, MAX_LAYERS, OPTIMIZER_KERNELS, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
@@ -64,6 +64,8 @@ class ScenarioOptions:
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
     float8: bool = False
+    float8_recipe: str = "tensorwise"  # with float8: tensorwise | te-delayed (TrainSpec.float8_recipe)
+    float8_all_gather: bool = True
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None
     context_gib: Optional[float] = None  # None: 600 MiB on a GPU, 0 on a CPU rank
@@ -146,6 +148,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_choice(o.optimizer_kernels, "--optimizer-kernels", OPTIMIZER_KERNELS)
     layout = o.layout or "zero"
     check_choice(layout, "--layout", ("zero", "torch"))
+    if o.optimizer_kernels != "fused" and o.optimizer != "adamw":
+        raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is one of AdamW's implementations; "
+                         f"--optimizer {o.optimizer} is priced as its own: drop --optimizer-kernels")
     if layout == "zero" and o.optimizer_kernels != "fused":
         raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is torch's AdamW; the zero layout "
                          "(DeepSpeed) runs its FusedAdam: add --layout torch, or drop --optimizer-kernels")
@@ -165,6 +170,22 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.compile_scope != "block" and not o.compile:
         raise UsageError(f"--compile-scope {o.compile_scope} goes with --compile: add --compile, "
                          "or drop --compile-scope")
+    check_choice(o.float8_recipe, "--float8-recipe", FLOAT8_RECIPES)
+    if not o.float8 and (o.float8_recipe != "tensorwise" or not o.float8_all_gather):
+        flag = f"--float8-recipe {o.float8_recipe}" if o.float8_recipe != "tensorwise" else "--no-float8-all-gather"
+        raise UsageError(f"{flag} goes with --float8: add --float8, or drop {flag.split()[0]}")
+    if o.float8 and o.float8_recipe == "te-delayed":
+        if not o.float8_all_gather:
+            raise UsageError("--no-float8-all-gather is torchao's switch; TransformerEngine "
+                             "(--float8-recipe te-delayed) always gathers in the param dtype: drop it")
+        if model.num_experts:
+            raise UsageError(f"--float8-recipe te-delayed: zplan models TransformerEngine's dense "
+                             f"linears, not {model.name}'s experts; drop --float8-recipe")
+        if o.compile or o.checkpointing in ("selective", "attention"):
+            what = "--compile" if o.compile else f"--checkpointing {o.checkpointing}"
+            raise UsageError(f"--float8-recipe te-delayed with {what}: zplan does not model what "
+                             "TransformerEngine's linears keep there; use none, full or every-k "
+                             "checkpointing without --compile")
     if o.float8 and "fp8" not in gpu.peak_flops:
         raise UsageError(f"--float8 needs float8 tensor cores; {gpu.name} has none "
                          "(H100, H200, B200 and MI300X do): drop --float8 or pick such a --gpu")
@@ -187,6 +208,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             reduce_every_microbatch=not o.reduce_last_only,
             compile=o.compile, compile_loss=o.compile and not o.eager_loss,
             compile_scope=o.compile_scope, fused_loss=o.fused_loss, float8=o.float8,
+            float8_recipe=o.float8_recipe, float8_all_gather=o.float8_all_gather,
         )
         assume = Assumptions(
             compute_efficiency=efficiency, cuda_context_bytes=int(context_gib * GiB),

@@ -21,10 +21,12 @@ Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
 AttentionKernel = Literal["flash2", "flash-triton"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
+Float8Recipe = Literal["tensorwise", "te-delayed"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
 COMPILE_SCOPES: tuple[str, ...] = CompileScope.__args__  # type: ignore[attr-defined]
 OPTIMIZER_KERNELS: tuple[str, ...] = OptimizerKernels.__args__  # type: ignore[attr-defined]
+FLOAT8_RECIPES: tuple[str, ...] = Float8Recipe.__args__  # type: ignore[attr-defined]
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
 
@@ -202,6 +204,8 @@ class ModelSpec(Spec):
     max_seq_len: int = Field(4096, gt=0, le=2**27)
     linear_bias: bool = False
     qkv_bias: bool = False
+    qkv_fused: bool = Field(False, description="q, k and v are one linear (MPT's Wqkv, GPT-2's "
+                            "c_attn): float8 linears cast, and TransformerEngine keeps, its input once")
     dropout: bool = False
     num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="0 for a dense model")
     experts_per_token: int = Field(0, ge=0, le=MAX_EXPERTS)
@@ -351,7 +355,33 @@ class TrainSpec(Spec):
         "its backward returns every gradient at once; KempnerForge on one GPU)")
     float8: bool = Field(False, description="float8 linears (tensorwise scaling) with float8 "
                          "all-gather of their weights (torchao)")
+    float8_recipe: Float8Recipe = Field(
+        "tensorwise", description="with float8: tensorwise (torchao's dynamic tensorwise scaling: "
+        "an amax pass, then the cast) or te-delayed (TransformerEngine's delayed scaling, the "
+        "cast and its transpose in one kernel from the previous amax; its linears keep their "
+        "inputs and weights in float8 for backward; FSDP gathers the weights in the param dtype)")
+    float8_all_gather: bool = Field(True, description="tensorwise float8: FSDP gathers the block "
+                                    "weights in float8 (torchao's enable_fsdp_float8_all_gather)")
 
+
+    @model_validator(mode="after")
+    def _kernels_are_torch_adamw(self) -> "TrainSpec":
+        """optimizer_kernels names torch's AdamW implementations; DeepSpeed (zero layout) runs its
+        FusedAdam, other optimizers their own."""
+        if self.optimizer_kernels != "fused" and (self.layout != "torch" or self.optimizer != "adamw"):
+            raise ValueError(f"optimizer_kernels {self.optimizer_kernels} applies to AdamW in the torch "
+                             f"layout, not {self.optimizer} in the {self.layout} layout")
+        return self
+
+    @property
+    def float8_gather(self) -> bool:
+        """FSDP all-gathers block weights in float8 (torchao tensorwise with float8 all-gather)."""
+        return self.float8 and self.float8_recipe == "tensorwise" and self.float8_all_gather
+
+    @property
+    def te_float8(self) -> bool:
+        """TransformerEngine's delayed-scaling float8 linears."""
+        return self.float8 and self.float8_recipe == "te-delayed"
 
     @property
     def loss_fused(self) -> bool:

@@ -53,8 +53,12 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     for name, o, i in _linears(sc):
         if only is None or name.split()[0] in only:
             ops += K.linear(gpu, name, T, o, i, lin, act, backward)
-            if t.float8:  # tensorwise scaling: amax + cast of the input (or grad), 5 B/element
-                ops.append(K.memory(gpu, f"{name} float8 casts", 5 * T * (o if backward else i)
+            # a fused q/k/v linear casts its input once (charged on wq)
+            T_in = 0 if m.qkv_fused and name in ("wk", "wv") else T
+            if t.te_float8:
+                ops.append(float8_te_casts(gpu, name, T_in, T, o, i, B, backward))
+            elif t.float8:  # tensorwise scaling: amax + cast of the input (or grad), 5 B/element
+                ops.append(K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i)
                                     + 3 * o * i, 3))
     if m.num_experts and (only is None or "w1" in only):  # the router runs before the experts
         ops += K.linear(gpu, "router", T, m.num_experts, h, act, act, backward)
@@ -200,9 +204,26 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
     return gather, bwd
 
 
-def optimizer_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
+def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, backward: bool) -> K.Op:
+    """TransformerEngine's delayed-scaling float8 linear (transformer_engine/pytorch/module/
+    linear.py at v0.10): scales come from the amax history, so each cast is one
+    fp8_cast_transpose_fused kernel that reads the 16-bit tensor and writes it in float8 and its
+    float8 transpose, recording the amax on the way: B + 1 + 1 bytes per element (B the 16-bit
+    tensor's bytes). Forward casts
+    the input (T x i) and the weight (o x i; a new float8 weight every forward when
+    is_first_microbatch is not passed); backward casts the output's gradient (T x o, with the bias
+    gradient fused: fp8_cast_transpose_bgrad_fused) and reuses the weight transpose forward saved.
+    `T_in`: the input's tokens this linear casts (0 for k and v of a fused q/k/v linear)."""
+    per = B + 2
+    if backward:
+        return K.memory(gpu, f"{name} float8 cast+transpose", per * T * o, 1)
+    return K.memory(gpu, f"{name} float8 cast+transpose", per * (T_in * i + o * i), 2)
+
+
+def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | None = None) -> Ops:
     """The optimizer step over this rank's state, `local_sizes` the element counts of the tensors
-    it steps: gradient clipping first (`grad_clip_ops`), then AdamW as the run's implementation
+    it steps: gradient clipping first (`grad_clip_ops`, over `grad_sizes`, the local gradients,
+    default `local_sizes`: every rank's whole gradients under ddp and zero1), then AdamW as the run's implementation
     launches it (`TrainSpec.optimizer_kernels`, torch layout): fused, one multi-tensor pass
     (torch.optim.AdamW(fused=True), the trainer's default) of 2P + G + 4S bytes per element; foreach,
     torch's eight multi-tensor ops (`ADAMW_FOREACH_OPS`, AdamW's default on CUDA), 4P + 2G + 14S;
@@ -211,12 +232,12 @@ def optimizer_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
     DeepSpeed's FusedAdam over its flat fp32 partition (one tensor) and its copy of the updated
     master partition into the 16-bit weights (master + param bytes, one kernel). Launches follow
     torch's multi_tensor_apply chunking (kernels.multi_tensor_launches). The trainer's
-    --deterministic runs foreach where the plan says fused, a run option the plan does not carry:
+    --deterministic runs single where the plan says fused, a run option the plan does not carry:
     priced as planned (docs/formulas.md, section 6)."""
     gpu, t = sc.hw.gpu, sc.train
     tensors = sum(1 for n in local_sizes if n)
     local_elems = sum(local_sizes)
-    ops = grad_clip_ops(sc, local_sizes)
+    ops = grad_clip_ops(sc, local_sizes if grad_sizes is None else grad_sizes)
     if t.optimizer not in ("adamw", "adam8bit"):
         return ops + [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
     P, S = _b(t.precision.master), _b(t.precision.optimizer)
@@ -225,7 +246,7 @@ def optimizer_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
             return ops + [K.memory(gpu, "AdamW (fused)", adamw_fused_bytes(P, S) * local_elems,
                                    K.multi_tensor_launches(local_sizes, 4))]
         foreach = t.optimizer_kernels == "foreach"
-        launches = (sum(K.multi_tensor_launches(local_sizes, d) for _, _, d in ADAMW_FOREACH_OPS)
+        launches = (sum(K.multi_tensor_launches(local_sizes, d, sl) for _, _, d, sl in ADAMW_FOREACH_OPS)
                     if foreach else len(ADAMW_FOREACH_OPS) * tensors)
         name = "AdamW (foreach, 8 ops)" if foreach else "AdamW (per parameter, 8 ops)"
         return ops + [K.memory(gpu, name, adamw_unfused_bytes(P, P, S) * local_elems, launches)]
@@ -241,32 +262,34 @@ def grad_clip_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
     """Clipping by the global norm (`TrainSpec.grad_clip`): torch.nn.utils.clip_grad_norm_ reads
     every local gradient for its norm (_foreach_norm) and then scales every gradient by the clip
     coefficient, clamped to 1 but always applied (_foreach_mul_): 3 x gradient bytes per element,
-    two multi-tensor ops (one tensor per parameter under `single`: FSDP1's clip_grad_norm_ and
-    Composer's loop take the gradients one at a time; DeepSpeed's flat partition: one each). The
-    norm's all-reduce is one scalar (latency only, not priced)."""
+    two multi-tensor ops and the norm's cleanup kernel (CUDA's _foreach_norm reduces per-block
+    partials in a second launch); two kernels per tensor under `single`, as the trainer then
+    runs clip_grad_norm_(foreach=False) and FSDP1's clip_grad_norm_ and Composer loop over the
+    gradients. The norm's all-reduce is one scalar (latency only, not priced)."""
     t = sc.train
     if not t.grad_clip:
         return []
     G = _b(t.precision.master)
     tensors = sum(1 for n in local_sizes if n)
     launches = (2 * tensors if t.optimizer_kernels == "single" and t.layout == "torch"
-                else 2 * K.multi_tensor_launches(local_sizes, 1))
+                else 2 * K.multi_tensor_launches(local_sizes, 1) + 1)  # _foreach_norm's cleanup
     return [K.memory(sc.hw.gpu, "gradient clipping (norm, scale)", 3 * G * sum(local_sizes), launches)]
 
 
 # torch 2.13 torch/optim/adam.py, _multi_tensor_adam (decoupled weight decay, capturable False)
 # and _single_tensor_adam: each op's HBM bytes per element as (P, G, S) multipliers (P the
 # weight, G the gradient, S the state dtype; an op reading one tensor twice reads it once from
-# HBM) and its tensor lists (multi_tensor_apply depth).
-ADAMW_FOREACH_OPS: tuple[tuple[str, tuple[int, int, int], int], ...] = (
-    ("mul_ (weight decay)", (2, 0, 0), 1),
-    ("lerp_ (exp_avg)", (0, 1, 2), 2),
-    ("mul_ (exp_avg_sq)", (0, 0, 2), 1),
-    ("addcmul_ (exp_avg_sq)", (0, 1, 2), 3),
-    ("sqrt (new)", (0, 0, 2), 2),
-    ("div_ (bias correction)", (0, 0, 2), 1),
-    ("add_ (eps)", (0, 0, 2), 1),
-    ("addcdiv_ (weight)", (2, 0, 2), 3),
+# HBM), its tensor lists (multi_tensor_apply depth), and whether it takes a list of scalars (the
+# per-parameter bias corrections: a smaller tensor limit per launch).
+ADAMW_FOREACH_OPS: tuple[tuple[str, tuple[int, int, int], int, bool], ...] = (
+    ("mul_ (weight decay)", (2, 0, 0), 1, False),
+    ("lerp_ (exp_avg)", (0, 1, 2), 2, False),
+    ("mul_ (exp_avg_sq)", (0, 0, 2), 1, False),
+    ("addcmul_ (exp_avg_sq)", (0, 1, 2), 3, False),
+    ("sqrt (new)", (0, 0, 2), 2, False),
+    ("div_ (bias correction)", (0, 0, 2), 1, True),
+    ("add_ (eps)", (0, 0, 2), 1, False),
+    ("addcdiv_ (weight)", (2, 0, 2), 3, True),
 )
 
 
@@ -274,7 +297,7 @@ def adamw_unfused_bytes(param: int, grad: int, state: int) -> int:
     """Bytes per element of AdamW's eight unfused ops (foreach or per parameter): 4P + 2G + 14S,
     80 in fp32 (ADAMW_FOREACH_OPS). Composer's DecoupledAdamW with weight decay 0 (llm-foundry)
     runs mul_ + add_ for the lerp and no decay: 2P + 2G + 16S, the same 80 when P = S."""
-    return sum(p * param + g * grad + s * state for _, (p, g, s), _ in ADAMW_FOREACH_OPS)
+    return sum(p * param + g * grad + s * state for _, (p, g, s), _, _ in ADAMW_FOREACH_OPS)
 
 
 def adamw_fused_bytes(master: int, state: int) -> int:

@@ -50,6 +50,8 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "grad_clip": ((), "Gradients are clipped by their global norm every step (--no-grad-clip: no clipping)"),
     "fused_loss": ((), "The loss is a fused cross-entropy kernel (flash-attn's, e.g. llm-foundry's default): logits kept, their gradient in their dtype"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),
+    "float8_recipe": ((), "With --float8: tensorwise (torchao's dynamic scaling) | te-delayed (TransformerEngine's delayed scaling: float8 kept for backward, weights gathered in the param dtype)"),
+    "float8_all_gather": ((), "With --float8 (tensorwise): FSDP gathers block weights in float8 (--no-float8-all-gather: in the param dtype)"),
     "shard_size": ((), "HSDP shard group size (default: one node)"),
     "efficiency": ((), "Assume one achieved fraction of peak FLOP/s for all work instead of the per-op kernel model (presets without kernel figures: 0.7; 1 when calibrated)"),
     "context_gib": ((), "Assumed CUDA context per GPU, GiB"),

@@ -122,7 +122,10 @@ class Trainer:
         clipping (grad_clip False, priced as no work) computes no norm: NaN in the report."""
         if not self.plan.train.grad_clip:
             return torch.full((), float("nan"), device=self.device)
-        norm = torch.nn.utils.clip_grad_norm_(self.par.model.parameters(), self.cfg.clip)
+        # foreach where the device has it (CUDA; None lets torch choose), per tensor under single
+        single = self.plan.train.optimizer_kernels == "single"
+        norm = torch.nn.utils.clip_grad_norm_(self.par.model.parameters(), self.cfg.clip,
+                                              foreach=False if single else None)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # a collective: every rank calls it
         return norm.detach()

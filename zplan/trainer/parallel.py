@@ -204,14 +204,15 @@ def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float 
     its optimizer dtype: trainer_refusal checks), run as the plan's `optimizer_kernels` says
     (the time and memory models price the same): fused (one pass, no full-size temporaries),
     foreach (torch's multi-tensor ops) or single (one parameter at a time: fake-tensor traces,
-    whose multi-tensor peak is inflated). Under --deterministic a fused plan runs the foreach
-    kernels, bit for bit the per-parameter AdamW (fused rounds differently)."""
+    whose multi-tensor peak is inflated). Under --deterministic a fused plan runs single, the
+    per-parameter AdamW its reference runs (fused rounds differently), whose temporaries (two of
+    the largest parameter) are the nearest to fused's none."""
     if plan.train.optimizer != "adamw":
         raise ValueError(f"the trainer runs AdamW; the plan asks for {plan.train.optimizer}")
     params = [q for q in p.model.parameters() if q.requires_grad]
     kernels = plan.train.optimizer_kernels
     if kernels == "fused" and p.deterministic:
-        kernels = "foreach"
+        kernels = "single"
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[kernels]
     kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, eps=1e-8, **flags)
     if plan.strategy == "zero1":

@@ -87,7 +87,8 @@ def build_report(tr, start: int, losses: list[float], norms: list[float], times:
     return {
         "strategy": plan.strategy, "world_size": tr.world, "device": tr.device.type,
         "backend": tr.backend, "model": plan.model.name, "start_step": start,
-        "end_step": tr.step, "losses": losses, "grad_norms": [None if n != n else n for n in norms],  # NaN: not clipped, no norm "config": asdict(tr.cfg),
+        "end_step": tr.step, "losses": losses, "grad_norms": [None if n != n else n for n in norms],  # NaN: not clipped, no norm
+        "config": asdict(tr.cfg),
         "measured": measured, "predicted": predicted, "warnings": rate_warnings(plan, rate),
     }
 
