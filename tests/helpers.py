@@ -22,3 +22,29 @@ def cli(capsys, *args: str):
     rc = run(list(args))
     out = capsys.readouterr()
     return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
+
+def replace_linears(module, make) -> None:
+    """Every nn.Linear under `module` replaced by make(linear) (a stand-in with its weight)."""
+    import torch
+
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, make(child))
+
+
+def function_linear(fn):
+    """A module class standing in for nn.Linear: built from a Linear, it keeps that weight and
+    runs the autograd.Function `fn` (fn.apply(x, weight))."""
+    import torch
+
+    class Linear(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.weight = lin.weight
+
+        def forward(self, x):
+            return fn.apply(x, self.weight)
+
+    return Linear

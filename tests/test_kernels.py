@@ -353,3 +353,52 @@ def test_explain_lists_the_optimizer_kernels_the_step_charges():
         lines = explain_lines(scenario(model="llama-3.1-8b", gpus=8, layout=layout), "zero3")
         [line] = [x for x in lines if x.startswith("optimizer step")]
         assert all(n in line for n in names)
+
+
+def test_te_float8_recipe_is_refused_where_its_saves_are_unknown(capsys):
+    """Plan files and recommend obey the same rule as the command line: no selective or
+    attention checkpointing, no compile with TransformerEngine's float8."""
+    import json
+
+    from pydantic import ValidationError
+
+    from tests.helpers import cli
+    from zplan.specs import TrainSpec
+
+    with pytest.raises(ValidationError, match="te-delayed"):
+        TrainSpec(float8=True, float8_recipe="te-delayed", checkpointing="selective")
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--layout", "torch",
+            "--float8", "--float8-recipe", "te-delayed", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    modes = {c["train"]["checkpointing"] for c in d["candidates"]}
+    assert modes and not modes & {"selective", "attention"}
+    plain = json.loads(cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--layout",
+                           "torch", "--float8", "--json").stdout)
+    assert "selective" in {c["train"]["checkpointing"] for c in plain["candidates"]}  # could be
+
+
+def test_triton_attention_output_is_read_as_a_view():
+    """llm-foundry's Triton attention returns (b, s, h, d), viewed as (b, s, h·d) for the output
+    projection: no contiguous copy is kept (SDPA's (b, h, s, d) output is transposed into one)."""
+    from zplan import activation_memory
+    from zplan.specs import TrainSpec
+
+    m = scenario(model="mpt-7b", gpus=8).model
+    sdpa = activation_memory.block_activation_terms(m, TrainSpec(seq_len=2048))
+    triton = activation_memory.block_activation_terms(m, TrainSpec(seq_len=2048, attention_kernel="flash-triton"))
+    assert sdpa["attn_out_proj_input"] == 2 * 2048 * m.hidden and triton["attn_out_proj_input"] == 0
+    assert {k: v for k, v in sdpa.items() if k != "attn_out_proj_input"} == \
+        {k: v for k, v in triton.items() if k != "attn_out_proj_input"}
+
+
+def test_fused_qkv_is_one_weight_of_the_same_elements():
+    from zplan import arch
+
+    m = scenario(model="mpt-7b", gpus=8).model
+    split = m.model_copy(update={"qkv_fused": False})
+    fused_shapes, split_shapes = arch.block_shapes(m), arch.block_shapes(split)
+    h = m.hidden
+    assert (3 * h, h) in fused_shapes and (h, h) in split_shapes
+    assert len(fused_shapes) == len(split_shapes) - 4  # one weight and one bias for three each
+    assert arch.param_count(m) == arch.param_count(split)

@@ -179,10 +179,9 @@ def _block_kept_bytes(mode: str, mlp: str, linear=None):
                   vocab_size=64, mlp=mlp)
     model = Transformer(m).to(torch.bfloat16)
     if linear is not None:
-        for parent in list(model.layers[0].modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, linear(child))
+        from tests.helpers import replace_linears
+
+        replace_linears(model.layers[0], linear)
     apply_checkpointing(model, mode, 2)
     block = model.layers[0]
     s = 128
@@ -218,15 +217,9 @@ class _TEFloat8Linear:
             def backward(ctx, g):  # not run: the test measures what forward keeps
                 raise NotImplementedError
 
-        class Linear(torch.nn.Module):
-            def __init__(self, lin):
-                super().__init__()
-                self.weight = lin.weight
+        from tests.helpers import function_linear
 
-            def forward(self, x):
-                return Fn.apply(x, self.weight)
-
-        return Linear
+        return function_linear(Fn)
 
 
 @pytest.mark.parametrize("mode,mlp", [("none", "swiglu"), ("none", "gelu"), ("full", "swiglu")])

@@ -4,7 +4,10 @@ with torch's MemTracker and FlopCounterMode."""
 
 import pytest
 
-def _tiny_blocks(mlp, mode, layers=2):
+from tests.helpers import replace_linears
+
+
+def _tiny_blocks(mlp, mode, layers=2, linear=None):
     import torch
     from torch import nn
 
@@ -21,8 +24,50 @@ def _tiny_blocks(mlp, mode, layers=2):
 
     torch.manual_seed(0)
     net = Blocks().to(torch.bfloat16)
+    if linear is not None:  # before checkpointing wraps the blocks
+        replace_linears(net, linear)
     apply_checkpointing(net, mode, 2)
     return m, net
+
+
+def _backward_flop(mlp, mode, layers, seq, mb, early_stop, linear=None):
+    """FlopCounterMode over the backward of `layers` tiny blocks (SDPA's math backend, so that the
+    attention matmuls are counted: the CPU flash kernel has no FLOP formula)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m, net = _tiny_blocks(mlp, mode, layers=layers, linear=linear)
+    x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(early_stop):
+        y = x
+        for blk in net.layers:
+            y = blk(y)
+        with FlopCounterMode(display=False) as fc:
+            y.sum().backward()
+    return m, fc.get_total_flops()
+
+
+def _function_linear():
+    """A linear as an autograd.Function, as TransformerEngine's is: its tensors are saved with
+    ctx.save_for_backward once its forward (the GEMM included) has run."""
+    import torch
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w, (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+
+    from tests.helpers import function_linear
+
+    return function_linear(Fn)
 
 
 @pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
@@ -105,19 +150,8 @@ def test_full_recompute_flops_against_flopcounter(mlp, mode, early_stop):
 
     seq, mb = 64, 2
 
-    def backward_flop(mode):
-        m, net = _tiny_blocks(mlp, mode, layers=4)
-        x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
-        with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(early_stop):
-            y = x
-            for blk in net.layers:
-                y = blk(y)
-            with FlopCounterMode(display=False) as fc:
-                y.sum().backward()
-        return m, fc.get_total_flops()
-
-    m, flop = backward_flop(mode)
-    _, flop_none = backward_flop("none")
+    m, flop = _backward_flop(mlp, mode, 4, seq, mb, early_stop)
+    _, flop_none = _backward_flop(mlp, "none", 4, seq, mb, early_stop)
     train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing=mode, checkpoint_every=2,
                       checkpoint_early_stop=early_stop)
     units = [u for u in arch.units(m, 1) if u.blocks]
@@ -149,3 +183,25 @@ def test_bare_parameter_count_reruns_its_own_forward(params):
         for u in (u for u in sc.units if u.blocks):
             fwd, rerun = arch.unit_forward_flop(sc.model, u, sc.train), arch.unit_recompute_flop(sc.model, u, sc.train)
             assert rerun == fwd if not early_stop else 0.5 * fwd < rerun < fwd
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_early_stop_reruns_a_function_linear_to_its_end(mlp):
+    """Linears that are autograd.Functions (TransformerEngine's) save their tensors only when
+    their forward returns, so early stop cannot skip the last one: the block reruns in full.
+    FlopCounterMode against zplan's te-delayed recompute FLOPs (early stop on)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zplan import arch
+    from zplan.specs import TrainSpec
+
+    seq, mb = 64, 2
+    m, flop = _backward_flop(mlp, "full", 2, seq, mb, True, _function_linear())
+    _, flop_none = _backward_flop(mlp, "none", 2, seq, mb, True, _function_linear())
+    te = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing="full", float8=True, float8_recipe="te-delayed")
+    plain = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing="full")
+    units = [u for u in arch.units(m, 1) if u.blocks]
+    assert sum(arch.unit_recompute_flop(m, u, te) for u in units) == flop - flop_none
+    assert sum(arch.unit_recompute_flop(m, u, plain) for u in units) < flop - flop_none

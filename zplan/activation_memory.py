@@ -38,7 +38,10 @@ def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     B, sb = act_dtype_bytes(train), train.seq_len * train.micro_batch
     k = m.experts_per_token if m.num_experts else 1
     branches = 3 if m.mlp == "swiglu" else 2
-    return k * branches * B * sb * m.ffn_hidden + B * sb * m.hidden
+    temp = k * branches * B * sb * m.ffn_hidden + B * sb * m.hidden
+    if train.te_float8:  # the widest linear's output gradient cast to float8 and transposed
+        temp += 2 * sb * max(m.ffn_hidden, m.hidden + 2 * m.kv_hidden if m.qkv_fused else m.hidden)
+    return temp
 
 
 def head_saved_bytes(m: ModelSpec, train: TrainSpec) -> int:
@@ -77,7 +80,10 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         "norm_inputs": 2 * ((B if train.compile else norm_saved_per_token(train, B)) * sb * h + stats),
         "qkv_input": B * sb * h,
         "q_k_v": B * sb * (h + 2 * kv),
-        "attn_out_proj_input": B * sb * h,
+        # SDPA's (b, h, s, d) output is transposed into a contiguous copy for the output
+        # projection; the Triton kernel's (b, s, h, d) output is viewed as (b, s, h·d) and the
+        # projection keeps that view of what the kernel saved (llm-foundry's attention.py)
+        "attn_out_proj_input": 0 if train.flash_attention and train.attention_kernel == "flash-triton" else B * sb * h,
         "mlp_input": B * sb * h,
     }
     if train.flash_attention:

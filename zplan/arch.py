@@ -51,9 +51,12 @@ def _mlp(m: ModelSpec) -> list[Shape]:
 def block_shapes(m: ModelSpec) -> list[Shape]:
     """Parameter shapes of one transformer block, as torch Linear weights (out, in)."""
     h, kv = m.hidden, m.kv_hidden
-    shapes: list[Shape] = _norm(m) + [(h, h), (kv, h), (kv, h), (h, h)]
-    if m.qkv_bias:
-        shapes += [(h,), (kv,), (kv,)]
+    if m.qkv_fused:  # one q/k/v weight (MPT's Wqkv): the same elements in one tensor
+        shapes: list[Shape] = _norm(m) + [(h + 2 * kv, h), (h, h)]
+        shapes += [(h + 2 * kv,)] if m.qkv_bias else []
+    else:
+        shapes = _norm(m) + [(h, h), (kv, h), (kv, h), (h, h)]
+        shapes += [(h,), (kv,), (kv,)] if m.qkv_bias else []
     if m.linear_bias:
         shapes += [(h,)]
     shapes += _norm(m)
@@ -196,7 +199,7 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
         return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.hidden * T
     # the matmuls not kept run again (zplan/policy.py recomputed_matmuls); full and every-k rerun
     # attention (its output feeds wo), selective keeps it
-    names = policy.recomputed_matmuls(m.mlp, mode, train.checkpoint_early_stop, bool(m.num_experts))
+    names = policy.recomputed_matmuls(m.mlp, mode, policy.early_stop_applies(train), bool(m.num_experts))
     router_params = m.num_experts * m.hidden if m.num_experts else 0
     # the unit's own matmul weights per block (a bare --params count sizes them, not the
     # stand-in widths), the rerun share by the block's matmul widths

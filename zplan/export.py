@@ -145,7 +145,8 @@ def _accelerate_refusal(plan: Plan) -> str | None:
                 f"with --reduce-dtype {wanted}, or pass FullyShardedDataParallelPlugin("
                 f"mixed_precision_policy=...) in code")
     if t.float8:
-        return "accelerate's config file cannot set torchao's float8 linears: plan again without --float8"
+        return ("accelerate's config file cannot set the plan's float8 linears (torchao's, or "
+                "TransformerEngine's under FSDP as the plan prices them): plan again without --float8")
     if plan.strategy != "ddp":
         if t.blocks_per_unit != 1:
             return (f"accelerate wraps one transformer block per unit, the plan {t.blocks_per_unit}: "

@@ -62,6 +62,14 @@ def selective_saved_matmuls(mlp: str) -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(order) if i % 2 == 0)
 
 
+def early_stop_applies(train) -> bool:
+    """Whether early stop spares the block's last matmul: with non-reentrant checkpoint (early
+    stop on), unless the linears are TransformerEngine's, whose autograd.Function packs its saved
+    tensors only after its forward returns, the GEMM included, so the last one is rerun too
+    (checked with torch.utils.checkpoint on a custom Function, tests/test_policy.py)."""
+    return train.checkpoint_early_stop and not train.te_float8
+
+
 def recomputed_matmuls(mlp: str, mode: str, early_stop: bool = True, moe: bool = False) -> tuple[str, ...]:
     """The block matmuls that backward runs again for a checkpointed block: under full (and
     every-k's checkpointed blocks) all of them, under selective those whose outputs are not kept.

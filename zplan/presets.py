@@ -186,7 +186,8 @@ def hf_config_to_model(cfg: object, path: Path) -> dict:
         "max_seq_len": get("max_position_embeddings", "n_positions", "n_ctx", default=4096),
         "linear_bias": gpt2_like,
         "qkv_bias": gpt2_like or model_type == "qwen2" or flag("attention_bias", False),
-        "qkv_fused": model_type in ("gpt2", "gpt_neox", "mpt"),  # c_attn, query_key_value, Wqkv
+        # c_attn, query_key_value, Wqkv, qkv_proj: one q/k/v linear
+        "qkv_fused": model_type in ("gpt2", "gpt_neox", "mpt", "falcon", "bloom", "gpt_bigcode", "phi3", "dbrx"),
         "num_experts": get("num_local_experts", "num_experts", default=0),
         "experts_per_token": get("num_experts_per_tok", default=0),
         "source": f"Hugging Face config.json at {str(path)[-1000:]}",

@@ -18,7 +18,7 @@ from .parse import check_choice
 from .estimate import StrategyEstimate, estimate_one, unavailable_reason
 from .memory import memory
 from .scenario import Scenario
-from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH
+from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
 from .strategies import STRATEGIES, effective
 from .units import fmt_bytes, fmt_s
 
@@ -160,6 +160,8 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         for sc0 in _variants(base, family):
             usable = _usable(sc0, headroom)
             for ckpt in CHECKPOINTING:
+                if base.train.te_float8 and ckpt in TE_FLOAT8_UNMODELLED:
+                    continue  # TransformerEngine's saves under these modes are not modelled
                 for bpu in BLOCKS_PER_UNIT:
                     if bpu > L or (bpu > 1 and family in ("ddp", "zero1", "zero2")):
                         continue  # units only matter where weights are gathered per unit

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, FLOAT8_RECIPES, MAX_LAYERS, OPTIMIZER_KERNELS, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, FLOAT8_RECIPES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
@@ -181,7 +181,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         if model.num_experts:
             raise UsageError(f"--float8-recipe te-delayed: zplan models TransformerEngine's dense "
                              f"linears, not {model.name}'s experts; drop --float8-recipe")
-        if o.compile or o.checkpointing in ("selective", "attention"):
+        if o.compile or o.checkpointing in TE_FLOAT8_UNMODELLED:
             what = "--compile" if o.compile else f"--checkpointing {o.checkpointing}"
             raise UsageError(f"--float8-recipe te-delayed with {what}: zplan does not model what "
                              "TransformerEngine's linears keep there; use none, full or every-k "

@@ -27,6 +27,7 @@ ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[at
 COMPILE_SCOPES: tuple[str, ...] = CompileScope.__args__  # type: ignore[attr-defined]
 OPTIMIZER_KERNELS: tuple[str, ...] = OptimizerKernels.__args__  # type: ignore[attr-defined]
 FLOAT8_RECIPES: tuple[str, ...] = Float8Recipe.__args__  # type: ignore[attr-defined]
+TE_FLOAT8_UNMODELLED = ("selective", "attention")  # checkpointing modes whose TE saves zplan does not know
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
 
@@ -371,6 +372,10 @@ class TrainSpec(Spec):
         if self.optimizer_kernels != "fused" and (self.layout != "torch" or self.optimizer != "adamw"):
             raise ValueError(f"optimizer_kernels {self.optimizer_kernels} applies to AdamW in the torch "
                              f"layout, not {self.optimizer} in the {self.layout} layout")
+        if self.te_float8 and (self.compile or self.checkpointing in TE_FLOAT8_UNMODELLED):
+            raise ValueError("float8_recipe te-delayed: what TransformerEngine's linears keep under "
+                             f"{'compile' if self.compile else self.checkpointing + ' checkpointing'} is "
+                             "not modelled")
         return self
 
     @property

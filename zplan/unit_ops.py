@@ -56,7 +56,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
             # a fused q/k/v linear casts its input once (charged on wq)
             T_in = 0 if m.qkv_fused and name in ("wk", "wv") else T
             if t.te_float8:
-                ops.append(float8_te_casts(gpu, name, T_in, T, o, i, B, backward))
+                ops.append(float8_te_casts(gpu, name, T_in, T, o, i, B, backward, m.qkv_fused))
             elif t.float8:  # tensorwise scaling: amax + cast of the input (or grad), 5 B/element
                 ops.append(K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i)
                                     + 3 * o * i, 3))
@@ -178,7 +178,7 @@ def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
         return _block(sc, False, only=(), with_memory=False), float(u.blocks)
     # the matmuls not kept (policy.recomputed_matmuls: with early stop not a dense block's last;
     # selective, torchtitan's op-level SAC, keeps every second one) and every pointwise op
-    only = policy.recomputed_matmuls(m.mlp, mode, sc.train.checkpoint_early_stop, bool(m.num_experts))
+    only = policy.recomputed_matmuls(m.mlp, mode, policy.early_stop_applies(sc.train), bool(m.num_experts))
     if mode == "selective":
         return _block(sc, False, only=only, with_attention=False), float(u.blocks)
     if mode == "full":
@@ -204,7 +204,8 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
     return gather, bwd
 
 
-def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, backward: bool) -> K.Op:
+def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, backward: bool,
+                    qkv_fused: bool = False) -> K.Op:
     """TransformerEngine's delayed-scaling float8 linear (transformer_engine/pytorch/module/
     linear.py at v0.10): scales come from the amax history, so each cast is one
     fp8_cast_transpose_fused kernel that reads the 16-bit tensor and writes it in float8 and its
@@ -213,11 +214,13 @@ def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, b
     the input (T x i) and the weight (o x i; a new float8 weight every forward when
     is_first_microbatch is not passed); backward casts the output's gradient (T x o, with the bias
     gradient fused: fp8_cast_transpose_bgrad_fused) and reuses the weight transpose forward saved.
-    `T_in`: the input's tokens this linear casts (0 for k and v of a fused q/k/v linear)."""
+    `T_in`: the input's tokens this linear casts (0 for k and v of a fused q/k/v linear, whose
+    one weight and one gradient cast carry k's and v's bytes, charged here without a launch)."""
     per = B + 2
+    part = qkv_fused and name in ("wk", "wv")
     if backward:
-        return K.memory(gpu, f"{name} float8 cast+transpose", per * T * o, 1)
-    return K.memory(gpu, f"{name} float8 cast+transpose", per * (T_in * i + o * i), 2)
+        return K.memory(gpu, f"{name} float8 cast+transpose", per * T * o, 0 if part else 1)
+    return K.memory(gpu, f"{name} float8 cast+transpose", per * (T_in * i + o * i), 0 if part else 2)
 
 
 def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | None = None) -> Ops:
