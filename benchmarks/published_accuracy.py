@@ -61,7 +61,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         gpus_per_node=row.gpus_per_node, seq_len=row.seq_len, micro_batch=row.micro_batch,
         grad_accum=row.grad_accum, checkpointing=row.checkpointing, param_dtype=row.param_dtype,
         reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,
-        optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout="torch", shard_size=row.shard_size,
+        optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout=row.layout, shard_size=row.shard_size,
         attention_kernel=row.attention_kernel, fused_norm=row.fused_norm, loss_fp32=row.loss_fp32,
         checkpoint_early_stop=row.checkpoint_early_stop, fused_loss=row.fused_loss,
         norm_output_fp32=row.norm_output_fp32, optimizer_kernels=row.optimizer_kernels,

@@ -78,6 +78,7 @@ class Row:
     compile_loss: bool | None = None  # with compile: was the loss compiled too (None: yes, as zplan's --compile)
     fused_loss: bool = False  # the loss is a fused cross-entropy kernel (flash-attn's xentropy)
     optimizer_kernels: str = "fused"  # AdamW as the run launches it: fused | foreach | single
+    layout: str = "torch"  # torch: FSDP/DDP (FSDP2's per-parameter shards); zero: DeepSpeed's flat partitions
     grad_clip: bool = True  # gradients clipped by their global norm every step
     checkpoint_early_stop: bool = True  # non-reentrant checkpoint on PyTorch >= 2.1 (False: the whole block reruns)
     compile_scope: str = "block"  # with compile: block (each block compiled) or model (torch.compile(model))
@@ -117,7 +118,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "fused_loss": bool, "optimizer_kernels": str, "grad_clip": bool, "loss_fp32": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "fused_loss": bool, "optimizer_kernels": str, "layout": str, "grad_clip": bool, "loss_fp32": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -126,7 +127,8 @@ REQUIRED = ("id", "model", "gpu", "num_gpus", "gpus_per_node", "parallelism", "s
 CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLOAT8, "param_dtype": DTYPES,
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
            "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS,
-           "compile_scope": COMPILE_SCOPES}
+           "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"),
+           "optimizer_kernels": ("fused", "foreach", "single")}
 
 
 def _typed(key: str, value, where: str):
