@@ -196,30 +196,27 @@ def _block_kept_bytes(mode: str, mlp: str, linear=None):
     return m, after - before - out.numel() * 2 + (2 * s * m.hidden if mode != "none" else 0)
 
 
-class _TEFloat8Linear:
+def _te_float8_linear(torch):
     """A stand-in for TransformerEngine v0.10's float8 Linear (no CUDA here): the same tensors
     saved for backward (transformer_engine/pytorch/module/linear.py, `ctx.save_for_backward(
     inputmat_no_fp8 if not fp8_wgrad else None, inputmat_t, weight, weight_t_fp8, scale_inv)`):
     the float8 transpose of the input and of the weight; the output in the input's dtype."""
+    from tests.helpers import function_linear
 
-    @staticmethod
-    def make(torch):
-        class Fn(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, weight):
-                f8 = torch.float8_e4m3fn
-                x_t = x.reshape(-1, x.shape[-1]).t().contiguous().to(f8)
-                w_t = weight.t().contiguous().to(f8)
-                ctx.save_for_backward(x_t, weight, w_t)
-                return x @ weight.t()
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight):
+            f8 = torch.float8_e4m3fn
+            x_t = x.reshape(-1, x.shape[-1]).t().contiguous().to(f8)
+            w_t = weight.t().contiguous().to(f8)
+            ctx.save_for_backward(x_t, weight, w_t)
+            return x @ weight.t()
 
-            @staticmethod
-            def backward(ctx, g):  # not run: the test measures what forward keeps
-                raise NotImplementedError
+        @staticmethod
+        def backward(ctx, g):  # not run: the test measures what forward keeps
+            raise NotImplementedError
 
-        from tests.helpers import function_linear
-
-        return function_linear(Fn)
+    return function_linear(Fn)
 
 
 @pytest.mark.parametrize("mode,mlp", [("none", "swiglu"), ("none", "gelu"), ("full", "swiglu")])
@@ -228,7 +225,7 @@ def test_te_float8_block_keeps_float8_inputs_and_weight_transposes(mode, mlp):
     MemTracker's kept bytes equal zplan's te-delayed terms (the linear inputs nothing else keeps
     at 1 byte, the weights' float8 transposes)."""
     torch = pytest.importorskip("torch")
-    m, kept = _block_kept_bytes(mode, mlp, _TEFloat8Linear.make(torch))
+    m, kept = _block_kept_bytes(mode, mlp, _te_float8_linear(torch))
     t = TrainSpec(seq_len=128, fused_norm=False, float8=True, float8_recipe="te-delayed")
     assert kept == activation_memory.block_saved_bytes(m, t, mode)
     if mode == "none":  # and it is not the bf16 block's figure

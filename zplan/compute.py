@@ -16,7 +16,7 @@ from . import arch
 from . import kernels as K
 from . import unit_ops
 from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
-from .memory import Memory, zero1_torch_partition
+from .memory import Memory, optimizer_tensor_sizes
 from .scenario import Scenario
 from .strategies import Strategy
 
@@ -186,17 +186,6 @@ def optimizer_ops(sc: Scenario, st: Strategy) -> list[K.Op]:
     # the torch layout clips every local gradient: full under ddp and zero1 (DDP's gradients)
     Dg = sc.shard_degree(st.hsdp) if st.grads_sharded else 1
     return unit_ops.optimizer_ops(sc, steps, optimizer_tensor_sizes(sc, Dg))
-
-
-def optimizer_tensor_sizes(sc: Scenario, D: int, zero1: bool = False) -> list[int]:
-    """Element counts of the tensors one rank's optimizer steps: zero layout, DeepSpeed's one
-    flat partition; torch layout, every parameter's dim-0 shard (Scenario.shard_elems' rule), or
-    under zero1 the whole parameters ZeroRedundancyOptimizer gives the fullest rank."""
-    if sc.train.layout == "zero":
-        return [sum(sc.shard_elems(u, D) for u in sc.units)]
-    if zero1 and D > 1:
-        return zero1_torch_partition(sc)
-    return [-(-s[0] // D) * math.prod(s[1:]) for u in sc.units for s in u.shapes]
 
 
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:

@@ -74,6 +74,25 @@ def zero1_torch_partition(sc: Scenario) -> list[int]:
     return list(_zero1_partition(tuple(math.prod(s) for u in sc.units for s in u.shapes), sc.n))
 
 
+def optimizer_tensor_sizes(sc: Scenario, D: int, zero1: bool = False) -> list[int]:
+    """Element counts of the tensors one rank's optimizer steps: zero layout, DeepSpeed's one
+    flat partition; torch layout, every parameter's dim-0 shard (Scenario.shard_elems' rule), or
+    under zero1 the whole parameters ZeroRedundancyOptimizer gives the fullest rank."""
+    if sc.train.layout == "zero":
+        return [sum(sc.shard_elems(u, D) for u in sc.units)]
+    if zero1 and D > 1:
+        return zero1_torch_partition(sc)
+    if sc.custom_units is None:
+        return list(_decoder_dim0_shards(sc.model, sc.train.blocks_per_unit, D))
+    return [ceil_div(s[0], D) * math.prod(s[1:]) for u in sc.units for s in u.shapes]
+
+
+@lru_cache(maxsize=1024)
+def _decoder_dim0_shards(model, blocks_per_unit: int, D: int) -> tuple[int, ...]:
+    return tuple(ceil_div(s[0], D) * math.prod(s[1:])
+                 for u in arch.units(model, blocks_per_unit) for s in u.shapes)
+
+
 @lru_cache(maxsize=256)
 def _zero1_partition(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
     held: list[list[int]] = [[] for _ in range(n)]
@@ -171,14 +190,8 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     accum_b = accum_grad_bytes(sc, st)
     opt_temp = 0
     if not st.offload_optimizer:
-        D_opt = D if st.optim_sharded else 1
-        if st.name == "zero1" and t.layout == "torch" and D_opt > 1:  # whole parameters per rank
-            held = zero1_torch_partition(sc)
-            largest, local = max(held, default=0), sum(held)
-        else:
-            largest = max(_largest_params(sc, D_opt), default=0)
-            local = sum(sc.shard_elems(u, D_opt) for u in sc.units)
-        opt_temp = mt.optimizer_temp_bytes(largest, local, t, t.layout)
+        steps = optimizer_tensor_sizes(sc, D if st.optim_sharded else 1, zero1=st.name == "zero1")
+        opt_temp = mt.optimizer_temp_bytes(max(steps, default=0), sum(steps), t, t.layout)
     shards = ms.unit_shards
     padded = [x * D for x in shards]  # Scenario.padded_elems
     if t.layout == "torch" and st.fsdp:
