@@ -64,14 +64,15 @@ SCENARIO = {
     "--context-gib": number(["0", "0.5", "1024"]),
     "--fragmentation": number(["0", "0.05", "0.9"]),
     "--bucket-mib": number(["0", "25", "1000000"]),
-    "--attention-kernel": choice_or_hostile(["flash2", "flash-triton"]),
+    "--attention-kernel": choice_or_hostile(["flash2", "flash-triton", "flash3"]),
+    "--linear-loss": choice_or_hostile(["none", "chunked", "liger"]),
     "--compile-scope": choice_or_hostile(["block", "model"]),
     "--optimizer-kernels": choice_or_hostile(["fused", "foreach", "single"]),
     "--float8-recipe": choice_or_hostile(["tensorwise", "te-delayed"]),
 }
 SWITCHES = ["--reduce-last-only", "--no-flash", "--no-prefetch", "--fused-norm", "--no-fused-norm",
             "--no-overlap", "--compile", "--eager-loss", "--float8", "--no-loss-fp32",
-            "--no-checkpoint-early-stop", "--fused-loss", "--no-grad-clip", "--no-float8-all-gather",
+            "--no-checkpoint-early-stop", "--fused-loss", "--fused-swiglu", "--no-grad-clip", "--no-float8-all-gather",
             "--no-norm-output-fp32"]
 OWN = {
     "estimate": {"--strategy": choice_or_hostile(STRATEGIES), "--unit": choice_or_hostile(["GB", "GiB"])},

@@ -81,9 +81,10 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         "qkv_input": B * sb * h,
         "q_k_v": B * sb * (h + 2 * kv),
         # SDPA's (b, h, s, d) output is transposed into a contiguous copy for the output
-        # projection; the Triton kernel's (b, s, h, d) output is viewed as (b, s, h·d) and the
-        # projection keeps that view of what the kernel saved (llm-foundry's attention.py)
-        "attn_out_proj_input": 0 if train.flash_attention and train.attention_kernel == "flash-triton" else B * sb * h,
+        # projection; the Triton kernel's and FlashAttention-3's (b, s, h, d) output is viewed
+        # as (b, s, h·d) and the projection keeps that view of what the kernel saved
+        # (llm-foundry's attention.py; HF's `reshape(...).contiguous()`, a no-op there)
+        "attn_out_proj_input": 0 if train.attention_out_view else B * sb * h,
         "mlp_input": B * sb * h,
     }
     if train.flash_attention:
@@ -101,7 +102,8 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         t["residual_dropout_masks"] = 2 * sb * h
     # SwiGLU keeps w1's and w3's outputs, silu(w1) and their product; compiled, AOTAutograd's
     # min-cut partitioner recomputes silu(w1) in backward (3 kept). GELU: its input and output.
-    per_mlp = (2 if m.mlp == "gelu" else 3 if train.compile else 4) * B * sb * f
+    # Liger's fused SwiGLU (train.fused_swiglu) keeps the same three.
+    per_mlp = (2 if m.mlp == "gelu" else 3 if train.compile or train.fused_swiglu else 4) * B * sb * f
     if m.num_experts:
         k = m.experts_per_token
         t["router_logits"] = 4 * sb * m.num_experts
@@ -181,8 +183,41 @@ def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, 
     return {"forward": B + upcast + L, "backward": B + 3 * L}
 
 
+def linear_loss_bytes(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
+    """A linear loss (`train.linear_loss`): the head's matmul and the cross-entropy chunk by
+    chunk (policy.loss_chunk_tokens, c tokens), each chunk's logit gradient turned at once into
+    the head's input and weight gradients; the logits are never kept whole.
+
+    kept, from the loss forward to the head's backward: the input gradient B·T·h (in place of the
+    head's saved input, which head_saved_bytes counts: the same size) and the weight gradient
+    B·V·h. forward, besides `kept`: the head's input B·T·h, alive as the loss's argument while
+    its gradient fills, the 0-d fp32 loss, and at the chunk's largest moment:
+      liger (Liger-Kernel v0.8.0 ops/fused_linear_cross_entropy.py, accum_dtype None): the chunk's
+        logits B·c·V (the Triton kernel writes their gradient in place), and at
+        `grad_weight += torch.mm(grad_logits_chunk.t(), _input_chunk).float()` the product B·V·h
+        and its fp32 copy 4·V·h (none when B = 4: `.float()` returns the tensor itself);
+      chunked (the trainer, zplan/trainer/linear_loss.py): the chunk's logits out of the matmul
+        B·c·V and their fp32 working copy 4·c·V (one tensor when B = 4, beside two fp32 row
+        vectors, 8·c), the weight gradient accumulated in place (addmm with out=). MemTracker
+        on the trainer's head shows exactly these (tests/test_linear_loss.py).
+    backward: the gradients scaled in place (Liger's element_mul_kernel; the trainer's mul_)."""
+    T, V, h, B = train.seq_len * train.micro_batch, m.vocab_size, m.hidden, act_dtype_bytes(train)
+    if train.linear_loss == "none":
+        return {"kept": 0, "forward": 0, "backward": 0}
+    c = min(T, policy.loss_chunk_tokens(T, V, h))
+    kept = B * V * h
+    if train.linear_loss == "liger":
+        temp = B * c * V + B * V * h + (4 * V * h if B != 4 else 0) + 4 * T
+    else:
+        temp = B * c * V + (4 * c * V if B != 4 else 8 * c)
+    return {"kept": kept, "forward": kept + B * T * h + 4 + temp, "backward": kept}
+
+
 def logits_bytes(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> int:
-    """Peak bytes of the loss over the logits: the larger of its forward and its backward."""
+    """Peak bytes of the loss over the logits: the larger of its forward and its backward (a
+    linear loss: its forward, linear_loss_bytes)."""
+    if train.linear_loss != "none":
+        return linear_loss_bytes(m, train)["forward"]
     sbv = train.seq_len * train.micro_batch * m.vocab_size
     return sbv * max(loss_bytes_per_logit(train, loss_fp32).values())
 

@@ -72,6 +72,12 @@ def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, a
             gemm(gpu, f"{name} dW", n_out, n_in, T, dtype, "fp32" if dtype == "fp8" else act)]
 
 
+def repeat(op: Op, n: int) -> Op:
+    """One kernel run n times (a loop over chunks)."""
+    return Op(op.name if n == 1 else f"{op.name} x{n}", op.kind, op.kernels * n, op.flop * n,
+              op.bytes * n, op.seconds * n)
+
+
 def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int) -> Op:
     k = gpu.kernels
     assert k is not None
@@ -90,10 +96,17 @@ def attention_flop(seq: int, hidden: int, tokens: int, causal: bool = True) -> i
 # "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in the forward pass
 # and around 2x faster in the backward pass" (1.4 taken, the middle). Measured on A100 only;
 # applied to every GPU (no other kernel-level comparison of the two is published).
+# FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, Figures 5 and 6, H100 80GB SXM5, bf16,
+# head dim 128, sequence 16k, the same benchmark for both kernels): causal forward 616 against
+# FlashAttention-2's 335 TFLOP/s (the FA2 bar the presets' forward rates come from). Backward is
+# charted without the causal mask, 561 against 322; the presets' FA2 backward rate is 322 x FA2's
+# causal/non-causal forward ratio (335/370), so FA3's is 561 x its own (616/648). Hopper only.
 ATTENTION_KERNEL_SPEED: dict[str, tuple[float, float]] = {
     "flash2": (1.0, 1.0),
     "flash-triton": (1 / 1.4, 1 / 2.0),
+    "flash3": (616 / 335, (561 * 616 / 648) / (322 * 335 / 370)),
 }
+FLASH3_HEAD_DIMS = (64, 96, 128, 192, 256)  # flash-attn hopper/: the head dims it compiles
 
 
 def padded_head_dim(head_dim: int, kernel: str) -> int:
@@ -102,13 +115,16 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
     of two (flash_attn_triton.py, BLOCK_HEADDIM = next_power_of_2(d))."""
     if kernel == "flash-triton":
         return max(16, 1 << (head_dim - 1).bit_length())
+    if kernel == "flash3":
+        return next((d for d in FLASH3_HEAD_DIMS if d >= head_dim), head_dim)
     return -(-head_dim // 32) * 32
 
 
 def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128) -> tuple[float, float]:
     """Counted FLOP/s (forward, backward) of the flash kernel at long sequences: the preset's
     FlashAttention-2 rates x the kernel's speed relative to it x head_dim / the padded head
-    dimension (the padding is computed, not counted)."""
+    dimension (the padding is computed, not counted; FlashAttention-3 compiles head dims 64, 96,
+    128, 192 and 256 and runs a smaller one on the next)."""
     k = gpu.kernels
     assert k is not None
     pad = head_dim / padded_head_dim(head_dim, kernel)

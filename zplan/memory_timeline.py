@@ -59,8 +59,9 @@ class Activations:
     saved: tuple[int, ...]  # kept between a unit's forward and its backward
     recompute: tuple[int, ...]  # extra, while one of the unit's blocks is recomputed in backward
     backward_temp: tuple[int, ...]  # gradients of activations alive inside the unit's backward
-    logits_elems: int
+    logits_elems: int  # logits the head materialises (0 under a linear loss)
     loss_per_logit: dict[str, int]
+    linear_loss: dict[str, int]  # a linear loss's bytes by phase (activation_memory.linear_loss_bytes)
     act_bytes: int  # bytes per activation element (the param dtype)
     stream_bytes: int  # one hidden-state tensor (s·b·h) in the param dtype
 
@@ -95,9 +96,10 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
         saved.append(sum(per))
         extra.append(max(none_b - p for p in per))
         temp.append(temp_b)
-    return Activations(tuple(saved), tuple(extra), tuple(temp),
-                       t.seq_len * t.micro_batch * m.vocab_size,
-                       activation_memory.loss_bytes_per_logit(t, loss_fp32), B, B * sbh)
+    linear = activation_memory.linear_loss_bytes(m, t)
+    logits = 0 if t.linear_loss != "none" else t.seq_len * t.micro_batch * m.vocab_size
+    return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
+                       activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B, B * sbh)
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     at_loss = 0 if reshard else held_b + moving_upto[n]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
-                      activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]))
+                      activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
+                      + acts.linear_loss[phase]))
     logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
     for j in reversed(ends):
         name = sc.units[j].name
@@ -212,7 +215,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.act_bytes, **kw)]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
-                      + acts.logits_elems * acts.loss_per_logit[phase], **kw))
+                      + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase], **kw))
     saved_upto = [0, *accumulate(acts.saved)]
     if compiled is None:  # eager: every gradient accumulated as soon as it is made
         compiled = CompiledGraphs((0,) * n, (), 0, (0,) * n)

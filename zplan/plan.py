@@ -164,6 +164,14 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
                 "no s x s scores: plan again with --flash")
     if not builtin_model:  # the script computes its own loss
         return None
+    if t.attention_kernel != "flash2":
+        return (f"the trainer's attention is PyTorch's scaled_dot_product_attention (flash2), not "
+                f"{t.attention_kernel}: plan again with --attention-kernel flash2, or export the plan")
+    if t.linear_loss == "liger" or t.fused_swiglu:
+        flag = "--linear-loss liger" if t.linear_loss == "liger" else "--fused-swiglu"
+        return (f"{flag} is Liger-Kernel's (Triton); the trainer runs torch ops: plan again "
+                f"{'with --linear-loss chunked' if t.linear_loss == 'liger' else 'without --fused-swiglu'}, "
+                f"or export the plan")
     if not t.fused_norm and not t.norm_output_fp32:
         return ("the trainer's unfused norm is F.rms_norm, which keeps its normalized output in "
                 "fp32: plan again without --no-norm-output-fp32, or export the plan")

@@ -92,3 +92,12 @@ def selective_saved_positions(mlp: str) -> frozenset[int]:
     checkpoint policy is called with each op, not with the module that issued it)."""
     saved = set(selective_saved_matmuls(mlp))
     return frozenset(i for i, name in enumerate(BLOCK_MATMULS[mlp]) if name in saved)
+
+
+def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk of a linear loss (TrainSpec.linear_loss), Liger-Kernel's rule
+    (ops/fused_linear_cross_entropy.py, v0.8.0): a chunk's logits are about as large as the
+    head's input, `inc = ceil(V / h)`, `chunk = next_power_of_2(ceil(T / inc))`, at most T's
+    own power of two. The trainer's chunked loss uses the same chunks."""
+    inc = -(-vocab // hidden)
+    return 1 << (max(1, -(-tokens // inc)) - 1).bit_length()

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, FLOAT8_RECIPES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 
@@ -61,6 +61,8 @@ class ScenarioOptions:
     compile_scope: str = "block"  # with compile: block (each block) or model (torch.compile(model))
     loss_fp32: bool = True
     fused_loss: bool = False
+    linear_loss: str = "none"  # none | chunked | liger (TrainSpec.linear_loss)
+    fused_swiglu: bool = False
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
     float8: bool = False
@@ -144,6 +146,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
     check_choice(o.attention_kernel, "--attention-kernel", ATTENTION_KERNELS)
+    if o.attention_kernel == "flash3" and not gpu.name.startswith(HOPPER_PRESETS):
+        raise UsageError(f"--attention-kernel flash3 (FlashAttention-3) runs on Hopper GPUs "
+                         f"({', '.join(HOPPER_PRESETS)}), not {gpu.name}: use flash2")
     check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))
     check_choice(o.optimizer_kernels, "--optimizer-kernels", OPTIMIZER_KERNELS)
     layout = o.layout or "zero"
@@ -170,6 +175,13 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.compile_scope != "block" and not o.compile:
         raise UsageError(f"--compile-scope {o.compile_scope} goes with --compile: add --compile, "
                          "or drop --compile-scope")
+    check_choice(o.linear_loss, "--linear-loss", LINEAR_LOSSES)
+    if o.linear_loss != "none" and (o.fused_loss or (o.compile and not o.eager_loss)):
+        flag = "--fused-loss" if o.fused_loss else "--compile (which compiles the loss)"
+        raise UsageError(f"--linear-loss {o.linear_loss} computes the loss itself, so it is not also "
+                         f"{flag}: drop one (with --compile, add --eager-loss)")
+    if o.fused_swiglu and model.mlp != "swiglu":
+        raise UsageError(f"--fused-swiglu fuses SwiGLU; {model.name} has a {model.mlp} MLP: drop it")
     check_choice(o.float8_recipe, "--float8-recipe", FLOAT8_RECIPES)
     if not o.float8 and (o.float8_recipe != "tensorwise" or not o.float8_all_gather):
         flag = f"--float8-recipe {o.float8_recipe}" if o.float8_recipe != "tensorwise" else "--no-float8-all-gather"
@@ -207,7 +219,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,
             compile=o.compile, compile_loss=o.compile and not o.eager_loss,
-            compile_scope=o.compile_scope, fused_loss=o.fused_loss, float8=o.float8,
+            compile_scope=o.compile_scope, fused_loss=o.fused_loss, linear_loss=o.linear_loss,
+            fused_swiglu=o.fused_swiglu, float8=o.float8,
             float8_recipe=o.float8_recipe, float8_all_gather=o.float8_all_gather,
         )
         assume = Assumptions(
@@ -219,6 +232,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     except ValidationError as e:
         raise UsageError(validation_line("options", e)) from None
     return Scenario(model, hw, train, assume, o.shard_size)
+
+
+HOPPER_PRESETS = ("h100", "h200", "gh200")  # GPU presets FlashAttention-3 runs on (by name)
 
 
 def cpu_ranks(**kw) -> ScenarioOptions:

@@ -18,15 +18,17 @@ StrategyName = Literal[
 ]
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
-AttentionKernel = Literal["flash2", "flash-triton"]
+AttentionKernel = Literal["flash2", "flash-triton", "flash3"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
 Float8Recipe = Literal["tensorwise", "te-delayed"]
+LinearLoss = Literal["none", "chunked", "liger"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
 COMPILE_SCOPES: tuple[str, ...] = CompileScope.__args__  # type: ignore[attr-defined]
 OPTIMIZER_KERNELS: tuple[str, ...] = OptimizerKernels.__args__  # type: ignore[attr-defined]
 FLOAT8_RECIPES: tuple[str, ...] = Float8Recipe.__args__  # type: ignore[attr-defined]
+LINEAR_LOSSES: tuple[str, ...] = LinearLoss.__args__  # type: ignore[attr-defined]
 TE_FLOAT8_UNMODELLED = ("selective", "attention")  # checkpointing modes whose TE saves zplan does not know
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
@@ -313,7 +315,9 @@ class TrainSpec(Spec):
     flash_attention: bool = True
     attention_kernel: AttentionKernel = Field(
         "flash2", description="the flash kernel: flash2 (FlashAttention-2, PyTorch's SDPA flash "
-        "backend) or flash-triton (FlashAttention in Triton, as llm-foundry's attn_impl: triton)")
+        "backend), flash-triton (FlashAttention in Triton, as llm-foundry's attn_impl: triton) or "
+        "flash3 (FlashAttention-3, Hopper GPUs: flash-attn's hopper kernels, HF's "
+        "attn_implementation flash_attention_3)")
     optimizer: OptimizerName = "adamw"
     optimizer_kernels: OptimizerKernels = Field(
         "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "
@@ -351,6 +355,17 @@ class TrainSpec(Spec):
         False, description="the loss is one fused cross-entropy kernel without torch.compile "
         "(flash-attn's, as llm-foundry's default loss_fn fused_crossentropy): logits kept, their "
         "gradient written in their dtype, as a compiled loss")
+    linear_loss: LinearLoss = Field(
+        "none", description="the output projection and the cross-entropy computed together, "
+        "chunk by chunk of tokens, the gradients of the head's input and weight made in the "
+        "forward: the logits are never kept whole. chunked: the trainer's (--linear-loss chunked, "
+        "torch ops, an fp32 working copy of each chunk's logits); liger: Liger-Kernel's fused "
+        "linear cross-entropy (Triton, the chunk's gradient written in place, the weight gradient "
+        "accumulated through an fp32 copy); none: the logits are materialised")
+    fused_swiglu: bool = Field(
+        False, description="SwiGLU's silu and product in one kernel that saves its two inputs and "
+        "recomputes silu in backward (Liger-Kernel's LigerSiLUMulFunction): three MLP-wide tensors "
+        "kept per block, not four")
     compile_scope: CompileScope = Field(
         "block", description="what one torch.compile covers: block (each block compiled on its own: "
         "torchtitan) or model (torch.compile(model): one graph over a model no DDP/FSDP wraps, so "
@@ -373,6 +388,9 @@ class TrainSpec(Spec):
         if self.optimizer_kernels != "fused" and (self.layout != "torch" or self.optimizer != "adamw"):
             raise ValueError(f"optimizer_kernels {self.optimizer_kernels} applies to AdamW in the torch "
                              f"layout, not {self.optimizer} in the {self.layout} layout")
+        if self.linear_loss != "none" and self.loss_fused:
+            raise ValueError(f"linear_loss {self.linear_loss} computes the loss itself; it is "
+                             f"not also {'compiled' if self.compile_loss else 'a fused cross-entropy'}")
         if self.te_float8 and (self.compile or self.checkpointing in TE_FLOAT8_UNMODELLED):
             raise ValueError("float8_recipe te-delayed: what TransformerEngine's linears keep under "
                              f"{'compile' if self.compile else self.checkpointing + ' checkpointing'} is "
@@ -388,6 +406,13 @@ class TrainSpec(Spec):
     def te_float8(self) -> bool:
         """TransformerEngine's delayed-scaling float8 linears."""
         return self.float8 and self.float8_recipe == "te-delayed"
+
+    @property
+    def attention_out_view(self) -> bool:
+        """The attention kernel's output is (b, s, heads, d), read by the output projection as a
+        view (flash-attn's and the Triton kernel's layout); SDPA's (b, heads, s, d) is transposed
+        into a contiguous copy first."""
+        return self.flash_attention and self.attention_kernel in ("flash-triton", "flash3")
 
     @property
     def loss_fused(self) -> bool:

@@ -77,29 +77,41 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     if t.compile:
         if backward:
             rows = [("norms + residual (fused)", 8 * h, 2), ("gradient sums", 6 * h, 2),
-                    ("RoPE (fused)", 2 * (h + kv), 1), ("attention output copy", 2 * h, 1),
+                    ("RoPE (fused)", 2 * (h + kv), 1), ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1),
                     ("activation (fused)", (5 if swiglu else 3) * f, 1)]
         else:
             rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (h + kv), 1),
-                    ("attention output copy", 2 * h, 1), ("activation (fused)", (3 if swiglu else 2) * f, 1)]
+                    ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1), ("activation (fused)", (3 if swiglu else 2) * f, 1)]
     elif backward:
-        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
-                ("SwiGLU" if swiglu else "GELU", (9 if swiglu else 3) * f, 3 if swiglu else 1),
-                ("residual + gradient sums", 15 * h, 5)]
+        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1),
+                _activation_row(m, t, backward), ("residual + gradient sums", 15 * h, 5)]
     else:
-        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 2 * h, 1),
-                ("SwiGLU" if swiglu else "GELU", (5 if swiglu else 2) * f, 2 if swiglu else 1),
-                ("residual adds", 6 * h, 2)]
+        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1),
+                _activation_row(m, t, backward), ("residual adds", 6 * h, 2)]
     if m.position != "rope":  # a learned position table is added once, in the embedding unit
         rows = [r for r in rows if not r[0].startswith("RoPE")]
     biases = _bias_widths(m)
     if backward and biases:  # autograd's addmm backward: grad_bias = grad_out.sum(0), one kernel each
         rows.append(("bias gradients", sum(biases), len(biases)))
-    ops += [K.memory(gpu, n, per * B * T, kern) for n, per, kern in rows]
+    ops += [K.memory(gpu, n, per * B * T, kern) for n, per, kern in rows if per]
     if not t.compile:
         per, kern = norm_bytes(t, B, backward)
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern))
     return ops
+
+
+def _activation_row(m, t, backward: bool) -> tuple[str, int, int]:
+    """The MLP's activation function, eager: SwiGLU silu + mul 5f forward (silu reads w1's
+    output and writes, mul reads it and w3's and writes), 9f backward in 3 kernels; fused
+    (`fused_swiglu`, Liger's LigerSiLUMulFunction) one kernel each way, 3f forward (reads a, b,
+    writes c) and 5f backward (reads dc, a, b; writes da, db; silu recomputed in registers);
+    GELU 2f and 3f. Bytes per token in units of B."""
+    f = m.ffn_hidden
+    if m.mlp != "swiglu":
+        return ("GELU", (3 if backward else 2) * f, 1)
+    if t.fused_swiglu:
+        return ("SwiGLU (fused)", (5 if backward else 3) * f, 1)
+    return ("SwiGLU", (9 if backward else 5) * f, 3 if backward else 2)
 
 
 def _bias_widths(m) -> list[int]:
@@ -138,6 +150,8 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     B, V, h = _b(act), m.vocab_size, m.hidden
     per, kern = norm_bytes(t, B, backward)
     ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern)]
+    if t.linear_loss != "none":
+        return ops + _linear_loss(sc, backward)
     ops += K.linear(gpu, "output", T, V, h, act, act, backward)
     if t.loss_fused:  # one fused kernel each way, bf16 in and out (activation_memory.loss_bytes_per_logit)
         per, kern = (2 * B * V, 1) if backward else (B * V, 1)
@@ -146,6 +160,48 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     else:
         per, kern = (4 * B * V, 3) if backward else (2 * B * V, 2)
     ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern))
+    return ops
+
+
+def _linear_loss(sc: Scenario, backward: bool) -> Ops:
+    """A linear loss (activation_memory.linear_loss_bytes): all three of the head's GEMMs run in
+    the forward, chunk by chunk (policy.loss_chunk_tokens: c tokens): logits (c, V, h), the input
+    gradient (c, h, V) and the weight gradient (V, h, c, accumulated). Memory-bound, per chunk:
+    liger, the cross-entropy kernel reads each logit twice and writes its gradient in place (3B
+    per logit, one kernel) and the weight gradient goes through an fp32 copy, `+=
+    mm(...).float()` ((B+4) + (2B+4) bytes per weight element, 2 kernels; B = 4: 3B, 1); chunked
+    (the trainer, zplan/trainer/linear_loss.py), in torch ops per logit: fp32 copy B+4, amax 4,
+    sub_ 8, exp_ 8, sum 4, div_ by the row sum 8, div_ by the token count 8, back to B 4+B (B = 4:
+    no copies): 48+2B in 9 kernels and 3 small ones (gathers and a scatter of the targets'
+    logits); 40 in 6 + 3. Once: zeroed gradients (liger both, chunked the weight's). Backward:
+    both gradients scaled in place (Liger skips a gradient of 1: grad_accum 1; the trainer
+    always scales)."""
+    m, t, gpu = sc.model, sc.train, sc.hw.gpu
+    T, act = t.seq_len * t.micro_batch, t.precision.param
+    B, V, h = _b(act), m.vocab_size, m.hidden
+    if backward:
+        if t.grad_accum == 1 and t.linear_loss == "liger":
+            return []
+        return [K.memory(gpu, "linear loss: gradients scaled", 2 * B * (T * h + V * h), 2)]
+    c = min(T, policy.loss_chunk_tokens(T, V, h))
+    liger = t.linear_loss == "liger"
+    ops: Ops = [K.memory(gpu, "linear loss: gradients zeroed", B * (V * h + (T * h if liger else 0)),
+                         2 if liger else 1)]
+    for rows, n in ((c, T // c), (T % c, 1)):
+        if not rows or not n:
+            continue
+        chunk = [K.gemm(gpu, "output logits (chunked)", rows, V, h, act, act),
+                 K.gemm(gpu, "output dX (chunked)", rows, h, V, act, act),
+                 K.gemm(gpu, "output dW (chunked)", V, h, rows, act, act)]
+        if liger:
+            per, kern = 3 * B, 1
+            w_b, w_k = ((B + 4) + (2 * B + 4), 2) if B != 4 else (3 * B, 1)
+            chunk += [K.memory(gpu, "cross-entropy (Liger, in place)", per * rows * V, kern),
+                      K.memory(gpu, "weight gradient through fp32", w_b * V * h, w_k)]
+        else:
+            per, kern = (48 + 2 * B, 12) if B != 4 else (40, 9)
+            chunk.append(K.memory(gpu, "cross-entropy (chunk, torch ops)", per * rows * V, kern))
+        ops += [K.repeat(op, n) for op in chunk]
     return ops
 
 

@@ -18,7 +18,7 @@ SOURCE_KEYS = {"name", "org", "who", "url", "file", "date", "memory_kind", "toke
 SOURCE_OPTIONAL = {"repository", "commit"}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all")
 CHECKPOINTING = ("none", "full", "selective", "blocks-fraction-unstated")
-ATTENTION_KERNELS = ("flash2", "flash-triton")  # zplan's --attention-kernel
+ATTENTION_KERNELS = ("flash2", "flash-triton", "flash3")  # zplan's --attention-kernel
 COMPILE_SCOPES = ("block", "model")  # zplan's --compile-scope
 FLOAT8 = ("none", "tensorwise", "tensorwise-fp8-allgather", "rowwise", "te-delayed")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -77,6 +77,8 @@ class Row:
     norm_output_fp32: bool = True  # composite norm: normalized output kept in fp32 (False: in the input's dtype)
     compile_loss: bool | None = None  # with compile: was the loss compiled too (None: yes, as zplan's --compile)
     fused_loss: bool = False  # the loss is a fused cross-entropy kernel (flash-attn's xentropy)
+    linear_loss: str = "none"  # head matmul + loss in chunks, logits never kept: none | chunked | liger
+    fused_swiglu: bool = False  # SwiGLU in one kernel saving its two inputs (Liger's)
     optimizer_kernels: str = "fused"  # AdamW as the run launches it: fused | foreach | single
     layout: str = "torch"  # torch: FSDP/DDP (FSDP2's per-parameter shards); zero: DeepSpeed's flat partitions
     grad_clip: bool = True  # gradients clipped by their global norm every step
@@ -118,7 +120,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "fused_loss": bool, "optimizer_kernels": str, "layout": str, "grad_clip": bool, "loss_fp32": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "optimizer_kernels": str, "layout": str, "grad_clip": bool, "loss_fp32": bool, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -128,7 +130,7 @@ CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLO
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
            "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS,
            "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"),
-           "optimizer_kernels": ("fused", "foreach", "single")}
+           "optimizer_kernels": ("fused", "foreach", "single"), "linear_loss": ("none", "chunked", "liger")}
 
 
 def _typed(key: str, value, where: str):

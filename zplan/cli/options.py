@@ -49,6 +49,8 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "optimizer_kernels": ((), "How AdamW's step runs: fused (one kernel: AdamW(fused=True), DeepSpeed's FusedAdam) | foreach (torch's multi-tensor ops, AdamW's default on CUDA) | single (a loop over parameters: foreach=False, Composer's DecoupledAdamW)"),
     "grad_clip": ((), "Gradients are clipped by their global norm every step (--no-grad-clip: no clipping)"),
     "fused_loss": ((), "The loss is a fused cross-entropy kernel (flash-attn's, e.g. llm-foundry's default): logits kept, their gradient in their dtype"),
+    "linear_loss": ((), "The head's matmul and the loss together, chunk by chunk, logits never kept whole: none | chunked (zplan's trainer, torch ops) | liger (Liger-Kernel's fused linear cross-entropy)"),
+    "fused_swiglu": ((), "SwiGLU as one kernel that saves its two inputs and recomputes silu in backward (Liger-Kernel's)"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),
     "float8_recipe": ((), "With --float8: tensorwise (torchao's dynamic scaling) | te-delayed (TransformerEngine's delayed scaling: float8 kept for backward, weights gathered in the param dtype)"),
     "float8_all_gather": ((), "With --float8 (tensorwise): FSDP gathers block weights in float8 (--no-float8-all-gather: in the param dtype)"),

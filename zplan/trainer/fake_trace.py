@@ -70,8 +70,12 @@ def trace_peak(plan, steps: int = 1) -> dict:
                         sync = micro == t.grad_accum - 1 or t.reduce_every_microbatch
                         par.model.set_requires_gradient_sync(sync)
                         # as zplan/trainer/loop.py computes it: `logits` stays referenced
-                        logits = par.model(x)
-                        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.reshape(-1))
+                        if t.linear_loss == "chunked":  # the head's loss: no logits
+                            logits = None
+                            loss = par.model(x, x)
+                        else:
+                            logits = par.model(x)
+                            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.reshape(-1))
                         (loss / t.grad_accum).backward()
                         del logits, loss
                         if micro < t.grad_accum - 1:
@@ -110,7 +114,7 @@ class FakeCell:
 
 
 def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
-              strategy: str) -> FakeCell:
+              strategy: str, linear_loss: str = "none") -> FakeCell:
     """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
     composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it."""
     import time
@@ -124,7 +128,8 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
         raise UsageError(f"--fake traces the FSDP2 strategies; {strategy} replicates the model")
     sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
                          seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
-                         checkpointing=checkpointing, optimizer_kernels="single"))
+                         checkpointing=checkpointing, optimizer_kernels="single",
+                         linear_loss=linear_loss))
     r = estimate_one(sc, strategy)
     if r.memory is None:
         raise UsageError(f"{strategy}: {r.unavailable}")

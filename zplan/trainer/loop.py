@@ -108,8 +108,11 @@ class Trainer:
             cast = (torch.autocast(self.device.type, dtype=self.par.autocast_dtype)
                     if self.par.autocast_dtype is not None else contextlib.nullcontext())
             with set_sync(self.par, sync), cast:
-                logits = self.par.model(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
+                if t.linear_loss == "chunked":  # the head computes the loss, logits never whole
+                    loss = self.par.model(x, y) / A
+                else:
+                    logits = self.par.model(x)
+                    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
             loss.backward()
             total += loss.detach()
             if self._tracking is not None and micro < A - 1:

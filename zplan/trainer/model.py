@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..specs import ModelSpec
+from .linear_loss import chunked_linear_cross_entropy
 
 ROPE_THETA = 500000.0
 INIT_STD = 0.02
@@ -102,6 +103,20 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class Head(nn.Linear):
+    """The output projection: an nn.Linear (same parameter, same state-dict name), called with
+    the targets for TrainSpec.linear_loss "chunked": then it returns the mean cross-entropy,
+    the logits computed chunk by chunk and never kept whole (linear_loss.py). Called as a module
+    either way, so FSDP2's hooks on the head's unit (gather before, reshard after) still fire."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        if self.bias is not None:
+            raise ValueError("the chunked linear loss takes a head without bias")
+        return chunked_linear_cross_entropy(x, self.weight, targets)
+
+
 class Transformer(nn.Module):
     def __init__(self, m: ModelSpec):
         super().__init__()
@@ -111,15 +126,19 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(m.vocab_size, m.hidden)
         self.layers = nn.ModuleList(Block(m) for _ in range(m.num_layers))
         self.norm = RMSNorm(m.hidden)
-        self.output = nn.Linear(m.hidden, m.vocab_size, bias=False)
+        self.output = Head(m.hidden, m.vocab_size, bias=False)
         if m.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits; with `targets`, the mean cross-entropy from the head's chunked linear
+        loss instead (no logits kept)."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h))
+        if targets is None:
+            return self.output(self.norm(h))
+        return self.output(self.norm(h), targets)
 
 
 def param_seed(name: str, seed: int) -> int:
