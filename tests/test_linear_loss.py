@@ -229,12 +229,15 @@ def test_fsdp2_run_with_the_chunked_loss_equals_the_run_with_logits(run_zplan, t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-3.2-1b"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_planner_agrees_with_the_fake_trace_at_real_scale(checkpointing):
-    """Llama 3.1 8B, 8 ranks, seq 4096, zero3, the chunked loss: PyTorch's FSDPMemTracker under
-    FakeTensorMode (zplan verify --fake's cell) against the planner, within the matrix's 3% and
-    with the peak's phase agreeing (measured here: -0.00% and +0.43%)."""
+def test_planner_agrees_with_the_fake_trace_at_real_scale(model, checkpointing):
+    """8 ranks, seq 4096, zero3, the chunked loss: PyTorch's FSDPMemTracker under FakeTensorMode
+    (zplan verify --fake's cell) against the planner, within the matrix's 3% and with the peak's
+    phase agreeing. Llama 3.1 8B: -0.00% and +0.43%. Llama 3.2 1B ties its embeddings: the head's
+    weight gradient, handed over in the loss's backward, stays unsharded until the root's
+    reduce-scatter at the end (-0.27%, -0.43%; -4.85% before the planner knew it)."""
     from zplan.trainer.fake_trace import fake_cell
 
-    cell = fake_cell("llama-3.1-8b", 8, 4096, 1, checkpointing, "zero3", linear_loss="chunked")
+    cell = fake_cell(model, 8, 4096, 1, checkpointing, "zero3", linear_loss="chunked")
     assert cell.ok(0.03), cell

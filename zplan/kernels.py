@@ -52,12 +52,14 @@ def wave_efficiency(k: KernelSpec, M: int, N: int) -> float:
     return tiles / (waves * k.sm_count)
 
 
-def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype: str) -> Op:
+def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype: str,
+         accumulate: bool = False) -> Op:
+    """accumulate: C += A·B (beta = 1), which reads the output as well as writing it."""
     k = gpu.kernels
     assert k is not None
     flop = 2 * M * N * K
     b_in, b_out = DTYPE_BITS[dtype] // 8, DTYPE_BITS[out_dtype] // 8
-    nbytes = (M * K + K * N) * b_in + M * N * b_out
+    nbytes = (M * K + K * N) * b_in + M * N * b_out * (2 if accumulate else 1)
     t = max(flop / (gemm_rate(gpu, k, dtype) * wave_efficiency(k, M, N)),
             nbytes / k.hbm_achieved_bytes_per_s, k.kernel_floor_s)
     return Op(name, "gemm", 1, flop, nbytes, t)

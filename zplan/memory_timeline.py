@@ -168,8 +168,17 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       gathered=held_b + kept + moving[i], all_gather=max(moving[i], nxt(i)),
                       unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
-    # reshard_after_forward to the root as well) and gathers again in its pre-backward
+    # reshard_after_forward to the root as well) and gathers again in its pre-backward. A linear
+    # loss runs inside the head's forward (and the root's): the head unit is still gathered, and
+    # its pre-backward (a hook on the loss itself) gathers it again before the loss's backward
     at_loss = 0 if reshard else held_b + moving_upto[n]
+    linear = sc.train.linear_loss != "none"
+    head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
+    if linear:
+        at_loss = held_b + (moving[head] if reshard else moving_upto[n])
+    # a linear loss hands the head's weight gradient over in the loss's backward; tied to the
+    # embedding (the root), it stays unsharded until the root's reduce-scatter, at the end
+    tied_hold = acts.linear_loss["kept"] if linear and sc.model.tied_embeddings else 0
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
@@ -186,14 +195,16 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # at its largest, early in the unit's backward: one weight's gradient so far
         ev.append(_ev("backward", f"backward {name}", state=state_b,
                       grads=grads_upto[n] - grads_upto[j + 1], gathered=gath, all_gather=prv(j),
-                      unsharded_grads=accum_b + first_grad[j], reduce_scatter=prev_rs, activations=act))
+                      unsharded_grads=accum_b + first_grad[j] + (tied_hold if j != head else 0),
+                      reduce_scatter=prev_rs, activations=act))
         # reduce-scatter: the unit's unsharded gradients copied into the reduce-scatter input
         # (the previous one is released first); its output becomes the sharded gradient. The
         # unit's own weights are resharded just before (FSDPParamGroup.post_backward:
         # reshard_after_backward, True by default, then foreach_reduce)
         ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b,
                       grads=grads_upto[n] - grads_upto[j], gathered=gath - moving[j], all_gather=prv(j),
-                      unsharded_grads=accum_b + unsharded_grad[j], reduce_scatter=reduce_in[j],
+                      unsharded_grads=accum_b + unsharded_grad[j] + (tied_hold if j != head else 0),
+                      reduce_scatter=reduce_in[j],
                       activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b))

@@ -180,6 +180,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         flag = "--fused-loss" if o.fused_loss else "--compile (which compiles the loss)"
         raise UsageError(f"--linear-loss {o.linear_loss} computes the loss itself, so it is not also "
                          f"{flag}: drop one (with --compile, add --eager-loss)")
+    if o.linear_loss != "none" and not o.loss_fp32:
+        raise UsageError(f"--no-loss-fp32 describes the logits' upcast; --linear-loss {o.linear_loss} "
+                         "computes each chunk in fp32 itself: drop --no-loss-fp32")
     if o.fused_swiglu and model.mlp != "swiglu":
         raise UsageError(f"--fused-swiglu fuses SwiGLU; {model.name} has a {model.mlp} MLP: drop it")
     check_choice(o.float8_recipe, "--float8-recipe", FLOAT8_RECIPES)

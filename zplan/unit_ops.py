@@ -172,8 +172,9 @@ def _linear_loss(sc: Scenario, backward: bool) -> Ops:
     mm(...).float()` ((B+4) + (2B+4) bytes per weight element, 2 kernels; B = 4: 3B, 1); chunked
     (the trainer, zplan/trainer/linear_loss.py), in torch ops per logit: fp32 copy B+4, amax 4,
     sub_ 8, exp_ 8, sum 4, div_ by the row sum 8, div_ by the token count 8, back to B 4+B (B = 4:
-    no copies): 48+2B in 9 kernels and 3 small ones (gathers and a scatter of the targets'
-    logits); 40 in 6 + 3. Once: zeroed gradients (liger both, chunked the weight's). Backward:
+    no copies): 48+2B in 8 kernels and 8 small ones (row vectors, the targets' logits); 40 in 6
+    + 8; its weight-gradient GEMM accumulates into the gradient (addmm with out=, beta 1: the
+    gradient read as well as written). Once: zeroed gradients (liger both, chunked the weight's). Backward:
     both gradients scaled in place (Liger skips a gradient of 1: grad_accum 1; the trainer
     always scales)."""
     m, t, gpu = sc.model, sc.train, sc.hw.gpu
@@ -192,14 +193,14 @@ def _linear_loss(sc: Scenario, backward: bool) -> Ops:
             continue
         chunk = [K.gemm(gpu, "output logits (chunked)", rows, V, h, act, act),
                  K.gemm(gpu, "output dX (chunked)", rows, h, V, act, act),
-                 K.gemm(gpu, "output dW (chunked)", V, h, rows, act, act)]
+                 K.gemm(gpu, "output dW (chunked)", V, h, rows, act, act, accumulate=not liger)]
         if liger:
             per, kern = 3 * B, 1
             w_b, w_k = ((B + 4) + (2 * B + 4), 2) if B != 4 else (3 * B, 1)
             chunk += [K.memory(gpu, "cross-entropy (Liger, in place)", per * rows * V, kern),
                       K.memory(gpu, "weight gradient through fp32", w_b * V * h, w_k)]
         else:
-            per, kern = (48 + 2 * B, 12) if B != 4 else (40, 9)
+            per, kern = (48 + 2 * B, 16) if B != 4 else (40, 14)
             chunk.append(K.memory(gpu, "cross-entropy (chunk, torch ops)", per * rows * V, kern))
         ops += [K.repeat(op, n) for op in chunk]
     return ops
