@@ -68,6 +68,8 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         norm_output_fp32=row.norm_output_fp32, optimizer_kernels=row.optimizer_kernels,
         grad_clip=row.grad_clip,
     )
+    if row.bucket_mib is not None:
+        o = replace(o, bucket_mib=row.bucket_mib)
     ignored = []
     if row.compile:
         if "compile" in FIELDS:
