@@ -241,3 +241,14 @@ def test_planner_agrees_with_the_fake_trace_at_real_scale(model, checkpointing):
 
     cell = fake_cell(model, 8, 4096, 1, checkpointing, "zero3", linear_loss="chunked")
     assert cell.ok(0.03), cell
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--linear-loss", "chunked"), "--fake"),
+    (("--fake", "--linear-loss", "liger"), "--linear-loss"),
+])
+def test_verify_takes_the_chunked_loss_only_for_fake_traces(capsys, args, needle):
+    from tests.helpers import cli
+
+    r = cli(capsys, "verify", *args)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -34,7 +34,11 @@ def block_mode(train: TrainSpec, index: int, num_layers: int) -> str:
 def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     """Gradients of activations alive at once inside one block's backward, at its largest: in
     the MLP, the gradient of the down projection's input and the two it splits into (SwiGLU's
-    gate and up branches; GELU: one), with the residual stream's gradient."""
+    gate and up branches; GELU: one), with the residual stream's gradient. Liger's fused SwiGLU
+    (`fused_swiglu`) writes its two branch gradients into its saved inputs (ops/swiglu.py at
+    v0.8.0); counted as new tensors all the same: without them ml-engineering's 64k-256k rows
+    fall 10% below the reserved memory they measured, a reserve the allocator model does not
+    explain yet (docs/accuracy-notes.md 9m)."""
     B, sb = act_dtype_bytes(train), train.seq_len * train.micro_batch
     k = m.experts_per_token if m.num_experts else 1
     branches = 3 if m.mlp == "swiglu" else 2

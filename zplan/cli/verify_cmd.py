@@ -66,6 +66,7 @@ def verify(
     model: Annotated[str, typer.Option(help="--fake: model preset")] = "llama-3.1-8b",
     seq_len: Annotated[int, typer.Option(help="--fake: sequence length")] = 4096,
     micro_batch: Annotated[int, typer.Option(help="--fake: micro-batch")] = 1,
+    linear_loss: Annotated[str, typer.Option(help="--fake: the loss, none (logits, then cross-entropy) or chunked (the trainer's linear loss)")] = "none",
 ) -> None:
     """Short real trainings, predicted against measured; exit 1 past tolerance.
 
@@ -76,7 +77,9 @@ def verify(
         raise UsageError("--json covers the real matrix; drop it with --fake (its table is on stdout)")
     if fake:
         return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance,
-                            checkpointing or ["none"])
+                            checkpointing or ["none"], linear_loss)
+    if linear_loss != "none":
+        raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
     import tempfile
     from pathlib import Path
 
@@ -206,7 +209,7 @@ def calibrate(
 
 
 def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float,
-                 modes: list[str]) -> None:
+                 modes: list[str], linear_loss: str = "none") -> None:
     """One traced step per strategy at real scale, against the planner (torch layout): the
     allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase."""
     from ..specs import CHECKPOINTING
@@ -217,11 +220,12 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     names = strategy or ["zero3"]
     for mode in modes:
         check_choice(mode, "--checkpointing", CHECKPOINTING)
+    check_choice(linear_loss, "--linear-loss", ("none", "chunked"))
     bad = []
     print(f"{'strategy':28s} {'predicted':>12s} {'traced':>12s} {'error':>8s} {'phase (pred/traced)':>22s}"
           f"   traced by category (GiB)")
     for name, mode in ((n, md) for n in names for md in modes):
-        c = fake_cell(model, world, seq_len, micro_batch, mode, name)
+        c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss)
         label = f"{name} ckpt={mode}"
         cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
         print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "
