@@ -1,6 +1,6 @@
 """What only a GPU can show (skipped without one): the NCCL run's group with its CPU backend,
-pinned prefetched batches, allocated against reserved, no host synchronisation in a step, and the
-built-in trainer on one GPU under offload-all. benchmarks/gpu_check.sh runs these on the first
+pinned prefetched batches, allocated against reserved, no host synchronisation in a step, the
+built-in trainer on one GPU under offload-all, and the chunked loss's bytes by the allocator's count. benchmarks/gpu_check.sh runs these on the first
 GPU it meets; tests/test_gpu_path.py catches on CPU what can be caught there."""
 
 import json
@@ -134,3 +134,39 @@ def test_cuda_trainer_offload_all_one_gpu(run_zplan, tmp_path):
     m = rep["measured"]
     assert 0 < m["peak_memory_bytes"] <= m["peak_reserved_bytes"]
 
+
+
+@pytest.mark.timeout(120)
+def test_cuda_chunked_loss_holds_what_the_planner_counts():
+    """The trainer's chunked linear loss on a GPU in bf16: the caching allocator's own peak over
+    its forward equals activation_memory.linear_loss_bytes (MemTracker sees op outputs only; this
+    also sees an op's internal temporaries, such as the one torch.logsumexp would allocate), to
+    the 512-byte block rounding; the loss equals F.cross_entropy's over fp32 logits."""
+    import torch.nn.functional as F
+
+    from zplan import activation_memory
+    from zplan.specs import ModelSpec, Precision, TrainSpec
+    from zplan.trainer.linear_loss import chunk_tokens, chunked_linear_cross_entropy
+
+    dev = torch.device("cuda", 0)
+    seq, mb, H, V = 2048, 2, 256, 32000
+    T = seq * mb
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device=dev, generator=g) * 0.05).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (T,), device=dev, generator=g)
+    (x[:64] @ w[:64].t()).float().sum()  # cuBLAS's workspace, outside the measured window
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    loss = chunked_linear_cross_entropy(x, w, y)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    m = ModelSpec(name="t", num_layers=1, hidden=H, ffn_hidden=4 * H, num_heads=2, num_kv_heads=1,
+                  vocab_size=V)
+    t = TrainSpec(seq_len=seq, micro_batch=mb, linear_loss="chunked", precision=Precision(param="bf16"))
+    planned = activation_memory.linear_loss_bytes(m, t)["forward"]
+    assert chunk_tokens(T, V, H) < T
+    assert abs(peak - planned) <= 8 * 512, (peak, planned)
+    ref = F.cross_entropy(x.detach().float() @ w.detach().float().t(), y)
+    assert float(loss) == pytest.approx(float(ref), rel=2e-3)
