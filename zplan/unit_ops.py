@@ -74,20 +74,20 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     if not with_memory:
         return ops
     swiglu = m.mlp == "swiglu"
+    # SDPA's (b, h, s, d) output is transposed into a contiguous copy; a (b, s, h, d) kernel's is a view
+    copy = ("attention output copy", 0, 0) if t.attention_out_view else ("attention output copy", 2 * h, 1)
     if t.compile:
         if backward:
             rows = [("norms + residual (fused)", 8 * h, 2), ("gradient sums", 6 * h, 2),
-                    ("RoPE (fused)", 2 * (h + kv), 1), ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1),
-                    ("activation (fused)", (5 if swiglu else 3) * f, 1)]
+                    ("RoPE (fused)", 2 * (h + kv), 1), copy, ("activation (fused)", (5 if swiglu else 3) * f, 1)]
         else:
-            rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (h + kv), 1),
-                    ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1), ("activation (fused)", (3 if swiglu else 2) * f, 1)]
+            rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (h + kv), 1), copy,
+                    ("activation (fused)", (3 if swiglu else 2) * f, 1)]
     elif backward:
-        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1),
-                _activation_row(m, t, backward), ("residual + gradient sums", 15 * h, 5)]
+        rows = [("RoPE", 9 * (h + kv), 14), copy, _activation_row(m, t, backward),
+                ("residual + gradient sums", 15 * h, 5)]
     else:
-        rows = [("RoPE", 9 * (h + kv), 14), ("attention output copy", 0 if t.attention_out_view else 2 * h, 0 if t.attention_out_view else 1),
-                _activation_row(m, t, backward), ("residual adds", 6 * h, 2)]
+        rows = [("RoPE", 9 * (h + kv), 14), copy, _activation_row(m, t, backward), ("residual adds", 6 * h, 2)]
     if m.position != "rope":  # a learned position table is added once, in the embedding unit
         rows = [r for r in rows if not r[0].startswith("RoPE")]
     biases = _bias_widths(m)
