@@ -146,7 +146,8 @@ def test_cuda_chunked_loss_holds_what_the_planner_counts():
 
     from zplan import activation_memory
     from zplan.specs import ModelSpec, Precision, TrainSpec
-    from zplan.trainer.linear_loss import chunk_tokens, chunked_linear_cross_entropy
+    from zplan.policy import loss_chunk_tokens as chunk_tokens
+    from zplan.trainer.linear_loss import chunked_linear_cross_entropy
 
     dev = torch.device("cuda", 0)
     seq, mb, H, V = 2048, 2, 256, 32000

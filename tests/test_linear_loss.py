@@ -13,7 +13,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from zplan import activation_memory  # noqa: E402
 from zplan.specs import ModelSpec, Precision, TrainSpec  # noqa: E402
-from zplan.trainer.linear_loss import chunk_tokens, chunked_linear_cross_entropy  # noqa: E402
+from zplan.policy import loss_chunk_tokens as chunk_tokens  # noqa: E402
+from zplan.trainer.linear_loss import chunked_linear_cross_entropy  # noqa: E402
 from zplan.trainer.model import Head  # noqa: E402
 
 H, V = 64, 1000

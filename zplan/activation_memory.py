@@ -208,7 +208,7 @@ def linear_loss_bytes(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     T, V, h, B = train.seq_len * train.micro_batch, m.vocab_size, m.hidden, act_dtype_bytes(train)
     if train.linear_loss == "none":
         return {"kept": 0, "forward": 0, "backward": 0}
-    c = min(T, policy.loss_chunk_tokens(T, V, h))
+    c = policy.loss_chunk_tokens(T, V, h)
     kept = B * V * h
     if train.linear_loss == "liger":
         temp = B * c * V + B * V * h + (4 * V * h if B != 4 else 0) + 4 * T

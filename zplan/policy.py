@@ -97,7 +97,8 @@ def selective_saved_positions(mlp: str) -> frozenset[int]:
 def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     """Tokens per chunk of a linear loss (TrainSpec.linear_loss), Liger-Kernel's rule
     (ops/fused_linear_cross_entropy.py, v0.8.0): a chunk's logits are about as large as the
-    head's input, `inc = ceil(V / h)`, `chunk = next_power_of_2(ceil(T / inc))`, at most T's
-    own power of two. The trainer's chunked loss uses the same chunks."""
+    head's input, `inc = ceil(V / h)`, `chunk = next_power_of_2(ceil(T / inc))`, and at most T
+    (Liger slices a chunk at the last token: one chunk of T when the power of two exceeds it).
+    The trainer's chunked loss uses the same chunks."""
     inc = -(-vocab // hidden)
-    return 1 << (max(1, -(-tokens // inc)) - 1).bit_length()
+    return min(tokens, 1 << (max(1, -(-tokens // inc)) - 1).bit_length())

@@ -382,9 +382,10 @@ class TrainSpec(Spec):
 
 
     @model_validator(mode="after")
-    def _kernels_are_torch_adamw(self) -> "TrainSpec":
-        """optimizer_kernels names torch's AdamW implementations; DeepSpeed (zero layout) runs its
-        FusedAdam, other optimizers their own."""
+    def _options_agree(self) -> "TrainSpec":
+        """optimizer_kernels names torch's AdamW implementations (DeepSpeed, the zero layout, runs
+        its FusedAdam, other optimizers their own); a linear loss is not also a compiled or fused
+        one; TransformerEngine's float8 only where its saved tensors are modelled."""
         if self.optimizer_kernels != "fused" and (self.layout != "torch" or self.optimizer != "adamw"):
             raise ValueError(f"optimizer_kernels {self.optimizer_kernels} applies to AdamW in the torch "
                              f"layout, not {self.optimizer} in the {self.layout} layout")

@@ -184,7 +184,7 @@ def _linear_loss(sc: Scenario, backward: bool) -> Ops:
         if t.grad_accum == 1 and t.linear_loss == "liger":
             return []
         return [K.memory(gpu, "linear loss: gradients scaled", 2 * B * (T * h + V * h), 2)]
-    c = min(T, policy.loss_chunk_tokens(T, V, h))
+    c = policy.loss_chunk_tokens(T, V, h)
     liger = t.linear_loss == "liger"
     ops: Ops = [K.memory(gpu, "linear loss: gradients zeroed", B * (V * h + (T * h if liger else 0)),
                          2 if liger else 1)]

@@ -33,12 +33,7 @@ import torch
 
 from ..policy import loss_chunk_tokens
 
-__all__ = ["ChunkedLinearCrossEntropy", "chunk_tokens", "chunked_linear_cross_entropy"]
-
-
-def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk: Liger-Kernel's rule, at most all of them."""
-    return min(tokens, loss_chunk_tokens(tokens, vocab, hidden))
+__all__ = ["ChunkedLinearCrossEntropy", "chunked_linear_cross_entropy"]
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -49,7 +44,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         T, h = x.shape
         V = weight.shape[0]
-        c = chunk_tokens(T, V, h)
+        c = loss_chunk_tokens(T, V, h)
         grad_x = torch.empty_like(x)
         grad_w = torch.zeros_like(weight)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
