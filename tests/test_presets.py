@@ -137,3 +137,18 @@ def test_a_presets_folder_that_cannot_be_listed_holds_none(monkeypatch):
 def test_empty_huge_or_nul_names(name):
     with pytest.raises(UsageError, match="the model name"):
         presets.model(name)
+
+
+def test_kernel_rates_above_the_datasheet_peak_are_refused(tmp_path):
+    """An achieved rate above the peak it is measured against is a typo: one clear line."""
+    text = (presets._shipped_dir() / "gpus" / "h100-sxm.toml").read_text()
+    bad = tmp_path / "fast.toml"
+    bad.write_text(text.replace("bf16 = 698.6e12", "bf16 = 998.6e12"))
+    with pytest.raises(UsageError, match=r"fast\.toml: kernels\.gemm_flops\.bf16 = 9\.986e\+14 "
+                                         r"exceeds the bf16 peak"):
+        presets.gpu(str(bad))
+    slow_hbm = tmp_path / "hbm.toml"
+    slow_hbm.write_text(text.replace("hbm_achieved_bytes_per_s = 2903e9",
+                                     "hbm_achieved_bytes_per_s = 3903e9"))
+    with pytest.raises(UsageError, match="hbm_achieved_bytes_per_s exceeds"):
+        presets.gpu(str(slow_hbm))

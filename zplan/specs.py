@@ -141,6 +141,18 @@ class GPUSpec(Spec):
         for k in ("bf16", "fp32"):
             if k not in self.peak_flops:
                 raise ValueError(f"peak_flops needs a '{k}' entry")
+        k = self.kernels
+        if k is not None and not self.measured:  # a datasheet's peak bounds what kernels achieve
+            for dt, rate in k.gemm_flops.items():
+                if rate > self.flops(dt):
+                    raise ValueError(f"kernels.gemm_flops.{dt} = {rate:.4g} exceeds the {dt} "
+                                     f"peak {self.flops(dt):.4g}: achieved rates are below peak")
+            if k.hbm_achieved_bytes_per_s > self.hbm_bytes_per_s:
+                raise ValueError(f"kernels.hbm_achieved_bytes_per_s exceeds hbm_bytes_per_s "
+                                 f"({self.hbm_bytes_per_s:.4g})")
+            for f in ("attention_forward_flops", "attention_backward_flops"):
+                if getattr(k, f) > self.flops("bf16"):
+                    raise ValueError(f"kernels.{f} exceeds the bf16 peak {self.flops('bf16'):.4g}")
         return self
 
     def flops(self, dtype: str) -> float:
