@@ -152,3 +152,15 @@ def test_kernel_rates_above_the_datasheet_peak_are_refused(tmp_path):
                                      "hbm_achieved_bytes_per_s = 3903e9"))
     with pytest.raises(UsageError, match="hbm_achieved_bytes_per_s exceeds"):
         presets.gpu(str(slow_hbm))
+
+
+def test_every_accelerator_preset_is_timed_from_kernels():
+    """No GPU preset falls back to one flat efficiency: each carries kernel constants with a source
+    (the nominal CPU rank is the exception: calibrate measures the CPU at hand)."""
+    for name in presets.names("gpus"):
+        g = presets.gpu(name)
+        if g.device == "cpu":
+            continue
+        assert g.kernels is not None, name
+        assert g.kernels.source, name
+        assert g.kernels.gemm_flops.get("bf16", 0) <= g.flops("bf16")
