@@ -103,10 +103,20 @@ def attention_flop(seq: int, hidden: int, tokens: int, causal: bool = True) -> i
 # FlashAttention-2's 335 TFLOP/s (the FA2 bar the presets' forward rates come from). Backward is
 # charted without the causal mask, 561 against 322; the presets' FA2 backward rate is 322 x FA2's
 # causal/non-causal forward ratio (335/370), so FA3's is 561 x its own (616/648). Hopper only.
+# FlashAttention-4 (flash-attn-4 4.0.0b22, the released beta) against FlashAttention-3 (3.0.0),
+# B200 against H200, one micro-benchmark at Llama 3 8B's attention shape (32 / 8 heads, head dim
+# 128, causal, bf16), forward + backward timed together: 1.88x at 8k, 1.95x at 32k
+# (stas00/ml-engineering insights/when-to-upgrade-gpus/README.md and bench_flash_attn.py at
+# 2943345). With FA3 on H200 priced as above (455 and 467 TFLOP/s forward + backward at 8k and
+# 32k) and the Blackwell presets' rates, SDPA's FlashAttention-2 on B200 (266 and 289), FA4 runs
+# 3.22x and 3.15x those: 3.18 both ways. (A development FA4 with a 2-CTA backward, flash-attn PR
+# 2280, measures 1418 / 1209 at 8k, 3.77x / 3.91x SDPA's FA2 at that shape in cudnn-frontend's
+# B200 results: about 20% above the released beta.) Blackwell only.
 ATTENTION_KERNEL_SPEED: dict[str, tuple[float, float]] = {
     "flash2": (1.0, 1.0),
     "flash-triton": (1 / 1.4, 1 / 2.0),
     "flash3": (616 / 335, (561 * 616 / 648) / (322 * 335 / 370)),
+    "flash4": (3.18, 3.18),
 }
 FLASH3_HEAD_DIMS = (64, 96, 128, 192, 256)  # flash-attn hopper/: the head dims it compiles
 

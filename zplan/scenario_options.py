@@ -149,6 +149,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.attention_kernel == "flash3" and not gpu.name.startswith(HOPPER_PRESETS):
         raise UsageError(f"--attention-kernel flash3 (FlashAttention-3) runs on Hopper GPUs "
                          f"({', '.join(HOPPER_PRESETS)}), not {gpu.name}: use flash2")
+    if o.attention_kernel == "flash4" and not gpu.name.startswith(BLACKWELL_PRESETS):
+        raise UsageError(f"--attention-kernel flash4 (FlashAttention-4) runs on Blackwell GPUs "
+                         f"({', '.join(BLACKWELL_PRESETS)}), not {gpu.name}: use flash2")
     check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))
     check_choice(o.optimizer_kernels, "--optimizer-kernels", OPTIMIZER_KERNELS)
     layout = o.layout or "zero"
@@ -238,6 +241,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
 
 
 HOPPER_PRESETS = ("h100", "h200", "gh200")  # GPU presets FlashAttention-3 runs on (by name)
+BLACKWELL_PRESETS = ("b200", "gb200")  # GPU presets FlashAttention-4 runs on (by name)
 
 
 def cpu_ranks(**kw) -> ScenarioOptions:

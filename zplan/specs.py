@@ -18,7 +18,7 @@ StrategyName = Literal[
 ]
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
-AttentionKernel = Literal["flash2", "flash-triton", "flash3"]
+AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
 Float8Recipe = Literal["tensorwise", "te-delayed"]
@@ -329,7 +329,8 @@ class TrainSpec(Spec):
         "flash2", description="the flash kernel: flash2 (FlashAttention-2, PyTorch's SDPA flash "
         "backend), flash-triton (FlashAttention in Triton, as llm-foundry's attn_impl: triton) or "
         "flash3 (FlashAttention-3, Hopper GPUs: flash-attn's hopper kernels, HF's "
-        "attn_implementation flash_attention_3)")
+        "attn_implementation flash_attention_3) or flash4 (FlashAttention-4, Blackwell GPUs: "
+        "flash-attn's cute kernels, HF's attn_implementation flash_attention_4)")
     optimizer: OptimizerName = "adamw"
     optimizer_kernels: OptimizerKernels = Field(
         "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "
@@ -425,7 +426,7 @@ class TrainSpec(Spec):
         """The attention kernel's output is (b, s, heads, d), read by the output projection as a
         view (flash-attn's and the Triton kernel's layout); SDPA's (b, heads, s, d) is transposed
         into a contiguous copy first."""
-        return self.flash_attention and self.attention_kernel in ("flash-triton", "flash3")
+        return self.flash_attention and self.attention_kernel in ("flash-triton", "flash3", "flash4")
 
     @property
     def loss_fused(self) -> bool:

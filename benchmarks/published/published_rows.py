@@ -18,14 +18,14 @@ SOURCE_KEYS = {"name", "org", "who", "url", "file", "date", "memory_kind", "toke
 SOURCE_OPTIONAL = {"repository", "commit"}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all")
 CHECKPOINTING = ("none", "full", "selective", "blocks-fraction-unstated")
-ATTENTION_KERNELS = ("flash2", "flash-triton", "flash3")  # zplan's --attention-kernel
+ATTENTION_KERNELS = ("flash2", "flash-triton", "flash3", "flash4")  # zplan's --attention-kernel
 COMPILE_SCOPES = ("block", "model")  # zplan's --compile-scope
 FLOAT8 = ("none", "tensorwise", "tensorwise-fp8-allgather", "rowwise", "te-delayed")
 DTYPES = ("fp32", "bf16", "fp16")
 MEMORY_UNITS = {"GiB": 2**30, "GB": 10**9}
 MEMORY_KINDS = ("reserved", "allocated")
 GPU_KINDS = {"a100-40gb": "A100", "a100-80gb": "A100", "h100-sxm": "H100", "h100-hbm2e-500w": "H100",
-             "h200": "H200", "mi300x": "MI300X"}
+             "h200": "H200", "b200": "B200", "mi300x": "MI300X"}
 
 
 class RowError(ValueError):
