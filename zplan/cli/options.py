@@ -31,7 +31,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "checkpoint_every": ((), "every-k: checkpoint one block in k"),
     "checkpoint_early_stop": ((), "Recomputation stops once backward's tensors are rebuilt (non-reentrant checkpoint, PyTorch >= 2.1; --no-checkpoint-early-stop: reentrant or older, the whole block reruns)"),
     "flash": ((), "Flash attention (no s^2 scores kept)"),
-    "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2; zplan's trainer) | flash-triton (FlashAttention in Triton, e.g. llm-foundry attn_impl: triton)"),
+    "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2; zplan's trainer) | flash-triton (FlashAttention in Triton, e.g. llm-foundry attn_impl: triton) | flash3 (FlashAttention-3, Hopper) | flash4 (FlashAttention-4, Blackwell)"),
     "optimizer": ((), "adamw | sgd | adam8bit | muon"),
     "param_dtype": ((), "Working/gather dtype"),
     "reduce_dtype": ((), "Gradient reduction dtype"),
