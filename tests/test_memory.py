@@ -33,6 +33,23 @@ def test_model_state_fsdp2_is_16_bytes_per_param_over_n():
     assert ms.padding_bytes == 0 and ms.total_bytes == 16 * psi // 8
 
 
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero2"])
+def test_deepspeed_optimizer_offload_keeps_no_gradient_shard_on_the_gpu(strategy):
+    """DeepSpeed under offload_optimizer: ZeRO-3 allocates grad_partitions_flat_buffer on the CPU
+    (stage3.py, self.device); ZeRO-1/2's copy_grads_in_partition returns before allocating
+    grads_in_partition (stage_1_and_2.py). Only the bf16 weight shard stays; the gradient shard is
+    host memory. Without offload the bf16 gradient shard is on the GPU."""
+    sc = _sc(layout="zero")
+    psi = arch.param_count(sc.model)
+    off = model_state(sc, effective("offload-opt", "zero"))
+    assert (off.params_bytes, off.grads_bytes, off.master_bytes, off.optimizer_bytes) == (2 * psi // 8, 0, 0, 0)
+    reduce_b = {"fp32": 4, "bf16": 2}[sc.train.precision.reduce]
+    assert off.host_bytes == (4 + 8 + reduce_b) * psi // 8  # fp32 master, Adam m and v, gradients
+    on = model_state(sc, effective(strategy, "zero"))
+    assert on.grads_bytes == 2 * psi // 8
+
+
 # ------------------------------------------------------------------ buffers
 
 def test_static_buffers_by_hand():

@@ -147,9 +147,12 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
     pad_b = 0 if (torch and st.name == "zero1") else sharded_b * (shard * D - psi) // (shard * D)
     host = 0
     if st.offload_optimizer:
+        # the gradient shard lives on the host too: FSDP2's CPUOffloadPolicy, and DeepSpeed's
+        # ZeRO-3 (stage3.py: grad_partitions_flat_buffer on self.device, the CPU under
+        # offload_optimizer) and ZeRO-1/2 (stage_1_and_2.py copy_grads_in_partition returns
+        # before allocating grads_in_partition under cpu_offload)
         host += master_b + opt_b + nbytes(shard, p.reduce)
-        master_b = opt_b = 0
-        grads_b = 0 if torch else grads_b
+        master_b = opt_b = grads_b = 0
     if st.offload_params:
         host += params_b
         params_b = 0
