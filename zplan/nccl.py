@@ -14,7 +14,8 @@ from the cluster preset) in place of NCCL's internal estimates:
   with 65 µs per call: tuning.cc's hwLat[NVLINK][NVLS][Simple] is 25 µs, but the measured
   NVLS curve (nccl-tests all_reduce_perf on 8 H200, Azure ND H200 v5, NCCL 2.20.5) reaches half
   its bandwidth at 16 MiB and 92% at 512 MiB, which 65 µs reproduces within 5% from 16 MiB to
-  8 GiB (25 µs puts 16 MiB 42% fast).
+  8 GiB (25 µs puts 16 MiB 42% fast). Below that the ring's LL protocol is faster and NCCL's
+  tuner runs it: the fastest of NVLS and the ring is taken.
 - tree for all-reduce across nodes: latency base + 2((g-1)·4 µs + ⌊log2 nodes⌋·α_net), algbw
   0.46 busbw (tree busBw x .92, x .5): it wins at many nodes, where a ring's 2(n-1) steps cost.
 
@@ -96,17 +97,21 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
     f = _factor(op)
     bw, algo = group_busbw(c, op, n, per_node)
     wire = f * nbytes * (n - 1) / n
-    if algo == "nvls":
-        return CollectiveTime(_NVLS_LATENCY_S + wire / bw, algo, "Simple", bw, nodes, per_node)
+    nvls = None
+    if algo == "nvls":  # NVLS where it is faster; small all-reduces run the ring's LL protocol
+        nvls = CollectiveTime(_NVLS_LATENCY_S + wire / bw, algo, "Simple", bw, nodes, per_node)
+        bw = c.intra_node_busbw_bytes_per_s
     steps = f * (n - 1)
     inter = 0 if nodes == 1 else f * (nodes - 1)
     simple = (c.base_latency_s + (steps - inter) * c.intra_node_latency_s
               + inter * c.inter_node_latency_s + wire / bw)
     best = CollectiveTime(simple, "ring", "Simple", bw, nodes, per_node)
+    if nvls is not None and nvls.seconds < best.seconds:
+        best = nvls
     if c.link in _LL_STEP_S:
         intra = _LL_STEP_S[c.link] if nodes == 1 else max(_LL_STEP_S[c.link], _NET_OVERHEAD_S)
         ll = _LL_BASE_S + (steps - inter) * intra + inter * _LL_NET_STEP_S + wire / (0.5 * bw)
-        if ll < simple:
+        if ll < best.seconds:
             best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
         if op == "all_reduce" and nodes > 1:  # double binary tree: log-depth latency
             lat = c.base_latency_s + 2 * ((per_node - 1) * _TREE_STEP_S
