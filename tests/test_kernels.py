@@ -40,13 +40,14 @@ def test_tiny_gemm_costs_the_kernel_floor():
 
 
 def test_flash_attention_at_the_papers_rate_and_backward_is_2_5x_the_work():
-    """FA3 paper, FA2 causal forward at 16k on H100: 335 TFLOP/s (x 0.848 sustained)."""
+    """FA3 paper, FA2 causal forward at 16k on H100: 335 TFLOP/s, as benchmarked (attention runs
+    at its benchmark rate in a training step: h200.toml)."""
     s, h = 16384, 4096
     fwd = K.attention(H100, s, h, s, backward=False)
     bwd = K.attention(H100, s, h, s, backward=True)
     assert fwd.flop == 2 * s * h * s  # 4 s h per token, causal half skipped
     assert bwd.flop == pytest.approx(2.5 * fwd.flop)
-    assert fwd.flop / fwd.seconds == pytest.approx(335e12 * 0.848 * s / (s + 300), rel=0.01)
+    assert fwd.flop / fwd.seconds == pytest.approx(335e12 * s / (s + 300), rel=0.01)
     # shorter sequences run slower: FA2 causal forward at 2k is 298 of 335 in the paper (0.89)
     short = K.attention(H100, 2048, h, 2048, backward=False)
     assert (short.flop / short.seconds) / (fwd.flop / fwd.seconds) == pytest.approx(298 / 335, rel=0.05)

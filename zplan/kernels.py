@@ -107,16 +107,17 @@ def attention_flop(seq: int, hidden: int, tokens: int, causal: bool = True) -> i
 # B200 against H200, one micro-benchmark at Llama 3 8B's attention shape (32 / 8 heads, head dim
 # 128, causal, bf16), forward + backward timed together: 1.88x at 8k, 1.95x at 32k
 # (stas00/ml-engineering insights/when-to-upgrade-gpus/README.md and bench_flash_attn.py at
-# 2943345). With FA3 on H200 priced as above (455 and 467 TFLOP/s forward + backward at 8k and
-# 32k) and the Blackwell presets' rates, SDPA's FlashAttention-2 on B200 (266 and 289), FA4 runs
-# 3.22x and 3.15x those: 3.18 both ways. (A development FA4 with a 2-CTA backward, flash-attn PR
-# 2280, measures 1418 / 1209 at 8k, 3.77x / 3.91x SDPA's FA2 at that shape in cudnn-frontend's
-# B200 results: about 20% above the released beta.) Blackwell only.
+# 2943345). With FA3 on H200 priced as above (536 and 550 TFLOP/s forward + backward at 8k and
+# 32k) and the Blackwell presets' rates, SDPA's FlashAttention-2 on B200 (326 and 355), FA4 runs
+# 3.09x and 3.02x those: 3.06 both ways. The same source's in-step attention kernel time at 8k
+# (973 TFLOP/s on B200, 521 on H200, backward counted 2.5x forward) is within 3% of both. (A
+# development FA4 with a 2-CTA backward, flash-attn PR 2280, measures 1418 / 1209 at 8k, 3.77x /
+# 3.91x SDPA's FA2 at that shape in cudnn-frontend's B200 results.) Blackwell only.
 ATTENTION_KERNEL_SPEED: dict[str, tuple[float, float]] = {
     "flash2": (1.0, 1.0),
     "flash-triton": (1 / 1.4, 1 / 2.0),
     "flash3": (616 / 335, (561 * 616 / 648) / (322 * 335 / 370)),
-    "flash4": (3.18, 3.18),
+    "flash4": (3.06, 3.06),
 }
 FLASH3_HEAD_DIMS = (64, 96, 128, 192, 256)  # flash-attn hopper/: the head dims it compiles
 
