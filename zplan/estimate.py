@@ -124,6 +124,13 @@ def assumptions(sc: Scenario) -> dict:
         "cpu_adam_params_per_s": {"value": sc.hw.cluster.cpu_adam_params_per_s, "flag": "cluster preset",
                                   "meaning": "CPU optimizer throughput per node (offload)"},
     }
+    if sc.hw.gpu.caveat:
+        out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
+                              "meaning": sc.hw.gpu.caveat}
+    if sc.train.layout == "zero" and a.overlap:
+        out["overlap"]["meaning"] += (
+            "; DeepSpeed ZeRO-3 in eager mode overlaps less: its published runs on 32 H100 "
+            "measured 24-56% slower than overlap predicts (docs/accuracy-notes.md 9l)")
     if sc.model.total_params is not None:
         m = sc.model
         out["architecture"] = {

@@ -134,6 +134,8 @@ class GPUSpec(Spec):
     device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: a CPU rank standing in for a GPU")
     kernels: KernelSpec | None = Field(
         None, description="the per-op kernel model's constants; None: FLOPs x efficiency")
+    caveat: str = Field("", max_length=600, description="what the preset's figures are known to "
+                        "miss against measured runs, with the evidence; printed with the assumptions")
     source: str
 
     @model_validator(mode="after")
