@@ -403,3 +403,25 @@ def test_fused_qkv_is_one_weight_of_the_same_elements():
     assert (3 * h, h) in fused_shapes and (h, h) in split_shapes
     assert len(fused_shapes) == len(split_shapes) - 4  # one weight and one bias for three each
     assert arch.param_count(m) == arch.param_count(split)
+
+
+# Published flash-attention forward curves (causal, head dim 128, FLOPs counted as flash-attn's
+# benchmark does), each the source its preset names; the preset's rate x s/(s + s_half) must
+# follow them. (preset, kernel, [(seq, TFLOP/s)], source)
+ATTENTION_CURVES = [
+    ("h100-sxm", "flash2", [(2048, 298), (16384, 335)], "FA3 paper, FA2 causal forward bars"),
+    ("b200", "flash2", [(8192, 376.1), (16384, 397.0), (32768, 406.4), (131072, 412.0)],
+     "NVIDIA/cudnn-frontend f937055, SDPA's FA2 on B200"),
+    ("mi300x", "flash2", [(1024, 164.1), (2048, 214.5), (4096, 256.9), (8192, 289.5), (16384, 306.5)],
+     "midiareshadi/attn-dsl-bench 603819b, SDPA (AOTriton) on MI300X"),
+    ("rtx-4090", "flash2", [(2048, 138), (4096, 155), (8192, 160), (16384, 161)],
+     "thu-ml/SageAttention d1a57a5, SDPA FA2 on RTX 4090"),
+]
+
+
+@pytest.mark.parametrize("preset,kernel,curve,source", ATTENTION_CURVES, ids=[c[0] for c in ATTENTION_CURVES])
+def test_preset_attention_follows_its_published_forward_curve(preset, kernel, curve, source):
+    gpu = presets.gpu(preset)
+    for seq, tflops in curve:
+        op = K.attention(gpu, seq, 4096, seq, backward=False, kernel=kernel)
+        assert op.flop / op.seconds == pytest.approx(tflops * 1e12, rel=0.07), (seq, source)
