@@ -98,12 +98,16 @@ def test_flash3_computes_on_flash_attns_rounded_head_dims(d, padded):
     assert K.padded_head_dim(d, "flash3") == padded
 
 
-def test_flash3_output_is_read_as_a_view():
+def test_flash_outputs_are_read_as_a_view_and_the_math_paths_is_copied():
+    """Every flash kernel's output is (b, s, h, d) in memory (SDPA's flash allocates it like q,
+    which RoPE leaves (b, s, h, d)): no copy for the output projection; the math path copies."""
     kw = dict(model="llama-3.1-8b", gpus=8, seq_len=4096)
     m = scenario(**kw).model
-    assert am.block_activation_terms(m, scenario(**kw, attention_kernel="flash3").train)["attn_out_proj_input"] == 0
-    for kernel, copied in (("flash2", True), ("flash3", False)):
-        sc = scenario(**kw, attention_kernel=kernel)
+    for kernel in ("flash2", "flash3"):
+        assert am.block_activation_terms(m, scenario(**kw, attention_kernel=kernel).train)["attn_out_proj_input"] == 0
+    math = scenario(**kw, flash=False)
+    assert am.block_activation_terms(m, math.train)["attn_out_proj_input"] == 2 * 4096 * m.hidden
+    for sc, copied in ((scenario(**kw), False), (math, True)):
         assert ("attention output copy" in {o.name for o in unit_ops.unit_ops(sc, sc.units[1], False)}) == copied
 
 

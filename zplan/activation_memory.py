@@ -84,16 +84,15 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         "norm_inputs": 2 * ((B if train.compile else norm_saved_per_token(train, B)) * sb * h + stats),
         "qkv_input": B * sb * h,
         "q_k_v": B * sb * (h + 2 * kv),
-        # SDPA's (b, h, s, d) output is transposed into a contiguous copy for the output
-        # projection; the Triton kernel's and FlashAttention-3's (b, s, h, d) output is viewed
-        # as (b, s, h·d) and the projection keeps that view of what the kernel saved
-        # (llm-foundry's attention.py; HF's `reshape(...).contiguous()`, a no-op there)
+        # a flash kernel's output is (b, s, h, d) in memory (SDPA's flash allocates it like q,
+        # which RoPE leaves (b, s, h, d) in HF, torchtitan and the trainer): the projection keeps
+        # a (b, s, h·d) view of what the kernel saved (HF's `reshape(...).contiguous()` and
+        # torchtitan's `.contiguous()` are no-ops); the math path's output is copied first
         "attn_out_proj_input": 0 if train.attention_out_view else B * sb * h,
         "mlp_input": B * sb * h,
     }
     if train.flash_attention:
-        # the flash kernel saves its output and logsumexp; the output projection's input is a
-        # separate contiguous copy (transpose + reshape), and RoPE's mul saves cos and sin
+        # the flash kernel saves its output and logsumexp, and RoPE's mul saves cos and sin
         t["attn_logsumexp"] = 4 * a * sb
         t["attn_output"] = B * sb * h
         if not train.compile:  # compiled, the tables are recomputed in backward

@@ -425,10 +425,13 @@ class TrainSpec(Spec):
 
     @property
     def attention_out_view(self) -> bool:
-        """The attention kernel's output is (b, s, heads, d), read by the output projection as a
-        view (flash-attn's and the Triton kernel's layout); SDPA's (b, heads, s, d) is transposed
-        into a contiguous copy first."""
-        return self.flash_attention and self.attention_kernel in ("flash-triton", "flash3", "flash4")
+        """The attention kernel's output is (b, s, heads, d) in memory, read by the output
+        projection as a view: flash-attn's and the Triton kernel's layout, and SDPA's flash
+        kernel's wherever q is (b, s, h, d) in memory (it allocates its output like q:
+        `empty_like(query)`, torch/_meta_registrations.py), as in HF's and torchtitan's
+        attention and the trainer's (RoPE before the heads move). Without flash attention the
+        math path's (b, heads, s, d) output is transposed into a contiguous copy first."""
+        return self.flash_attention
 
     @property
     def loss_fused(self) -> bool:

@@ -40,7 +40,12 @@ def _rope(seq: int, head_dim: int, device, dtype) -> tuple[torch.Tensor, torch.T
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]); x is (batch, heads, seq, head_dim)."""
+    """Rotate pairs (x[2i], x[2i+1]); x is (batch, seq, heads, head_dim), cos and sin are
+    (seq, head_dim/2). Applied before the heads move to dim 1 (torchtitan's order), so the
+    rotated q is (b, s, h, d) in memory: SDPA's flash kernels allocate their output like q
+    (empty_like), and the output projection then reads it as a (b, s, h·d) view, no copy (as in
+    HF's and torchtitan's attention)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2)
@@ -62,11 +67,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = _rope(s, self.head_dim, x.device, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         if self.checkpoint_core and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
