@@ -294,5 +294,8 @@ def test_deepspeed_layout_warns_that_eager_zero3_overlaps_less(capsys):
     zero = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json")[1])
     torch_ = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--layout", "torch",
                             "--json")[1])
+    ddp = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--strategy", "ddp",
+                         "--json")[1])
     assert "24-56% slower" in zero["assumptions"]["overlap"]["meaning"]
     assert "DeepSpeed" not in torch_["assumptions"]["overlap"]["meaning"]
+    assert "DeepSpeed" not in ddp["assumptions"]["overlap"]["meaning"]  # no ZeRO-3 estimated

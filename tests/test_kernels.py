@@ -448,3 +448,22 @@ def test_preset_attention_follows_its_published_forward_curve(preset, kernel, cu
     for seq, tflops in curve:
         op = K.attention(gpu, seq, 4096, seq, backward=False, kernel=kernel)
         assert op.flop / op.seconds == pytest.approx(tflops * 1e12, rel=0.07), (seq, source)
+
+
+def test_trainers_rope_before_the_transpose_equals_rope_after_it():
+    """The trainer rotates q and k as (b, s, heads, d) before moving the heads (torchtitan's
+    order); the result equals rotating the (b, heads, s, d) view, bit for bit, with batch 2 and
+    grouped-query heads."""
+    torch = pytest.importorskip("torch")
+    from zplan.trainer.model import _rope, apply_rope
+
+    b, s, heads, kv, d = 2, 48, 8, 2, 64
+    cos, sin = _rope(s, d, "cpu", torch.float32)
+
+    def after(x):  # the rotation on the (b, heads, s, d) view, cos/sin broadcast over heads
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+    for n in (heads, kv):
+        x = torch.randn(b, s, n, d)
+        assert torch.equal(apply_rope(x, cos, sin).transpose(1, 2), after(x.transpose(1, 2)))

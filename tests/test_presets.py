@@ -176,3 +176,5 @@ def test_a_presets_known_miss_is_printed_with_the_assumptions(capsys):
     assert a["gpu_figures"]["flag"] == "zplan calibrate" and "29-60%" in a["gpu_figures"]["meaning"]
     r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json")
     assert "gpu_figures" not in json.loads(r.stdout)["assumptions"]
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--cluster", "mi300x-node", "--json")
+    assert any("29-60%" in f and "zplan calibrate" in f for f in json.loads(r.stdout)["flags"])

@@ -13,6 +13,7 @@ from .strategies import STRATEGIES, Strategy, effective
 from .units import GB
 
 SCHEMA_VERSION = 1
+DEEPSPEED_ZERO3 = {"zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all"}  # zero layout: ZeRO-3
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def estimate(sc: Scenario, names: list[str] | None = None) -> list[StrategyEstim
     return [estimate_one(sc, n) for n in (names or list(STRATEGIES))]
 
 
-def assumptions(sc: Scenario) -> dict:
+def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     """Every figure that is assumed rather than derived, with the flag that changes it."""
     a = sc.assume
     out = {
@@ -127,7 +128,7 @@ def assumptions(sc: Scenario) -> dict:
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}
-    if sc.train.layout == "zero" and a.overlap:
+    if sc.train.layout == "zero" and a.overlap and sc.n > 1 and set(strategies) & DEEPSPEED_ZERO3:
         out["overlap"]["meaning"] += (
             "; DeepSpeed ZeRO-3 in eager mode overlaps less: its published runs on 32 H100 "
             "measured 24-56% slower than overlap predicts (docs/accuracy-notes.md 9l)")
@@ -157,7 +158,7 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
             "train": t.model_dump(),
             "activations": dict(activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32)),
         },
-        "assumptions": assumptions(sc),
+        "assumptions": assumptions(sc, tuple(r.name for r in results)),
         "strategies": [r.as_dict() for r in results],
     }
 

@@ -46,7 +46,9 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                                 ("master weights", mem.master_bytes, st.optim_sharded),
                                 ("optimizer state", mem.optimizer_bytes, st.optim_sharded)):
         count = shard if sharded else psi
-        out.append(f"{label:16s} = {count:,} elements{' (sharded)' if sharded else ''} -> {_gb(val)}")
+        offloaded = st.offload_params if label == "weights" else st.offload_optimizer
+        where = " (on the host: offload)" if offloaded and val == 0 else ""
+        out.append(f"{label:16s} = {count:,} elements{' (sharded)' if sharded else ''} -> {_gb(val)}{where}")
     out.append(f"model state      = {_gb(mem.model_state_bytes)}  (= {mem.model_state_bytes / max(1, psi):.3f} bytes/param;"
                f" padding costs {_gb(mem.padding_bytes)})")
     if mem.host_bytes_per_rank:

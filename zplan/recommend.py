@@ -272,6 +272,8 @@ def _flags(base: Scenario, w: Candidate) -> list[str]:
             f"sharding: each update gathers its whole matrix, +{psi:,} elements "
             f"({fmt_bytes(psi * 2)} in bf16) of all-gather per step, and the fullest rank holds "
             f"more than 1/{n} of the state (greedy whole-parameter partition)")
+    if base.hw.gpu.caveat:  # what the GPU preset's figures are known to miss (zplan calibrate)
+        flags.append(f"{base.hw.gpu.name}: {base.hw.gpu.caveat}; measure yours with zplan calibrate")
     return flags
 
 

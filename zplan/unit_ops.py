@@ -74,7 +74,8 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     if not with_memory:
         return ops
     swiglu = m.mlp == "swiglu"
-    # SDPA's (b, h, s, d) output is transposed into a contiguous copy; a (b, s, h, d) kernel's is a view
+    # a flash kernel's output is (b, s, h, d) in memory and read as a view; the math path's
+    # (b, h, s, d) output is transposed into a contiguous copy
     copy = ("attention output copy", 0, 0) if t.attention_out_view else ("attention output copy", 2 * h, 1)
     if t.compile:
         if backward:

@@ -59,7 +59,7 @@ def run(opts: ScenarioOptions, strategy: list[str] | None = None, as_json: bool 
         from ..estimate import assumptions
         from .render import print_estimate
 
-        print_estimate(sc, results, assumptions(sc), unit, wide)
+        print_estimate(sc, results, assumptions(sc, tuple(r.name for r in results)), unit, wide)
     if not any(r.fits for r in results):
         raise PlanError(f"no strategy fits {sc.hw.gpu.name} with {sc.n} GPUs: {fit_hints(sc, results)}")
 
