@@ -163,7 +163,6 @@ def test_every_accelerator_preset_is_timed_from_kernels():
             continue
         assert g.kernels is not None, name
         assert g.kernels.source, name
-        assert g.kernels.gemm_flops.get("bf16", 0) <= g.flops("bf16")
 
 
 def test_a_presets_known_miss_is_printed_with_the_assumptions(capsys):

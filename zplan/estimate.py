@@ -13,7 +13,6 @@ from .strategies import STRATEGIES, Strategy, effective
 from .units import GB
 
 SCHEMA_VERSION = 1
-DEEPSPEED_ZERO3 = {"zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all"}  # zero layout: ZeRO-3
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,8 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}
-    if sc.train.layout == "zero" and a.overlap and sc.n > 1 and set(strategies) & DEEPSPEED_ZERO3:
+    if (sc.train.layout == "zero" and a.overlap and sc.n > 1
+            and any(effective(n, "zero").params_sharded for n in strategies)):  # ZeRO-3
         out["overlap"]["meaning"] += (
             "; DeepSpeed ZeRO-3 in eager mode overlaps less: its published runs on 32 H100 "
             "measured 24-56% slower than overlap predicts (docs/accuracy-notes.md 9l)")
