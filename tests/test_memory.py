@@ -50,6 +50,40 @@ def test_deepspeed_optimizer_offload_keeps_no_gradient_shard_on_the_gpu(strategy
     assert on.grads_bytes == 2 * psi // 8
 
 
+LLAMA31_8B_PARAMS = 8_030_261_248  # the safetensors total of meta-llama/Llama-3.1-8B (HF model card)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "offload-opt", "offload-all"])
+def test_deepspeed_without_zero_init_holds_the_whole_model_at_initialize(strategy):
+    """deepspeed.initialize moves a model built outside deepspeed.zero.Init whole to the GPU
+    before ZeRO-3 partitions it (runtime/engine.py _configure_distributed_model): an event before
+    the step holding every parameter in the param dtype, the run's peak where the step needs
+    less (8B at seq 2048 with full checkpointing on 8 GPUs and the optimizer offloaded: about
+    6 GB of step; without offload the 16 B/param state over 8 GPUs is as large)."""
+    sc = _sc(layout="zero", zero_init=False, seq_len=2048, checkpointing="full")
+    ev = timeline(sc, effective(strategy, "zero"))
+    assert (ev[0].phase, ev[0].total_bytes) == ("setup", 2 * LLAMA31_8B_PARAMS)
+    assert all(e.phase != "setup" for e in ev[1:])
+    if strategy == "zero3":
+        return
+    assert peak(ev) is ev[0] and peak(ev[1:]).total_bytes < 2 * LLAMA31_8B_PARAMS
+    from zplan.memory import memory
+    m = memory(sc, effective(strategy, "zero"))
+    assert (m.peak_phase, m.allocated_bytes) == ("setup", 2 * LLAMA31_8B_PARAMS)
+    assert m.reserved_bytes >= m.allocated_bytes
+
+
+@pytest.mark.parametrize("layout,strategy,zero_init", [
+    ("zero", "zero3", True),  # built under zero.Init: never whole on one GPU
+    ("zero", "zero2", False),  # ZeRO-1/2 keep the whole model on the GPU through the step anyway
+    ("zero", "zero1", False),
+    ("torch", "zero3", False),  # FSDP2: not DeepSpeed's initialize
+])
+def test_no_setup_event_where_deepspeed_does_not_move_the_model_whole(layout, strategy, zero_init):
+    sc = _sc(layout=layout, zero_init=zero_init)
+    assert all(e.phase != "setup" for e in timeline(sc, effective(strategy, layout)))
+
+
 # ------------------------------------------------------------------ buffers
 
 def test_static_buffers_by_hand():

@@ -59,6 +59,16 @@ def test_nothing_fits_is_an_honest_no():
         rec(2, model="llama-3.1-405b", gpus=2)
 
 
+def test_deepspeed_without_zero_init_is_refused_where_the_whole_model_does_not_fit_one_gpu():
+    """70B in bf16 is 141 GB: deepspeed.initialize would move it whole to each 85.5 GB GPU
+    before partitioning (memory.setup_events), whatever the step needs; built under
+    deepspeed.zero.Init the same search finds a ZeRO-3 plan."""
+    kw = dict(model="llama-3.1-70b", gpus=32, layout="zero")
+    with pytest.raises(PlanError, match=r"deepspeed.initialize moves the whole model .*141 GB.*--zero-init"):
+        rec(256, zero_init=False, **kw)
+    assert rec(256, **kw).winner.family in ("zero3", "offload-opt", "offload-all")
+
+
 def test_zero2_rejection_names_the_replicated_weights():
     r = rec(64, model="llama-3.1-70b", gpus=64)
     assert r.rejected["zero2"].startswith("zero2: replicated bf16 weights alone are 141 GB >")

@@ -132,6 +132,12 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         out["overlap"]["meaning"] += (
             "; DeepSpeed ZeRO-3 in eager mode overlaps less: its published runs on 32 H100 "
             "measured 24-56% slower than overlap predicts (docs/accuracy-notes.md 9l)")
+    if sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies):
+        out["zero_init"] = {
+            "value": sc.train.zero_init, "flag": "--no-zero-init" if sc.train.zero_init else "--zero-init",
+            "meaning": "DeepSpeed ZeRO-3 builds the model under deepspeed.zero.Init (HF Trainer, "
+                       "accelerate's zero3_init_flag); without it deepspeed.initialize first moves "
+                       "the whole model to each GPU, a peak of its own (memory 'setup')"}
     if sc.model.total_params is not None:
         m = sc.model
         out["architecture"] = {

@@ -40,7 +40,7 @@ class Memory:
     allocated_bytes: int  # live tensors at the peak (torch.cuda.max_memory_allocated)
     reserved_bytes: int  # the caching allocator's segments then (max_memory_reserved)
     total_bytes: int  # reserved + CUDA context: what has to fit
-    peak_phase: str  # forward | loss | backward | optimizer
+    peak_phase: str  # setup | forward | loss | backward | optimizer
     peak_event: str
     host_bytes_per_rank: int
     host_bytes_per_node: int
@@ -208,8 +208,27 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
             [x * grad_store for x in shards],
             st.reshard_after_forward, accum_b, opt_temp)
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
-    return mt.replicated_events(sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp,
-                                compiled_graphs(sc, st))
+    return setup_events(sc, st) + mt.replicated_events(
+        sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp, compiled_graphs(sc, st))
+
+
+def setup_events(sc: Scenario, st: Strategy) -> list[Event]:
+    """Before the first step, what the run holds that the step does not: DeepSpeed ZeRO-3 given a
+    model built outside deepspeed.zero.Init (`TrainSpec.zero_init` False). deepspeed.initialize
+    casts the model to the param dtype and moves it whole to the GPU (runtime/engine.py
+    _configure_distributed_model: `if not (self.dont_change_device or is_zero_init_model):
+    self.module.to(self.device)`), then partitions it one parameter at a time
+    (zero/parameter_offload.py _convert_to_zero_parameters -> partition_parameters.py Init(module=)
+    -> _zero_init_param -> partition, whose free_param releases the full tensor): the most held
+    at once is the whole model, Psi x param bytes (checked at DeepSpeed v0.16.6 and v0.19.2). The
+    caching allocator keeps those blocks and torch.cuda.max_memory_* keep the peak unless reset,
+    so it is the run's peak wherever the step needs less; and where the model does not fit one
+    GPU whole, the run fails here. ZeRO-1/2 keep the whole model on the GPU anyway."""
+    t = sc.train
+    if t.layout != "zero" or t.zero_init or not st.params_sharded:
+        return []
+    return [Event("setup", "deepspeed.initialize (the whole model on the GPU)",
+                  {"gathered": nbytes(sc.params, t.precision.param)})]
 
 
 def compiled_graphs(sc: Scenario, st: Strategy) -> mt.CompiledGraphs | None:

@@ -41,7 +41,7 @@ class Event:
     __slots__ = ("phase", "label", "live", "total_bytes")
 
     def __init__(self, phase: str, label: str, live: dict[str, int]):
-        self.phase, self.label, self.live = phase, label, live  # phase: forward|loss|backward|optimizer
+        self.phase, self.label, self.live = phase, label, live  # phase: setup|forward|loss|backward|optimizer
         self.total_bytes = sum(live.values())
 
     def __repr__(self) -> str:

@@ -233,6 +233,10 @@ def _why_not(base: Scenario, family: str, headroom: float) -> str:
         return (f"{name}: host RAM {fmt_bytes(m.host_bytes_per_node)} per node > "
                 f"{fmt_bytes(sc.hw.cluster.host_ram_bytes)}")
     p = sc.train.precision
+    if m.peak_phase == "setup":  # memory.setup_events: DeepSpeed moves the model whole first
+        return (f"{name}: deepspeed.initialize moves the whole model to each GPU before ZeRO-3 "
+                f"partitions it, {fmt_bytes(m.allocated_bytes)} > {cap}; build the model under "
+                f"deepspeed.zero.Init (HF Trainer and accelerate's zero3_init_flag do; drop --no-zero-init)")
     if not effective(family, sc.train.layout).params_sharded and m.params_bytes > usable:
         return f"{name}: replicated {p.param if sc.train.layout == 'zero' else p.master} weights alone are {fmt_bytes(m.params_bytes)} > {cap}"
     if m.model_state_bytes > usable:
@@ -285,6 +289,8 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
     n = smallest_n(base, full)
     if n is not None:
         hints.append(f"--gpus {n} (zero3, full checkpointing, micro-batch 1)")
+    if base.train.layout == "zero" and not base.train.zero_init:
+        hints.append("--zero-init (the model built under deepspeed.zero.Init)")
     if base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw":
         hints.append("--optimizer adam8bit")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")

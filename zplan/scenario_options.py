@@ -65,6 +65,7 @@ class ScenarioOptions:
     fused_swiglu: bool = False
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
+    zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     float8: bool = False
     float8_recipe: str = "tensorwise"  # with float8: tensorwise | te-delayed (TrainSpec.float8_recipe)
     float8_all_gather: bool = True
@@ -220,7 +221,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

@@ -345,6 +345,11 @@ class TrainSpec(Spec):
     layout: Layout = Field(
         "zero", description="zero: the ZeRO paper / DeepSpeed layout; torch: DDP, ZeRO-RO and FSDP2"
     )
+    zero_init: bool = Field(
+        True, description="zero layout, ZeRO-3: the model is built under deepspeed.zero.Init (HF "
+        "Trainer, accelerate's zero3_init_flag), so no GPU ever holds it whole; False: built "
+        "without it, deepspeed.initialize first moves the whole model to each GPU "
+        "(runtime/engine.py _configure_distributed_model) and only then partitions it")
     fused_norm: bool = Field(
         True, description="RMSNorm saves its input and rstd (fused kernel); False: the composite "
         "fp32 implementation (CPU) also saves the fp32 input and normalized output")

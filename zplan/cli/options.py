@@ -38,6 +38,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "master_dtype": ((), "Master weights dtype"),
     "optimizer_dtype": ((), "Optimizer state dtype"),
     "layout": ((), "zero (ZeRO paper / DeepSpeed) | torch (DDP, ZeRO-RO, FSDP2)"),
+    "zero_init": ((), "Zero layout, ZeRO-3: the model is built under deepspeed.zero.Init, as HF Trainer and accelerate's zero3_init_flag do (--no-zero-init: built outside it, deepspeed.initialize first moves the whole model to each GPU)"),
     "blocks_per_unit": ((), "Transformer blocks per sharding unit"),
     "prefetch": ((), "Prefetch the next unit's all-gather"),
     "fused_norm": ((), "RMSNorm as one fused kernel (default: yes on GPUs, no on CPU ranks)"),
