@@ -205,3 +205,50 @@ def test_early_stop_reruns_a_function_linear_to_its_end(mlp):
     units = [u for u in arch.units(m, 1) if u.blocks]
     assert sum(arch.unit_recompute_flop(m, u, te) for u in units) == flop - flop_none
     assert sum(arch.unit_recompute_flop(m, u, plain) for u in units) < flop - flop_none
+
+
+@pytest.mark.parametrize("unit", ["separate", "root", "root-kept"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_shards_the_units_the_planner_prices(unit, tied):
+    """The trainer's fully_shard groups hold exactly the parameters of arch.units' moving units,
+    in order, and the root what the held unit holds (embeddings and head when tied or left to
+    the root)."""
+    import torch
+
+    from zplan import arch
+    from zplan.presets import model as preset
+    from zplan.specs import TrainSpec
+    from zplan.trainer.model import Transformer
+    from zplan.trainer.parallel import unit_groups
+
+    m = preset("tiny").model_copy(update={"tied_embeddings": tied})
+    with torch.device("meta"):
+        net = Transformer(m)
+    t = TrainSpec(seq_len=64, embed_head_unit=unit, blocks_per_unit=2)
+    groups = unit_groups(net, t)
+    sizes = [sum(p.numel() for g in grp for p in g.parameters()) for grp in groups]
+    units = arch.units(m, 2, unit)
+    assert sizes == [u.numel for u in units if not u.held]
+    held = [u for u in units if u.held]
+    in_groups = {id(p) for grp in groups for g in grp for p in g.parameters()}
+    root = sum(p.numel() for p in net.parameters() if id(p) not in in_groups)
+    assert root == sum(u.numel for u in held)
+    assert bool(held) == (tied or unit != "separate")
+
+
+def test_the_root_is_gathered_again_for_backward_only_where_it_reshards():
+    """FSDP1's root (root-kept) stays gathered from forward to backward; FSDP2's reshards
+    after forward when told to (PyTorch >= 2.8) and is gathered again: the backward all-gather
+    differs by exactly the root's elements, Llama 3.1 8B's embedding, head and final norm
+    (2 x 128256 x 4096 + 4096)."""
+    from zplan.comm import collectives
+    from zplan.strategies import effective
+    from tests.helpers import scenario
+
+    def backward_gather(unit):
+        sc = scenario(model="llama-3.1-8b", gpus="8", layout="torch", embed_head_unit=unit)
+        cs = collectives(sc, effective("zero3", "torch"))
+        return next(c.elements for c in cs if c.name == "all-gather (backward)")
+
+    assert backward_gather("root") - backward_gather("root-kept") == 2 * 128256 * 4096 + 4096
+    assert backward_gather("separate") == backward_gather("root")

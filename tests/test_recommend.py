@@ -69,6 +69,19 @@ def test_deepspeed_without_zero_init_is_refused_where_the_whole_model_does_not_f
     assert rec(256, **kw).winner.family in ("zero3", "offload-opt", "offload-all")
 
 
+def test_deepspeed_zero3_plan_says_it_assumes_zero_init(capsys, tmp_path):
+    from tests.helpers import cli
+
+    out = tmp_path / "p.json"
+    r = cli(capsys, "recommend", "--model", "llama-3.1-70b", "--gpus", "32", "--for", "deepspeed",
+            "--write", str(out))
+    assert r.returncode == 0 and json.loads(out.read_text())["strategy"] in ("zero3", "offload-opt", "offload-all")
+    assert "deepspeed.zero.Init" in r.stderr + r.stdout and "--no-zero-init" in r.stderr + r.stdout
+    r = cli(capsys, "recommend", "--model", "llama-3.1-70b", "--gpus", "32", "--for", "deepspeed",
+            "--no-zero-init")
+    assert r.returncode == 1 and "deepspeed.initialize moves the whole model" in r.stderr
+
+
 def test_zero2_rejection_names_the_replicated_weights():
     r = rec(64, model="llama-3.1-70b", gpus=64)
     assert r.rejected["zero2"].startswith("zero2: replicated bf16 weights alone are 141 GB >")

@@ -97,7 +97,7 @@ def param_count(m: ModelSpec) -> int:
 
 
 @lru_cache(maxsize=256)
-def units(m: ModelSpec, blocks_per_unit: int = 1) -> tuple[Unit, ...]:
+def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separate") -> tuple[Unit, ...]:
     """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's order).
 
     Tied embeddings share one weight between the first and the last module, so both sit in one
@@ -124,7 +124,7 @@ def units(m: ModelSpec, blocks_per_unit: int = 1) -> tuple[Unit, ...]:
         blocks.append(Unit(name, bs * g, g, done, bmm * g))
         done += g
     head_mm = m.vocab_size * m.hidden
-    if not policy.separate_embed_head(m.tied_embeddings):
+    if not policy.separate_embed_head(m.tied_embeddings, embed_head_unit):
         root = Unit("embed+head", tuple(embed_shapes(m) + head_shapes(m)), 0, 0, head_mm, held=True)
         return tuple([root] + blocks)
     return tuple([Unit("embed", tuple(embed_shapes(m)), 0, 0, 0)] + blocks + [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from . import policy
 from .nccl import collective_time, contiguous_shape, strided_shape
 from .scenario import Scenario
 from .strategies import Strategy
@@ -129,9 +130,14 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
         if st.offload_params:
             store = p.master if sc.train.layout == "torch" else p.param
             h2d = nbytes(full // D, store) / sc.hw.gpu.host_link_bytes_per_s
-        out.append(UnitComm(u.name, full, ag, rs, h2d,
-                            st.reshard_after_forward and not u.held))
+        out.append(UnitComm(u.name, full, ag, rs, h2d, regathered(sc, st, u)))
     return out
+
+
+def regathered(sc: Scenario, st: Strategy, u) -> bool:
+    """Whether a unit is all-gathered again for its backward: resharded after forward, and for
+    the held root only where it reshards (policy.root_reshards: not FSDP1's kept root)."""
+    return st.reshard_after_forward and (not u.held or policy.root_reshards(sc.train.embed_head_unit))
 
 
 def gather_dtype(sc: Scenario, u) -> str:
@@ -187,7 +193,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         return out
     D, g, R, g_rep = _shapes(sc, st)
     units = sc.units
-    regather = [u for u in units if st.reshard_after_forward and not u.held]
+    regather = [u for u in units if regathered(sc, st, u)]
     gathered = sum(sc.padded_elems(u, D) for u in units)
     rdt = lambda u: p.reduce  # noqa: E731
     scope = "intra-node" if D <= g else "inter-node"

@@ -83,14 +83,14 @@ def optimizer_tensor_sizes(sc: Scenario, D: int, zero1: bool = False) -> list[in
     if zero1 and D > 1:
         return zero1_torch_partition(sc)
     if sc.custom_units is None:
-        return list(_decoder_dim0_shards(sc.model, sc.train.blocks_per_unit, D))
+        return list(_decoder_dim0_shards(sc.model, sc.train.blocks_per_unit, D, sc.train.embed_head_unit))
     return [ceil_div(s[0], D) * math.prod(s[1:]) for u in sc.units for s in u.shapes]
 
 
 @lru_cache(maxsize=1024)
-def _decoder_dim0_shards(model, blocks_per_unit: int, D: int) -> tuple[int, ...]:
+def _decoder_dim0_shards(model, blocks_per_unit: int, D: int, embed_head_unit: str) -> tuple[int, ...]:
     return tuple(ceil_div(s[0], D) * math.prod(s[1:])
-                 for u in arch.units(model, blocks_per_unit) for s in u.shapes)
+                 for u in arch.units(model, blocks_per_unit, embed_head_unit) for s in u.shapes)
 
 
 @lru_cache(maxsize=256)
@@ -162,13 +162,13 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
 def _largest_params(sc: Scenario, degree: int) -> list[int]:
     """Per unit, its largest single parameter tensor on a rank (the dim-0 shard at `degree`)."""
     if sc.custom_units is None:
-        return _decoder_largest(sc.model, sc.train.blocks_per_unit, degree)
+        return _decoder_largest(sc.model, sc.train.blocks_per_unit, degree, sc.train.embed_head_unit)
     return [_largest_shard(u.shapes, degree) for u in sc.units]
 
 
 @lru_cache(maxsize=1024)
-def _decoder_largest(model, blocks_per_unit: int, degree: int) -> list[int]:
-    return [_largest_shard(u.shapes, degree) for u in arch.units(model, blocks_per_unit)]
+def _decoder_largest(model, blocks_per_unit: int, degree: int, embed_head_unit: str) -> list[int]:
+    return [_largest_shard(u.shapes, degree) for u in arch.units(model, blocks_per_unit, embed_head_unit)]
 
 
 def _largest_shard(shapes: tuple, degree: int) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 
-from . import activation_memory, arch
+from . import activation_memory, arch, policy
 from .scenario import Scenario
 from .specs import TrainSpec
 from .units import DTYPE_BITS
@@ -75,7 +75,7 @@ def activations(sc: Scenario) -> Activations:
 
 @lru_cache(maxsize=512)
 def _decoder_activations(m, t: TrainSpec, loss_fp32: bool) -> Activations:
-    return _unit_activations(m, t, loss_fp32, arch.units(m, t.blocks_per_unit))
+    return _unit_activations(m, t, loss_fp32, arch.units(m, t.blocks_per_unit, t.embed_head_unit))
 
 
 def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
@@ -168,42 +168,60 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       gathered=held_b + kept + moving[i], all_gather=max(moving[i], nxt(i)),
                       unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
-    # reshard_after_forward to the root as well) and gathers again in its pre-backward. A linear
+    # reshard_after_forward to the root as well) and gathers again in its pre-backward, unless
+    # it is FSDP1's kept root (policy.root_reshards). A linear
     # loss runs inside the head's forward (and the root's): the head unit is still gathered, and
     # its pre-backward (a hook on the loss itself) gathers it again before the loss's backward
-    at_loss = 0 if reshard else held_b + moving_upto[n]
+    kept_root = not reshard or not policy.root_reshards(sc.train.embed_head_unit)
+    at_loss = (held_b if kept_root else 0) + (0 if reshard else moving_upto[n])
     linear = sc.train.linear_loss != "none"
     head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
     if linear:
         at_loss = held_b + (moving[head] if reshard else moving_upto[n])
-    # a linear loss hands the head's weight gradient over in the loss's backward; tied to the
-    # embedding (the root), it stays unsharded until the root's reduce-scatter, at the end
-    tied_hold = acts.linear_loss["kept"] if linear and sc.model.tied_embeddings else 0
+    # Where the head sits in the held root (tied embeddings, or TrainSpec.embed_head_unit root),
+    # its weight gradient, made in the head's backward (a linear loss hands it over in the loss's
+    # backward), stays unsharded until the root's reduce-scatter at the end of backward: FSDP
+    # reduces a unit once all of its gradients exist (FSDP2: the root's post-backward runs in the
+    # final callback; FSDP1: the flat parameter's gradient hook). Where micro-batches skip the
+    # reduce, every unsharded gradient, the head's too, is already in accum_b
+    root_head = sc.units[head].held
+    hold = (acts.linear_loss["kept"] if linear else first_grad[head]) if root_head and not accum_b else 0
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
                       + acts.linear_loss[phase]))
     logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
+    if root_head and not linear:
+        # the head's backward inside the root, before the last block's: the logits and their
+        # gradient, the head's input gradient and its weight gradient
+        ev.append(_ev("backward", f"backward head (in {sc.units[head].name})", state=state_b,
+                      gathered=held_b + (0 if reshard else moving_upto[n]), unsharded_grads=accum_b + hold,
+                      activations=saved_upto[n] + 2 * logits_b + acts.backward_temp[head]))
     for j in reversed(ends):
         name = sc.units[j].name
         gath = held_b + moving[j] + (0 if reshard else moving_upto[j])
         before = saved_upto[j] + logits_b
         act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
-        if j == n - 1:
-            act += logits_b  # the logits' gradient
+        if j == n - 1 and not root_head:
+            act += logits_b  # the logits' gradient (the head's own unit)
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
         # at its largest, early in the unit's backward: one weight's gradient so far
         ev.append(_ev("backward", f"backward {name}", state=state_b,
                       grads=grads_upto[n] - grads_upto[j + 1], gathered=gath, all_gather=prv(j),
-                      unsharded_grads=accum_b + first_grad[j] + (tied_hold if j != head else 0),
+                      unsharded_grads=accum_b + first_grad[j] + hold,
                       reduce_scatter=prev_rs, activations=act))
-        # reduce-scatter: the unit's unsharded gradients copied into the reduce-scatter input
-        # (the previous one is released first); its output becomes the sharded gradient. The
-        # unit's own weights are resharded just before (FSDPParamGroup.post_backward:
+        # reduce-scatter, at its copy-in: the unit's unsharded gradients copied into the
+        # reduce-scatter input (the previous one is released first); its output, the sharded
+        # gradient, is allocated only once they are freed (_fsdp_collectives.foreach_reduce:
+        # copy-in, unsharded_grads.clear(), then reduce_output). The unit's own weights, the
+        # held root's too, are resharded just before (FSDPParamGroup.post_backward:
         # reshard_after_backward, True by default, then foreach_reduce)
         ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b,
-                      grads=grads_upto[n] - grads_upto[j], gathered=gath - moving[j], all_gather=prv(j),
-                      unsharded_grads=accum_b + unsharded_grad[j] + (tied_hold if j != head else 0),
+                      grads=grads_upto[n] - grads_upto[j + 1],
+                      gathered=gath - (gathered[j] if held[j] else moving[j]), all_gather=prv(j),
+                      # accumulating (reduce skipped before), the unit's new gradients were added
+                      # into its accumulated ones (accum_b), which are what is copied in
+                      unsharded_grads=accum_b + (0 if accum_b else unsharded_grad[j]) + (hold if j != head else 0),
                       reduce_scatter=reduce_in[j],
                       activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],

@@ -33,10 +33,21 @@ def block_groups(num_layers: int, blocks_per_unit: int) -> list[range]:
             for i in range(0, num_layers, blocks_per_unit)]
 
 
-def separate_embed_head(tied_embeddings: bool) -> bool:
+def separate_embed_head(tied_embeddings: bool, embed_head_unit: str = "separate") -> bool:
     """Embeddings and norm + head are units of their own (torchtitan's order), unless they share
-    one weight: then both stay with the root, gathered for the whole step."""
-    return not tied_embeddings
+    one weight or the plan leaves them to the root (`TrainSpec.embed_head_unit` "root", as HF
+    Trainer and accelerate wrap only the decoder layers): then both stay with the root, which
+    FSDP does not reshard after forward, gathered for the whole step."""
+    return not tied_embeddings and embed_head_unit == "separate"
+
+
+def root_reshards(embed_head_unit: str) -> bool:
+    """Whether the root unit reshards after its forward and gathers again for its backward (with
+    reshard_after_forward on): FSDP2 honours an explicit reshard_after_forward=True on the root
+    since PyTorch 2.8 (pytorch/pytorch PR 154704), as zplan's trainer passes it; "root-kept" is
+    FSDP1, which never frees the root after forward, and FSDP2 before 2.8 (the trainer passes
+    reshard_after_forward=False to the root for it)."""
+    return embed_head_unit != "root-kept"
 
 
 def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, ...]:

@@ -23,7 +23,7 @@ class Scenario:
     def units(self) -> list[arch.Unit]:
         if self.custom_units is not None:
             return list(self.custom_units)
-        return list(arch.units(self.model, self.train.blocks_per_unit))
+        return list(arch.units(self.model, self.train.blocks_per_unit, self.train.embed_head_unit))
 
     @cached_property
     def params(self) -> int:

@@ -53,6 +53,7 @@ class ScenarioOptions:
     optimizer_dtype: str = "fp32"
     layout: Optional[str] = None  # None: zero for estimate; recommend plans for its runner (--for)
     blocks_per_unit: int = 1
+    embed_head_unit: str = "separate"  # FSDP: separate | root (TrainSpec.embed_head_unit)
     prefetch: bool = True
     fused_norm: Optional[bool] = None
     norm_output_fp32: bool = True
@@ -160,6 +161,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.optimizer_kernels != "fused" and o.optimizer != "adamw":
         raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is one of AdamW's implementations; "
                          f"--optimizer {o.optimizer} is priced as its own: drop --optimizer-kernels")
+    check_choice(o.embed_head_unit, "--embed-head-unit", ("separate", "root", "root-kept"))
+    if layout == "zero" and o.embed_head_unit != "separate":
+        raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP wraps a Hugging Face model; DeepSpeed "
+                         "(the zero layout) gathers module by module: add --layout torch, or drop --embed-head-unit")
     if layout == "zero" and o.optimizer_kernels != "fused":
         raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is torch's AdamW; the zero layout "
                          "(DeepSpeed) runs its FusedAdam: add --layout torch, or drop --optimizer-kernels")
@@ -221,7 +226,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, blocks_per_unit=o.blocks_per_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

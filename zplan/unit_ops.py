@@ -18,6 +18,7 @@ from __future__ import annotations
 from . import kernels as K
 from . import policy
 from .arch import Unit
+from .comm import regathered
 from .scenario import Scenario
 from .strategies import Strategy
 from .units import DTYPE_BITS
@@ -256,7 +257,7 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
     g, r, store = _b(gather_dtype), _b(p.reduce), _b(p.master if sc.train.layout == "torch" else p.param)
     gather = [K.memory(gpu, "all-gather copy-in", (store + g) * n // D, 1),
               K.memory(gpu, "all-gather copy-out", 2 * g * n, 1)]
-    bwd = list(gather) if st.reshard_after_forward and not u.held else []
+    bwd = list(gather) if regathered(sc, st, u) else []
     bwd += [K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1),
             K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1)]
     return gather, bwd

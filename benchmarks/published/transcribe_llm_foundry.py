@@ -60,7 +60,9 @@ and algorithms.gradient_clipping (norm, 1.0); submit_benchmarks.py's mod_paramet
 Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py at 2deccf2, DecoupledAdamW.adamw) is a
 loop over parameters of mul_/add_/mul_/addcmul_/sqrt/div/add_/addcdiv_: optimizer_kernels = "single"
 (its bytes with weight decay 0 equal torch's per-parameter AdamW with decay when the state and master
-dtypes are equal, fp32 here). Clipping goes through FSDP1's clip_grad_norm_: grad_clip = true (the default)."""
+dtypes are equal, fp32 here). Clipping goes through FSDP1's clip_grad_norm_: grad_clip = true (the default).
+Units: Composer's FSDP1 wraps the MPT blocks (MPTModel.fsdp_wrap_fn); the tied embedding (wte) and the final norm
+stay in the root, which FSDP1 keeps gathered from its forward to its backward: embed_head_unit = "root-kept"."""
 '''
 
 
@@ -83,7 +85,7 @@ def rows(text: str):
             micro_batch=int(mb), grad_accum=int(ga), seq_len=int(seq),
             checkpointing="full" if ac == "True" else "none",
             checkpoint_early_stop=table.startswith("H100 80GB BF16 (Large Scale"), compile=False,
-            fused_loss=True, optimizer_kernels="single",
+            fused_loss=True, optimizer_kernels="single", embed_head_unit="root-kept",
             float8="te-delayed" if precision == "amp_fp8" else "none", attention_kernel="flash-triton",
             param_dtype="bf16", reduce_dtype=REDUCE[mp],
             tokens_per_s_per_gpu=float(tps_gpu), tokens_per_s_global=float(tps),

@@ -115,7 +115,14 @@ def _launch_note(plan, written: str) -> str:
     from ..plan import trainer_refusal
 
     if plan.train.layout == "zero":
-        return f"zplan export --plan {written} --to deepspeed turns it into DeepSpeed's config"
+        from ..strategies import effective
+
+        note = f"zplan export --plan {written} --to deepspeed turns it into DeepSpeed's config"
+        if effective(plan.strategy, "zero").params_sharded and plan.train.zero_init:
+            note += ("; it assumes your script builds the model under deepspeed.zero.Init (HF "
+                     "Trainer and accelerate's zero3_init_flag do; plan again with --no-zero-init "
+                     "if it does not)")
+        return note
     builtin, script = trainer_refusal(plan, builtin_model=True), trainer_refusal(plan, builtin_model=False)
     if builtin is None:
         return f"zplan launch --plan {written} runs it"

@@ -120,15 +120,23 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device,
     apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
     if plan.strategy in ("ddp", "zero1"):
         return replicate(model, plan, device)
+    return shard_units(model, unit_groups(model, t), plan, device, deterministic, mesh)
+
+
+def unit_groups(model: nn.Module, t) -> list[list[nn.Module]]:
+    """The modules fully_shard takes together, in forward order, as arch.units prices them:
+    embeddings and norm + head on their own unless tied or left to the root
+    (policy.separate_embed_head), the blocks `blocks_per_unit` at a time; the root, sharded
+    last, holds whatever is left."""
     groups: list[list[nn.Module]] = []
-    separate = policy.separate_embed_head(model.spec.tied_embeddings)
+    separate = policy.separate_embed_head(model.spec.tied_embeddings, t.embed_head_unit)
     if separate:
         groups.append([model.tok_embeddings])
     blocks = list(model.layers)
     groups += [[blocks[i] for i in g] for g in policy.block_groups(len(blocks), t.blocks_per_unit)]
     if separate:
         groups.append([model.norm, model.output])
-    return shard_units(model, groups, plan, device, deterministic, mesh)
+    return groups
 
 
 def to_master_dtype(model: nn.Module, plan: Plan) -> None:
@@ -172,7 +180,9 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
     for group in groups:
         shard(group if len(group) > 1 else group[0])
         units.append(group[0])  # the FSDP state lives on the first module of a group
-    shard(model)  # the root: whatever is left (e.g. tied embeddings and head)
+    # the root: whatever is left (tied embeddings and head, or the plan's embed_head_unit root);
+    # FSDP1's kept root (root-kept) is FSDP2's root told not to reshard after forward
+    shard(model, reshard_after_forward=t.reshard_after_forward and policy.root_reshards(t.embed_head_unit))
     if deterministic:
         if plan.strategy == "hsdp":
             raise ValueError("--deterministic covers 1-D meshes; HSDP's replica all-reduce is not ordered")
