@@ -224,7 +224,7 @@ def test_trainer_shards_the_units_the_planner_prices(unit, tied):
     m = preset("tiny").model_copy(update={"tied_embeddings": tied})
     with torch.device("meta"):
         net = Transformer(m)
-    t = TrainSpec(seq_len=64, embed_head_unit=unit, blocks_per_unit=2)
+    t = TrainSpec(seq_len=64, layout="torch", embed_head_unit=unit, blocks_per_unit=2)
     groups = unit_groups(net, t)
     sizes = [sum(p.numel() for g in grp for p in g.parameters()) for grp in groups]
     units = arch.units(m, 2, unit)

@@ -101,7 +101,8 @@ def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separa
     """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's order).
 
     Tied embeddings share one weight between the first and the last module, so both sit in one
-    unit that stays gathered for the whole step (FSDP2's root). A synthetic model (bare --params)
+    held unit, FSDP's root; `embed_head_unit` root or root-kept puts them there untied too
+    (policy.separate_embed_head, policy.root_reshards). A synthetic model (bare --params)
     is `num_layers` flat units of equal size.
     """
     L = m.num_layers

@@ -157,6 +157,7 @@ def _per_unit_sum(sc: Scenario, units, op: str, dtype_of, D: int, g: int) -> flo
 
 def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     """Every collective of one optimizer step (grad_accum micro-batches)."""
+    sc = sc.for_strategy(st.fsdp)
     t, p, psi, N = sc.train, sc.train.precision, sc.params, sc.n
     A = t.grad_accum
     gpn = sc.hw.cluster.gpus_per_node

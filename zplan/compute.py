@@ -189,6 +189,7 @@ def optimizer_ops(sc: Scenario, st: Strategy) -> list[K.Op]:
 
 
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:
+    sc = sc.for_strategy(st.fsdp)
     t, m = sc.train, sc.model
     fwd, bwd, kinds = unit_seconds(sc, st)
     A = t.grad_accum

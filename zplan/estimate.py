@@ -135,9 +135,10 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies):
         out["zero_init"] = {
             "value": sc.train.zero_init, "flag": "--no-zero-init" if sc.train.zero_init else "--zero-init",
-            "meaning": "DeepSpeed ZeRO-3 builds the model under deepspeed.zero.Init (HF Trainer, "
-                       "accelerate's zero3_init_flag); without it deepspeed.initialize first moves "
-                       "the whole model to each GPU, a peak of its own (memory 'setup')"}
+            "meaning": ("the model is built under deepspeed.zero.Init (HF Trainer, accelerate's "
+                        "zero3_init_flag): no GPU ever holds it whole" if sc.train.zero_init else
+                        "the model is built outside deepspeed.zero.Init: deepspeed.initialize "
+                        "first moves it whole to each GPU, a peak of its own (memory 'setup')")}
     if sc.model.total_params is not None:
         m = sc.model
         out["architecture"] = {

@@ -185,6 +185,7 @@ def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
 
 def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[Event]:
     """The step's events with their live bytes (memory_timeline), for one strategy."""
+    sc = sc.for_strategy(st.fsdp)
     t, p = sc.train, sc.train.precision
     ms = ms or model_state(sc, st)
     D = sc.shard_degree(st.hsdp)
@@ -319,6 +320,7 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
 def memory(sc: Scenario, st: Strategy) -> Memory:
     """Peak memory per GPU (bytes) over the step's timeline, allocated and reserved, and host
     memory for offload, for one strategy."""
+    sc = sc.for_strategy(st.fsdp)
     ms = model_state(sc, st)
     events = timeline(sc, st, ms)
     top = mt.peak(events)

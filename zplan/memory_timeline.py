@@ -156,16 +156,25 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     grads_upto = [0, *accumulate(sharded_grad)]
     ends = _run_ends(list(zip(moving, acts.saved, acts.recompute, acts.backward_temp,
                               unsharded_grad, first_grad, reduce_in, sharded_grad)))
+    head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
+    root_head = held[head]  # the head sits in the held root (tied, or embed_head_unit root)
+    logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
+    # with accumulation and a reduce every micro-batch, the later micro-batches find every
+    # sharded gradient allocated (the reduce-scatter output is added into it)
+    later = sc.train.grad_accum > 1 and not accum_b
+    grads_at = (lambda k: grads_upto[n]) if later else (lambda k: grads_upto[n] - grads_upto[k])  # noqa: E731
     ev: list[Event] = []
     for i in ends:
-        # copy-out of this unit's all-gather into its unsharded parameters, or its compute with
-        # the next unit's all-gather output already allocated (prefetch)
+        # copy-out of this unit's all-gather into its unsharded parameters (the held root's too,
+        # gathered at its own pre-forward), or its compute with the next unit's all-gather output
+        # already allocated (prefetch)
         kept = moving_upto[i] if not reshard else 0
         act = saved_upto[i + 1]
-        if i == n - 1:
-            act += acts.logits_elems * acts.act_bytes  # the head's output
+        if i == n - 1 and not root_head:
+            act += logits_b  # the head's output
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b,
-                      gathered=held_b + kept + moving[i], all_gather=max(moving[i], nxt(i)),
+                      gathered=held_b + kept + moving[i],
+                      all_gather=max(gathered[i] if held[i] else moving[i], nxt(i)),
                       unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
     # reshard_after_forward to the root as well) and gathers again in its pre-backward, unless
@@ -175,7 +184,6 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     kept_root = not reshard or not policy.root_reshards(sc.train.embed_head_unit)
     at_loss = (held_b if kept_root else 0) + (0 if reshard else moving_upto[n])
     linear = sc.train.linear_loss != "none"
-    head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
     if linear:
         at_loss = held_b + (moving[head] if reshard else moving_upto[n])
     # Where the head sits in the held root (tied embeddings, or TrainSpec.embed_head_unit root),
@@ -183,20 +191,30 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     # backward), stays unsharded until the root's reduce-scatter at the end of backward: FSDP
     # reduces a unit once all of its gradients exist (FSDP2: the root's post-backward runs in the
     # final callback; FSDP1: the flat parameter's gradient hook). Where micro-batches skip the
-    # reduce, every unsharded gradient, the head's too, is already in accum_b
-    root_head = sc.units[head].held
-    hold = (acts.linear_loss["kept"] if linear else first_grad[head]) if root_head and not accum_b else 0
+    # reduce, it is added into the accumulated gradients (accum_b) only then, in the root's
+    # post-backward, unless they share its dtype (then autograd accumulates into .grad in place)
+    p = sc.train.precision
+    in_place = accum_b and p.reduce == p.param
+    hold = (acts.linear_loss["kept"] if linear else first_grad[head]) if root_head and not in_place else 0
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
                       + acts.linear_loss[phase]))
-    logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
     if root_head and not linear:
-        # the head's backward inside the root, before the last block's: the logits and their
-        # gradient, the head's input gradient and its weight gradient
-        ev.append(_ev("backward", f"backward head (in {sc.units[head].name})", state=state_b,
-                      gathered=held_b + (0 if reshard else moving_upto[n]), unsharded_grads=accum_b + hold,
-                      activations=saved_upto[n] + 2 * logits_b + acts.backward_temp[head]))
+        root = sc.units[head].name
+        loss_grad = saved_upto[n] + 2 * logits_b  # the logits and their gradient
+        if reshard and policy.root_reshards(sc.train.embed_head_unit):
+            # the root's pre-backward (a hook on its output) gathers it again: copy-out
+            ev.append(_ev("backward", f"gather {root} again", state=state_b, gathered=held_b,
+                          all_gather=gathered[head], unsharded_grads=accum_b, activations=loss_grad))
+        # the head's backward inside the root, before the last block's: its input gradient and
+        # its new weight gradient; FSDP2's implicit backward prefetch has the last block's
+        # all-gather out (the root is not in the trainer's explicit prefetch chain)
+        ev.append(_ev("backward", f"backward head (in {root})", state=state_b,
+                      gathered=held_b + (0 if reshard else moving_upto[n]),
+                      all_gather=moving[n - 1] if prefetch and reshard else 0,
+                      unsharded_grads=accum_b + first_grad[head],
+                      activations=loss_grad + acts.backward_temp[head]))
     for j in reversed(ends):
         name = sc.units[j].name
         gath = held_b + moving[j] + (0 if reshard else moving_upto[j])
@@ -207,7 +225,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
         # at its largest, early in the unit's backward: one weight's gradient so far
         ev.append(_ev("backward", f"backward {name}", state=state_b,
-                      grads=grads_upto[n] - grads_upto[j + 1], gathered=gath, all_gather=prv(j),
+                      grads=grads_at(j + 1), gathered=gath, all_gather=prv(j),
                       unsharded_grads=accum_b + first_grad[j] + hold,
                       reduce_scatter=prev_rs, activations=act))
         # reduce-scatter, at its copy-in: the unit's unsharded gradients copied into the
@@ -217,7 +235,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # held root's too, are resharded just before (FSDPParamGroup.post_backward:
         # reshard_after_backward, True by default, then foreach_reduce)
         ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b,
-                      grads=grads_upto[n] - grads_upto[j + 1],
+                      grads=grads_at(j + 1),
                       gathered=gath - (gathered[j] if held[j] else moving[j]), all_gather=prv(j),
                       # accumulating (reduce skipped before), the unit's new gradients were added
                       # into its accumulated ones (accum_b), which are what is copied in

@@ -35,9 +35,10 @@ def block_groups(num_layers: int, blocks_per_unit: int) -> list[range]:
 
 def separate_embed_head(tied_embeddings: bool, embed_head_unit: str = "separate") -> bool:
     """Embeddings and norm + head are units of their own (torchtitan's order), unless they share
-    one weight or the plan leaves them to the root (`TrainSpec.embed_head_unit` "root", as HF
-    Trainer and accelerate wrap only the decoder layers): then both stay with the root, which
-    FSDP does not reshard after forward, gathered for the whole step."""
+    one weight or the plan leaves them to the root (`TrainSpec.embed_head_unit` root or
+    root-kept, as auto-wrapping only the decoder layers does): then both are in the root, the
+    held unit, gathered in forward and in backward and, where it does not reshard
+    (`root_reshards`), in between."""
     return not tied_embeddings and embed_head_unit == "separate"
 
 

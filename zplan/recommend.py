@@ -291,7 +291,8 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
         hints.append(f"--gpus {n} (zero3, full checkpointing, micro-batch 1)")
     if base.train.layout == "zero" and not base.train.zero_init:
         hints.append("--zero-init (the model built under deepspeed.zero.Init)")
-    if base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw":
+    if (base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw"
+            and not any("deepspeed.initialize moves the whole model" in r for r in rejected.values())):
         hints.append("--optimizer adam8bit")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
     tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 from . import arch
@@ -55,6 +55,13 @@ class Scenario:
     def padded_elems(self, unit: arch.Unit, degree: int) -> int:
         """The unit's gathered size including padding: what one all-gather moves."""
         return self.shard_elems(unit, degree) * degree
+
+    def for_strategy(self, fsdp: bool) -> "Scenario":
+        """The scenario a strategy is priced on: `embed_head_unit` groups FSDP's units, and a
+        strategy that shards no parameters (DDP, ZeRO-1) has none, so it sees the separate ones."""
+        if fsdp or self.train.embed_head_unit == "separate":
+            return self
+        return replace(self, train=self.train.model_copy(update={"embed_head_unit": "separate"}))
 
 
 @lru_cache(maxsize=4096)

@@ -53,7 +53,7 @@ class ScenarioOptions:
     optimizer_dtype: str = "fp32"
     layout: Optional[str] = None  # None: zero for estimate; recommend plans for its runner (--for)
     blocks_per_unit: int = 1
-    embed_head_unit: str = "separate"  # FSDP: separate | root (TrainSpec.embed_head_unit)
+    embed_head_unit: str = "separate"  # FSDP: separate | root | root-kept (TrainSpec.embed_head_unit)
     prefetch: bool = True
     fused_norm: Optional[bool] = None
     norm_output_fp32: bool = True
@@ -163,8 +163,12 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                          f"--optimizer {o.optimizer} is priced as its own: drop --optimizer-kernels")
     check_choice(o.embed_head_unit, "--embed-head-unit", ("separate", "root", "root-kept"))
     if layout == "zero" and o.embed_head_unit != "separate":
-        raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP wraps a Hugging Face model; DeepSpeed "
-                         "(the zero layout) gathers module by module: add --layout torch, or drop --embed-head-unit")
+        raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP groups its units; DeepSpeed "
+                         "(the zero layout) gathers module by module: plan FSDP (--layout torch, or "
+                         "recommend --for zplan), or drop --embed-head-unit")
+    if layout == "torch" and not o.zero_init:
+        raise UsageError("--no-zero-init is about deepspeed.initialize (the zero layout); FSDP "
+                         "(--layout torch) never holds the whole model: drop --no-zero-init")
     if layout == "zero" and o.optimizer_kernels != "fused":
         raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is torch's AdamW; the zero layout "
                          "(DeepSpeed) runs its FusedAdam: add --layout torch, or drop --optimizer-kernels")

@@ -363,7 +363,7 @@ class TrainSpec(Spec):
         "separate", description="FSDP: separate (embeddings, and final norm + head, are units of "
         "their own: torchtitan since 2025-07, zplan's trainer); root (both left to the root unit, "
         "resharded after forward like the others: FSDP2 on PyTorch >= 2.8 given "
-        "reshard_after_forward, e.g. accelerate's FSDP2 with TRANSFORMER_BASED_WRAP); root-kept "
+        "reshard_after_forward, the loss computed outside the model); root-kept "
         "(left to the root, which stays gathered from its forward to its backward: FSDP1, e.g. "
         "HF Trainer / accelerate / Composer, and FSDP2 before PyTorch 2.8, e.g. torchtitan until "
         "2025-07). Tied embeddings are always in the root")
@@ -418,6 +418,11 @@ class TrainSpec(Spec):
         if self.optimizer_kernels != "fused" and (self.layout != "torch" or self.optimizer != "adamw"):
             raise ValueError(f"optimizer_kernels {self.optimizer_kernels} applies to AdamW in the torch "
                              f"layout, not {self.optimizer} in the {self.layout} layout")
+        if self.layout == "zero" and self.embed_head_unit != "separate":
+            raise ValueError(f"embed_head_unit {self.embed_head_unit} is how FSDP groups its units; "
+                             "DeepSpeed (the zero layout) gathers module by module")
+        if self.layout == "torch" and not self.zero_init:
+            raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
         if self.linear_loss != "none" and self.loss_fused:
             raise ValueError(f"linear_loss {self.linear_loss} computes the loss itself; it is "
                              f"not also {'compiled' if self.compile_loss else 'a fused cross-entropy'}")

@@ -40,7 +40,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "layout": ((), "zero (ZeRO paper / DeepSpeed) | torch (DDP, ZeRO-RO, FSDP2)"),
     "zero_init": ((), "Zero layout, ZeRO-3: the model is built under deepspeed.zero.Init, as HF Trainer and accelerate's zero3_init_flag do (--no-zero-init: built outside it, deepspeed.initialize first moves the whole model to each GPU)"),
     "blocks_per_unit": ((), "Transformer blocks per sharding unit"),
-    "embed_head_unit": ((), "FSDP: separate (embeddings, and final norm + head, units of their own: torchtitan since 2025-07, zplan's trainer) | root (left to the root unit, resharded after forward: FSDP2 on PyTorch >= 2.8, e.g. accelerate's FSDP2) | root-kept (left to the root, kept gathered from forward to backward: FSDP1 as HF Trainer / accelerate / Composer run it, FSDP2 before 2.8)"),
+    "embed_head_unit": ((), "FSDP: separate (embeddings, and final norm + head, units of their own: torchtitan since 2025-07, zplan's trainer) | root (left to the root unit, resharded after forward: FSDP2 on PyTorch >= 2.8 given reshard_after_forward, the loss outside the model) | root-kept (left to the root, kept gathered from forward to backward: FSDP1 as HF Trainer / accelerate / Composer run it, FSDP2 before 2.8)"),
     "prefetch": ((), "Prefetch the next unit's all-gather"),
     "fused_norm": ((), "RMSNorm as one fused kernel (default: yes on GPUs, no on CPU ranks)"),
     "norm_output_fp32": ((), "Without a fused norm, it keeps its normalized output in fp32 (F.rms_norm's fallback; --no-norm-output-fp32: in the input's dtype, as torchtitan's RMSNorm module)"),

@@ -182,7 +182,14 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
         units.append(group[0])  # the FSDP state lives on the first module of a group
     # the root: whatever is left (tied embeddings and head, or the plan's embed_head_unit root);
     # FSDP1's kept root (root-kept) is FSDP2's root told not to reshard after forward
-    shard(model, reshard_after_forward=t.reshard_after_forward and policy.root_reshards(t.embed_head_unit))
+    root_reshard = t.reshard_after_forward and policy.root_reshards(t.embed_head_unit)
+    if root_reshard and _torch_before((2, 8)):
+        in_units = {id(q) for grp in groups for mod in grp for q in mod.parameters()}
+        if any(id(q) not in in_units for q in model.parameters()):
+            raise ValueError(f"PyTorch {torch.__version__} keeps FSDP2's root gathered after forward "
+                             "(it honours reshard_after_forward on the root from 2.8), where the plan "
+                             "reshards it: plan again with --embed-head-unit root-kept, or use torch >= 2.8")
+    shard(model, reshard_after_forward=root_reshard)
     if deterministic:
         if plan.strategy == "hsdp":
             raise ValueError("--deterministic covers 1-D meshes; HSDP's replica all-reduce is not ordered")
@@ -199,6 +206,12 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
     elif plan.strategy != "offload-all":
         model.to(target)
     return Parallelized(model, model, True, units, None, deterministic)
+
+
+def _torch_before(version: tuple[int, int]) -> bool:
+    """Whether the running torch is older than (major, minor)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) < version
 
 
 def set_sync(p: Parallelized, sync: bool):
