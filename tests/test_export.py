@@ -120,6 +120,17 @@ def _accelerate_env(tmp_path, monkeypatch, plan):
     return cfg, env
 
 
+@pytest.mark.slow  # importing deepspeed takes seconds
+def test_deepspeed_defaults_plan_leaves_the_stage3_buckets_to_deepspeed(ds_load):
+    """A plan priced at DeepSpeed's default stage-3 settings exports none of them, so DeepSpeed's
+    own config class fills the values zplan/deepspeed.py prices (its oracle here)."""
+    from zplan import deepspeed as ds
+
+    z = ds_load(deepspeed_config(plan_for("zero3", deepspeed_defaults=True))).zero_config
+    assert (z.prefetch_bucket_size, z.reduce_bucket_size, z.param_persistence_threshold) == (
+        ds.PREFETCH_BUCKET_ELEMS, ds.REDUCE_BUCKET_ELEMS, ds.PERSISTENCE_THRESHOLD_ELEMS)
+
+
 @pytest.mark.slow  # importing accelerate takes seconds
 @pytest.mark.parametrize("strategy", ["zero3", "zero2", "offload-all", "hsdp", "ddp"])
 def test_accelerate_reads_the_plans_values(tmp_path, monkeypatch, strategy):

@@ -86,6 +86,7 @@ def test_no_setup_event_where_deepspeed_does_not_move_the_model_whole(layout, st
 
 @pytest.mark.parametrize("kw,needle", [
     (dict(layout="torch", zero_init=False), "--no-zero-init is about deepspeed.initialize"),
+    (dict(layout="torch", deepspeed_defaults=True), "--deepspeed-defaults is about DeepSpeed's config"),
     (dict(layout="zero", embed_head_unit="root"), "--embed-head-unit root is how FSDP groups"),
     (dict(layout="torch", embed_head_unit="rooted"), "'rooted' is not one of: separate, root, root-kept"),
 ])
@@ -95,6 +96,42 @@ def test_options_that_belong_to_the_other_layout_are_refused(kw, needle):
 
 
 # ------------------------------------------------------------------ buffers
+
+def test_deepspeed_default_buckets_hold_modules_not_units():
+    """DeepSpeed ZeRO-3 at its default stage-3 settings, Llama 3.1 70B (shapes from its config):
+    the largest parameter, the 128256 x 8192 embedding, with the largest block weight (the
+    28672 x 8192 MLP, above the 5e7-element prefetch bucket) gathered behind it; the persistent
+    5e8-element reduce bucket in the reduce dtype and one embedding-sized gradient on its way.
+    zplan's export (a unit at a time) holds two decoder layers and one layer's gradients."""
+    from zplan.memory import static_buffers
+
+    sc = _sc(model="llama-3.1-70b", gpus="32", layout="zero", deepspeed_defaults=True, reduce_dtype="bf16")
+    padded = [sc.padded_elems(u, 32) for u in sc.units]
+    gather, reduce = static_buffers(sc, effective("zero3", "zero"), padded, 2, 2)
+    emb, mlp = 128256 * 8192, 28672 * 8192
+    assert (gather, reduce) == ((emb + mlp) * 2, 500_000_000 * 2 + emb * 2)
+    unit_gather, unit_reduce = static_buffers(_sc(model="llama-3.1-70b", gpus="32", layout="zero",
+                                                  reduce_dtype="bf16"),
+                                              effective("zero3", "zero"), padded, 2, 2)
+    assert unit_gather > gather and unit_reduce > reduce
+
+
+def test_deepspeed_default_gathers_are_one_call_per_linear():
+    """At DeepSpeed's defaults a block's all-gather is one call per Linear weight (its norms,
+    under stage3_param_persistence_threshold, stay whole): seven messages of Llama 3.1 70B's
+    shapes, each timed by zplan.nccl, against one message of the whole block."""
+    from zplan.comm import unit_comm
+    from zplan.nccl import collective_time
+
+    kw = dict(model="llama-3.1-70b", gpus="32", layout="zero")
+    st = effective("zero3", "zero")
+    block = next(u for u in unit_comm(_sc(deepspeed_defaults=True, **kw), st) if u.name == "blocks.3")
+    sc = _sc(**kw)
+    linears = [8192 * 8192, 1024 * 8192, 1024 * 8192, 8192 * 8192] + [28672 * 8192] * 3
+    t = lambda n: collective_time(sc.hw.cluster, "all_gather", 2 * (-(-n // 32) * 32), 32, 8).seconds  # noqa: E731
+    assert block.all_gather_s == pytest.approx(sum(t(n) for n in linears), rel=1e-12)
+    whole = next(u for u in unit_comm(sc, st) if u.name == "blocks.3")
+    assert block.all_gather_s > whole.all_gather_s
 
 def test_static_buffers_by_hand():
     """Buffers held through the step where they are not modelled unit by unit, against counts

@@ -9,6 +9,7 @@ DeepSpeed ZeRO-1/2 one per gradient bucket. Derivations: docs/formulas.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from . import policy
@@ -122,8 +123,8 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
     out = []
     for u in sc.units:
         full = sc.padded_elems(u, D)
-        ag = call_seconds(sc, "all_gather", nbytes(full, gather_dtype(sc, u)), D, g)
-        rs = call_seconds(sc, "reduce_scatter", nbytes(full, p.reduce), D, g)
+        ag = gather_seconds(sc, st, u, gather_dtype(sc, u), D, g)
+        rs = reduce_seconds(sc, st, u, D, g)
         if st.hsdp and R > 1:
             rs += call_seconds(sc, "all_reduce", nbytes(full // D, p.reduce), R, g_rep)
         h2d = 0.0
@@ -132,6 +133,39 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
             h2d = nbytes(full // D, store) / sc.hw.gpu.host_link_bytes_per_s
         out.append(UnitComm(u.name, full, ag, rs, h2d, regathered(sc, st, u)))
     return out
+
+
+def _module_calls(sc: Scenario, st: Strategy) -> bool:
+    """DeepSpeed ZeRO-3 at its default stage-3 settings (TrainSpec.deepspeed_defaults)."""
+    return sc.train.layout == "zero" and sc.train.deepspeed_defaults and st.params_sharded
+
+
+def gather_seconds(sc: Scenario, st: Strategy, u, dtype: str, D: int, g: int) -> float:
+    """One unit's all-gather as issued: one call for the unit (FSDP, and DeepSpeed as zplan's
+    export configures it), or, at DeepSpeed's defaults, one per submodule, that is per
+    parameter of a Linear (fetch_sub_module gathers a module's own parameters), skipping those
+    under stage3_param_persistence_threshold, which every rank keeps whole (zplan/deepspeed.py)."""
+    if not _module_calls(sc, st):
+        return call_seconds(sc, "all_gather", nbytes(sc.padded_elems(u, D), dtype), D, g)
+    from .deepspeed import PERSISTENCE_THRESHOLD_ELEMS
+
+    sizes = [math.prod(s) for s in u.shapes]
+    return sum(call_seconds(sc, "all_gather", nbytes(-(-n // D) * D, dtype), D, g)
+               for n in sizes if n >= PERSISTENCE_THRESHOLD_ELEMS)
+
+
+def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
+    """One unit's gradient reduce-scatter: one call (FSDP, zplan's DeepSpeed export), or, at
+    DeepSpeed's defaults, its share of the reduce_bucket_size calls its gradients fill."""
+    b = nbytes(sc.padded_elems(u, D), sc.train.precision.reduce)
+    if not _module_calls(sc, st):
+        return call_seconds(sc, "reduce_scatter", b, D, g)
+    from .deepspeed import REDUCE_BUCKET_ELEMS
+
+    bucket = nbytes(REDUCE_BUCKET_ELEMS, sc.train.precision.reduce)
+    if b >= bucket:
+        return bucketed_seconds(sc, "reduce_scatter", b, D, g, bucket)
+    return b / bucket * call_seconds(sc, "reduce_scatter", bucket, D, g)
 
 
 def regathered(sc: Scenario, st: Strategy, u) -> bool:
@@ -148,11 +182,6 @@ def gather_dtype(sc: Scenario, u) -> str:
     if sc.train.float8_gather and u.blocks > 0:
         return "fp8"
     return sc.train.precision.param
-
-
-def _per_unit_sum(sc: Scenario, units, op: str, dtype_of, D: int, g: int) -> float:
-    return sum(call_seconds(sc, op, nbytes(sc.padded_elems(u, D), dtype_of(u)), D, g)
-               for u in units)
 
 
 def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
@@ -196,7 +225,6 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     units = sc.units
     regather = [u for u in units if regathered(sc, st, u)]
     gathered = sum(sc.padded_elems(u, D) for u in units)
-    rdt = lambda u: p.reduce  # noqa: E731
     scope = "intra-node" if D <= g else "inter-node"
     for label, group in (("forward", units), ("backward", regather)):
         by_dtype: dict[str, list] = {}
@@ -205,10 +233,9 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         for dt, us in by_dtype.items():
             name = f"all-gather ({label}{', float8 linears' if dt == 'fp8' and dt != p.param else ''})"
             out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
-                                  D, scope, A,
-                                  _per_unit_sum(sc, us, "all_gather", lambda u, d=dt: d, D, g)))
+                                  D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us)))
     out.append(Collective("reduce-scatter (gradients)", "reduce_scatter", gathered, p.reduce, D,
-                          scope, rs_calls, _per_unit_sum(sc, units, "reduce_scatter", rdt, D, g)))
+                          scope, rs_calls, sum(reduce_seconds(sc, st, u, D, g) for u in units)))
     if st.hsdp and R > 1:
         ar = sum(call_seconds(sc, "all_reduce", nbytes(sc.padded_elems(u, D) // D, p.reduce),
                               R, g_rep) for u in units)

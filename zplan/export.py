@@ -79,7 +79,7 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
     if stage < 3:
         zo["reduce_bucket_size"] = bucket_elements(bucket, t.precision.reduce)
         zo["allgather_bucket_size"] = bucket_elements(bucket, t.precision.param)
-    else:
+    elif not t.deepspeed_defaults:  # deepspeed_defaults: the run keeps DeepSpeed's own buckets
         unit, live, everything = _unit_elements(plan)
         reshard = t.reshard_after_forward
         zo["reduce_bucket_size"] = unit

@@ -305,6 +305,8 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
         return cast, 0
     if not st.fsdp:
         return 0, 2 * sc.assume.ddp_bucket_bytes  # DeepSpeed's reduce buckets
+    if t.deepspeed_defaults and st.reshard_after_forward:
+        return deepspeed_default_buffers(sc, pb, rb)
     held = sum(g for g, u in zip(padded, sc.units) if u.held)
     moving = [g for g, u in zip(padded, sc.units) if not u.held]
     biggest = max(moving, default=0)
@@ -315,6 +317,26 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
     else:
         gather = held + biggest
     return gather * pb, biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
+
+
+def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]:
+    """DeepSpeed ZeRO-3 under its default stage-3 settings (zplan/deepspeed.py), bytes held at
+    the step's largest moment. Gathered: PartitionedParameterCoordinator.fetch_sub_module gathers
+    a submodule's own parameters as it runs (a Linear's weight), then prefetches parameters in the
+    recorded order until stage3_prefetch_bucket_size elements are in flight (at least one); each
+    module releases its own after its forward or backward. At most the largest parameter (the
+    embedding or the head) with the largest block parameter, or the bucket, prefetched behind it.
+    Reduce: the persistent bucket of reduce_bucket_size elements in the reduce dtype
+    (stage3.py, ipg_buckets' buffer) and one gradient as autograd makes it, before it is copied
+    in (one larger than the bucket is reduced as it is): at most the largest parameter's. Each
+    parameter's gradient leaves as soon as it is made, so none of a unit's are held together."""
+    from .deepspeed import PREFETCH_BUCKET_ELEMS, REDUCE_BUCKET_ELEMS
+
+    sizes = [math.prod(s) for u in sc.units for s in u.shapes]
+    block = [math.prod(s) for u in sc.units if u.blocks for s in u.shapes] or sizes
+    largest = max(sizes, default=0)
+    gather = largest + max(max(block, default=0), PREFETCH_BUCKET_ELEMS)
+    return gather * pb, REDUCE_BUCKET_ELEMS * rb + largest * pb
 
 
 def memory(sc: Scenario, st: Strategy) -> Memory:

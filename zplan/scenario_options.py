@@ -67,6 +67,7 @@ class ScenarioOptions:
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
+    deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     float8: bool = False
     float8_recipe: str = "tensorwise"  # with float8: tensorwise | te-delayed (TrainSpec.float8_recipe)
     float8_all_gather: bool = True
@@ -166,6 +167,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP groups its units; DeepSpeed "
                          "(the zero layout) gathers module by module: plan FSDP (--layout torch, or "
                          "recommend --for zplan), or drop --embed-head-unit")
+    if layout == "torch" and o.deepspeed_defaults:
+        raise UsageError("--deepspeed-defaults is about DeepSpeed's config (the zero layout); FSDP "
+                         "(--layout torch) has no such buckets: drop --deepspeed-defaults")
     if layout == "torch" and not o.zero_init:
         raise UsageError("--no-zero-init is about deepspeed.initialize (the zero layout); FSDP "
                          "(--layout torch) never holds the whole model: drop --no-zero-init")
@@ -230,7 +234,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

@@ -346,6 +346,11 @@ class TrainSpec(Spec):
     layout: Layout = Field(
         "zero", description="zero: the ZeRO paper / DeepSpeed layout; torch: DDP, ZeRO-RO and FSDP2"
     )
+    deepspeed_defaults: bool = Field(
+        False, description="zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their "
+        "defaults (each submodule's parameters gathered as it runs, 5e7 elements prefetched, "
+        "gradients copied into a 5e8-element bucket); False: a unit at a time, as zplan's export "
+        "writes them")
     zero_init: bool = Field(
         True, description="zero layout, ZeRO-3: the model is built under deepspeed.zero.Init (HF "
         "Trainer, accelerate's zero3_init_flag), so no GPU ever holds it whole; False: built "
@@ -421,6 +426,8 @@ class TrainSpec(Spec):
         if self.layout == "zero" and self.embed_head_unit != "separate":
             raise ValueError(f"embed_head_unit {self.embed_head_unit} is how FSDP groups its units; "
                              "DeepSpeed (the zero layout) gathers module by module")
+        if self.layout == "torch" and self.deepspeed_defaults:
+            raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:
             raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
         if self.linear_loss != "none" and self.loss_fused:

@@ -38,6 +38,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "master_dtype": ((), "Master weights dtype"),
     "optimizer_dtype": ((), "Optimizer state dtype"),
     "layout": ((), "zero (ZeRO paper / DeepSpeed) | torch (DDP, ZeRO-RO, FSDP2)"),
+    "deepspeed_defaults": ((), "Zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their defaults (each submodule gathered as it runs, 5e7 elements prefetched, gradients copied into a 5e8-element bucket); default: a unit at a time, as zplan's export writes them"),
     "zero_init": ((), "Zero layout, ZeRO-3: the model is built under deepspeed.zero.Init, as HF Trainer and accelerate's zero3_init_flag do (--no-zero-init: built outside it, deepspeed.initialize first moves the whole model to each GPU)"),
     "blocks_per_unit": ((), "Transformer blocks per sharding unit"),
     "embed_head_unit": ((), "FSDP: separate (embeddings, and final norm + head, units of their own: torchtitan since 2025-07, zplan's trainer) | root (left to the root unit, resharded after forward: FSDP2 on PyTorch >= 2.8 given reshard_after_forward, the loss outside the model) | root-kept (left to the root, kept gathered from forward to backward: FSDP1 as HF Trainer / accelerate / Composer run it, FSDP2 before 2.8)"),
