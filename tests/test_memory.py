@@ -174,7 +174,7 @@ def test_loss_backward_holds_fourteen_bytes_per_bf16_logit():
     assert activation_memory.loss_bytes_per_logit(fp32) == {"forward": 8, "backward": 16}  # .float() is a no-op
 
 
-def _traced_loss_peak_bytes(T: int, V: int, upcast: bool) -> int:
+def _traced_loss_peak_bytes(T: int, V: int, upcast: bool, keep: bool = True) -> int:
     """PyTorch's MemTracker's peak over the loss and its backward, bf16 logits of (T, V)."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
@@ -186,18 +186,24 @@ def _traced_loss_peak_bytes(T: int, V: int, upcast: bool) -> int:
     mt.track_external(x)
     with mt:
         logits = x * 1.0  # the head's bf16 output, referenced through the backward as in the loop
-        F.cross_entropy((logits.float() if upcast else logits).view(-1, V), y).backward()
+        loss = F.cross_entropy((logits.float() if upcast else logits).view(-1, V), y)
+        if not keep:
+            del logits  # torchtitan's `del pred`
+        loss.backward()
     return next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
 
 
-@pytest.mark.parametrize("upcast,per_logit", [(True, {"forward": 10, "backward": 14}),
-                                              (False, {"forward": 4, "backward": 8})])
-def test_loss_peak_against_pytorch_memtracker(upcast, per_logit):
+@pytest.mark.parametrize("upcast,keep,per_logit", [(True, True, {"forward": 10, "backward": 14}),
+                                                   (False, True, {"forward": 4, "backward": 8}),
+                                                   (True, False, {"forward": 10, "backward": 12}),
+                                                   (False, False, {"forward": 4, "backward": 6})])
+def test_loss_peak_against_pytorch_memtracker(upcast, keep, per_logit):
     """fp32 upcast (the trainer, torchtitan): 14 B per bf16 logit; in the logits' dtype (no
-    .float(): KempnerForge, fms-fsdp): 8 B."""
+    .float(): KempnerForge, fms-fsdp): 8 B. A loop that drops the logits before backward
+    (torchtitan's `del pred`, logits_kept false): 2 B less, the eager loss keeping none."""
     T, V = 256, 1000
-    total = _traced_loss_peak_bytes(T, V, upcast)
-    per = activation_memory.loss_bytes_per_logit(TrainSpec(), loss_fp32=upcast)
+    total = _traced_loss_peak_bytes(T, V, upcast, keep)
+    per = activation_memory.loss_bytes_per_logit(TrainSpec(logits_kept=keep), loss_fp32=upcast)
     assert per == per_logit
     expected = T * V * (2 + per["backward"])  # + the leaf x
     assert abs(total - expected) <= 0.01 * expected, (total, expected)

@@ -168,7 +168,8 @@ def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, 
     fp32 already or not upcast) and log_softmax's output. Backward: the logits (still
     referenced), log_softmax's saved output, nll_loss's gradient (vocabulary-sized) and
     log_softmax's input gradient, alive together inside log_softmax_backward: 2 + 4 + 4 + 4 = 14 B
-    for bf16 logits upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16.
+    for bf16 logits upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16;
+    12 B and 6 B where the loop drops the logits first (`TrainSpec.logits_kept` False).
 
     Compiled (`train.compile_loss`): inductor's forward is row reductions only (max and
     log-sum-exp, per row) and keeps the logits for backward; its backward writes the logits'
@@ -183,7 +184,9 @@ def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, 
         return {"forward": B, "backward": 2 * B}
     L = 4 if loss_fp32 else B
     upcast = 4 if loss_fp32 and B != 4 else 0
-    return {"forward": B + upcast + L, "backward": B + 3 * L}
+    # a loop that drops its logits before backward (train.logits_dropped) leaves the eager
+    # loss's backward without them: 3L
+    return {"forward": B + upcast + L, "backward": (0 if train.logits_dropped else B) + 3 * L}
 
 
 def linear_loss_bytes(m: ModelSpec, train: TrainSpec) -> dict[str, int]:

@@ -158,7 +158,9 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                               unsharded_grad, first_grad, reduce_in, sharded_grad)))
     head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
     root_head = held[head]  # the head sits in the held root (tied, or embed_head_unit root)
-    logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
+    logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
+    # the logits stay referenced until backward ends, unless the loop drops them first
+    logits_ref = 0 if sc.train.logits_dropped else logits_b
     # with accumulation and a reduce every micro-batch, the later micro-batches find every
     # sharded gradient allocated (the reduce-scatter output is added into it)
     later = sc.train.grad_accum > 1 and not accum_b
@@ -202,7 +204,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       + acts.linear_loss[phase]))
     if root_head and not linear:
         root = sc.units[head].name
-        loss_grad = saved_upto[n] + 2 * logits_b  # the logits and their gradient
+        loss_grad = saved_upto[n] + logits_ref + logits_b  # the logits and their gradient
         if reshard and policy.root_reshards(sc.train.embed_head_unit):
             # the root's pre-backward (a hook on its output) gathers it again: copy-out
             ev.append(_ev("backward", f"gather {root} again", state=state_b, gathered=held_b,
@@ -218,7 +220,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     for j in reversed(ends):
         name = sc.units[j].name
         gath = held_b + moving[j] + (0 if reshard else moving_upto[j])
-        before = saved_upto[j] + logits_b
+        before = saved_upto[j] + logits_ref
         act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
         if j == n - 1 and not root_head:
             act += logits_b  # the logits' gradient (the head's own unit)
@@ -275,9 +277,10 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     # new gradients a compiled graph holds at unit j's backward: its later units'
     held = [min(cap, after[j + 1] - after[g.stop]) if (g := graph_of[j]) else 0 for j in range(n)]
     ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp)))
-    logits_b = acts.logits_elems * acts.act_bytes  # referenced by the step until its backward ends
+    logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
+    logits_ref = 0 if sc.train.logits_dropped else logits_b  # referenced until backward ends
     for j in reversed(ends):
-        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_b
+        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_ref
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
@@ -286,7 +289,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         if g is not None and j == g.start:  # the graph returns its gradients
             label = sc.units[g.start].name + (f"..{sc.units[g.stop - 1].name}" if len(g) > 1 else "")
             ev.append(_ev("backward", f"backward graph of {label} returns",
-                          activations=saved_upto[j] + logits_b + sum(end_temp[g.start:g.stop])
+                          activations=saved_upto[j] + logits_ref + sum(end_temp[g.start:g.stop])
                           + (acts.stream_bytes if j else 0),  # and its input's gradient
                           **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])}))
     ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **kw))

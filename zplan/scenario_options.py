@@ -68,6 +68,7 @@ class ScenarioOptions:
     grad_clip: bool = True
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
+    logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     float8: bool = False
     float8_recipe: str = "tensorwise"  # with float8: tensorwise | te-delayed (TrainSpec.float8_recipe)
     float8_all_gather: bool = True
@@ -234,7 +235,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

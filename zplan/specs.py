@@ -346,6 +346,10 @@ class TrainSpec(Spec):
     layout: Layout = Field(
         "zero", description="zero: the ZeRO paper / DeepSpeed layout; torch: DDP, ZeRO-RO and FSDP2"
     )
+    logits_kept: bool = Field(
+        True, description="the training loop holds the logits until backward returns (zplan's "
+        "trainer; a Hugging Face output object kept beside its loss); False: it drops them before "
+        "backward (torchtitan's `del pred`)")
     deepspeed_defaults: bool = Field(
         False, description="zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their "
         "defaults (each submodule's parameters gathered as it runs, 5e7 elements prefetched, "
@@ -463,6 +467,13 @@ class TrainSpec(Spec):
     def loss_fused(self) -> bool:
         """The loss runs as fused kernels (compiled, or a fused cross-entropy kernel)."""
         return self.compile_loss or self.fused_loss
+
+    @property
+    def logits_dropped(self) -> bool:
+        """The logits are freed before the loss's backward: the loop drops its reference
+        (`logits_kept` False) and an eager loss keeps none for backward (log_softmax saves its
+        output; a compiled or fused loss saves the logits themselves)."""
+        return not self.logits_kept and not self.loss_fused and self.linear_loss == "none"
 
 
 class Hardware(Spec):

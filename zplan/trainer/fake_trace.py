@@ -114,7 +114,8 @@ class FakeCell:
 
 
 def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
-              strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate") -> FakeCell:
+              strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
+              logits_kept: bool = True) -> FakeCell:
     """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
     composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it."""
     import time
@@ -129,7 +130,8 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
     sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
                          seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
                          checkpointing=checkpointing, optimizer_kernels="single",
-                         linear_loss=linear_loss, embed_head_unit=embed_head_unit))
+                         linear_loss=linear_loss, embed_head_unit=embed_head_unit,
+                         logits_kept=logits_kept))
     r = estimate_one(sc, strategy)
     if r.memory is None:
         raise UsageError(f"{strategy}: {r.unavailable}")

@@ -113,6 +113,8 @@ class Trainer:
                 else:
                     logits = self.par.model(x)
                     loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
+                    if not t.logits_kept:
+                        del logits  # as the plan prices it (TrainSpec.logits_kept): torchtitan's `del pred`
             loss.backward()
             total += loss.detach()
             if self._tracking is not None and micro < A - 1:
