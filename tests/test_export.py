@@ -127,8 +127,12 @@ def test_deepspeed_defaults_plan_leaves_the_stage3_buckets_to_deepspeed(ds_load)
     from zplan import deepspeed as ds
 
     z = ds_load(deepspeed_config(plan_for("zero3", deepspeed_defaults=True))).zero_config
-    assert (z.prefetch_bucket_size, z.reduce_bucket_size, z.param_persistence_threshold) == (
-        ds.PREFETCH_BUCKET_ELEMS, ds.REDUCE_BUCKET_ELEMS, ds.PERSISTENCE_THRESHOLD_ELEMS)
+    assert (z.prefetch_bucket_size, z.reduce_bucket_size, z.param_persistence_threshold,
+            z.max_live_parameters, z.max_reuse_distance) == (
+        ds.PREFETCH_BUCKET_ELEMS, ds.REDUCE_BUCKET_ELEMS, ds.PERSISTENCE_THRESHOLD_ELEMS,
+        ds.MAX_LIVE_ELEMS, ds.MAX_REUSE_DISTANCE_ELEMS)
+    z2 = ds_load(deepspeed_config(plan_for("zero2", deepspeed_defaults=True))).zero_config
+    assert (z2.reduce_bucket_size, z2.allgather_bucket_size) == (ds.REDUCE_BUCKET_ELEMS, ds.ALLGATHER_BUCKET_ELEMS)
 
 
 @pytest.mark.slow  # importing accelerate takes seconds

@@ -151,7 +151,7 @@ def gather_seconds(sc: Scenario, st: Strategy, u, dtype: str, D: int, g: int) ->
 
     sizes = [math.prod(s) for s in u.shapes]
     return sum(call_seconds(sc, "all_gather", nbytes(-(-n // D) * D, dtype), D, g)
-               for n in sizes if n >= PERSISTENCE_THRESHOLD_ELEMS)
+               for n in sizes if n > PERSISTENCE_THRESHOLD_ELEMS)
 
 
 def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
@@ -216,6 +216,11 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         grad_calls = rs_calls if st.name == "zero2" else 1
         rs_bucket = nbytes(bucket_elements(ddp_bucket, p.reduce), p.reduce)
         ag_bucket = nbytes(bucket_elements(ddp_bucket, p.param), p.param)
+        if t.deepspeed_defaults:  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size
+            from .deepspeed import ALLGATHER_BUCKET_ELEMS, REDUCE_BUCKET_ELEMS
+
+            rs_bucket = nbytes(REDUCE_BUCKET_ELEMS, p.reduce)
+            ag_bucket = nbytes(ALLGATHER_BUCKET_ELEMS, p.param)
         out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", padded, p.reduce,
                          N, g_world, grad_calls, rs_bucket))
         out.append(_coll(sc, "all-gather (updated weights)", "all_gather", padded, p.param, N,

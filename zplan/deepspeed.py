@@ -4,5 +4,8 @@ v0.19.2. zplan's own export writes a unit for the buckets instead (export.deepsp
 a plan it exports gathers and reduces unit by unit."""
 
 PREFETCH_BUCKET_ELEMS = 50_000_000  # stage3_prefetch_bucket_size
-REDUCE_BUCKET_ELEMS = 500_000_000  # reduce_bucket_size
-PERSISTENCE_THRESHOLD_ELEMS = 100_000  # stage3_param_persistence_threshold: smaller ones stay whole
+MAX_LIVE_ELEMS = 1_000_000_000  # stage3_max_live_parameters
+MAX_REUSE_DISTANCE_ELEMS = 1_000_000_000  # stage3_max_reuse_distance
+REDUCE_BUCKET_ELEMS = 500_000_000  # reduce_bucket_size (ZeRO-3; ZeRO-1/2 the same default)
+ALLGATHER_BUCKET_ELEMS = 500_000_000  # allgather_bucket_size (ZeRO-1/2)
+PERSISTENCE_THRESHOLD_ELEMS = 100_000  # stage3_param_persistence_threshold: up to it, kept whole

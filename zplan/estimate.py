@@ -65,6 +65,9 @@ class StrategyEstimate:
 def unavailable_reason(sc: Scenario, name: str) -> str | None:
     if name == "offload-opt" and sc.train.layout == "torch":
         return "FSDP2 offloads parameters and optimizer together (CPUOffloadPolicy); optimizer-only offload is DeepSpeed's (plan with --for deepspeed, or estimate with --layout zero)"
+    if sc.train.layout == "zero" and sc.train.deepspeed_defaults and name in ("zero3-noreshard", "hsdp"):
+        return (f"{name} needs stage-3 settings DeepSpeed's defaults do not have (they reshard after "
+                "forward and shard over every rank): drop --deepspeed-defaults")
     if name == "hsdp":
         S = sc.hsdp_shard
         if sc.n % S:

@@ -57,7 +57,13 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                    f"of {_gb(hw.cluster.host_ram_bytes)}")
     out.append("")
     out.append("## 3. Buffers")
-    if st.fsdp:
+    if st.fsdp and t.layout == "zero" and t.deepspeed_defaults and st.reshard_after_forward:
+        out.append(f"gathered weights (DeepSpeed's defaults: every module's hook prefetches until 1e9 "
+                   f"elements are live, overshooting by the largest parameter) x {b(p.param)} B = "
+                   f"{_gb(mem.gather_buffer_bytes)}")
+        out.append(f"reduce: the 5e8-element bucket x {b(p.reduce)} B + the largest parameter's gradient "
+                   f"x {b(p.param)} B = {_gb(mem.reduce_buffer_bytes)}")
+    elif st.fsdp:
         big = max(sc.padded_elems(u, D) for u in us)
         how = ("all units stay gathered from forward to backward" if not st.reshard_after_forward
                else "current + prefetched unit" if t.prefetch else "one unit at a time")

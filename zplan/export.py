@@ -76,10 +76,12 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
                          "or run 8-bit Adam through your own script")
     bucket = plan.assumptions.ddp_bucket_bytes
     zo: dict = {"stage": stage, "overlap_comm": plan.assumptions.overlap, "contiguous_gradients": True}
-    if stage < 3:
+    if t.deepspeed_defaults:
+        pass  # the run keeps DeepSpeed's own buckets, as the plan prices them
+    elif stage < 3:
         zo["reduce_bucket_size"] = bucket_elements(bucket, t.precision.reduce)
         zo["allgather_bucket_size"] = bucket_elements(bucket, t.precision.param)
-    elif not t.deepspeed_defaults:  # deepspeed_defaults: the run keeps DeepSpeed's own buckets
+    else:
         unit, live, everything = _unit_elements(plan)
         reshard = t.reshard_after_forward
         zo["reduce_bucket_size"] = unit

@@ -304,6 +304,10 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
         # zplan's DDP uses gradient_as_bucket_view=True: the gradients are the buckets
         return cast, 0
     if not st.fsdp:
+        if t.deepspeed_defaults:  # DeepSpeed's default reduce_bucket_size, two with overlap_comm
+            from .deepspeed import REDUCE_BUCKET_ELEMS
+
+            return 0, 2 * REDUCE_BUCKET_ELEMS * rb
         return 0, 2 * sc.assume.ddp_bucket_bytes  # DeepSpeed's reduce buckets
     if t.deepspeed_defaults and st.reshard_after_forward:
         return deepspeed_default_buffers(sc, pb, rb)
@@ -321,21 +325,22 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
 
 def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]:
     """DeepSpeed ZeRO-3 under its default stage-3 settings (zplan/deepspeed.py), bytes held at
-    the step's largest moment. Gathered: PartitionedParameterCoordinator.fetch_sub_module gathers
-    a submodule's own parameters as it runs (a Linear's weight), then prefetches parameters in the
-    recorded order until stage3_prefetch_bucket_size elements are in flight (at least one); each
-    module releases its own after its forward or backward. At most the largest parameter (the
-    embedding or the head) with the largest block parameter, or the bucket, prefetched behind it.
-    Reduce: the persistent bucket of reduce_bucket_size elements in the reduce dtype
-    (stage3.py, ipg_buckets' buffer) and one gradient as autograd makes it, before it is copied
-    in (one larger than the bucket is reduced as it is): at most the largest parameter's. Each
-    parameter's gradient leaves as soon as it is made, so none of a unit's are held together."""
-    from .deepspeed import PREFETCH_BUCKET_ELEMS, REDUCE_BUCKET_ELEMS
+    the step's largest moment, a bound. Gathered: PartitionedParameterCoordinator.fetch_sub_module
+    gathers a submodule's own parameters as it runs, then, at every module's hook (containers
+    too), prefetches parameters in the recorded order, up to min(stage3_max_live_parameters - what
+    is available, stage3_prefetch_bucket_size) elements and at least one parameter; released
+    parameters whose next use is within stage3_max_reuse_distance stay. So the gathered set grows
+    to the live limit and overshoots it by one parameter: min(Psi, 1e9) + the largest parameter
+    (the head, or the embedding in backward). Reduce: the persistent bucket of reduce_bucket_size
+    elements in the reduce dtype (stage3.py, ipg_buckets' buffer) and one gradient as autograd
+    makes it before it is copied in (one larger than the bucket is reduced as it is): the largest
+    parameter's. The two are counted together at every event (the zero layout's buffers are
+    static), which over-counts where the peaks of the two differ."""
+    from .deepspeed import MAX_LIVE_ELEMS, REDUCE_BUCKET_ELEMS
 
     sizes = [math.prod(s) for u in sc.units for s in u.shapes]
-    block = [math.prod(s) for u in sc.units if u.blocks for s in u.shapes] or sizes
     largest = max(sizes, default=0)
-    gather = largest + max(max(block, default=0), PREFETCH_BUCKET_ELEMS)
+    gather = min(sum(sizes), MAX_LIVE_ELEMS) + largest
     return gather * pb, REDUCE_BUCKET_ELEMS * rb + largest * pb
 
 

@@ -160,7 +160,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     root_head = held[head]  # the head sits in the held root (tied, or embed_head_unit root)
     logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
     # the logits stay referenced until backward ends, unless the loop drops them first
-    logits_ref = 0 if sc.train.logits_dropped else logits_b
+    logits_ref = 0 if sc.train.logits_unreferenced else logits_b
     # with accumulation and a reduce every micro-batch, the later micro-batches find every
     # sharded gradient allocated (the reduce-scatter output is added into it)
     later = sc.train.grad_accum > 1 and not accum_b
@@ -278,7 +278,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     held = [min(cap, after[j + 1] - after[g.stop]) if (g := graph_of[j]) else 0 for j in range(n)]
     ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp)))
     logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
-    logits_ref = 0 if sc.train.logits_dropped else logits_b  # referenced until backward ends
+    logits_ref = 0 if sc.train.logits_unreferenced else logits_b  # referenced until backward ends
     for j in reversed(ends):
         act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_ref
         if j == n - 1:

@@ -168,6 +168,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP groups its units; DeepSpeed "
                          "(the zero layout) gathers module by module: plan FSDP (--layout torch, or "
                          "recommend --for zplan), or drop --embed-head-unit")
+    if not o.logits_kept and o.linear_loss != "none":
+        raise UsageError(f"--no-logits-kept: --linear-loss {o.linear_loss} never makes the logits "
+                         "whole: drop --no-logits-kept")
     if layout == "torch" and o.deepspeed_defaults:
         raise UsageError("--deepspeed-defaults is about DeepSpeed's config (the zero layout); FSDP "
                          "(--layout torch) has no such buckets: drop --deepspeed-defaults")

@@ -348,8 +348,8 @@ class TrainSpec(Spec):
     )
     logits_kept: bool = Field(
         True, description="the training loop holds the logits until backward returns (zplan's "
-        "trainer; a Hugging Face output object kept beside its loss); False: it drops them before "
-        "backward (torchtitan's `del pred`)")
+        "trainer, a loop that keeps a Hugging Face output beside its loss); False: it drops them "
+        "before backward (torchtitan's `del pred`; HF Trainer's compute_loss returns the loss alone)")
     deepspeed_defaults: bool = Field(
         False, description="zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their "
         "defaults (each submodule's parameters gathered as it runs, 5e7 elements prefetched, "
@@ -430,6 +430,8 @@ class TrainSpec(Spec):
         if self.layout == "zero" and self.embed_head_unit != "separate":
             raise ValueError(f"embed_head_unit {self.embed_head_unit} is how FSDP groups its units; "
                              "DeepSpeed (the zero layout) gathers module by module")
+        if not self.logits_kept and self.linear_loss != "none":
+            raise ValueError(f"logits_kept false: linear_loss {self.linear_loss} never makes the logits whole")
         if self.layout == "torch" and self.deepspeed_defaults:
             raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:
@@ -467,6 +469,13 @@ class TrainSpec(Spec):
     def loss_fused(self) -> bool:
         """The loss runs as fused kernels (compiled, or a fused cross-entropy kernel)."""
         return self.compile_loss or self.fused_loss
+
+    @property
+    def logits_unreferenced(self) -> bool:
+        """No reference to the logits outlives the loss's backward: the loop drops its own
+        (`logits_kept` False), and an eager loss keeps none while a compiled or fused one frees
+        its saved logits when its backward ends."""
+        return not self.logits_kept and self.linear_loss == "none"
 
     @property
     def logits_dropped(self) -> bool:

@@ -38,7 +38,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "master_dtype": ((), "Master weights dtype"),
     "optimizer_dtype": ((), "Optimizer state dtype"),
     "layout": ((), "zero (ZeRO paper / DeepSpeed) | torch (DDP, ZeRO-RO, FSDP2)"),
-    "logits_kept": ((), "The training loop holds the logits until backward returns (zplan's trainer; a Hugging Face output kept beside its loss); --no-logits-kept: it drops them before backward (torchtitan's `del pred`), so an eager loss's backward runs without them"),
+    "logits_kept": ((), "The training loop holds the logits until backward returns (zplan's trainer, a loop keeping a Hugging Face output beside its loss); --no-logits-kept: it drops them before backward (torchtitan's `del pred`, HF Trainer's compute_loss), so backward runs without them"),
     "deepspeed_defaults": ((), "Zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their defaults (each submodule gathered as it runs, 5e7 elements prefetched, gradients copied into a 5e8-element bucket); default: a unit at a time, as zplan's export writes them"),
     "zero_init": ((), "Zero layout, ZeRO-3: the model is built under deepspeed.zero.Init, as HF Trainer and accelerate's zero3_init_flag do (--no-zero-init: built outside it, deepspeed.initialize first moves the whole model to each GPU)"),
     "blocks_per_unit": ((), "Transformer blocks per sharding unit"),

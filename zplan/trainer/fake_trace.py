@@ -76,6 +76,8 @@ def trace_peak(plan, steps: int = 1) -> dict:
                         else:
                             logits = par.model(x)
                             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.reshape(-1))
+                        if not t.logits_kept:
+                            logits = None  # as the loop drops them (TrainSpec.logits_kept)
                         (loss / t.grad_accum).backward()
                         del logits, loss
                         if micro < t.grad_accum - 1:

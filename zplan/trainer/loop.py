@@ -114,8 +114,9 @@ class Trainer:
                     logits = self.par.model(x)
                     loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
                     if not t.logits_kept:
-                        del logits  # as the plan prices it (TrainSpec.logits_kept): torchtitan's `del pred`
+                        logits = None  # as the plan prices it (TrainSpec.logits_kept): torchtitan's `del pred`
             loss.backward()
+            logits = None  # not carried into the next micro-batch's forward
             total += loss.detach()
             if self._tracking is not None and micro < A - 1:
                 self._tracking.reset_mod_stats()  # the tracker refuses a second forward otherwise
