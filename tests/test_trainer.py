@@ -12,11 +12,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # torchrun on CPU ran
 SEQ = "64"
 
 
-def make_plan(run_zplan, path, strategy, gpus, batch, param_dtype="fp32"):
+def make_plan(run_zplan, path, strategy, gpus, batch, param_dtype="fp32", *extra):
     p = run_zplan("recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
                   "--gpus", str(gpus), "--global-batch", str(batch), "--seq-len", SEQ,
                   "--layout", "torch", "--context-gib", "0", "--fragmentation", "0",
-                  "--param-dtype", param_dtype, "--strategy", strategy, "--write", str(path), "--json")
+                  "--param-dtype", param_dtype, "--strategy", strategy, *extra,
+                  "--write", str(path), "--json")
     assert p.returncode == 0, p.stderr
     return json.loads(Path(path).read_text())
 
@@ -64,6 +65,23 @@ def test_zero3_matches_ddp(run_zplan, tmp_path):
     assert worst < 1e-4, worst  # AdamW amplifies last-bit differences of the reductions
     moved = max((a[k] - weights_init(k, a[k].shape)).abs().max().item() for k in a)
     assert moved > 1e-3  # and training did change the weights
+
+
+def test_the_root_reshards_as_the_plan_says(run_zplan, tmp_path):
+    """Embeddings, norm and head left to FSDP2's root: `root` reshards it after forward and
+    gathers it again for backward; `root-kept` keeps it gathered (the trainer passes
+    reshard_after_forward=False to the root). The trainer's measured traffic equals the
+    prediction for both, and they differ by the root's elements once per micro-batch: the tiny
+    model's 256 x 256 embedding and head and its 256-element norm."""
+    got = {}
+    for unit in ("root", "root-kept"):
+        plan = make_plan(run_zplan, tmp_path / f"{unit}.json", "zero3", 2, 4, "fp32",
+                         "--embed-head-unit", unit)
+        rep, _ = launch(run_zplan, tmp_path / f"{unit}.json", tmp_path / unit, 2)
+        assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
+        got[unit] = (rep["measured"]["elements_per_step"], plan["train"]["grad_accum"])
+    (root, accum), (kept, _) = got["root"], got["root-kept"]
+    assert root - kept == accum * (256 * 256 * 2 + 256)
 
 
 def weights_init(name, shape):
