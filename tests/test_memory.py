@@ -91,7 +91,7 @@ def test_no_setup_event_where_deepspeed_does_not_move_the_model_whole(layout, st
     (dict(layout="torch", deepspeed_defaults=True), "--deepspeed-defaults is about DeepSpeed's config"),
     (dict(linear_loss="chunked", logits_kept=False), "--no-logits-kept: --linear-loss chunked"),
     (dict(layout="zero", embed_head_unit="root"), "--embed-head-unit root is how FSDP groups"),
-    (dict(layout="torch", embed_head_unit="rooted"), "'rooted' is not one of: separate, root, root-kept"),
+    (dict(layout="torch", embed_head_unit="rooted"), "'rooted' is not one of: separate, head-kept, root, root-kept"),
 ])
 def test_options_that_belong_to_the_other_layout_are_refused(kw, needle):
     with pytest.raises(UsageError, match=needle):
@@ -440,10 +440,12 @@ def test_later_micro_batches_find_every_sharded_gradient():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unit,loss", [("root", "chunked"), ("root", "none"), ("root-kept", "none")])
+@pytest.mark.parametrize("unit,loss", [("root", "chunked"), ("root", "none"), ("root-kept", "none"),
+                                       ("head-kept", "none")])
 def test_fake_trace_embed_and_head_left_to_the_root(unit, loss):
     """Llama 3.1 8B with embeddings, norm and head in FSDP2's root (HF Trainer / accelerate /
-    torchtitan before 2025-07): with the trainer's chunked loss and full checkpointing the peak
+    torchtitan before 2025-07), or norm + head a unit of its own kept after forward (head-kept:
+    torchtitan since 2025-07): with the trainer's chunked loss and full checkpointing the peak
     is in backward (the root gathered through it, the head's weight gradient held unsharded until
     the root's reduce-scatter); with the logits' loss and no checkpointing it is at the loss,
     where a kept root is still gathered and a resharding one is not (the trainer passes
@@ -455,7 +457,7 @@ def test_fake_trace_embed_and_head_left_to_the_root(unit, loss):
     ckpt = "full" if loss == "chunked" else "none"  # none: the peak at the loss
     c = fake_cell("llama-3.1-8b", 16, 2048, 1, ckpt, "zero3", loss, unit)
     assert abs(c.error) <= 0.01, c
-    other = "root-kept" if unit == "root" else "root"
+    other = {"root": "root-kept", "root-kept": "root", "head-kept": "separate"}[unit]
     if loss == "chunked":  # the loss's backward gathers the root either way: against separate
         other = "separate"
     wrong = fake_cell("llama-3.1-8b", 16, 2048, 1, ckpt, "zero3", loss, other)

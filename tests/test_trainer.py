@@ -84,6 +84,22 @@ def test_the_root_reshards_as_the_plan_says(run_zplan, tmp_path):
     assert root - kept == accum * (256 * 256 * 2 + 256)
 
 
+def test_the_head_unit_stays_gathered_as_the_plan_says(run_zplan, tmp_path):
+    """torchtitan's default since 2025-07 (head-kept): norm + head, a unit of their own, kept
+    gathered from forward to backward, so not gathered again: the measured traffic equals the
+    prediction and is the head unit's elements (256 x 256 + 256) per micro-batch below
+    separate's, whose trainer reshards every unit."""
+    got = {}
+    for unit in ("separate", "head-kept"):
+        plan = make_plan(run_zplan, tmp_path / f"{unit}.json", "zero3", 2, 4, "fp32",
+                         "--embed-head-unit", unit)
+        rep, _ = launch(run_zplan, tmp_path / f"{unit}.json", tmp_path / unit, 2)
+        assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
+        got[unit] = (rep["measured"]["elements_per_step"], plan["train"]["grad_accum"])
+    (sep, accum), (kept, _) = got["separate"], got["head-kept"]
+    assert sep - kept == accum * (256 * 256 + 256)
+
+
 def weights_init(name, shape):
     from zplan.trainer.model import full_init
     return full_init(name, shape, 0, 4)

@@ -185,6 +185,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     # its pre-backward (a hook on the loss itself) gathers it again before the loss's backward
     kept_root = not reshard or not policy.root_reshards(sc.train.embed_head_unit)
     at_loss = (held_b if kept_root else 0) + (0 if reshard else moving_upto[n])
+    if reshard and not held[head] and not policy.head_unit_reshards(sc.train.embed_head_unit):
+        at_loss += moving[head]  # norm + head kept gathered from its forward to its backward
     linear = sc.train.linear_loss != "none"
     if linear:
         at_loss = held_b + (moving[head] if reshard else moving_upto[n])

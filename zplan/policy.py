@@ -39,7 +39,7 @@ def separate_embed_head(tied_embeddings: bool, embed_head_unit: str = "separate"
     root-kept, as auto-wrapping only the decoder layers does): then both are in the root, the
     held unit, gathered in forward and in backward and, where it does not reshard
     (`root_reshards`), in between."""
-    return not tied_embeddings and embed_head_unit == "separate"
+    return not tied_embeddings and embed_head_unit in ("separate", "head-kept")
 
 
 def root_reshards(embed_head_unit: str) -> bool:
@@ -49,6 +49,14 @@ def root_reshards(embed_head_unit: str) -> bool:
     FSDP1, which never frees the root after forward, and FSDP2 before 2.8 (the trainer passes
     reshard_after_forward=False to the root for it)."""
     return embed_head_unit != "root-kept"
+
+
+def head_unit_reshards(embed_head_unit: str) -> bool:
+    """Whether a norm + head unit of its own reshards after forward (with reshard_after_forward
+    on): not under "head-kept", as torchtitan's default policy (parallelize.py: `fully_shard([norm,
+    output], reshard_after_forward=policy == "always")`, since 2025-07) and accelerate's FSDP2
+    keep it, FSDP prefetching it again at once for backward otherwise."""
+    return embed_head_unit != "head-kept"
 
 
 def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, ...]:

@@ -53,7 +53,7 @@ class ScenarioOptions:
     optimizer_dtype: str = "fp32"
     layout: Optional[str] = None  # None: zero for estimate; recommend plans for its runner (--for)
     blocks_per_unit: int = 1
-    embed_head_unit: str = "separate"  # FSDP: separate | root | root-kept (TrainSpec.embed_head_unit)
+    embed_head_unit: str = "separate"  # FSDP: separate | head-kept | root | root-kept (TrainSpec)
     prefetch: bool = True
     fused_norm: Optional[bool] = None
     norm_output_fp32: bool = True
@@ -163,7 +163,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.optimizer_kernels != "fused" and o.optimizer != "adamw":
         raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is one of AdamW's implementations; "
                          f"--optimizer {o.optimizer} is priced as its own: drop --optimizer-kernels")
-    check_choice(o.embed_head_unit, "--embed-head-unit", ("separate", "root", "root-kept"))
+    check_choice(o.embed_head_unit, "--embed-head-unit", ("separate", "head-kept", "root", "root-kept"))
     if layout == "zero" and o.embed_head_unit != "separate":
         raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP groups its units; DeepSpeed "
                          "(the zero layout) gathers module by module: plan FSDP (--layout torch, or "

@@ -32,7 +32,7 @@ LINEAR_LOSSES: tuple[str, ...] = LinearLoss.__args__  # type: ignore[attr-define
 TE_FLOAT8_UNMODELLED = ("selective", "attention")  # checkpointing modes whose TE saves zplan does not know
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
-EmbedHeadUnit = Literal["separate", "root", "root-kept"]
+EmbedHeadUnit = Literal["separate", "head-kept", "root", "root-kept"]
 
 
 # Bounds on every number a spec holds. Generic (the base class checks every field, so fields
@@ -370,12 +370,13 @@ class TrainSpec(Spec):
     blocks_per_unit: int = Field(1, gt=0, le=MAX_LAYERS)
     embed_head_unit: EmbedHeadUnit = Field(
         "separate", description="FSDP: separate (embeddings, and final norm + head, are units of "
-        "their own: torchtitan since 2025-07, zplan's trainer); root (both left to the root unit, "
-        "resharded after forward like the others: FSDP2 on PyTorch >= 2.8 given "
-        "reshard_after_forward, the loss computed outside the model); root-kept "
-        "(left to the root, which stays gathered from its forward to its backward: FSDP1, e.g. "
-        "HF Trainer / accelerate / Composer, and FSDP2 before PyTorch 2.8, e.g. torchtitan until "
-        "2025-07). Tied embeddings are always in the root")
+        "their own, each resharded after forward: zplan's trainer); head-kept (units of their own, "
+        "norm + head kept gathered from its forward to its backward: torchtitan since 2025-07 and "
+        "accelerate's FSDP2 by default); root (both left to the root unit, resharded after forward: "
+        "FSDP2 on PyTorch >= 2.8 given reshard_after_forward, the loss computed outside the "
+        "model); root-kept (left to the root, which stays gathered from its forward to its "
+        "backward: FSDP1, e.g. HF Trainer / accelerate / Composer, and FSDP2 before PyTorch 2.8, "
+        "e.g. torchtitan until 2025-07). Tied embeddings are always in the root")
     reshard_after_forward: bool = True
     prefetch: bool = True
     reduce_every_microbatch: bool = Field(

@@ -85,7 +85,7 @@ class Row:
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default stage-3 buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (torchtitan: del pred)
-    embed_head_unit: str = "separate"  # FSDP: separate | root | root-kept (TrainSpec.embed_head_unit)
+    embed_head_unit: str = "separate"  # FSDP: separate | head-kept | root | root-kept (TrainSpec.embed_head_unit)
     checkpoint_early_stop: bool = True  # non-reentrant checkpoint on PyTorch >= 2.1 (False: the whole block reruns)
     compile_scope: str = "block"  # with compile: block (each block compiled) or model (torch.compile(model))
     loss_fp32: bool = True  # the loss upcasts the logits to fp32 (False: cross-entropy in their dtype)
@@ -135,7 +135,7 @@ CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLO
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
            "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS,
            "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"),
-           "embed_head_unit": ("separate", "root", "root-kept"),
+           "embed_head_unit": ("separate", "head-kept", "root", "root-kept"),
            "optimizer_kernels": ("fused", "foreach", "single"), "linear_loss": ("none", "chunked", "liger")}
 
 

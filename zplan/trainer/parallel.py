@@ -177,8 +177,12 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=t.reshard_after_forward)
     units: list[nn.Module] = []
-    for group in groups:
-        shard(group if len(group) > 1 else group[0])
+    # torchtitan's default (head-kept): norm + head, sharded last of the groups, kept after forward
+    head_kept = (t.reshard_after_forward and not policy.head_unit_reshards(t.embed_head_unit)
+                 and bool(groups) and groups[-1][-1] is getattr(model, "output", None))
+    for i, group in enumerate(groups):
+        kw = {"reshard_after_forward": False} if head_kept and i == len(groups) - 1 else {}
+        shard(group if len(group) > 1 else group[0], **kw)
         units.append(group[0])  # the FSDP state lives on the first module of a group
     # the root: whatever is left (tied embeddings and head, or the plan's embed_head_unit root);
     # FSDP1's kept root (root-kept) is FSDP2's root told not to reshard after forward
