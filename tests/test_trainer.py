@@ -67,19 +67,26 @@ def test_zero3_matches_ddp(run_zplan, tmp_path):
     assert moved > 1e-3  # and training did change the weights
 
 
+def _traffic_by_unit(run_zplan, tmp_path, units):
+    """Per --embed-head-unit value, a 2-rank zero3 run's measured elements per step (asserted
+    equal to the prediction) and its micro-batches per step."""
+    got = {}
+    for unit in units:
+        plan = make_plan(run_zplan, tmp_path / f"{unit}.json", "zero3", 2, 4, "fp32",
+                         "--embed-head-unit", unit)
+        rep, _ = launch(run_zplan, tmp_path / f"{unit}.json", tmp_path / unit, 2)
+        assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
+        got[unit] = (rep["measured"]["elements_per_step"], plan["train"]["grad_accum"])
+    return got
+
+
 def test_the_root_reshards_as_the_plan_says(run_zplan, tmp_path):
     """Embeddings, norm and head left to FSDP2's root: `root` reshards it after forward and
     gathers it again for backward; `root-kept` keeps it gathered (the trainer passes
     reshard_after_forward=False to the root). The trainer's measured traffic equals the
     prediction for both, and they differ by the root's elements once per micro-batch: the tiny
     model's 256 x 256 embedding and head and its 256-element norm."""
-    got = {}
-    for unit in ("root", "root-kept"):
-        plan = make_plan(run_zplan, tmp_path / f"{unit}.json", "zero3", 2, 4, "fp32",
-                         "--embed-head-unit", unit)
-        rep, _ = launch(run_zplan, tmp_path / f"{unit}.json", tmp_path / unit, 2)
-        assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
-        got[unit] = (rep["measured"]["elements_per_step"], plan["train"]["grad_accum"])
+    got = _traffic_by_unit(run_zplan, tmp_path, ("root", "root-kept"))
     (root, accum), (kept, _) = got["root"], got["root-kept"]
     assert root - kept == accum * (256 * 256 * 2 + 256)
 
@@ -89,13 +96,7 @@ def test_the_head_unit_stays_gathered_as_the_plan_says(run_zplan, tmp_path):
     gathered from forward to backward, so not gathered again: the measured traffic equals the
     prediction and is the head unit's elements (256 x 256 + 256) per micro-batch below
     separate's, whose trainer reshards every unit."""
-    got = {}
-    for unit in ("separate", "head-kept"):
-        plan = make_plan(run_zplan, tmp_path / f"{unit}.json", "zero3", 2, 4, "fp32",
-                         "--embed-head-unit", unit)
-        rep, _ = launch(run_zplan, tmp_path / f"{unit}.json", tmp_path / unit, 2)
-        assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
-        got[unit] = (rep["measured"]["elements_per_step"], plan["train"]["grad_accum"])
+    got = _traffic_by_unit(run_zplan, tmp_path, ("separate", "head-kept"))
     (sep, accum), (kept, _) = got["separate"], got["head-kept"]
     assert sep - kept == accum * (256 * 256 + 256)
 
