@@ -169,14 +169,10 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
 
 
 def regathered(sc: Scenario, st: Strategy, u) -> bool:
-    """Whether a unit is all-gathered again for its backward: resharded after forward, and for
-    the held root only where it reshards (policy.root_reshards: not FSDP1's kept root), for a
-    norm + head unit of its own only where it does (policy.head_unit_reshards)."""
-    if not st.reshard_after_forward:
-        return False
-    if u.held:
-        return policy.root_reshards(sc.train.embed_head_unit)
-    return "head" not in u.name or policy.head_unit_reshards(sc.train.embed_head_unit)
+    """Whether a unit is all-gathered again for its backward: resharded after forward, unless it
+    stays gathered in between (policy.stays_gathered: FSDP1's kept root, torchtitan's kept head)."""
+    return st.reshard_after_forward and not policy.stays_gathered(
+        u.held, "head" in u.name, sc.train.embed_head_unit)
 
 
 def gather_dtype(sc: Scenario, u) -> str:

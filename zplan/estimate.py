@@ -130,12 +130,12 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}
-    if (sc.train.layout == "zero" and a.overlap and sc.n > 1
-            and any(effective(n, "zero").params_sharded for n in strategies)):  # ZeRO-3
+    zero3 = sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies)
+    if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
             "; DeepSpeed ZeRO-3 in eager mode overlaps less: its published runs on 32 H100 "
             "measured 24-56% slower than overlap predicts (docs/accuracy-notes.md 9l)")
-    if sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies):
+    if zero3:
         out["zero_init"] = {
             "value": sc.train.zero_init, "flag": "--no-zero-init" if sc.train.zero_init else "--zero-init",
             "meaning": ("the model is built under deepspeed.zero.Init (HF Trainer, accelerate's "

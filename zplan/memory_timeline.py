@@ -180,13 +180,14 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
     # reshard_after_forward to the root as well) and gathers again in its pre-backward, unless
-    # it is FSDP1's kept root (policy.root_reshards). A linear
+    # it stays gathered (policy.stays_gathered: FSDP1's kept root). A linear
     # loss runs inside the head's forward (and the root's): the head unit is still gathered, and
     # its pre-backward (a hook on the loss itself) gathers it again before the loss's backward
-    kept_root = not reshard or not policy.root_reshards(sc.train.embed_head_unit)
-    at_loss = (held_b if kept_root else 0) + (0 if reshard else moving_upto[n])
-    if reshard and not held[head] and not policy.head_unit_reshards(sc.train.embed_head_unit):
-        at_loss += moving[head]  # norm + head kept gathered from its forward to its backward
+    # units that stay gathered from their forward to their backward (policy.stays_gathered)
+    kept_at_loss = [policy.stays_gathered(u.held, "head" in u.name, sc.train.embed_head_unit)
+                    for u in sc.units]
+    at_loss = (sum(g for g, k in zip(gathered, kept_at_loss) if k) if reshard
+               else held_b + moving_upto[n])
     linear = sc.train.linear_loss != "none"
     if linear:
         at_loss = held_b + (moving[head] if reshard else moving_upto[n])
@@ -207,7 +208,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     if root_head and not linear:
         root = sc.units[head].name
         loss_grad = saved_upto[n] + logits_ref + logits_b  # the logits and their gradient
-        if reshard and policy.root_reshards(sc.train.embed_head_unit):
+        if reshard and not kept_at_loss[head]:
             # the root's pre-backward (a hook on its output) gathers it again: copy-out
             ev.append(_ev("backward", f"gather {root} again", state=state_b, gathered=held_b,
                           all_gather=gathered[head], unsharded_grads=accum_b, activations=loss_grad))

@@ -59,6 +59,16 @@ def head_unit_reshards(embed_head_unit: str) -> bool:
     return embed_head_unit != "head-kept"
 
 
+def stays_gathered(held: bool, head: bool, embed_head_unit: str) -> bool:
+    """Whether a unit, with reshard_after_forward on, stays gathered from its forward to its
+    backward instead of being gathered again: the held root where it does not reshard
+    (`root_reshards`), a norm + head unit of its own where it does not (`head_unit_reshards`).
+    The memory timeline (at the loss) and the traffic (comm.regathered) both read it."""
+    if held:
+        return not root_reshards(embed_head_unit)
+    return head and not head_unit_reshards(embed_head_unit)
+
+
 def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, ...]:
     """Which blocks are wrapped whole for recomputation. `attention` recomputes inside each block
     (the attention core only), so it wraps none; every-k wraps blocks k, 2k, ... counting from 1

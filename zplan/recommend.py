@@ -212,6 +212,9 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                           evaluated, global_batch)
 
 
+SETUP_PEAK = "deepspeed.initialize moves the whole model to each GPU before ZeRO-3 partitions it"
+
+
 def _why_not(base: Scenario, family: str, headroom: float) -> str:
     """The exact reason no configuration of this family fits: the smallest one, explained."""
     variants = _variants(base, family)
@@ -234,8 +237,7 @@ def _why_not(base: Scenario, family: str, headroom: float) -> str:
                 f"{fmt_bytes(sc.hw.cluster.host_ram_bytes)}")
     p = sc.train.precision
     if m.peak_phase == "setup":  # memory.setup_events: DeepSpeed moves the model whole first
-        return (f"{name}: deepspeed.initialize moves the whole model to each GPU before ZeRO-3 "
-                f"partitions it, {fmt_bytes(m.allocated_bytes)} > {cap}; build the model under "
+        return (f"{name}: {SETUP_PEAK}, {fmt_bytes(m.allocated_bytes)} > {cap}; build the model under "
                 f"deepspeed.zero.Init (HF Trainer and accelerate's zero3_init_flag do; drop --no-zero-init)")
     if not effective(family, sc.train.layout).params_sharded and m.params_bytes > usable:
         return f"{name}: replicated {p.param if sc.train.layout == 'zero' else p.master} weights alone are {fmt_bytes(m.params_bytes)} > {cap}"
@@ -292,7 +294,7 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
     if base.train.layout == "zero" and not base.train.zero_init:
         hints.append("--zero-init (the model built under deepspeed.zero.Init)")
     if (base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw"
-            and not any("deepspeed.initialize moves the whole model" in r for r in rejected.values())):
+            and not any(SETUP_PEAK in r for r in rejected.values())):  # 8-bit Adam cannot help there
         hints.append("--optimizer adam8bit")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
     tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
