@@ -140,7 +140,8 @@ def test_deepspeed_defaults_plan_leaves_the_stage3_buckets_to_deepspeed(ds_load)
 def test_accelerate_reads_the_plans_values(tmp_path, monkeypatch, strategy):
     import torch
 
-    plan = plan_for(strategy, layout="torch", reduce_dtype="fp32" if strategy == "ddp" else "bf16")
+    plan = plan_for(strategy, layout="torch", reduce_dtype="fp32" if strategy == "ddp" else "bf16",
+                    embed_head_unit="head-kept")
     cfg, env = _accelerate_env(tmp_path, monkeypatch, plan)
     assert (cfg.num_processes, cfg.num_machines, cfg.mixed_precision) == (16, 2, "bf16")
     if strategy == "ddp":
@@ -166,8 +167,10 @@ def test_accelerate_reads_the_plans_values(tmp_path, monkeypatch, strategy):
 @pytest.mark.parametrize("strategy,kw,needle", [
     ("zero3", dict(), "reduces gradients in bf16, the plan in fp32"),
     ("zero1", dict(), "no zero1"),
-    ("zero3", dict(reduce_dtype="bf16", checkpointing="selective"), "not selective"),
-    ("zero3", dict(reduce_dtype="bf16", blocks_per_unit=2), "--blocks-per-unit 1"),
+    ("zero3", dict(reduce_dtype="bf16", checkpointing="selective", embed_head_unit="head-kept"), "not selective"),
+    ("zero3", dict(reduce_dtype="bf16", blocks_per_unit=2, embed_head_unit="head-kept"), "--blocks-per-unit 1"),
+    ("zero3", dict(reduce_dtype="bf16"), "embed_head_unit separate: plan again with --embed-head-unit head-kept"),
+    ("hsdp", dict(reduce_dtype="bf16", embed_head_unit="root"), "embed_head_unit root"),
 ])
 def test_accelerate_refuses_what_its_config_cannot_say(strategy, kw, needle):
     with pytest.raises(UsageError, match=needle):

@@ -155,6 +155,11 @@ def _accelerate_refusal(plan: Plan) -> str | None:
                     f"plan again with --blocks-per-unit 1")
         if not t.prefetch:
             return "FSDP2 under accelerate always prefetches the next unit: plan again with --prefetch"
+        if not plan.model.tied_embeddings and t.embed_head_unit != "head-kept":
+            return (f"accelerate's FSDP2 shards the embeddings and the final norm + head as units of "
+                    f"their own and keeps the head's gathered after forward (accelerate PR 4015, "
+                    f"2026-04); the plan prices embed_head_unit {t.embed_head_unit}: plan again with "
+                    f"--embed-head-unit head-kept")
         if t.checkpointing not in ("none", "full"):
             return (f"accelerate's fsdp_activation_checkpointing recomputes whole blocks, not "
                     f"{t.checkpointing}: plan again with --checkpointing full or none")
