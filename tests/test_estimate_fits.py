@@ -28,3 +28,25 @@ def test_smallest_n_is_the_first_doubling_at_which_zero3_fits():
     assert n is not None and n > 8 and n & (n - 1) == 0
     at = lambda k: estimate_one(replace(sc, hw=sc.hw.model_copy(update={"num_gpus": k})), "zero3")  # noqa: E731
     assert at(n).fits and not at(n // 2).fits
+
+
+@pytest.mark.parametrize("opts", [
+    dict(params="70e9", gpus="64"),  # fits at 64 with full checkpointing: no --gpus hint for it
+    dict(model="llama-3.1-405b", gpus="8"),  # needs more GPUs even with full checkpointing
+])
+def test_fit_hints_name_the_smallest_gpu_count(opts):
+    import re
+
+    from zplan.estimate import estimate, fit_hints
+
+    sc = build(ScenarioOptions(**opts))
+    hints = fit_hints(sc, estimate(sc))
+    full = sc.train.model_copy(update={"checkpointing": "full"})
+    at = lambda k, t: fits(replace(sc, hw=sc.hw.model_copy(update={"num_gpus": k}), train=t), "zero3")  # noqa: E731
+    m = re.search(r"zero3 fits on --gpus (\d+)( --checkpointing full)?", hints)
+    if at(sc.n, full):
+        assert "--checkpointing full makes it fit" in hints and not (m and m.group(2)), hints
+        return
+    assert m, hints
+    n, train = int(m.group(1)), full if m.group(2) else sc.train
+    assert at(n, train) and (n // 2 == sc.n or not at(n // 2, train)), hints

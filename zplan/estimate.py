@@ -186,9 +186,10 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     if ckpt_fits:
         hints.append("--checkpointing full makes it fit")
     for train, extra in ((sc.train, ""), (full, " --checkpointing full")):
-        n = smallest_n(sc, train)
+        n = smallest_n(sc, train, include_current=bool(extra))
         if n is not None:
-            hints.append(f"zero3 fits on --gpus {n}{extra}")
+            if n != sc.n:  # at N itself "--checkpointing full makes it fit" said it already
+                hints.append(f"zero3 fits on --gpus {n}{extra}")
             break
     if sc.train.micro_batch > 1:
         tr = sc.train.model_copy(update={"micro_batch": 1})
@@ -197,12 +198,13 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     return "; ".join(hints) or "no change zplan tried makes it fit"
 
 
-def smallest_n(sc: Scenario, train) -> int | None:
-    """The smallest power-of-two multiple of N at which zero3 fits, up to 2^20 GPUs."""
-    n = sc.n
-    while n < 2**20:
-        n *= 2
+def smallest_n(sc: Scenario, train, include_current: bool = False) -> int | None:
+    """The smallest power-of-two multiple of N (N itself with `include_current`, for a `train`
+    that differs from the scenario's) at which zero3 fits, up to 2^20 GPUs."""
+    n = sc.n if include_current else 2 * sc.n
+    while n <= 2**20:
         hw = sc.hw.model_copy(update={"num_gpus": n})
         if fits(replace(sc, hw=hw, train=train), "zero3"):
             return n
+        n *= 2
     return None
