@@ -293,6 +293,20 @@ def test_contention_charges_the_sm_share_of_hidden_communication():
     assert t.contention_s <= 0.12 * sum(c.seconds_per_call * c.calls_per_step for c in r.collectives)
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_contention_of_bucketed_reduction_is_its_hidden_part(strategy):
+    """ZeRO-1/2: the gradient buckets reduce beside backward, all but the last hidden; the
+    weights' all-gather after the step hides behind nothing. Contention is the SM share of the
+    hidden reduction alone (it was zero when the exposed all-gather outweighed it)."""
+    r = est(strategy, model="llama-3.1-8b", gpus=8, cluster="dgx-h100", layout="zero", bucket_mib=953.67)
+    t = r.timing
+    red = sum(c.seconds_per_call * c.calls_per_step for c in r.collectives if c.op != "all_gather")
+    ag = sum(c.seconds_per_call * c.calls_per_step for c in r.collectives if c.op == "all_gather")
+    assert ag > 0 and t.exposed_comm_s > ag  # the last bucket is exposed too
+    assert t.contention_s == pytest.approx(0.12 * (red + ag - t.exposed_comm_s), rel=1e-9)
+    assert 0 < t.contention_s < 0.12 * red
+
+
 def test_selective_recompute_is_wk_wo_w3_and_the_pointwise_ops():
     sc = scenario(model="llama-3.1-8b", gpus=8, layout="torch", checkpointing="selective")
     ops, n = unit_ops.recompute_ops(sc, sc.units[1])

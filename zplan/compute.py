@@ -222,7 +222,9 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
             call = max(last_bucket, per - sum(bwd)) if sc.assume.overlap else per
             exposed += c.calls_per_step * call
             comm_total += c.calls_per_step * per
-        exposed += sum(c.seconds_per_call * c.calls_per_step for c in colls if c.op == "all_gather")
+        gathers = sum(c.seconds_per_call * c.calls_per_step for c in colls if c.op == "all_gather")
+        exposed += gathers  # after the step, nothing beside them: exposed, and none of them hidden
+        comm_total += gathers
     hidden = max(0.0, comm_total - exposed)
     k = sc.hw.gpu.kernels
     contention = hidden * k.nccl_sm_fraction if (k is not None and uses_kernel_model(sc)) else 0.0
