@@ -23,7 +23,6 @@ CPU memory.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,8 @@ from torch import nn
 from ..plan import Plan, load
 from . import checkpoint as ckpt
 from .distributed import init_process_group_for
-from .parallel import Parallelized, build_optimizer, replicate, set_sync, shard_units, to_master_dtype
+from .micro_batch import micro_batch_context
+from .parallel import Parallelized, build_optimizer, replicate, shard_units, to_master_dtype
 
 
 @dataclass
@@ -89,11 +89,7 @@ class Context:
         DDP also autocast to the plan's param dtype."""
         assert self._par is not None
         sync = last or self.plan.train.reduce_every_microbatch
-        stack = contextlib.ExitStack()
-        stack.enter_context(set_sync(self._par, sync))
-        if self._par.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self._par.autocast_dtype))
-        return stack
+        return micro_batch_context(self._par, sync, self.device.type)
 
     def save(self, model, optim, step: int) -> Path:
         return ckpt.save(self.ckpt_dir, step, model, optim, {"step": step, "data_seed": 0},

@@ -38,10 +38,10 @@ def trace_peak(plan, steps: int = 1) -> dict:
     "phase" naming where in the step the peak was reached."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from .micro_batch import forward_loss
     from .model import Transformer
     from .parallel import build_mesh, build_optimizer, parallelize
 
@@ -68,17 +68,8 @@ def trace_peak(plan, steps: int = 1) -> dict:
                     for micro in range(t.grad_accum):
                         x = torch.randint(0, plan.model.vocab_size, (t.micro_batch, t.seq_len))
                         sync = micro == t.grad_accum - 1 or t.reduce_every_microbatch
-                        par.model.set_requires_gradient_sync(sync)
-                        # as zplan/trainer/loop.py computes it: `logits` stays referenced
-                        if t.linear_loss == "chunked":  # the head's loss: no logits
-                            logits = None
-                            loss = par.model(x, x)
-                        else:
-                            logits = par.model(x)
-                            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.reshape(-1))
-                        if not t.logits_kept:
-                            logits = None  # as the loop drops them (TrainSpec.logits_kept)
-                        (loss / t.grad_accum).backward()
+                        loss, logits = forward_loss(par, t, x, x, sync)  # the loop's own code
+                        loss.backward()
                         del logits, loss
                         if micro < t.grad_accum - 1:
                             tracker.reset_mod_stats()

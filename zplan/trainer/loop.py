@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..plan import Plan
 from . import checkpoint as ckpt
@@ -20,7 +19,8 @@ from .distributed import started_backend
 from .measure import CommCounter, StepClock, device_peak_memory, ddp_counting_hook
 from .model import Transformer, init_weights_
 from .run_setup import inject_fault
-from .parallel import Parallelized, build_optimizer, device_for, parallelize, set_sync
+from .micro_batch import forward_loss
+from .parallel import Parallelized, build_optimizer, device_for, parallelize
 from .report import build_report, compare_lines, progress_bar, step_log_line, write_report
 
 __all__ = ["RunConfig", "Trainer", "compare_lines", "write_report"]
@@ -104,19 +104,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(A):
             x, y = self.batches.get(self.step, micro)
-            sync = micro == A - 1 or t.reduce_every_microbatch
-            cast = (torch.autocast(self.device.type, dtype=self.par.autocast_dtype)
-                    if self.par.autocast_dtype is not None else contextlib.nullcontext())
-            with set_sync(self.par, sync), cast:
-                if t.linear_loss == "chunked":  # the head computes the loss, logits never whole
-                    loss = self.par.model(x, y) / A
-                else:
-                    logits = self.par.model(x)
-                    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
-                    if not t.logits_kept:
-                        logits = None  # as the plan prices it (TrainSpec.logits_kept): torchtitan's `del pred`
+            loss, logits = forward_loss(self.par, t, x, y, sync=micro == A - 1 or t.reduce_every_microbatch)
             loss.backward()
-            logits = None  # not carried into the next micro-batch's forward
+            del logits  # not carried into the next micro-batch's forward
             total += loss.detach()
             if self._tracking is not None and micro < A - 1:
                 self._tracking.reset_mod_stats()  # the tracker refuses a second forward otherwise

@@ -1,0 +1,38 @@
+"""One micro-batch's forward and loss as the plan prices them: the one copy that the training
+loop (loop.py) and the fake-tensor trace of `zplan verify --fake` (fake_trace.py) both run, so
+the step that is traced is the step that `zplan launch` runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .parallel import Parallelized, set_sync
+
+
+def micro_batch_context(p: Parallelized, sync: bool, device_type: str) -> contextlib.ExitStack:
+    """Around one micro-batch's forward: whether its backward reduces gradients (`sync`), and
+    under DDP the autocast to the plan's param dtype (FSDP2 casts in its mixed precision)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(set_sync(p, sync))
+    if p.autocast_dtype is not None:
+        stack.enter_context(torch.autocast(device_type, dtype=p.autocast_dtype))
+    return stack
+
+
+def forward_loss(p: Parallelized, train, x: torch.Tensor, y: torch.Tensor,
+                 sync: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The micro-batch's loss divided by the accumulation steps, and the logits that stay
+    referenced until its backward ends, as the planner prices the loss (memory_timeline.py):
+    None where the plan drops them (`TrainSpec.logits_kept` false: torchtitan's `del pred`) or
+    never makes them whole (the chunked linear loss computes the loss in the head). `sync`
+    says whether this micro-batch's backward reduces gradients."""
+    A = train.grad_accum
+    with micro_batch_context(p, sync, x.device.type):
+        if train.linear_loss == "chunked":
+            return p.model(x, y) / A, None
+        logits = p.model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
+    return loss, (logits if train.logits_kept else None)
