@@ -39,6 +39,9 @@ class Collective:
     scope: str  # intra-node | inter-node | pcie
     calls_per_step: int
     seconds_per_call: float
+    # a gradient reduction issued in buckets as backward fills them (DDP, DeepSpeed ZeRO-1/2):
+    # the seconds of its final bucket, the one backward's end waits for; 0 where not bucketed
+    last_bucket_s: float = 0.0
 
     @property
     def volume_factor(self) -> int:
@@ -90,10 +93,39 @@ def bucketed_seconds(sc: Scenario, op: str, total_bytes: int, n: int, per_node: 
     return t + (call_seconds(sc, op, rest, n, per_node) if rest else 0.0)
 
 
-def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0) -> Collective:
+DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (c10d reducer.hpp kDefaultFirstBucketBytes)
+
+
+def gradient_buckets(sc: Scenario, grad_b: int, cap_bytes: int, first_cap_bytes: int | None = None) -> list[int]:
+    """The gradient bytes of each bucket as backward fills them, last layer first: parameters in
+    reverse order, a bucket closing once it holds at least its cap (DDP's Reducer and
+    DDPOptimizer's graphs, whose first bucket's cap is 1 MiB: torch/_dynamo/backends/
+    distributed.py; DeepSpeed's IPG bucket, stage_1_and_2.py reduce_independent_p_g_buckets_and_
+    remove_grads, closes before the parameter that would overflow it: a parameter apart). The
+    last holds the embedding's gradient: backward's end waits for it."""
+    first = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    out, cur, cap = [], 0, first
+    for u in reversed(sc.units):
+        for shape in reversed(u.shapes):
+            if cur >= cap:
+                out.append(cur)
+                cur, cap = 0, max(cap_bytes, first)
+            cur += math.prod(shape) * grad_b
+    return out + [cur] if cur else out
+
+
+def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0,
+          first_bucket_bytes=None) -> Collective:
+    """One collective; a gradient reduction in buckets (bucket_bytes > 0) also times its final
+    bucket (gradient_buckets), which nothing hides."""
     scope = "intra-node" if group <= per_node else "inter-node"
-    t = bucketed_seconds(sc, op, nbytes(elements, dtype), group, per_node, bucket_bytes)
-    return Collective(name, op, elements, dtype, group, scope, calls, t)
+    total = nbytes(elements, dtype)
+    t = bucketed_seconds(sc, op, total, group, per_node, bucket_bytes)
+    last = 0.0
+    if bucket_bytes > 0 and op in ("all_reduce", "reduce_scatter"):
+        final = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes)[-1]
+        last = call_seconds(sc, op, min(final, total), group, per_node)
+    return Collective(name, op, elements, dtype, group, scope, calls, t, last)
 
 
 @dataclass(frozen=True)
@@ -194,9 +226,11 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     g_world = contiguous_shape(N, gpn)
     rs_calls = A if t.reduce_every_microbatch else 1
     out: list[Collective] = []
-    if t.optimizer == "muon" and st.optim_sharded and N > 1:
-        # Muon orthogonalises whole matrices: each sharded update gathers its matrix first
-        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", psi, p.param, N, g_world, 1))
+    if t.optimizer == "muon" and policy.optimizer_splits_matrices(st, t.layout) and N > 1:
+        # Muon orthogonalises whole matrices: each sharded update gathers its matrix first, over
+        # the group that shards the optimizer state (HSDP: its shard group)
+        D, g = (_shapes(sc, st)[:2]) if st.fsdp else (N, g_world)
+        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", psi, p.param, D, g, 1))
     if not st.fsdp:
         torch = t.layout == "torch"
         ddp_bucket = sc.assume.ddp_bucket_bytes
@@ -204,8 +238,14 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             # torch layout (DDP with autocast): the parameters are stored in the master dtype, so
             # DDP's gradient buckets and ZeroRedundancyOptimizer's broadcasts are in that dtype
             store = p.master if torch else p.param
-            out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi,
-                             p.master if torch else p.reduce, N, g_world, rs_calls, ddp_bucket))
+            if torch:
+                out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.master, N,
+                                 g_world, rs_calls, ddp_bucket, DDP_FIRST_BUCKET_BYTES))
+            else:  # DeepSpeed stage 0: once per step, after backward, in its fallback buffers
+                from .deepspeed import ALLREDUCE_FALLBACK_ELEMS
+
+                out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.reduce, N,
+                                 g_world, 1, nbytes(ALLREDUCE_FALLBACK_ELEMS, p.reduce)))
             if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters
                 out.append(_coll(sc, "broadcast (updated weights)", "all_gather", psi, store, N,
                                  g_world, 1))

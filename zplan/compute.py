@@ -16,6 +16,7 @@ from . import arch
 from . import kernels as K
 from . import unit_ops
 from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
+from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_tensor_sizes
 from .scenario import Scenario
 from .strategies import Strategy
@@ -196,6 +197,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     mb_compute = sum(fwd) + sum(bwd)
     overlaps: list[UnitOverlap] = []
     comm_total = 0.0  # seconds of collectives that run beside compute, per step
+    copies = 0.0  # of which host->GPU copies (offload-all): copy engines, no SMs taken
     if st.fsdp:
         comms = unit_comm(sc, st)
         last = _overlap(sc, fwd, bwd, comms, with_reduce=True)
@@ -207,25 +209,30 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
             mult = 1 if ov is last else A - 1
             comm_total += mult * sum(u.all_gather_s * (2 if c.gathers_in_backward else 1) + u.reduce_s
                                      for u, c in zip(ov, comms))
-        exposed += sum(c.seconds_per_call for c in colls if c.name == WHOLE_MATRIX)
+            copies += mult * sum(c.h2d_s * (2 if c.gathers_in_backward else 1) for c in comms)
+        whole = sum(c.seconds_per_call for c in colls if c.name == WHOLE_MATRIX)
+        exposed += whole  # Muon's gathers in the optimizer step: beside nothing
+        comm_total += whole
         overlaps = last
     else:
         # DDP-style: gradient buckets reduce during backward; the last bucket and whatever does
         # not fit beside backward are exposed; the weight all-gather after the step is exposed.
         exposed = 0.0
+        after = reduces_after_backward(st.name, t.layout)  # DeepSpeed stage 0
         for c in colls:
             if c.op not in ("all_reduce", "reduce_scatter"):
                 continue
             per = c.seconds_per_call
-            size = max(1, c.bytes_per_step // (c.volume_factor * c.calls_per_step))
-            last_bucket = per * min(1.0, sc.assume.ddp_bucket_bytes / size)
-            call = max(last_bucket, per - sum(bwd)) if sc.assume.overlap else per
+            last_bucket = c.last_bucket_s or per  # backward's end waits for the final bucket
+            call = max(last_bucket, per - sum(bwd)) if (sc.assume.overlap and not after) else per
             exposed += c.calls_per_step * call
             comm_total += c.calls_per_step * per
         gathers = sum(c.seconds_per_call * c.calls_per_step for c in colls if c.op == "all_gather")
         exposed += gathers  # after the step, nothing beside them: exposed, and none of them hidden
         comm_total += gathers
-    hidden = max(0.0, comm_total - exposed)
+    hidden = max(0.0, comm_total - exposed) if sc.assume.overlap else 0.0
+    if comm_total > 0:
+        hidden *= 1 - copies / comm_total  # NCCL's share of what hides: the copies take no SMs
     k = sc.hw.gpu.kernels
     contention = hidden * k.nccl_sm_fraction if (k is not None and uses_kernel_model(sc)) else 0.0
     opt_s = _optimizer_s(sc, st, mem)

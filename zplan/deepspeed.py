@@ -9,3 +9,12 @@ MAX_REUSE_DISTANCE_ELEMS = 1_000_000_000  # stage3_max_reuse_distance
 REDUCE_BUCKET_ELEMS = 500_000_000  # reduce_bucket_size (ZeRO-3; ZeRO-1/2 the same default)
 ALLGATHER_BUCKET_ELEMS = 500_000_000  # allgather_bucket_size (ZeRO-1/2)
 PERSISTENCE_THRESHOLD_ELEMS = 100_000  # stage3_param_persistence_threshold: up to it, kept whole
+# Without ZeRO (stage 0) the engine all-reduces the gradients after backward has returned, at the
+# accumulation boundary only, in buffers of this many elements (engine.py _backward_epilogue ->
+# allreduce_gradients -> buffered_allreduce_fallback, MEMORY_OPT_ALLREDUCE_SIZE; v0.16.6)
+ALLREDUCE_FALLBACK_ELEMS = 500_000_000
+
+
+def reduces_after_backward(strategy: str, layout: str) -> bool:
+    """DeepSpeed's stage 0 (zplan's ddp in the zero layout): its all-reduce has nothing beside it."""
+    return layout == "zero" and strategy == "ddp"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import allocator, arch
-from .comm import gather_dtype
+from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets
 from . import memory_timeline as mt
 from .memory_timeline import Event
 from .scenario import Scenario
@@ -276,23 +276,13 @@ def compiled_graphs(sc: Scenario, st: Strategy) -> mt.CompiledGraphs | None:
                        and grad_b < 4 else 0 for i, u in enumerate(sc.units)))
 
 
-FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (c10d reducer.hpp kDefaultFirstBucketBytes)
-
-
 def ddp_graph_buckets(sc: Scenario, grad_b: int) -> list[int]:
     """The gradient bytes of each graph DDPOptimizer splits a compiled model into, last layer
-    first: parameters are added in reverse order and a bucket closes once it holds at least the
-    cap, 1 MiB for the first (torch/_dynamo/backends/distributed.py DDPOptimizer.compile_fn,
-    mirroring DDP's own buckets). zplan walks the units' parameters in reverse; DDPOptimizer
-    walks graph nodes, so a boundary may fall a few parameters apart."""
-    out, cur, cap = [], 0, FIRST_BUCKET_BYTES
-    for u in reversed(sc.units):
-        for shape in reversed(u.shapes):
-            if cur >= cap:
-                out.append(cur)
-                cur, cap = 0, max(sc.assume.ddp_bucket_bytes, FIRST_BUCKET_BYTES)
-            cur += math.prod(shape) * grad_b
-    return out + [cur] if cur else out
+    first: DDP's own buckets (comm.gradient_buckets: 1 MiB for the first, then the bucket cap;
+    torch/_dynamo/backends/distributed.py DDPOptimizer.compile_fn). zplan walks the units'
+    parameters in reverse; DDPOptimizer walks graph nodes, so a boundary may fall a few
+    parameters apart."""
+    return gradient_buckets(sc, grad_b, sc.assume.ddp_bucket_bytes, DDP_FIRST_BUCKET_BYTES)
 
 
 def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:

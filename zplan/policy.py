@@ -132,3 +132,11 @@ def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     The trainer's chunked loss uses the same chunks."""
     inc = -(-vocab // hidden)
     return min(tokens, 1 << (max(1, -(-tokens // inc)) - 1).bit_length())
+
+
+def optimizer_splits_matrices(st, layout: str) -> bool:
+    """Whether the optimizer's shard splits parameters, so that an optimizer of whole matrices
+    (Muon) must gather each matrix before its update: DeepSpeed's flat partitions (zero layout)
+    and FSDP2's dim-0 shards do; ZeroRedundancyOptimizer (zero1, torch layout) owns whole
+    parameters and updates them from DDP's all-reduced gradients, nothing more to gather."""
+    return st.optim_sharded and not (st.name == "zero1" and layout == "torch")

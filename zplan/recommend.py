@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from . import policy
 from .errors import PlanError, UsageError
 from .parse import check_choice
 from .estimate import StrategyEstimate, estimate_one, unavailable_reason
@@ -270,7 +271,7 @@ def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
 def _flags(base: Scenario, w: Candidate) -> list[str]:
     flags = []
     t = base.train
-    if t.optimizer in WHOLE_MATRIX_OPTIMIZERS and effective(w.family, t.layout).optim_sharded:
+    if t.optimizer in WHOLE_MATRIX_OPTIMIZERS and policy.optimizer_splits_matrices(effective(w.family, t.layout), t.layout):
         psi, n = base.params, base.n
         flags.append(
             f"{t.optimizer} needs whole matrices, but {w.family} shards flat buffers "

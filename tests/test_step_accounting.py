@@ -1,0 +1,91 @@
+"""How the step's communication is charged: what is exposed, what hides, what the hidden part
+costs compute (contention), per strategy and layout. The oracles are the runtimes' own
+behaviour, read in their code: DeepSpeed's engine (stage 0 reduces after backward, once per
+step), DDP's and DeepSpeed's buckets (the last holds the embedding's gradient), PyTorch's
+ZeroRedundancyOptimizer (whole parameters), and NCCL's SMs (copy engines take none)."""
+
+import pytest
+
+from zplan.comm import WHOLE_MATRIX, call_seconds
+from zplan.units import nbytes
+from tests.helpers import est, scenario
+
+# Llama 3.2 1B (Hugging Face config): vocab 128256, hidden 2048, embeddings tied
+EMBED_ELEMS = 128256 * 2048
+
+
+def _reductions(r):
+    return [c for c in r.collectives if c.op in ("all_reduce", "reduce_scatter")]
+
+
+@pytest.mark.parametrize("accum", [1, 8])
+def test_deepspeed_stage0_reduces_once_after_backward(accum):
+    """engine.py _backward_epilogue -> allreduce_gradients: at the accumulation boundary only,
+    after backward has returned (buffered_allreduce_fallback), so nothing hides it."""
+    r = est("ddp", model="llama-3.2-1b", gpus=16, layout="zero", grad_accum=accum)
+    (red,) = _reductions(r)
+    assert red.calls_per_step == 1
+    assert r.timing.exposed_comm_s == pytest.approx(red.seconds_per_call, rel=1e-12)
+    assert r.timing.contention_s == 0.0
+    torch_ddp = est("ddp", model="llama-3.2-1b", gpus=16, layout="torch", grad_accum=accum)
+    (tred,) = _reductions(torch_ddp)  # DDP's buckets reduce beside backward, all but the last
+    assert torch_ddp.timing.exposed_comm_s < 0.5 * tred.calls_per_step * tred.seconds_per_call
+
+
+@pytest.mark.parametrize("strategy,layout,kw", [
+    ("ddp", "torch", {}),
+    ("zero2", "zero", {}),
+    ("zero2", "zero", {"deepspeed_defaults": True}),
+    ("zero1", "zero", {}),
+])
+def test_the_last_bucket_holds_the_embedding_gradient(strategy, layout, kw):
+    """Backward's end waits for the bucket filled last, which holds the embedding's gradient
+    (DDP and DeepSpeed put a parameter over the cap in a bucket of its own): exposed is at least
+    one reduction of the embedding's gradient, and less than the whole reduction."""
+    sc = scenario(model="llama-3.2-1b", gpus=16, layout=layout, **kw)
+    r = est(strategy, model="llama-3.2-1b", gpus=16, layout=layout, **kw)
+    (red,) = _reductions(r)
+    embed = call_seconds(sc, red.op, nbytes(EMBED_ELEMS, red.dtype), red.group_size,
+                         sc.hw.cluster.gpus_per_node)
+    assert red.last_bucket_s >= embed * (1 - 1e-9)
+    assert red.last_bucket_s < red.seconds_per_call
+    ag = sum(c.seconds_per_call * c.calls_per_step for c in r.collectives if c.op == "all_gather")
+    assert r.timing.exposed_comm_s >= ag + red.calls_per_step * embed * (1 - 1e-9)
+
+
+def test_muon_gathers_where_shards_split_matrices():
+    """ZeroRedundancyOptimizer (zero1, torch layout) owns whole parameters: Muon needs no
+    gather; DeepSpeed's flat partitions and FSDP2's dim-0 shards split them: it does, over the
+    group that shards the state (HSDP: the shard group, here one node)."""
+    kw = dict(model="llama-3.1-8b", gpus=16, optimizer="muon")
+    names = lambda r: {c.name for c in r.collectives}  # noqa: E731
+    assert WHOLE_MATRIX not in names(est("zero1", layout="torch", **kw))
+    assert WHOLE_MATRIX in names(est("zero1", layout="zero", **kw))
+    hsdp = est("hsdp", layout="torch", shard_size=8, **kw)
+    (whole,) = [c for c in hsdp.collectives if c.name == WHOLE_MATRIX]
+    assert (whole.group_size, whole.scope) == (8, "intra-node")
+
+
+def test_muons_gather_is_communication_not_less_contention():
+    """Muon's gathers add communication; they must not shrink the hidden part (they were
+    counted exposed but not as communication, so contention fell)."""
+    kw = dict(model="llama-3.1-8b", gpus=16, layout="torch")
+    adamw, muon = est("zero3", **kw), est("zero3", optimizer="muon", **kw)
+    assert muon.timing.contention_s == pytest.approx(adamw.timing.contention_s, rel=1e-9)
+
+
+def test_host_copies_take_no_sms():
+    """offload-all's host->GPU copies run on copy engines: with every NCCL collective hidden
+    in both, offload-all's contention equals zero3's (the same collectives)."""
+    kw = dict(model="llama-3.1-8b", gpus=16, layout="torch", checkpointing="full")
+    z3, off = est("zero3", **kw), est("offload-all", **kw)
+    nccl = lambda r: [(c.name, c.seconds_per_call) for c in r.collectives if c.op not in ("h2d", "d2h")]  # noqa: E731
+    assert nccl(z3) == nccl(off)
+    assert off.timing.contention_s <= z3.timing.contention_s * (1 + 1e-9)
+    assert off.timing.contention_s == pytest.approx(z3.timing.contention_s, rel=0.05)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "ddp", "zero2", "hsdp"])
+def test_without_overlap_nothing_hides_and_nothing_contends(strategy):
+    r = est(strategy, model="llama-3.2-1b", gpus=16, layout="torch", overlap=False)
+    assert r.timing.contention_s == 0.0
