@@ -56,3 +56,48 @@ def test_user_model_is_stored_in_the_plans_master_dtype(tmp_path, monkeypatch, s
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _ddp_rank(rank: int, port: int, plan_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from zplan.trainer import api
+
+    os.environ.update(ZPLAN_PLAN=plan_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    ctx = api.init(ckpt_dir=out)
+    try:
+        torch.manual_seed(100 + rank)  # a per-rank seed, as scripts often set for their data
+        with torch.device("meta"):
+            model = UserModel()
+        model = ctx.apply(model, units=[model.a, model.b])
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        both = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(both, flat)
+        if rank == 0:
+            torch.save({"equal": bool(torch.equal(both[0], both[1])),
+                        "nonzero": bool(flat.abs().sum() > 0)}, os.path.join(out, "result.pt"))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_ddp_replicas_start_equal_whatever_each_ranks_rng(tmp_path):
+    """Under ddp the model is initialised before DDP wraps it: DDP's broadcast of rank 0's
+    weights then makes the replicas equal. Initialised after (as before), two ranks seeded
+    apart would train different replicas, which DDP never reconciles. Two real gloo ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    kw = dict(model="llama-3.2-1b", gpus=2, micro_batch=1, grad_accum=1, layout="torch",
+              gpu="cpu", cluster="cpu-local")
+    plan = make_plan(scenario(**kw), "ddp", 2, est("ddp", **kw))
+    save(plan, tmp_path / "plan.json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ddp_rank, args=(port, str(tmp_path / "plan.json"), str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    result = torch.load(tmp_path / "result.pt")
+    assert result == {"equal": True, "nonzero": True}

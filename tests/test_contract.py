@@ -105,6 +105,19 @@ def test_trainer_refuses_what_it_cannot_apply(kw, needle):
     assert why is not None and needle in why
 
 
+def test_fp32_grouped_query_attention_is_refused_on_gpus_only():
+    """torch's SDPA runs GQA in the flash and math kernels alone on CUDA, flash in fp16/bf16
+    alone: fp32 GQA would run math (s x s scores kept), not the flash the plan prices. On CPU
+    ranks the CPU's flash kernel takes fp32 with GQA; an MHA model runs the efficient kernel."""
+    gqa = dict(model="llama-3.1-8b", param_dtype="fp32")
+    why = trainer_refusal(plan_for("zero3", gpu="h100-sxm", cluster="dgx-h100", **gqa))
+    assert why is not None and "grouped KV heads (8 of 32)" in why and "--param-dtype bf16" in why
+    assert trainer_refusal(plan_for("zero3", gpu="cpu", cluster="cpu-local", **gqa)) is None
+    assert trainer_refusal(plan_for("zero3", gpu="h100-sxm", cluster="dgx-h100", **dict(gqa, param_dtype="bf16"))) is None
+    assert trainer_refusal(plan_for("zero3", gpu="h100-sxm", cluster="dgx-h100", model="llama-2-7b",
+                                    param_dtype="fp32")) is None
+
+
 def test_a_plan_written_before_compile_loss_keeps_its_meaning():
     """Plan files from before compile_loss existed priced the loss as compiled under compile."""
     from zplan.specs import TrainSpec

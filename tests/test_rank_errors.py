@@ -34,6 +34,16 @@ def test_classification():
     line, code, secondary = rank_errors.classify(RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:4411"))
     assert secondary and code == 1
     assert "internal error" in rank_errors.classify(KeyError("x"))[0]
+    import torch
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                 "capacity of 79.10 GiB of which 1.21 GiB is free.")
+    line, code, secondary = rank_errors.classify(oom)
+    assert (code, secondary) == (1, False) and "internal error" not in line
+    assert "ran out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in line and "--headroom" in line
+    nccl = torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:2034, remote process "
+                                              "exited or there was a network error, NCCL version 2.27.3")
+    assert rank_errors.classify(nccl)[1:] == (1, True)  # the echo of another rank's death
 
 
 def test_checkpoint_exception_is_caught_and_unwrapped():

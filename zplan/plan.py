@@ -167,6 +167,12 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
     if t.attention_kernel != "flash2":
         return (f"the trainer's attention is PyTorch's scaled_dot_product_attention (flash2), not "
                 f"{t.attention_kernel}: plan again with --attention-kernel flash2, or export the plan")
+    if plan.gpu.device != "cpu" and p.param == "fp32" and m.num_kv_heads != m.num_heads:
+        # torch's SDPA docs: GQA works only in the flash and math kernels on CUDA; flash takes
+        # fp16/bf16 alone, so fp32 falls to math, which keeps b x h x s x s fp32 scores
+        return (f"fp32 attention with grouped KV heads ({m.num_kv_heads} of {m.num_heads}) runs "
+                f"PyTorch's math kernel on CUDA (flash takes bf16/fp16 only), which keeps every "
+                f"s x s score, not the flash kernel the plan prices: plan again with --param-dtype bf16")
     if t.linear_loss == "liger" or t.fused_swiglu:
         flag = "--linear-loss liger" if t.linear_loss == "liger" else "--fused-swiglu"
         return (f"{flag} is Liger-Kernel's (Triton); the trainer runs torch ops: plan again "

@@ -39,6 +39,16 @@ from .micro_batch import micro_batch_context
 from .parallel import Parallelized, build_optimizer, replicate, shard_units, to_master_dtype
 
 
+def _initialise(model: nn.Module, init: Callable[[nn.Module], None] | None) -> None:
+    with torch.no_grad():
+        if init is not None:
+            init(model)
+        else:
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+
+
 @dataclass
 class Context:
     plan: Plan
@@ -62,22 +72,24 @@ class Context:
 
         units: the modules that each get their own all-gather (default: the model's direct
         children that hold parameters). init: called on the model after materialisation
-        (default: every submodule's reset_parameters). Its parameters are stored in the plan's
-        master dtype, as the built-in trainer's are."""
+        (default: every submodule's reset_parameters); a model built on the meta device has its
+        buffers left empty too, so an `init` must fill those it needs (rotary tables, for one).
+        Its parameters are stored in the plan's master dtype, as the built-in trainer's are.
+        Under ddp and zero1 the model is initialised before DDP wraps it, so that DDP's
+        broadcast of rank 0's weights makes the replicas equal whatever each rank's RNG."""
         to_master_dtype(model, self.plan)
         if self.plan.strategy in ("ddp", "zero1"):
+            if any(p.is_meta for p in model.parameters()):
+                model.to_empty(device=self.device)
+            else:
+                model.to(self.device)
+            _initialise(model, init)
             self._par = replicate(model, self.plan, self.device)
         else:
             groups = [[u] for u in (units if units is not None else
                                     [c for c in model.children() if any(True for _ in c.parameters())])]
             self._par = shard_units(model, groups, self.plan, self.device)
-        with torch.no_grad():
-            if init is not None:
-                init(self._par.inner)
-            else:
-                for m in self._par.inner.modules():
-                    if hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
+            _initialise(self._par.inner, init)
         return self._par.model
 
     def optimizer(self, model: nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):

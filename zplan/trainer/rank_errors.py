@@ -16,7 +16,10 @@ import time
 
 # what a rank sees when another rank died first: not the cause, reported only if nothing else is
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "connectFullMesh",
-              "Connection refused", "Timed out waiting", "DistNetworkError", "failed to recv", "failed to send")
+              "Connection refused", "Timed out waiting", "DistNetworkError", "failed to recv", "failed to send",
+              # NCCL (ProcessGroupNCCL): a peer gone, or the watchdog aborting after it
+              "remote process exited", "ncclRemoteError", "Watchdog caught collective operation timeout",
+              "communicator was aborted", "NCCL communicator aborted")
 
 
 def dcp_failures(e: BaseException) -> list[BaseException]:
@@ -50,6 +53,11 @@ def classify(e: BaseException) -> tuple[str, int, bool]:
         where = f"{e.filename}: " if e.filename else ""
         return f"{where}{e.strerror or e} (errno {e.errno}); check the path and its filesystem", 1, False
     text = f"{type(e).__name__}: {e}"
+    if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in text:
+        first = str(e).split(". GPU")[0].splitlines()[0][:200] if str(e) else "out of memory"
+        return (f"the GPU ran out of memory ({first}): plan again with more --headroom, a smaller "
+                f"--micro-batch or more --checkpointing (zplan recommend), or set "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation", 1, False)
     if any(s in text for s in _PEER_LOST):
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return f"lost contact with another rank ({first[:200]}); see that rank's error", 1, True
