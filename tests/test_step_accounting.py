@@ -89,3 +89,19 @@ def test_host_copies_take_no_sms():
 def test_without_overlap_nothing_hides_and_nothing_contends(strategy):
     r = est(strategy, model="llama-3.2-1b", gpus=16, layout="torch", overlap=False)
     assert r.timing.contention_s == 0.0
+
+
+def test_a_root_holding_the_head_runs_it_at_the_other_end():
+    """FSDP2's root holding embeddings and head (tied, or --embed-head-unit root/root-kept):
+    forward runs the embedding lookup first and the head last, backward the head first (after
+    the root's re-gather where it reshards) and the embedding's gradient last. So the first
+    block's gather has only the lookup beside it, the last block's re-gather hides behind the
+    head's backward, and root and root-kept differ by exactly the root's one re-gather."""
+    kw = dict(model="llama-3.1-8b", gpus=64, cluster="dgx-a100", gpu="a100-80gb", layout="torch")
+    root, kept = (est("zero3", embed_head_unit=e, **kw) for e in ("root", "root-kept"))
+    r0, r1, rl = root.timing.units[0], root.timing.units[1], root.timing.units[-1]
+    assert r1.forward_exposed_s == pytest.approx(r1.all_gather_s, rel=1e-12)
+    assert rl.backward_exposed_s == 0.0  # its own re-gather is in the root's, hidden by the head
+    assert r0.backward_exposed_s >= r0.all_gather_s + r0.reduce_s + r1.reduce_s - 1e-12
+    delta = root.timing.exposed_comm_s - kept.timing.exposed_comm_s
+    assert delta == pytest.approx(r0.all_gather_s, rel=1e-9)

@@ -140,31 +140,48 @@ def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[s
 
 def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
              comms: list[UnitComm], with_reduce: bool) -> list[UnitOverlap]:
-    """Exposed communication per unit for one micro-batch."""
+    """Exposed communication per unit for one micro-batch.
+
+    A held root that holds the head (tied embeddings, `embed_head_unit` root or root-kept) runs
+    its compute at the other end of the step from its place as unit 0: its embedding lookup
+    (taken as no time) first in forward, its norm + head last; in backward the head first and
+    the embedding's gradient last (FSDP2's root; memory_timeline.py orders it the same). So
+    the first block's gather has nothing to hide behind, the last block's re-gather hides behind
+    the head's backward (the root's own re-gather, where it reshards, is exposed instead), and
+    the first block's reduce-scatter is exposed beside the embedding's backward."""
     k = len(fwd)
     ov = sc.assume.overlap and sc.train.prefetch
+    root_head = sc.units[0].held and k > 1
+    gather = [c.all_gather_s + c.h2d_s for c in comms]
+    red = [c.reduce_s if with_reduce else 0.0 for c in comms]
     out = []
     for i in range(k):
         c = comms[i]
-        ag = c.all_gather_s + c.h2d_s
+        ag = gather[i]
         # forward: my gather runs beside the previous unit's forward (the first has nothing)
-        if ov and i > 0:
-            f_exp = max(0.0, ag - fwd[i - 1])
-        else:
-            f_exp = ag
+        before = 0.0 if (root_head and i == 1) else (fwd[i - 1] if i > 0 else 0.0)
+        f_exp = max(0.0, ag - before) if (ov and i > 0) else ag
         # backward (reverse order): beside my backward run the gather of unit i-1 and the
         # reduce-scatter of unit i+1; the last reduce-scatter (unit 0) has nothing to hide behind
         nxt = comms[i - 1] if i > 0 else None
-        bg = (nxt.all_gather_s + nxt.h2d_s) if (nxt and nxt.gathers_in_backward) else 0.0
-        br = comms[i + 1].reduce_s if (with_reduce and i + 1 < k) else 0.0
-        busy = bg + br
-        b_exp = max(0.0, busy - bwd[i]) if ov else busy
-        if i == 0 and with_reduce:
-            b_exp += c.reduce_s
-        if i == k - 1 and c.gathers_in_backward:  # backward begins by re-gathering the last unit
-            b_exp += ag
-        out.append(UnitOverlap(c.name, fwd[i], bwd[i], ag, c.reduce_s if with_reduce else 0.0,
-                               f_exp, b_exp, f_exp <= 1e-12, b_exp <= 1e-12))
+        bg = gather[i - 1] if (nxt and nxt.gathers_in_backward and not (root_head and i == 1)) else 0.0
+        if root_head and i == 0:
+            # beside the head's backward: the last block's re-gather; beside the embedding's
+            # (no time): the first block's reduce-scatter
+            last = comms[k - 1]
+            hide = gather[k - 1] if last.gathers_in_backward else 0.0
+            b_exp = (max(0.0, hide - bwd[0]) if ov else hide) + red[1] + red[0]
+            if c.gathers_in_backward:  # the root is gathered again before the head's backward
+                b_exp += ag
+        else:
+            busy = bg + (red[i + 1] if i + 1 < k else 0.0)
+            b_exp = max(0.0, busy - bwd[i]) if ov else busy
+            if i == 0:
+                b_exp += red[0]
+            if i == k - 1 and c.gathers_in_backward and not root_head:
+                b_exp += ag  # backward begins by re-gathering the last unit
+        out.append(UnitOverlap(c.name, fwd[i], bwd[i], ag, red[i], f_exp, b_exp,
+                               f_exp <= 1e-12, b_exp <= 1e-12))
     return out
 
 
