@@ -105,3 +105,12 @@ def test_a_root_holding_the_head_runs_it_at_the_other_end():
     assert r0.backward_exposed_s >= r0.all_gather_s + r0.reduce_s + r1.reduce_s - 1e-12
     delta = root.timing.exposed_comm_s - kept.timing.exposed_comm_s
     assert delta == pytest.approx(r0.all_gather_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("strategy", ["offload-opt", "offload-all"])
+@pytest.mark.parametrize("efficiency", [None, 0.5])
+def test_an_offloaded_optimizer_costs_the_gpu_nothing(strategy, efficiency):
+    """The CPU runs the step (offload_s); with --efficiency the GPU's share was still charged."""
+    kw = {} if efficiency is None else {"efficiency": efficiency}
+    r = est(strategy, model="llama-3.2-1b", gpus=8, layout="zero", **kw)
+    assert r.timing.optimizer_s == 0.0 and r.timing.offload_s > 0

@@ -186,6 +186,8 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
 
 
 def _optimizer_s(sc: Scenario, st: Strategy, mem: Memory) -> float:
+    if st.offload_optimizer:  # the CPU runs the step: offload_s
+        return 0.0
     if not uses_kernel_model(sc):
         # memory-bound: reads and writes every byte of the local state once
         local = mem.params_bytes + mem.grads_bytes + mem.master_bytes + mem.optimizer_bytes
