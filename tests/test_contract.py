@@ -271,3 +271,18 @@ def test_recommend_then_launch_keeps_the_plans_promises(run_zplan, tmp_path, str
     assert m["elements_per_step"] == pred["elements_per_step"]
     assert m["bytes_per_step"] == pred["bytes_per_step"]
     assert m["peak_memory_bytes"] == pytest.approx(pred["peak_memory_bytes"], rel=0.10)
+
+
+def test_a_ranks_rows_are_the_full_initial_values_rows():
+    """init_rows draws block by block from per-block seeds: any row range, however it falls
+    across blocks, equals those rows of the whole tensor, so a shard drawn alone is the full
+    initialisation's shard at every world size."""
+    torch = pytest.importorskip("torch")
+    from zplan.trainer.model import INIT_BLOCK_ROWS, full_init, init_rows
+
+    shape = torch.Size((3 * INIT_BLOCK_ROWS + 17, 5))
+    full = full_init("layers.0.attention.wq.weight", shape, 7, 4)
+    for a, b in ((0, shape[0]), (1, 2), (INIT_BLOCK_ROWS - 3, 2 * INIT_BLOCK_ROWS + 4), (shape[0] - 1, shape[0])):
+        assert torch.equal(init_rows("layers.0.attention.wq.weight", shape, 7, 4, a, b), full[a:b])
+    assert full.std().item() == pytest.approx(0.02, rel=0.05)  # INIT_STD, blocks alike
+    assert not torch.equal(full[:INIT_BLOCK_ROWS], full[INIT_BLOCK_ROWS:2 * INIT_BLOCK_ROWS])

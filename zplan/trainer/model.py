@@ -150,35 +150,59 @@ def param_seed(name: str, seed: int) -> int:
     return (zlib.crc32(name.encode()) + 1_000_003 * seed) % 2**63
 
 
-def full_init(name: str, shape: torch.Size, seed: int, num_layers: int) -> torch.Tensor:
-    """The full initial value of one parameter, from its name alone (fp32, CPU)."""
+INIT_BLOCK_ROWS = 256  # rows drawn from one seed: a rank makes only the blocks of its own rows
+
+
+def init_rows(name: str, shape: torch.Size, seed: int, num_layers: int, start: int = 0,
+              stop: int | None = None) -> torch.Tensor:
+    """Rows [start, stop) of one parameter's initial value (fp32, CPU), from its name alone:
+    drawn INIT_BLOCK_ROWS rows at a time, each block from a seed of its own, so that a rank
+    draws only the blocks that hold its shard's rows (a 70B model's ranks each drew every
+    parameter whole, minutes on one core) and the value is the same at every world size."""
+    stop = shape[0] if stop is None else stop
+    rows = (stop - start,) + tuple(shape[1:])
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(rows)
     if name.endswith(".bias"):
-        return torch.zeros(shape)
-    g = torch.Generator().manual_seed(param_seed(name, seed))
+        return torch.zeros(rows)
     std = INIT_STD
     if name.endswith(("wo.weight", "w2.weight")):
         std = INIT_STD / math.sqrt(2 * num_layers)  # GPT-2's scaled residual projections
-    return torch.empty(shape).normal_(0.0, std, generator=g)
+    out = torch.empty(rows)
+    first, last = start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)
+    for b in range(first, last):
+        lo, hi = b * INIT_BLOCK_ROWS, min((b + 1) * INIT_BLOCK_ROWS, shape[0])
+        g = torch.Generator().manual_seed(param_seed(f"{name}#{b}", seed))
+        block = torch.empty((hi - lo,) + tuple(shape[1:])).normal_(0.0, std, generator=g)
+        a, z = max(lo, start), min(hi, stop)
+        out[a - start:z - start] = block[a - lo:z - lo]
+    return out
 
 
-def local_slice(full: torch.Tensor, param) -> torch.Tensor:
-    """This rank's piece of `full` for a DTensor parameter (Shard(0) / Replicate placements)."""
+def full_init(name: str, shape: torch.Size, seed: int, num_layers: int) -> torch.Tensor:
+    """The full initial value of one parameter, from its name alone (fp32, CPU)."""
+    return init_rows(name, shape, seed, num_layers)
+
+
+def local_rows(param) -> tuple[int, int]:
+    """The rows of the full parameter this rank holds: FSDP2 shards dim 0 (Shard(0), padded
+    chunks of ceil(rows / n)); Replicate keeps them all; a plain tensor is whole."""
     from torch.distributed.tensor import DTensor
 
+    rows = param.shape[0] if param.dim() else 1
     if not isinstance(param, DTensor):
-        return full
-    out = full
+        return 0, rows
+    start, stop = 0, rows
     coord = param.device_mesh.get_coordinate()
     for mesh_dim, placement in enumerate(param.placements):
         if placement.is_shard():
-            dim = placement.dim
+            if placement.dim != 0:
+                raise ValueError(f"parameter sharded on dim {placement.dim}: the trainer shards dim 0")
             n = param.device_mesh.size(mesh_dim)
-            chunk = -(-out.shape[dim] // n)
-            start = min(coord[mesh_dim] * chunk, out.shape[dim])
-            out = out.narrow(dim, start, max(0, min(chunk, out.shape[dim] - start)))
-    return out
+            chunk = -(-(stop - start) // n)
+            lo = min(start + coord[mesh_dim] * chunk, stop)
+            start, stop = lo, min(lo + chunk, stop)
+    return start, stop
 
 
 # Name components that wrappers insert (torch's checkpoint_wrapper, DDP, torch.compile): not
@@ -193,10 +217,14 @@ def canonical_name(name: str) -> str:
 
 @torch.no_grad()
 def init_weights_(model: nn.Module, seed: int = 0) -> None:
-    """Materialise every parameter from its plain name: one full tensor at a time, local piece kept."""
+    """Materialise every parameter from its plain name: each rank draws the rows it holds
+    (init_rows), the same values at any world size and strategy."""
     layers = getattr(model, "spec", None).num_layers if hasattr(model, "spec") else 1
     for name, p in model.named_parameters():
-        full = full_init(canonical_name(name), p.shape, seed, layers)
-        piece = local_slice(full, p)
         local = p.to_local() if hasattr(p, "to_local") else p
-        local.copy_(piece.to(local.dtype))
+        if p.dim() == 0:
+            local.copy_(full_init(canonical_name(name), p.shape, seed, layers).to(local.dtype))
+            continue
+        start, stop = local_rows(p)
+        piece = init_rows(canonical_name(name), p.shape, seed, layers, start, stop)
+        local[: stop - start].copy_(piece.to(local.dtype))  # FSDP2 pads the last shard
