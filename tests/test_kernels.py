@@ -480,3 +480,14 @@ def test_trainers_rope_before_the_transpose_equals_rope_after_it():
     for n in (heads, kv):
         x = torch.randn(b, s, n, d)
         assert torch.equal(apply_rope(x, cos, sin).transpose(1, 2), after(x.transpose(1, 2)))
+
+
+def test_fp32_attention_is_not_priced_at_bf16_tensor_core_rates():
+    """PyTorch's flash kernel takes bf16/fp16 only: fp32 attention runs the memory-efficient
+    kernel on CUDA cores, priced at the same fraction of the fp32 peak (H100: 67 of 989)."""
+    from zplan import presets
+
+    gpu = presets.gpu("h100-sxm")
+    bf = K.attention(gpu, 4096, 4096, 4096, False, "flash2", 128, "bf16")
+    fp = K.attention(gpu, 4096, 4096, 4096, False, "flash2", 128, "fp32")
+    assert fp.seconds / bf.seconds == pytest.approx(989.4 / 67, rel=1e-6)

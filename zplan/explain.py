@@ -129,7 +129,7 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
     else:
         k = hw.gpu.kernels
         if t.flash_attention:
-            a_f, a_b = K.attention_rates(hw.gpu, t.attention_kernel, m.head_dim)
+            a_f, a_b = K.attention_rates(hw.gpu, t.attention_kernel, m.head_dim, t.precision.param)
             attn = (f"attention ({t.attention_kernel}) {a_f / 1e12:,.0f}/{a_b / 1e12:,.0f} TFLOP/s "
                     f"fwd/bwd x s/(s+{k.attention_half_seq:g})")
         else:

@@ -133,25 +133,29 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
     return -(-head_dim // 32) * 32
 
 
-def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128) -> tuple[float, float]:
+def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
+                    dtype: str = "bf16") -> tuple[float, float]:
     """Counted FLOP/s (forward, backward) of the flash kernel at long sequences: the preset's
     FlashAttention-2 rates x the kernel's speed relative to it x head_dim / the padded head
     dimension (the padding is computed, not counted; FlashAttention-3 compiles head dims 64, 96,
-    128, 192 and 256 and runs a smaller one on the next)."""
+    128, 192 and 256 and runs a smaller one on the next). The rates are bf16/fp16 tensor-core
+    figures; fp32 attention runs PyTorch's memory-efficient kernel on CUDA (flash takes bf16/fp16
+    only), priced as the same fraction of the fp32 peak (gemm_rate's rule; an assumption)."""
     k = gpu.kernels
     assert k is not None
     pad = head_dim / padded_head_dim(head_dim, kernel)
     f, b = ATTENTION_KERNEL_SPEED[kernel]
-    return k.attention_forward_flops * f * pad, k.attention_backward_flops * b * pad
+    scale = gpu.flops(dtype) / gpu.flops("bf16") if dtype not in ("bf16", "fp16", "fp8") else 1.0
+    return (k.attention_forward_flops * f * pad * scale, k.attention_backward_flops * b * pad * scale)
 
 
 def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
-              kernel: str = "flash2", head_dim: int = 128) -> Op:
+              kernel: str = "flash2", head_dim: int = 128, dtype: str = "bf16") -> Op:
     k = gpu.kernels
     assert k is not None
     fwd = attention_flop(seq, hidden, tokens)
     flop = int(2.5 * fwd) if backward else fwd
-    rate = attention_rates(gpu, kernel, head_dim)[1 if backward else 0]
+    rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
     rate *= seq / (seq + k.attention_half_seq)
     t = max(flop / rate, k.kernel_floor_s)
     return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t)

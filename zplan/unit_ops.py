@@ -65,7 +65,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
         ops += K.linear(gpu, "router", T, m.num_experts, h, act, act, backward)
     if with_attention:
         if t.flash_attention:
-            ops.append(K.attention(gpu, s, h, T, backward, t.attention_kernel, m.head_dim))
+            ops.append(K.attention(gpu, s, h, T, backward, t.attention_kernel, m.head_dim, act))
         else:
             heads = m.num_heads * t.micro_batch
             for _ in range(2 if backward else 1):
