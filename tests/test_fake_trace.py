@@ -110,3 +110,17 @@ def test_another_torchs_internals_fall_back_to_the_trackers_own_hooks(tmp_path, 
     path.write_text(SMALL)
     fake_trace.fake_cell(str(path), 16, 512, 1, "none", "zero3")
     assert len(calls) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,checkpointing", [("llama-3.2-1b", "none"), ("llama-3.2-1b", "full")])
+def test_accumulation_finds_every_sharded_gradient_from_the_second_micro_batch(model, checkpointing):
+    """Two micro-batches, each reducing: from the second on every sharded gradient exists through
+    forward and the loss too (FSDP2 adds the reduce-scatter output into it). FSDPMemTracker under
+    FakeTensorMode is the oracle; the planner counted them in backward alone (Llama 3.1 8B at 16
+    ranks: -4.6% at seq 4096, -8.0% at 8192 with full checkpointing). Llama 3.2 1B ties its
+    embeddings: the root's events ("gather again", the head's backward) carry them as well."""
+    from zplan.trainer.fake_trace import fake_cell
+
+    cell = fake_cell(model, 8, 2048, 1, checkpointing, "zero3", grad_accum=2)
+    assert abs(cell.error) < 0.005 and cell.predicted_phase == cell.traced_phase, cell

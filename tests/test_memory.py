@@ -10,7 +10,7 @@ import pytest
 
 from zplan import activation_memory, allocator, arch
 from zplan.errors import UsageError
-from zplan.memory import model_state, timeline
+from zplan.memory import memory, model_state, timeline
 from zplan.memory_timeline import KINDS, Event, peak
 from zplan.scenario_options import ScenarioOptions, build
 from zplan.specs import Assumptions, ModelSpec, Precision, TrainSpec
@@ -38,18 +38,38 @@ def test_model_state_fsdp2_is_16_bytes_per_param_over_n():
 
 @pytest.mark.parametrize("strategy", ["zero3", "zero2"])
 def test_deepspeed_optimizer_offload_keeps_no_gradient_shard_on_the_gpu(strategy):
-    """DeepSpeed under offload_optimizer: ZeRO-3 allocates grad_partitions_flat_buffer on the CPU
-    (stage3.py, self.device); ZeRO-1/2's copy_grads_in_partition returns before allocating
-    grads_in_partition (stage_1_and_2.py). Only the bf16 weight shard stays; the gradient shard is
-    host memory. Without offload the bf16 gradient shard is on the GPU."""
+    """DeepSpeed under offload_optimizer: ZeRO-1/2's copy_grads_in_partition returns before
+    allocating grads_in_partition and an fp32 gradient partition waits on the host
+    (stage_1_and_2.py initialize_optimizer_states); ZeRO-3 allocates its 16-bit
+    grad_partitions_flat_buffer on the CPU (stage3.py, self.device) and an fp32 gradient buffer
+    per subgroup beside it (initialize_optimizer_states). Only the bf16 weight shard stays on
+    the GPU. Without offload the bf16 gradient shard is on the GPU. FSDP2 (torch layout) copies
+    the reduced gradient out in the parameters' fp32 (_fsdp_collectives.py _to_dtype_if_needed)."""
     sc = _sc(layout="zero")
     psi = arch.param_count(sc.model)
     off = model_state(sc, effective("offload-opt", "zero"))
     assert (off.params_bytes, off.grads_bytes, off.master_bytes, off.optimizer_bytes) == (2 * psi // 8, 0, 0, 0)
-    reduce_b = {"fp32": 4, "bf16": 2}[sc.train.precision.reduce]
-    assert off.host_bytes == (4 + 8 + reduce_b) * psi // 8  # fp32 master, Adam m and v, gradients
+    # ZeRO-3: fp32 master, Adam m and v, fp32 and 16-bit gradients; offload-all: + the weights
+    assert off.host_bytes == (4 + 8 + 4 + 2) * psi // 8
+    all3 = model_state(sc, effective("offload-all", "zero"))
+    assert all3.host_bytes == pytest.approx((4 + 8 + 4 + 2 + 2) * psi / 8, rel=1e-3)
+    fsdp = model_state(_sc(layout="torch", reduce_dtype="bf16"), effective("offload-all", "torch"))
+    assert fsdp.host_bytes == pytest.approx((4 + 8 + 4) * psi / 8, rel=1e-3)  # fp32 weights, m, v, grads
     on = model_state(sc, effective(strategy, "zero"))
     assert on.grads_bytes == 2 * psi // 8
+
+
+def test_deepspeed_zero1_keeps_only_its_gradient_partition_at_one_micro_batch():
+    """DeepSpeed's ZeRO-1 with overlap_comm (the export writes it) reduces at the accumulation
+    boundary from backward's hooks, moving each gradient into the reduce bucket and freeing it
+    after (stage_1_and_2.py reduce_ready_partitions_and_remove_grads): with one micro-batch per
+    step only its partition stays, as under ZeRO-2; accumulating, or without overlap_comm (no
+    hooks for stage 1: reduce_gradients after backward), the gradients are held whole."""
+    psi = arch.param_count(_sc().model)
+    z1 = lambda **kw: model_state(_sc(layout="zero", **kw), effective("zero1", "zero")).grads_bytes  # noqa: E731
+    z2 = model_state(_sc(layout="zero"), effective("zero2", "zero")).grads_bytes
+    assert z1() == z2 == pytest.approx(2 * psi / 8, rel=1e-3)
+    assert z1(grad_accum=2) == z1(overlap=False) == 2 * psi
 
 
 LLAMA31_8B_PARAMS = 8_030_261_248  # the safetensors total of meta-llama/Llama-3.1-8B (HF model card)
@@ -590,3 +610,32 @@ def test_composite_norm_saves_against_pytorch_memtracker(impl):
     kept = after - before - y.numel() * y.element_size() - 4 * rows  # less the output and fp32 rstd
     t = TrainSpec(fused_norm=False, norm_output_fp32=impl == "functional")
     assert kept == activation_memory.norm_saved_per_token(t, 2) * rows * dim
+
+
+def test_accumulated_gradients_are_reported_once():
+    """Skipping the reduce, the accumulated gradients are live in the unsharded-gradient kind at
+    every event; they are reported as accum_grad_bytes alone, not inside reduce_buffer_bytes too
+    (the components summed to 32 GB more than the allocated peak at 8B)."""
+    sc = _sc(grad_accum=4, reduce_last_only=True, gpus="16")
+    m = memory(sc, effective("zero3", "torch"))
+    assert m.accum_grad_bytes == 4 * arch.param_count(sc.model)  # fp32 (the reduce dtype)
+    parts = m.params_bytes + m.gather_buffer_bytes + m.reduce_buffer_bytes + m.accum_grad_bytes + m.activation_bytes
+    assert parts <= m.allocated_bytes
+    assert m.reduce_buffer_bytes < m.accum_grad_bytes
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_deepspeed_step_makes_an_fp32_gradient_partition(strategy):
+    """DeepSpeed's step turns the 16-bit gradient partition into fp32 through a flat copy:
+    `flatten(averaged_gradients).to(fp32)` (stage_1_and_2.py step; stage3.py
+    _prepare_fp32_grad_for_sub_group, a sub-group of at most 1e9 elements at a time): 2 + 4 bytes
+    per local element alive at the optimizer step (FusedAdam itself works in place)."""
+    sc = _sc(layout="zero", checkpointing="full", seq_len=2048)
+    psi = arch.param_count(sc.model)
+    step = next(e for e in timeline(sc, effective(strategy, "zero")) if e.phase == "optimizer")
+    local = psi / 8  # 1.004e9 on each of 8 GPUs: ZeRO-3 takes a sub-group of 1e9 at a time
+    expected = 6 * (10**9 if strategy == "zero3" else local)
+    assert step.live.get("activations", 0) == pytest.approx(expected, rel=1e-3)
+    if strategy == "zero3":  # step() begins with _partition_all_parameters: nothing gathered
+        back = [e for e in timeline(sc, effective(strategy, "zero")) if e.phase == "backward"]
+        assert step.live.get("gathered", 0) == 0 < min(e.live.get("gathered", 0) for e in back)

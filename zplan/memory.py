@@ -137,7 +137,13 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
         opt_elems = zero1_torch_max_rank(sc) if st.name == "zero1" else flat(st.optim_sharded)
     else:
         params_b = nbytes(flat(st.params_sharded), p.param)
-        grads_b = nbytes(flat(st.grads_sharded), p.param)
+        # ZeRO-1 with overlap_comm (the export writes it from the overlap assumption) moves each
+        # gradient into the reduce bucket as backward makes it, at the accumulation boundary,
+        # and keeps only its partition (stage_1_and_2.py reduce_ready_partitions_and_remove_grads
+        # -> reduce_independent_p_g_buckets_and_remove_grads): as ZeRO-2 when every micro-batch
+        # is a boundary; with accumulation the earlier micro-batches hold them whole
+        boundary_only = st.name == "zero1" and t.grad_accum == 1 and sc.assume.overlap
+        grads_b = nbytes(flat(st.grads_sharded or boundary_only), p.param)
         master_b = 0 if p.master == p.param else nbytes(flat(st.optim_sharded), p.master)
         opt_elems = flat(st.optim_sharded)
     opt_b = optimizer_state_bytes(opt_elems, t.optimizer, p.optimizer)
@@ -147,11 +153,18 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
     pad_b = 0 if (torch and st.name == "zero1") else sharded_b * (shard * D - psi) // (shard * D)
     host = 0
     if st.offload_optimizer:
-        # the gradient shard lives on the host too: FSDP2's CPUOffloadPolicy, and DeepSpeed's
-        # ZeRO-3 (stage3.py: grad_partitions_flat_buffer on self.device, the CPU under
-        # offload_optimizer) and ZeRO-1/2 (stage_1_and_2.py copy_grads_in_partition returns
-        # before allocating grads_in_partition under cpu_offload)
-        host += master_b + opt_b + nbytes(shard, p.reduce)
+        # the gradient shard lives on the host too: FSDP2's CPUOffloadPolicy copies the reduced
+        # gradient out in the parameters' own dtype (_fsdp_collectives.py: _to_dtype_if_needed(
+        # reduce_output, orig_dtype)); DeepSpeed's ZeRO-1/2 keeps an fp32 gradient partition on
+        # the host (stage_1_and_2.py initialize_optimizer_states: single_partition_of_fp32_groups
+        # [i].grad; copy_grads_in_partition returns before allocating grads_in_partition under
+        # cpu_offload), ZeRO-3 both its 16-bit grad_partitions_flat_buffer on self.device (the
+        # CPU under offload_optimizer) and an fp32 gradient buffer per subgroup (stage3.py
+        # initialize_optimizer_states: subgroup_gradient_buffer), v0.16.6
+        grads_host = nbytes(shard, p.master)
+        if not torch and st.params_sharded:
+            grads_host += nbytes(shard, p.param)
+        host += master_b + opt_b + grads_host
         master_b = opt_b = grads_b = 0
     if st.offload_params:
         host += params_b
@@ -183,6 +196,18 @@ def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
     return 0
 
 
+def deepspeed_step_temp_bytes(local_elems: int, params_sharded: bool, p) -> int:
+    """DeepSpeed ZeRO-1/2/3's optimizer step makes its fp32 gradient partition from the 16-bit
+    one: `flatten(averaged_gradients).to(fp32)`, both alive for a moment (stage_1_and_2.py step;
+    stage3.py _prepare_fp32_grad_for_sub_group, one sub-group of at most sub_group_size
+    elements at a time, default 1e9: config.py), the fp32 one through the update (FusedAdam
+    works in place). With 16-bit master weights `.to` returns the flat copy itself."""
+    from .deepspeed import SUB_GROUP_ELEMS
+
+    chunk = min(local_elems, SUB_GROUP_ELEMS) if params_sharded else local_elems
+    return nbytes(chunk, p.param) + (nbytes(chunk, p.master) if p.master != p.param else 0)
+
+
 def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[Event]:
     """The step's events with their live bytes (memory_timeline), for one strategy."""
     sc = sc.for_strategy(st.fsdp)
@@ -196,6 +221,8 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     if not st.offload_optimizer:
         steps = optimizer_tensor_sizes(sc, D if st.optim_sharded else 1, zero1=st.name == "zero1")
         opt_temp = mt.optimizer_temp_bytes(max(steps, default=0), sum(steps), t, t.layout)
+        if t.layout == "zero" and st.optim_sharded:
+            opt_temp = deepspeed_step_temp_bytes(sum(steps), st.params_sharded, p)
     shards = ms.unit_shards
     padded = [x * D for x in shards]  # Scenario.padded_elems
     if t.layout == "torch" and st.fsdp:
@@ -209,8 +236,12 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
             [x * grad_store for x in shards],
             st.reshard_after_forward, accum_b, opt_temp)
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
+    # DeepSpeed ZeRO-3 releases every gathered parameter at the end of backward
+    # (PartitionedParameterCoordinator.release_and_reset_all): none is gathered at the step
+    released = t.layout == "zero" and st.params_sharded and st.reshard_after_forward
     return setup_events(sc, st) + mt.replicated_events(
-        sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp, compiled_graphs(sc, st))
+        sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp, compiled_graphs(sc, st),
+        step_gathered_b=0 if released else None)
 
 
 def setup_events(sc: Scenario, st: Strategy) -> list[Event]:
@@ -345,6 +376,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     reserved = allocator.reserved_bytes(events, sc.assume)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
+    accum = accum_grad_bytes(sc, st)
     return Memory(
         params_bytes=ms.params_bytes,
         grads_bytes=ms.grads_bytes,
@@ -353,8 +385,10 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         model_state_bytes=ms.total_bytes,
         padding_bytes=ms.padding_bytes,
         gather_buffer_bytes=live.get("gathered", 0) + live.get("all_gather", 0),
-        reduce_buffer_bytes=live.get("unsharded_grads", 0) + live.get("reduce_scatter", 0),
-        accum_grad_bytes=accum_grad_bytes(sc, st),
+        # the accumulated gradients sit in the unsharded_grads kind: reported once, on their own
+        reduce_buffer_bytes=(live.get("unsharded_grads", 0) - min(accum, live.get("unsharded_grads", 0))
+                             + live.get("reduce_scatter", 0)),
+        accum_grad_bytes=accum,
         activation_bytes=live.get("activations", 0),
         overhead_bytes=sc.assume.cuda_context_bytes + reserved - allocated,
         allocated_bytes=allocated,

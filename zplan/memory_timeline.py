@@ -165,6 +165,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     # sharded gradient allocated (the reduce-scatter output is added into it)
     later = sc.train.grad_accum > 1 and not accum_b
     grads_at = (lambda k: grads_upto[n]) if later else (lambda k: grads_upto[n] - grads_upto[k])  # noqa: E731
+    all_grads = grads_upto[n] if later else 0  # through forward and the loss, too
     ev: list[Event] = []
     for i in ends:
         # copy-out of this unit's all-gather into its unsharded parameters (the held root's too,
@@ -174,7 +175,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         act = saved_upto[i + 1]
         if i == n - 1 and not root_head:
             act += logits_b  # the head's output
-        ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b,
+        ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b, grads=all_grads,
                       gathered=held_b + kept + moving[i],
                       all_gather=max(gathered[i] if held[i] else moving[i], nxt(i)),
                       unsharded_grads=accum_b, activations=act))
@@ -202,7 +203,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     in_place = accum_b and p.reduce == p.param
     hold = (acts.linear_loss["kept"] if linear else first_grad[head]) if root_head and not in_place else 0
     for phase in ("forward", "backward"):
-        ev.append(_ev("loss", f"loss {phase}", state=state_b, gathered=at_loss, unsharded_grads=accum_b,
+        ev.append(_ev("loss", f"loss {phase}", state=state_b, grads=all_grads, gathered=at_loss,
+                      unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
                       + acts.linear_loss[phase]))
     if root_head and not linear:
@@ -210,12 +212,12 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         loss_grad = saved_upto[n] + logits_ref + logits_b  # the logits and their gradient
         if reshard and not kept_at_loss[head]:
             # the root's pre-backward (a hook on its output) gathers it again: copy-out
-            ev.append(_ev("backward", f"gather {root} again", state=state_b, gathered=held_b,
+            ev.append(_ev("backward", f"gather {root} again", state=state_b, grads=all_grads, gathered=held_b,
                           all_gather=gathered[head], unsharded_grads=accum_b, activations=loss_grad))
         # the head's backward inside the root, before the last block's: its input gradient and
         # its new weight gradient; FSDP2's implicit backward prefetch has the last block's
         # all-gather out (the root is not in the trainer's explicit prefetch chain)
-        ev.append(_ev("backward", f"backward head (in {root})", state=state_b,
+        ev.append(_ev("backward", f"backward head (in {root})", state=state_b, grads=all_grads,
                       gathered=held_b + (0 if reshard else moving_upto[n]),
                       all_gather=moving[n - 1] if prefetch and reshard else 0,
                       unsharded_grads=accum_b + first_grad[head],
@@ -253,9 +255,12 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
 
 
 def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: int,
-                      reduce_b: int, opt_temp_b: int, compiled: CompiledGraphs | None = None) -> list[Event]:
+                      reduce_b: int, opt_temp_b: int, compiled: CompiledGraphs | None = None,
+                      step_gathered_b: int | None = None) -> list[Event]:
     """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
-    static): gradients and buffers held throughout; activations follow the step.
+    static): gradients and buffers held throughout; activations follow the step. At the
+    optimizer step the gathered weights are `step_gathered_b` (default: the static buffer):
+    DeepSpeed ZeRO-3 has released its live window at the end of backward.
 
     Compiled backward graphs hold the new gradients they make until they return: a unit's
     backward holds those of the later units of its graph (at most `cap_bytes`), and the graph's
@@ -295,7 +300,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                           activations=saved_upto[j] + logits_ref + sum(end_temp[g.start:g.stop])
                           + (acts.stream_bytes if j else 0),  # and its input's gradient
                           **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])}))
-    ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **kw))
+    step_kw = kw if step_gathered_b is None else {**kw, "gathered": step_gathered_b}
+    ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **step_kw))
     return ev
 
 

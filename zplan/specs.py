@@ -433,6 +433,12 @@ class TrainSpec(Spec):
                              "DeepSpeed (the zero layout) gathers module by module")
         if not self.logits_kept and self.linear_loss != "none":
             raise ValueError(f"logits_kept false: linear_loss {self.linear_loss} never makes the logits whole")
+        if self.layout == "zero" and not self.reduce_every_microbatch:
+            # engine.py no_sync asserts not zero_optimization_partition_gradients(); stages 0-1
+            # reduce at the accumulation boundary anyway
+            raise ValueError("reduce_every_microbatch false: DeepSpeed decides (ZeRO-2/3 reduce every "
+                             "micro-batch, its no_sync refuses them; stages 0-1 reduce once per step "
+                             "anyway): drop --reduce-last-only for the zero layout")
         if self.layout == "torch" and self.deepspeed_defaults:
             raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:

@@ -108,7 +108,7 @@ class FakeCell:
 
 def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
               strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
-              logits_kept: bool = True) -> FakeCell:
+              logits_kept: bool = True, grad_accum: int = 1) -> FakeCell:
     """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
     composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it."""
     import time
@@ -124,13 +124,14 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
                          seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
                          checkpointing=checkpointing, optimizer_kernels="single",
                          linear_loss=linear_loss, embed_head_unit=embed_head_unit,
-                         logits_kept=logits_kept))
+                         logits_kept=logits_kept, grad_accum=grad_accum))
     r = estimate_one(sc, strategy)
     if r.memory is None:
         raise UsageError(f"{strategy}: {r.unavailable}")
     t0 = time.perf_counter()
-    peak = trace_peak(make_plan(sc, strategy, world * micro_batch, r))
+    peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r))
     phase = peak.pop("phase")
-    return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch} {checkpointing} {strategy}",
+    accum = f" A={grad_accum}" if grad_accum > 1 else ""
+    return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch}{accum} {checkpointing} {strategy}",
                     r.memory.allocated_bytes, peak["Total"], r.memory.peak_phase, phase or "-",
                     peak, time.perf_counter() - t0)
