@@ -54,11 +54,12 @@ def test_issue_datum_full_nodes_use_every_nic():
 
 
 def test_small_message_is_latency_bound_with_ncclS_ll_constants():
-    """1 KiB all-gather on 8 NVLink GPUs: LL protocol, 6.6 + 7 x 0.6 us (tuning.cc)."""
+    """1 KiB all-gather on 8 NVLink GPUs: LL protocol, 6.6 + 7 x 0.6 us, at half the ring's
+    bandwidth capped by llMaxBw, 141 GB/s for Hopper in one node (tuning.cc)."""
     c = presets.cluster("dgx-h100")
     t = collective_time(c, "all_gather", 1024, 8, 8)
     assert t.protocol == "LL"
-    wire = 1024 * 7 / 8 / (0.5 * 370e9)
+    wire = 1024 * 7 / 8 / min(0.5 * 370e9, 141e9)
     assert t.seconds == pytest.approx(6.6e-6 + 7 * 0.6e-6 + wire, rel=1e-9)
 
 
@@ -137,12 +138,14 @@ def test_explain_hsdp_with_a_shard_group_of_one_gathers_nothing(run_zplan):
 
 def test_tree_all_reduce_across_many_nodes():
     """1024 GPUs, 128 nodes: a ring all-reduce pays 2(n-1) steps (~9.7 ms of latency); NCCL's
-    tree pays 8.4 + 2(7 x 4 + 7 x 14) us. At 2 nodes and 4 GB the ring's bandwidth wins."""
+    tree pays 8.4 + 2(7 x 4 + 7 x 14) us, at 0.46 busbw times NCCL's medium-size correction
+    (tuning.cc treeCorrectionFactor[Simple][log2(64 MiB / 64) = 20] = 0.8). At 2 nodes and 4 GB
+    the ring's bandwidth wins."""
     c = presets.cluster("dgx-h100")
     S = 64 << 20
     t = collective_time(c, "all_reduce", S, 1024, 8)
     assert t.algorithm == "tree"
-    assert t.seconds == pytest.approx(8.4e-6 + 2 * (7 * 4e-6 + 7 * 14e-6) + S / (0.46 * 292e9), rel=1e-9)
+    assert t.seconds == pytest.approx(8.4e-6 + 2 * (7 * 4e-6 + 7 * 14e-6) + S / (0.46 * 0.8 * 292e9), rel=1e-9)
     ring_latency = 8.4e-6 + (2 * 1023 - 254) * 3.4e-6 + 254 * 14e-6
     assert t.seconds < ring_latency
     assert collective_time(c, "all_reduce", 4 << 30, 16, 8).algorithm == "ring"
@@ -157,3 +160,27 @@ def test_nvls_runs_where_it_is_fastest_and_small_all_reduces_run_the_ring():
     big = collective_time(c, "all_reduce", 1 << 30, 8, 8)
     assert big.algorithm == "nvls"
     assert big.seconds == pytest.approx(65e-6 + 2 * (1 << 30) * 7 / 8 / 479e9, rel=1e-9)
+
+
+def test_ll_never_runs_at_network_bandwidth():
+    """tuning.cc: ring LL busBw = min(llMaxBw, busBw x .5); across more than two nodes of Intel
+    hosts llMaxBw is 20.4 GB/s, so a 25 MiB reduce-scatter over 64 H100s runs Simple (it ran LL
+    at 146 GB/s); inside one node the cap is the GPU generation's (Hopper 141 GB/s)."""
+    c = presets.cluster("dgx-h100")
+    t = collective_time(c, "reduce_scatter", 25 << 20, 64, 8)
+    assert t.protocol == "Simple"
+    simple = 8.4e-6 + 56 * 3.4e-6 + 7 * 14e-6 + (25 << 20) * 63 / 64 / 292e9
+    assert t.seconds == pytest.approx(simple, rel=1e-9)
+    a100 = presets.cluster("dgx-a100")  # AMD EPYC hosts: 22.5 GB/s at two nodes
+    assert a100.ll_max_busbw_bytes_per_s == (87.7e9, 22.5e9, 19.0e9)
+
+
+@pytest.mark.parametrize("n,world,expected", [(8, 64, 8), (4, 64, 4), (16, 64, 8), (6, 48, 2),
+                                              (12, 48, 4), (12, 12, 4), (6, 6, 6), (64, 64, 8)])
+def test_groups_straddling_nodes_are_priced_at_their_smallest_slice(n, world, expected):
+    """Consecutive groups of n ranks tiling the world on 8-GPU nodes: six-rank groups put 2 GPUs
+    of one group in a node and 4 in the next (ranks 6-11), so a ring has 2 GPUs' NICs there; a
+    job within one node is one node's group."""
+    from zplan.nccl import contiguous_shape
+
+    assert contiguous_shape(n, 8, world) == expected

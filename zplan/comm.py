@@ -145,7 +145,7 @@ def _shapes(sc: Scenario, st: Strategy) -> tuple[int, int, int, int]:
     gpn = sc.hw.cluster.gpus_per_node
     D = sc.shard_degree(st.hsdp)
     R = sc.n // D if st.hsdp else 1
-    return D, contiguous_shape(D, gpn), R, strided_shape(R, D, gpn)
+    return D, contiguous_shape(D, gpn, sc.n), R, strided_shape(R, D, gpn)
 
 
 def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
@@ -223,7 +223,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     t, p, psi, N = sc.train, sc.train.precision, sc.params, sc.n
     A = t.grad_accum
     gpn = sc.hw.cluster.gpus_per_node
-    g_world = contiguous_shape(N, gpn)
+    g_world = contiguous_shape(N, gpn, N)
     rs_calls = A if t.reduce_every_microbatch else 1
     out: list[Collective] = []
     if t.optimizer == "muon" and policy.optimizer_splits_matrices(st, t.layout) and N > 1:

@@ -168,7 +168,7 @@ def _nccl_lines(sc: Scenario, st, D: int) -> list[str]:
     n = D if st.fsdp else sc.n
     if n <= 1:  # HSDP with --shard-size 1: each rank holds whole weights, nothing is gathered
         return ["shard group of 1 rank: no all-gather (the weights are replicated, as under DDP)"]
-    g = nccl.contiguous_shape(n, c.gpus_per_node)
+    g = nccl.contiguous_shape(n, c.gpus_per_node, sc.n)
     size = max(sc.padded_elems(u, n) for u in sc.units) if st.fsdp else sc.params
     b = nbytes(size, sc.train.precision.param)
     ct = nccl.collective_time(c, "all_gather", b, n, g)

@@ -8,8 +8,10 @@ from the cluster preset) in place of NCCL's internal estimates:
 - ring, Simple protocol: latency = baseLat + (steps - inter)·intraLat + inter·interLat, with
   steps = n-1 for all-gather/reduce-scatter and 2(n-1) for all-reduce, inter = the steps that
   cross nodes (nodes-1, or 2(nodes-1)); time = latency + S·(n-1)/(n·busbw) (x2 for all-reduce).
-- ring, LL protocol: NCCL's LL latencies, half the bandwidth (tuning.cc: busBw * .5); it wins
-  for small messages only.
+- ring, LL protocol: NCCL's LL latencies, half the bandwidth and at most NCCL's llMaxBw for the
+  group (tuning.cc: busBw = min(llMaxBw, busBw * .5); the cluster preset's
+  ll_max_busbw_bytes_per_s: by GPU generation in one node, by host CPU across nodes, 20-39 GB/s
+  there); it wins for small messages only.
 - NVLS (NVLink SHARP) for all-reduce inside an NVSwitch node where the preset gives its busbw,
   with 65 µs per call: tuning.cc's hwLat[NVLINK][NVLS][Simple] is 25 µs, but the measured
   NVLS curve (nccl-tests all_reduce_perf on 8 H200, Azure ND H200 v5, NCCL 2.20.5) reaches half
@@ -17,7 +19,9 @@ from the cluster preset) in place of NCCL's internal estimates:
   8 GiB (25 µs puts 16 MiB 42% fast). Below that the ring's LL protocol is faster and NCCL's
   tuner runs it: the fastest of NVLS and the ring is taken.
 - tree for all-reduce across nodes: latency base + 2((g-1)·4 µs + ⌊log2 nodes⌋·α_net), algbw
-  0.46 busbw (tree busBw x .92, x .5): it wins at many nodes, where a ring's 2(n-1) steps cost.
+  0.46 busbw (tree busBw x .92, x .5) times NCCL's correction for medium sizes (tuning.cc
+  treeCorrectionFactor[Simple], 0.5-0.9 from 64 B to 256 MiB: "trees are not perfectly sticking
+  to the model for medium sizes"): it wins at many nodes, where a ring's 2(n-1) steps cost.
 
 The bus bandwidth of a group depends on its shape: inside one node, the NVLink figure; across
 nodes, each node's share of the ring goes through the NICs of the group's GPUs in that node,
@@ -41,6 +45,9 @@ _NET_OVERHEAD_S = 1.0e-6  # getNetOverhead (x86 Intel); a ring spanning nodes pa
 _NVLS_LATENCY_S = 65e-6  # the measured NVLS curve (module docstring); tuning.cc says 25 µs
 _TREE_STEP_S = 4.0e-6  # hwLatencies[NVLINK or PCI][TREE][SIMPLE]
 _TREE_BW = 0.92 * 0.5  # tuning.cc: tree all-reduce busBw * .92; algbw = busBw * .5
+# tuning.cc treeCorrectionFactor[NCCL_PROTO_SIMPLE], indexed by log2(bytes / 64) below 23
+_TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7,
+                    .8, .9, .9)
 
 
 @dataclass(frozen=True)
@@ -110,13 +117,18 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
         best = nvls
     if c.link in _LL_STEP_S:
         intra = _LL_STEP_S[c.link] if nodes == 1 else max(_LL_STEP_S[c.link], _NET_OVERHEAD_S)
-        ll = _LL_BASE_S + (steps - inter) * intra + inter * _LL_NET_STEP_S + wire / (0.5 * bw)
+        ll_bw = 0.5 * bw
+        if c.ll_max_busbw_bytes_per_s is not None:
+            ll_bw = min(ll_bw, c.ll_max_busbw_bytes_per_s[min(nodes, 3) - 1])
+        ll = _LL_BASE_S + (steps - inter) * intra + inter * _LL_NET_STEP_S + wire / ll_bw
         if ll < best.seconds:
             best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
         if op == "all_reduce" and nodes > 1:  # double binary tree: log-depth latency
             lat = c.base_latency_s + 2 * ((per_node - 1) * _TREE_STEP_S
                                           + math.floor(math.log2(nodes)) * c.inter_node_latency_s)
-            tree = lat + nbytes / (_TREE_BW * bw)
+            log_size = int(math.log2(max(1, nbytes >> 6)))
+            corr = _TREE_CORRECTION[log_size] if log_size < len(_TREE_CORRECTION) else 1.0
+            tree = lat + nbytes / (_TREE_BW * corr * bw)
             if tree < best.seconds:
                 best = CollectiveTime(tree, "tree", "Simple", bw, nodes, per_node)
     return best
@@ -128,9 +140,17 @@ def busbw_at(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> flo
     return _factor(op) * nbytes * (n - 1) / (n * t) if t > 0 else 0.0
 
 
-def contiguous_shape(n: int, gpus_per_node: int) -> int:
-    """GPUs per node of a group of n consecutive ranks (a shard group, the world)."""
-    return min(n, gpus_per_node)
+def contiguous_shape(n: int, gpus_per_node: int, world: int | None = None) -> int:
+    """GPUs per node of the narrowest group of n consecutive ranks among those tiling `world`
+    ranks (a shard group; the world itself): whole nodes or slices of one where n and the node
+    divide evenly; otherwise some group straddles a node boundary, and its smallest slice,
+    gcd(n, gpus_per_node) GPUs, is all the NICs its ring has there (six-rank groups on 8-GPU
+    nodes: a group with 2 GPUs in one node and 4 in the next). A world within one node is one
+    node's group."""
+    world = n if world is None else world
+    if world <= gpus_per_node:
+        return min(n, gpus_per_node)
+    return math.gcd(n, gpus_per_node)
 
 
 def strided_shape(n: int, stride: int, gpus_per_node: int) -> int:

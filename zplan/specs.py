@@ -198,6 +198,10 @@ class ClusterSpec(Spec):
     base_latency_s: float = Field(0.0, ge=0, le=1, description="per call (NCCL's baseLat)")
     link: Literal["nvlink", "pcie", "loopback"] = Field(
         "nvlink", description="intra-node link type: selects NCCL's LL latencies")
+    ll_max_busbw_bytes_per_s: Annotated[tuple[float, float, float] | None,
+                                        PlainSerializer(lambda v: None if v is None else list(v))] = Field(
+        None, description="NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws): "
+        "one node (by GPU generation), two nodes, more (by the host CPU's vendor); None: uncapped")
     nccl_tests: Annotated[tuple[NcclTestFigure, ...],
                           PlainSerializer(lambda v: [f.model_dump() for f in v])] = ()
     host_ram_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES, description="per node")
