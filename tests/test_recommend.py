@@ -195,3 +195,47 @@ def test_scaling_series_memory_falls_with_n():
     s = scaling_series(scenario(model="llama-3.1-8b", gpus=8))
     z3 = [p[1] for p in s["zero3"]]
     assert z3 == sorted(z3, reverse=True) and len(z3) >= 7
+
+
+def test_one_micro_batch_per_step_is_tried_on_its_own():
+    """Skipping the reduce until the last micro-batch (--reduce-last-only) holds accumulated
+    gradients only when there is accumulation: micro-batch 2 x 1 can fit where 1 x 2 does not,
+    so memory does not grow with the micro-batch across accumulation 1, and a bisection that
+    assumed it did stopped at micro-batch 1 and chose an offload plan 5.8x slower."""
+    from zplan.estimate import estimate_one
+
+    kw = dict(model="llama-2-13b", gpus=8, seq_len=2048, reduce_last_only=True, layout="torch")
+    r = rec(16, **kw)
+    two, one = (estimate_one(scenario(micro_batch=b, grad_accum=a, **kw), "zero3") for b, a in ((2, 1), (1, 2)))
+    usable = 0.9 * 85_520_809_984  # h100-sxm less recommend's 10% headroom
+    assert two.memory.total_bytes <= usable < one.memory.total_bytes  # the accumulated gradients
+    assert r.winner.family == "zero3" and (r.winner.sc.train.micro_batch, r.winner.sc.train.grad_accum) == (2, 1)
+    assert "zero3" not in r.rejected
+
+
+def test_memory_objective_reaches_the_smallest_configuration():
+    """The least memory: micro-batch 1, full checkpointing, no prefetch, offload-all; at most what
+    estimate gives for exactly that configuration."""
+    from zplan.estimate import estimate_one
+
+    r = search(scenario(model="llama-3.1-8b", gpus=16), 128, objective="memory")
+    least = estimate_one(scenario(model="llama-3.1-8b", gpus=16, micro_batch=1, grad_accum=8,
+                                  checkpointing="full", prefetch=False), "offload-all")
+    assert r.winner.total_bytes <= least.memory.total_bytes
+
+
+def test_a_given_shard_size_is_kept_and_odd_ones_are_not_searched():
+    """--shard-size 4 plans HSDP at 4 (it was overridden by the search's own sizes); without it
+    the search takes the sizes that tile nodes (2, 4, 8 on 8-GPU nodes; not 3 or 6, whose groups
+    straddle nodes)."""
+    kept = search(scenario(model="llama-3.1-8b", gpus=16, shard_size=4), 128, families=["hsdp"])
+    assert {c.sc.hsdp_shard for c in kept.ranked} == {4}
+    free = search(scenario(model="llama-3.1-8b", gpus=48), 384, families=["hsdp"])
+    assert {c.sc.hsdp_shard for c in free.ranked} <= {2, 4, 8}
+
+
+def test_strategies_deepspeed_cannot_run_are_one_line(run_zplan):
+    p = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "16", "--for", "deepspeed",
+                  "--deepspeed-defaults", "--strategy", "hsdp")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 2, p.stderr  # a 'using' line, the error
+    assert "hsdp needs stage-3 settings" in p.stderr and "internal error" not in p.stderr

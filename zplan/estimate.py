@@ -198,13 +198,21 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     return "; ".join(hints) or "no change zplan tried makes it fit"
 
 
-def smallest_n(sc: Scenario, train, include_current: bool = False) -> int | None:
+def smallest_n(sc: Scenario, train, include_current: bool = False,
+               usable_fraction: float = 1.0) -> int | None:
     """The smallest power-of-two multiple of N (N itself with `include_current`, for a `train`
-    that differs from the scenario's) at which zero3 fits, up to 2^20 GPUs."""
+    that differs from the scenario's) at which zero3 fits, up to 2^20 GPUs; within
+    `usable_fraction` of GPU memory (recommend's headroom) where given."""
     n = sc.n if include_current else 2 * sc.n
     while n <= 2**20:
         hw = sc.hw.model_copy(update={"num_gpus": n})
-        if fits(replace(sc, hw=hw, train=train), "zero3"):
+        at = replace(sc, hw=hw, train=train)
+        if usable_fraction >= 1.0:
+            if fits(at, "zero3"):
+                return n
+        elif not unavailable_reason(at, "zero3") and (
+                memory(at, effective("zero3", at.train.layout)).total_bytes
+                <= usable_fraction * at.hw.gpu.memory_bytes):
             return n
         n *= 2
     return None

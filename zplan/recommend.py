@@ -1,8 +1,10 @@
 """The search: every configuration, ranked by predicted step time for the same global batch.
 
-A candidate is a strategy (HSDP once per shard size that divides N and fits a node) x activation
-checkpointing x micro-batch (the largest that fits, and the next smaller) x gradient accumulation
-(to reach the global batch) x blocks per unit x prefetch. It is feasible when it fits GPU memory
+A candidate is a strategy (HSDP once per shard size that divides both N and a node, or the one
+--shard-size gives) x activation checkpointing x micro-batch (the largest that fits, and the
+next smaller; one micro-batch per step is tried on its own, as accumulation changes what is
+held; `--objective memory`: the smallest, without prefetch) x gradient accumulation (to reach
+the global batch) x blocks per unit x prefetch. It is feasible when it fits GPU memory
 less the headroom and, with offload, the node's host RAM. Memory is checked first; only feasible
 candidates are timed.
 """
@@ -127,10 +129,15 @@ def _fits_memory(sc: Scenario, family: str, usable: int) -> bool:
 
 
 def _variants(base: Scenario, family: str) -> list[Scenario]:
+    """HSDP once per shard size: the one --shard-size gives, else each that divides both N
+    and a node (groups tiling nodes evenly; one straddling a node boundary is priced at its
+    narrowest slice, nccl.contiguous_shape, and is planned with --shard-size)."""
     if family != "hsdp":
         return [base]
+    if base.shard_size is not None:
+        return [base]
     gpn, n = base.hw.cluster.gpus_per_node, base.n
-    sizes = [s for s in range(2, min(gpn, n) + 1) if n % s == 0 and s < n]
+    sizes = [s for s in range(2, min(gpn, n) + 1) if n % s == 0 and gpn % s == 0 and s < n]
     return [replace(base, shard_size=s) for s in sizes]
 
 
@@ -152,13 +159,14 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
     evaluated = 0
     L = base.model.num_layers
     for family in families:
-        why = unavailable_reason(base, family) if family != "hsdp" else None
+        variants = _variants(base, family)
+        why = unavailable_reason(variants[0], family) if variants else None
         if why:
             rejected[family] = why
             unavailable.add(family)
             continue
         found = []
-        for sc0 in _variants(base, family):
+        for sc0 in variants:
             usable = _usable(sc0, headroom)
             for ckpt in CHECKPOINTING:
                 if base.train.te_float8 and ckpt in TE_FLOAT8_UNMODELLED:
@@ -174,8 +182,24 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                             "grad_accum": per_gpu // mb, "prefetch": prefetch}))
 
                     mbs = _micro_batches(per_gpu)
-                    start, probes = _largest_fitting(
-                        mbs, lambda mb: _fits_memory(at(mb, False), family, usable))
+                    if objective == "memory":  # the least memory: smallest micro-batch, no prefetch
+                        sc = at(mbs[-1], False)
+                        evaluated += 1
+                        if _fits_memory(sc, family, usable):
+                            found.append(Candidate(family, sc, estimate_one(sc, family), usable))
+                        continue
+                    # one micro-batch per step (no accumulation) holds no accumulated gradients
+                    # (--reduce-last-only) and, under DeepSpeed's ZeRO-1, no whole gradients: it
+                    # may fit where a smaller micro-batch with accumulation does not, so it is
+                    # tried on its own; memory grows with the micro-batch among the others
+                    one = 1 if (mbs and mbs[0] == per_gpu) else 0
+                    evaluated += one
+                    if one and _fits_memory(at(mbs[0], False), family, usable):
+                        start, probes = 0, 0
+                    else:
+                        rest, probes = _largest_fitting(
+                            mbs[one:], lambda mb: _fits_memory(at(mb, False), family, usable))
+                        start = one + rest
                     evaluated += probes
                     for mb in mbs[start:]:
                         for prefetch in (True, False):
@@ -190,7 +214,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         if found:
             feasible += found
         else:
-            rejected[family] = _why_not(base, family, headroom)
+            rejected[family] = _why_not(base, family, headroom, per_gpu)
     if not feasible:
         if set(rejected) == unavailable:  # every family asked for cannot run at all: not a fit
             name, why = next(iter(rejected.items()))
@@ -216,12 +240,14 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
 SETUP_PEAK = "deepspeed.initialize moves the whole model to each GPU before ZeRO-3 partitions it"
 
 
-def _why_not(base: Scenario, family: str, headroom: float) -> str:
-    """The exact reason no configuration of this family fits: the smallest one, explained."""
+def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1) -> str:
+    """The exact reason no configuration of this family fits: the smallest one the search
+    tried (micro-batch 1, accumulating to the per-GPU batch), explained."""
     variants = _variants(base, family)
     if not variants:
-        return f"no shard size in 2..{min(base.hw.cluster.gpus_per_node, base.n)} divides {base.n} GPUs below N"
-    tr = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1, "grad_accum": 1,
+        return (f"no shard size in 2..{min(base.hw.cluster.gpus_per_node, base.n)} divides both "
+                f"{base.n} GPUs and a node below N (--shard-size plans another)")
+    tr = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1, "grad_accum": per_gpu,
                                        "blocks_per_unit": 1, "prefetch": False})
     best = None
     for v in variants:
@@ -262,6 +288,7 @@ def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
         "compute (recomputation, smaller micro-batches)": a.compute_s - b.compute_s,
         "optimizer step": a.optimizer_s - b.optimizer_s,
         "offload (CPU optimizer and PCIe)": a.offload_s - b.offload_s,
+        "contention (NCCL kernels holding SMs beside compute)": a.contention_s - b.contention_s,
     }
     what, d = max(deltas.items(), key=lambda kv: kv[1])
     pct = (c.step_s / w.step_s - 1) * 100
@@ -289,12 +316,13 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
 
     hints = []
     full = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1})
-    n = smallest_n(base, full)
+    n = smallest_n(base, full, usable_fraction=1 - headroom)
     if n is not None:
         hints.append(f"--gpus {n} (zero3, full checkpointing, micro-batch 1)")
     if base.train.layout == "zero" and not base.train.zero_init:
         hints.append("--zero-init (the model built under deepspeed.zero.Init)")
     if (base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw"
+            and base.train.layout == "torch"  # DeepSpeed's config names no 8-bit Adam (export)
             and not any(SETUP_PEAK in r for r in rejected.values())):  # 8-bit Adam cannot help there
         hints.append("--optimizer adam8bit")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")

@@ -115,8 +115,14 @@ def _launch_note(plan, written: str) -> str:
     from ..plan import trainer_refusal
 
     if plan.train.layout == "zero":
+        from ..errors import UsageError
+        from ..export import deepspeed_config
         from ..strategies import effective
 
+        try:
+            deepspeed_config(plan)
+        except UsageError as e:  # what export would refuse, said now
+            return f"zplan export --to deepspeed cannot write it: {e}"
         note = f"zplan export --plan {written} --to deepspeed turns it into DeepSpeed's config"
         if effective(plan.strategy, "zero").params_sharded and plan.train.zero_init:
             note += ("; it assumes your script builds the model under deepspeed.zero.Init (HF "
@@ -135,10 +141,15 @@ def _launch_note(plan, written: str) -> str:
 def _json(rec, plan, top: int) -> dict:
     from ..estimate import SCHEMA_VERSION
 
+    from ..plan import NO_RESHARD
+
     def cand(c, rank):
         d = c.result.as_dict()
-        d.update(rank=rank, family=c.family, label=c.label(), hsdp_shard_size=c.sc.hsdp_shard,
-                 train=c.sc.train.model_dump(), usable_bytes=c.usable_bytes)
+        # the train fields as the plan file records them (make_plan)
+        train = c.sc.train.model_copy(update={"reshard_after_forward": c.family not in NO_RESHARD})
+        d.update(rank=rank, family=c.family, label=c.label(),
+                 hsdp_shard_size=c.sc.hsdp_shard if c.family == "hsdp" else None,
+                 train=train.model_dump(), usable_bytes=c.usable_bytes)
         return d
 
     return {
