@@ -239,3 +239,20 @@ def test_strategies_deepspeed_cannot_run_are_one_line(run_zplan):
                   "--deepspeed-defaults", "--strategy", "hsdp")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 2, p.stderr  # a 'using' line, the error
     assert "hsdp needs stage-3 settings" in p.stderr and "internal error" not in p.stderr
+
+
+def test_every_k_is_searched_at_more_than_one_k_and_labelled_with_it():
+    """One block in four checkpointed recomputes half of what one in two does; where the memory
+    allows it wins (8B on 16 A100-40GB, one sequence per GPU: every-4 is faster than every-2 and
+    fits, by estimate's own figures), and the label says which k."""
+    from zplan.estimate import estimate_one
+
+    kw = dict(model="llama-3.1-8b", gpus=16, gpu="a100-40gb", cluster="dgx-a100", layout="torch")
+    r = search(scenario(**kw), 16)
+    every = {c.sc.train.checkpoint_every for c in r.ranked if c.sc.train.checkpointing == "every-k"}
+    assert every >= {2, 4}
+    two, four = (estimate_one(scenario(checkpointing="every-k", checkpoint_every=k, **kw), "zero3") for k in (2, 4))
+    assert four.memory.total_bytes < 0.9 * 42_949_672_960 and four.timing.step_s < 0.97 * two.timing.step_s
+    assert r.winner.step_s <= four.timing.step_s * (1 + 1e-9)  # every-2 (1.22 s) cannot be the answer
+    labels = [c.label() for c in r.ranked if c.sc.train.checkpointing == "every-k"]
+    assert labels and all("ckpt=every-2" in x or "ckpt=every-4" in x for x in labels)

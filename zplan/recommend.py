@@ -26,6 +26,7 @@ from .strategies import STRATEGIES, effective
 from .units import fmt_bytes, fmt_s
 
 CHECKPOINTING = ("none", "selective", "every-k", "full")
+EVERY_K = (2, 4)  # every-k's k values the search tries (and the scenario's own)
 BLOCKS_PER_UNIT = (1, 2, 4)
 SIMPLICITY = {n: i for i, n in enumerate(STRATEGIES)}
 TIE = 0.03  # within the model's resolution, a simpler strategy within 3% of the fastest wins
@@ -50,7 +51,8 @@ class Candidate:
     def label(self) -> str:
         t = self.sc.train
         parts = [self.family if self.family != "hsdp" else f"hsdp(S={self.sc.hsdp_shard})",
-                 f"mb={t.micro_batch}", f"accum={t.grad_accum}", f"ckpt={t.checkpointing}"]
+                 f"mb={t.micro_batch}", f"accum={t.grad_accum}",
+                 f"ckpt={t.checkpointing if t.checkpointing != 'every-k' else f'every-{t.checkpoint_every}'}"]
         if t.blocks_per_unit > 1:
             parts.append(f"blocks/unit={t.blocks_per_unit}")
         if not t.prefetch:
@@ -116,6 +118,14 @@ def _largest_fitting(mbs: tuple[int, ...], fits) -> tuple[int, int]:
     return lo, probes
 
 
+def _checkpointing(base: Scenario, num_layers: int) -> list[tuple[str, int]]:
+    """The checkpointing modes searched, every-k at k = 2 and 4 (one block in two, in four) and
+    at the scenario's own k; k above the block count is every block's, full's."""
+    own = base.train.checkpoint_every
+    ks = sorted({k for k in (*EVERY_K, own) if k <= num_layers})
+    return [(c, own) for c in CHECKPOINTING if c != "every-k"] + [("every-k", k) for k in ks]
+
+
 def _usable(sc: Scenario, headroom: float) -> int:
     return int(sc.hw.gpu.memory_bytes * (1 - headroom))
 
@@ -168,7 +178,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         found = []
         for sc0 in variants:
             usable = _usable(sc0, headroom)
-            for ckpt in CHECKPOINTING:
+            for ckpt, every in _checkpointing(base, L):
                 if base.train.te_float8 and ckpt in TE_FLOAT8_UNMODELLED:
                     continue  # TransformerEngine's saves under these modes are not modelled
                 for bpu in BLOCKS_PER_UNIT:
@@ -178,8 +188,8 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
 
                     def at(mb: int, prefetch: bool) -> Scenario:
                         return replace(sc0, train=base.train.model_copy(update={
-                            "checkpointing": ckpt, "blocks_per_unit": bpu, "micro_batch": mb,
-                            "grad_accum": per_gpu // mb, "prefetch": prefetch}))
+                            "checkpointing": ckpt, "checkpoint_every": every, "blocks_per_unit": bpu,
+                            "micro_batch": mb, "grad_accum": per_gpu // mb, "prefetch": prefetch}))
 
                     mbs = _micro_batches(per_gpu)
                     if objective == "memory":  # the least memory: smallest micro-batch, no prefetch
