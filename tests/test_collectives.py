@@ -184,3 +184,13 @@ def test_groups_straddling_nodes_are_priced_at_their_smallest_slice(n, world, ex
     from zplan.nccl import contiguous_shape
 
     assert contiguous_shape(n, 8, world) == expected
+
+
+@pytest.mark.parametrize("n,world,nodes", [(6, 48, 2), (12, 48, 2), (12, 12, 2), (20, 20, 3), (16, 64, 2)])
+def test_a_straddling_group_spans_the_nodes_it_really_does(n, world, nodes):
+    """Its narrowest slice bounds the NICs, but it spans ranks 6-11 = 2 nodes, not 6 / 2 = 3:
+    the node count sets the LL cap's row, the network steps and the tree's depth."""
+    from zplan.nccl import contiguous_shape
+
+    c = presets.cluster("dgx-h100")
+    assert collective_time(c, "all_gather", 1 << 20, n, contiguous_shape(n, 8, world)).nodes == nodes

@@ -50,3 +50,13 @@ def test_fit_hints_name_the_smallest_gpu_count(opts):
     assert m, hints
     n, train = int(m.group(1)), full if m.group(2) else sc.train
     assert at(n, train) and (n // 2 == sc.n or not at(n // 2, train)), hints
+
+
+def test_fit_hint_counts_n_itself_when_the_strategies_left_zero3_out():
+    """--strategy ddp on 16 A100-40GB: nothing fits, but zero3 fits at 16 already; the hint said 32."""
+    from zplan.estimate import estimate, fit_hints
+
+    sc = build(ScenarioOptions(model="llama-3.1-8b", gpus="16", gpu="a100-40gb", cluster="dgx-a100"))
+    assert fits(sc, "zero3") and not fits(sc, "ddp")
+    hints = fit_hints(sc, estimate(sc, ["ddp"]))
+    assert "zero3 fits on --gpus 32" not in hints and "zero3 fits on these GPUs (--strategy zero3)" in hints

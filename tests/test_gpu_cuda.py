@@ -171,3 +171,27 @@ def test_cuda_chunked_loss_holds_what_the_planner_counts():
     assert abs(peak - planned) <= 8 * 512, (peak, planned)
     ref = F.cross_entropy(x.detach().float() @ w.detach().float().t(), y)
     assert float(loss) == pytest.approx(float(ref), rel=2e-3)
+
+
+def test_the_progress_bar_reads_losses_without_waiting_for_the_gpu():
+    """The bar's loss is copied to pinned host memory behind an event and read once the event
+    has passed: under set_sync_debug_mode no synchronising call, and the value arrives."""
+    import warnings
+
+    from zplan.trainer.loop import _ready_loss
+
+    torch.cuda.set_device(0)
+    big = torch.randn(4096, 4096, device="cuda")
+    on_the_way: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(3):
+                loss = (big @ big).mean()  # work queued before the copy
+                _ready_loss(loss, on_the_way)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert not [w for w in caught if "synchroniz" in str(w.message)]
+    torch.cuda.synchronize()
+    assert _ready_loss(torch.zeros((), device="cuda") + 1.5, on_the_way) is not None

@@ -256,3 +256,12 @@ def test_every_k_is_searched_at_more_than_one_k_and_labelled_with_it():
     assert r.winner.step_s <= four.timing.step_s * (1 + 1e-9)  # every-2 (1.22 s) cannot be the answer
     labels = [c.label() for c in r.ranked if c.sc.train.checkpointing == "every-k"]
     assert labels and all("ckpt=every-2" in x or "ckpt=every-4" in x for x in labels)
+
+
+def test_memory_objective_tries_one_micro_batch_per_step_too():
+    """Under --reduce-last-only micro-batch 1 with accumulation holds the accumulated gradients:
+    the least memory may be micro-batch 2 without accumulation, which the throughput search
+    finds; the memory objective must not call the family infeasible."""
+    kw = dict(model="llama-2-13b", gpus=8, seq_len=2048, reduce_last_only=True, layout="torch")
+    r = search(scenario(**kw), 16, objective="memory", families=["zero3"])
+    assert (r.winner.sc.train.micro_batch, r.winner.sc.train.grad_accum) == (2, 1)

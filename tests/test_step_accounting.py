@@ -114,3 +114,14 @@ def test_an_offloaded_optimizer_costs_the_gpu_nothing(strategy, efficiency):
     kw = {} if efficiency is None else {"efficiency": efficiency}
     r = est(strategy, model="llama-3.2-1b", gpus=8, layout="zero", **kw)
     assert r.timing.optimizer_s == 0.0 and r.timing.offload_s > 0
+
+
+def test_deepspeeds_last_bucket_is_the_embedding_alone():
+    """DeepSpeed's IPG bucket closes before the parameter that would overflow it, and a gradient
+    larger than the bucket is reduced on its own (stage_1_and_2.py): backward's end waits for
+    the embedding's gradient alone, where DDP's last bucket also holds what came before it."""
+    sc = scenario(model="llama-3.2-1b", gpus=16, layout="zero")
+    r = est("zero2", model="llama-3.2-1b", gpus=16, layout="zero")
+    (red,) = _reductions(r)
+    alone = call_seconds(sc, red.op, nbytes(EMBED_ELEMS, red.dtype), red.group_size, sc.hw.cluster.gpus_per_node)
+    assert red.last_bucket_s == pytest.approx(alone, rel=1e-12)

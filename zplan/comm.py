@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, fields
 
 from . import policy
+from .deepspeed import reduces_after_backward
 from .nccl import collective_time, contiguous_shape, strided_shape
 from .scenario import Scenario
 from .strategies import Strategy
@@ -96,34 +97,36 @@ def bucketed_seconds(sc: Scenario, op: str, total_bytes: int, n: int, per_node: 
 DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (c10d reducer.hpp kDefaultFirstBucketBytes)
 
 
-def gradient_buckets(sc: Scenario, grad_b: int, cap_bytes: int, first_cap_bytes: int | None = None) -> list[int]:
+def gradient_buckets(sc: Scenario, grad_b: int, cap_bytes: int, first_cap_bytes: int | None = None,
+                     close_before_overflow: bool = False) -> list[int]:
     """The gradient bytes of each bucket as backward fills them, last layer first: parameters in
-    reverse order, a bucket closing once it holds at least its cap (DDP's Reducer and
-    DDPOptimizer's graphs, whose first bucket's cap is 1 MiB: torch/_dynamo/backends/
-    distributed.py; DeepSpeed's IPG bucket, stage_1_and_2.py reduce_independent_p_g_buckets_and_
-    remove_grads, closes before the parameter that would overflow it: a parameter apart). The
-    last holds the embedding's gradient: backward's end waits for it."""
+    reverse order. DDP's Reducer (and DDPOptimizer's graphs) closes a bucket once it holds at
+    least its cap, the first's 1 MiB (torch/_dynamo/backends/distributed.py); DeepSpeed's IPG
+    bucket (`close_before_overflow`) closes before the parameter that would overflow it
+    (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads), so a parameter larger
+    than the cap goes alone. The last holds the embedding's gradient: backward's end waits for it."""
     first = cap_bytes if first_cap_bytes is None else first_cap_bytes
     out, cur, cap = [], 0, first
     for u in reversed(sc.units):
         for shape in reversed(u.shapes):
-            if cur >= cap:
+            size = math.prod(shape) * grad_b
+            if cur and (cur >= cap or (close_before_overflow and cur + size > cap)):
                 out.append(cur)
                 cur, cap = 0, max(cap_bytes, first)
-            cur += math.prod(shape) * grad_b
+            cur += size
     return out + [cur] if cur else out
 
 
 def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0,
-          first_bucket_bytes=None) -> Collective:
+          first_bucket_bytes=None, deepspeed=False) -> Collective:
     """One collective; a gradient reduction in buckets (bucket_bytes > 0) also times its final
-    bucket (gradient_buckets), which nothing hides."""
+    bucket (gradient_buckets, DeepSpeed's rule where `deepspeed`), which nothing hides."""
     scope = "intra-node" if group <= per_node else "inter-node"
     total = nbytes(elements, dtype)
     t = bucketed_seconds(sc, op, total, group, per_node, bucket_bytes)
     last = 0.0
     if bucket_bytes > 0 and op in ("all_reduce", "reduce_scatter"):
-        final = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes)[-1]
+        final = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed)[-1]
         last = call_seconds(sc, op, min(final, total), group, per_node)
     return Collective(name, op, elements, dtype, group, scope, calls, t, last)
 
@@ -238,7 +241,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             # torch layout (DDP with autocast): the parameters are stored in the master dtype, so
             # DDP's gradient buckets and ZeroRedundancyOptimizer's broadcasts are in that dtype
             store = p.master if torch else p.param
-            if torch:
+            if not reduces_after_backward(st.name, t.layout):
                 out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.master, N,
                                  g_world, rs_calls, ddp_bucket, DDP_FIRST_BUCKET_BYTES))
             else:  # DeepSpeed stage 0: once per step, after backward, in its fallback buffers
@@ -263,7 +266,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             rs_bucket = nbytes(REDUCE_BUCKET_ELEMS, p.reduce)
             ag_bucket = nbytes(ALLGATHER_BUCKET_ELEMS, p.param)
         out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", padded, p.reduce,
-                         N, g_world, grad_calls, rs_bucket))
+                         N, g_world, grad_calls, rs_bucket, deepspeed=True))
         out.append(_coll(sc, "all-gather (updated weights)", "all_gather", padded, p.param, N,
                          g_world, 1, ag_bucket))
         return out

@@ -88,19 +88,22 @@ def estimate_one(sc: Scenario, name: str) -> StrategyEstimate:
                             host_fits)
 
 
-def _fits(sc: Scenario, mem: Memory) -> tuple[bool, bool | None]:
-    """Whether `mem` fits one GPU and the host (None: nothing on the host), and the host part."""
+def _fits(sc: Scenario, mem: Memory, usable_bytes: int | None = None) -> tuple[bool, bool | None]:
+    """Whether `mem` fits one GPU (or `usable_bytes` of it: recommend's headroom) and the host
+    (None: nothing on the host), and the host part."""
     host_fits = None
     if mem.host_bytes_per_node:
         host_fits = mem.host_bytes_per_node <= sc.hw.cluster.host_ram_bytes
-    return mem.total_bytes <= sc.hw.gpu.memory_bytes and host_fits is not False, host_fits
+    cap = sc.hw.gpu.memory_bytes if usable_bytes is None else usable_bytes
+    return mem.total_bytes <= cap and host_fits is not False, host_fits
 
 
-def fits(sc: Scenario, name: str) -> bool:
-    """estimate_one(sc, name).fits from the memory model alone: no traffic, no timing."""
+def fits(sc: Scenario, name: str, usable_bytes: int | None = None) -> bool:
+    """estimate_one(sc, name).fits from the memory model alone: no traffic, no timing; within
+    `usable_bytes` of GPU memory where given. The one fit test of estimate and recommend."""
     if unavailable_reason(sc, name):
         return False
-    return _fits(sc, memory(sc, effective(name, sc.train.layout)))[0]
+    return _fits(sc, memory(sc, effective(name, sc.train.layout)), usable_bytes)[0]
 
 
 def estimate(sc: Scenario, names: list[str] | None = None) -> list[StrategyEstimate]:
@@ -185,11 +188,15 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
         fits(replace(sc, train=full), r.name) for r in results if r.memory)
     if ckpt_fits:
         hints.append("--checkpointing full makes it fit")
+    searched = {r.name for r in results}  # --strategy may have left zero3 out at N itself
     for train, extra in ((sc.train, ""), (full, " --checkpointing full")):
-        n = smallest_n(sc, train, include_current=bool(extra))
+        n = smallest_n(sc, train, include_current=bool(extra) or "zero3" not in searched)
         if n is not None:
-            if n != sc.n:  # at N itself "--checkpointing full makes it fit" said it already
+            if n != sc.n:
                 hints.append(f"zero3 fits on --gpus {n}{extra}")
+            elif not extra:  # --strategy left it out
+                hints.append("zero3 fits on these GPUs (--strategy zero3)")
+            # at N with full checkpointing "--checkpointing full makes it fit" said it already
             break
     if sc.train.micro_batch > 1:
         tr = sc.train.model_copy(update={"micro_batch": 1})
@@ -206,13 +213,7 @@ def smallest_n(sc: Scenario, train, include_current: bool = False,
     n = sc.n if include_current else 2 * sc.n
     while n <= 2**20:
         hw = sc.hw.model_copy(update={"num_gpus": n})
-        at = replace(sc, hw=hw, train=train)
-        if usable_fraction >= 1.0:
-            if fits(at, "zero3"):
-                return n
-        elif not unavailable_reason(at, "zero3") and (
-                memory(at, effective("zero3", at.train.layout)).total_bytes
-                <= usable_fraction * at.hw.gpu.memory_bytes):
+        if fits(replace(sc, hw=hw, train=train), "zero3", int(usable_fraction * hw.gpu.memory_bytes)):
             return n
         n *= 2
     return None

@@ -81,9 +81,22 @@ def group_busbw(c: ClusterSpec, op: str, n: int, per_node: int) -> tuple[float, 
 _CACHE: dict = {}
 
 
+class NodeSlice(int):
+    """GPUs per node of a group that straddles node boundaries (its narrowest slice, an int as
+    any per-node count) with the number of nodes it spans, which n / per-node would overcount:
+    six ranks on 8-GPU nodes sit 2 + 4 in 2 nodes, not 3 (contiguous_shape)."""
+
+    nodes: int
+
+    def __new__(cls, per_node: int, nodes: int) -> NodeSlice:
+        obj = super().__new__(cls, per_node)
+        obj.nodes = nodes
+        return obj
+
+
 def collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> CollectiveTime:
     """Memoized _collective_time (keyed on the preset object: specs with dicts do not hash fast)."""
-    key = (id(c), op, nbytes, n, per_node)
+    key = (id(c), op, nbytes, n, per_node, getattr(per_node, "nodes", None))
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is c:
         return hit[1]
@@ -97,8 +110,9 @@ def collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int)
 def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> CollectiveTime:
     """Seconds of one collective call over n ranks (S = nbytes, the whole tensor as nccl-tests
     counts it), with per_node of them in each node: the fastest of NCCL's options."""
-    per_node = max(1, min(per_node, n))
-    nodes = -(-n // per_node)
+    span = getattr(per_node, "nodes", None)  # a straddling group's real span (NodeSlice)
+    per_node = max(1, min(int(per_node), n))
+    nodes = span or -(-n // per_node)
     if n <= 1:
         return CollectiveTime(0.0, "none", "none", 0.0, 1, 1)
     f = _factor(op)
@@ -126,8 +140,8 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
         if op == "all_reduce" and nodes > 1:  # double binary tree: log-depth latency
             lat = c.base_latency_s + 2 * ((per_node - 1) * _TREE_STEP_S
                                           + math.floor(math.log2(nodes)) * c.inter_node_latency_s)
-            log_size = int(math.log2(max(1, nbytes >> 6)))
-            corr = _TREE_CORRECTION[log_size] if log_size < len(_TREE_CORRECTION) else 1.0
+            log_size = int(math.log2(nbytes >> 6)) if nbytes >> 6 else -1  # NCCL's log2i(0) = -1
+            corr = _TREE_CORRECTION[log_size] if 0 <= log_size < len(_TREE_CORRECTION) else 1.0
             tree = lat + nbytes / (_TREE_BW * corr * bw)
             if tree < best.seconds:
                 best = CollectiveTime(tree, "tree", "Simple", bw, nodes, per_node)
@@ -150,7 +164,11 @@ def contiguous_shape(n: int, gpus_per_node: int, world: int | None = None) -> in
     world = n if world is None else world
     if world <= gpus_per_node:
         return min(n, gpus_per_node)
-    return math.gcd(n, gpus_per_node)
+    g = math.gcd(n, gpus_per_node)
+    if g == min(n, gpus_per_node):  # whole nodes, or slices of one: n / g nodes
+        return g
+    # the straddling group starts where a slice of g ends: it spans ceil((gpn - g + n) / gpn)
+    return NodeSlice(g, -(-(gpus_per_node - g + n) // gpus_per_node))
 
 
 def strided_shape(n: int, stride: int, gpus_per_node: int) -> int:

@@ -227,6 +227,12 @@ def mesh_for(sc: Scenario, strategy: str) -> Mesh:
     return mesh_for_n(sc.n, strategy)
 
 
+def planned_train(train, strategy: str):
+    """The train fields as a plan file records them for `strategy`: FSDP2 keeps the weights
+    gathered after forward under zero2 and zero3-noreshard (NO_RESHARD)."""
+    return train.model_copy(update={"reshard_after_forward": strategy not in NO_RESHARD})
+
+
 def make_plan(sc: Scenario, strategy: str, global_batch: int, result=None) -> Plan:
     predicted = None
     if result is not None and result.memory is not None:
@@ -236,8 +242,7 @@ def make_plan(sc: Scenario, strategy: str, global_batch: int, result=None) -> Pl
             tokens_per_s_per_gpu=t.tokens_per_s_per_gpu, mfu=t.mfu,
             elements_per_step=result.elements_per_step, bytes_per_step=result.bytes_per_step,
             exposed_comm_s=t.exposed_comm_s)
-    train = sc.train.model_copy(update={
-        "reshard_after_forward": strategy not in NO_RESHARD})
+    train = planned_train(sc.train, strategy)
     return Plan(runner=LAYOUT_RUNNER[sc.train.layout], model=sc.model, gpu=sc.hw.gpu, cluster=sc.hw.cluster, num_gpus=sc.n,
                 strategy=strategy, shard_size=sc.hsdp_shard if strategy == "hsdp" else None,
                 mesh=mesh_for(sc, strategy), train=train, global_batch=global_batch,

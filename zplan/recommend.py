@@ -18,7 +18,7 @@ from functools import lru_cache
 from . import policy
 from .errors import PlanError, UsageError
 from .parse import check_choice
-from .estimate import StrategyEstimate, estimate_one, unavailable_reason
+from .estimate import StrategyEstimate, estimate_one, fits, unavailable_reason
 from .memory import memory
 from .scenario import Scenario
 from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
@@ -120,7 +120,7 @@ def _largest_fitting(mbs: tuple[int, ...], fits) -> tuple[int, int]:
 
 def _checkpointing(base: Scenario, num_layers: int) -> list[tuple[str, int]]:
     """The checkpointing modes searched, every-k at k = 2 and 4 (one block in two, in four) and
-    at the scenario's own k; k above the block count is every block's, full's."""
+    at the scenario's own k, each at most the block count."""
     own = base.train.checkpoint_every
     ks = sorted({k for k in (*EVERY_K, own) if k <= num_layers})
     return [(c, own) for c in CHECKPOINTING if c != "every-k"] + [("every-k", k) for k in ks]
@@ -131,11 +131,7 @@ def _usable(sc: Scenario, headroom: float) -> int:
 
 
 def _fits_memory(sc: Scenario, family: str, usable: int) -> bool:
-    st = effective(family, sc.train.layout)
-    m = memory(sc, st)
-    if m.total_bytes > usable:
-        return False
-    return not m.host_bytes_per_node or m.host_bytes_per_node <= sc.hw.cluster.host_ram_bytes
+    return fits(sc, family, usable)  # availability was checked per family already
 
 
 def _variants(base: Scenario, family: str) -> list[Scenario]:
@@ -192,11 +188,14 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                             "micro_batch": mb, "grad_accum": per_gpu // mb, "prefetch": prefetch}))
 
                     mbs = _micro_batches(per_gpu)
-                    if objective == "memory":  # the least memory: smallest micro-batch, no prefetch
-                        sc = at(mbs[-1], False)
-                        evaluated += 1
-                        if _fits_memory(sc, family, usable):
-                            found.append(Candidate(family, sc, estimate_one(sc, family), usable))
+                    if objective == "memory":  # the least memory: the smallest micro-batch, no
+                        # prefetch; and one micro-batch per step, which holds no accumulated
+                        # gradients (--reduce-last-only) and may need less
+                        for mb in sorted({mbs[-1], per_gpu} & set(mbs)):
+                            sc = at(mb, False)
+                            evaluated += 1
+                            if _fits_memory(sc, family, usable):
+                                found.append(Candidate(family, sc, estimate_one(sc, family), usable))
                         continue
                     # one micro-batch per step (no accumulation) holds no accumulated gradients
                     # (--reduce-last-only) and, under DeepSpeed's ZeRO-1, no whole gradients: it
@@ -257,14 +256,18 @@ def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1) -> 
     if not variants:
         return (f"no shard size in 2..{min(base.hw.cluster.gpus_per_node, base.n)} divides both "
                 f"{base.n} GPUs and a node below N (--shard-size plans another)")
-    tr = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1, "grad_accum": per_gpu,
-                                       "blocks_per_unit": 1, "prefetch": False})
+    base_tr = base.train.model_copy(update={"checkpointing": "full", "blocks_per_unit": 1, "prefetch": False})
+    # micro-batch 1 accumulating to the per-GPU batch, and one micro-batch per step (no
+    # accumulated gradients): the smaller of the two the search tried
+    trains = [base_tr.model_copy(update={"micro_batch": mb, "grad_accum": per_gpu // mb})
+              for mb in sorted({1, per_gpu}) if mb <= MAX_MICRO_BATCH]
     best = None
     for v in variants:
-        sc = replace(v, train=tr)
-        m = memory(sc, effective(family, sc.train.layout))
-        if best is None or m.total_bytes < best[1].total_bytes:
-            best = (sc, m)
+        for tr in trains:
+            sc = replace(v, train=tr)
+            m = memory(sc, effective(family, sc.train.layout))
+            if best is None or m.total_bytes < best[1].total_bytes:
+                best = (sc, m)
     sc, m = best
     usable = _usable(sc, headroom)
     cap = f"{fmt_bytes(usable)} usable ({fmt_bytes(sc.hw.gpu.memory_bytes)} less {headroom:.0%} headroom)"
@@ -282,7 +285,9 @@ def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1) -> 
         return (f"{name}: model state alone is {fmt_bytes(m.model_state_bytes)} (weights "
                 f"{fmt_bytes(m.params_bytes)}, grads {fmt_bytes(m.grads_bytes)}, optimizer "
                 f"{fmt_bytes(m.master_bytes + m.optimizer_bytes)}) > {cap}")
-    return (f"{name}: needs {fmt_bytes(m.total_bytes)} even at micro-batch 1 with full "
+    mb = sc.train.micro_batch
+    at = f"micro-batch {mb}" + (f" x {sc.train.grad_accum} accumulated" if sc.train.grad_accum > 1 else "")
+    return (f"{name}: needs {fmt_bytes(m.total_bytes)} even at {at} with full "
             f"checkpointing (model state {fmt_bytes(m.model_state_bytes)}, gathered weights "
             f"{fmt_bytes(m.gather_buffer_bytes)}, activations {fmt_bytes(m.activation_bytes)}) > {cap}")
 

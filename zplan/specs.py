@@ -175,6 +175,9 @@ class NcclTestFigure(Spec):
     source: str
 
 
+Rate = Annotated[float, Field(gt=0, le=MAX_RATE)]
+
+
 class ClusterSpec(Spec):
     """Nodes of GPUs and the links between them, as NCCL drives them (zplan/nccl.py).
 
@@ -198,7 +201,7 @@ class ClusterSpec(Spec):
     base_latency_s: float = Field(0.0, ge=0, le=1, description="per call (NCCL's baseLat)")
     link: Literal["nvlink", "pcie", "loopback"] = Field(
         "nvlink", description="intra-node link type: selects NCCL's LL latencies")
-    ll_max_busbw_bytes_per_s: Annotated[tuple[float, float, float] | None,
+    ll_max_busbw_bytes_per_s: Annotated[tuple[Rate, Rate, Rate] | None,
                                         PlainSerializer(lambda v: None if v is None else list(v))] = Field(
         None, description="NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws): "
         "one node (by GPU generation), two nodes, more (by the host CPU's vendor); None: uncapped")

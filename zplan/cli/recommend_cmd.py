@@ -141,12 +141,11 @@ def _launch_note(plan, written: str) -> str:
 def _json(rec, plan, top: int) -> dict:
     from ..estimate import SCHEMA_VERSION
 
-    from ..plan import NO_RESHARD
+    from ..plan import planned_train
 
     def cand(c, rank):
         d = c.result.as_dict()
-        # the train fields as the plan file records them (make_plan)
-        train = c.sc.train.model_copy(update={"reshard_after_forward": c.family not in NO_RESHARD})
+        train = planned_train(c.sc.train, c.family)  # as the plan file records them
         d.update(rank=rank, family=c.family, label=c.label(),
                  hsdp_shard_size=c.sc.hsdp_shard if c.family == "hsdp" else None,
                  train=train.model_dump(), usable_bytes=c.usable_bytes)

@@ -69,6 +69,23 @@ def _memory_tracker(p: Parallelized, optim, device):
     return mt
 
 
+def _ready_loss(loss: torch.Tensor, on_the_way: list) -> float | None:
+    """For the progress bar: start copying this step's loss to pinned host memory without
+    waiting, behind a CUDA event, and return the newest loss whose copy has finished (None
+    while none has). On a CPU rank the loss is there already."""
+    if loss.device.type != "cuda":
+        return float(loss)
+    host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+    host.copy_(loss.detach(), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    on_the_way.append((host, done))
+    ready = None
+    while on_the_way and on_the_way[0][1].query():
+        ready = float(on_the_way.pop(0)[0])
+    return ready
+
+
 class Trainer:
     def __init__(self, plan: Plan, cfg: RunConfig, backend: str):
         self.plan, self.cfg = plan, cfg
@@ -182,6 +199,8 @@ class Trainer:
         track = cfg.measure_memory and last - 1 > at
         tracker = _memory_tracker(self.par, self.optim, self.device) if track else None
         losses, norms, marks, timed = [], [], [], []
+        on_the_way: list = []  # the progress bar's losses being copied to the host (CUDA)
+        shown = None
         self.counter = CommCounter(self.world)
         counted = 0
         stack_open = False
@@ -220,10 +239,12 @@ class Trainer:
                 # overhead per op), timed only where no other step is
                 timed.append(0 if measure_mem or self.step == start else 1 if count else 2)
                 self.step += 1
-                if bar:  # the step before's loss: reading it waits for that step's forward alone,
-                    # where this step's would stall the host behind the device every step
-                    shown = f" loss {float(losses[-2]):.3f}" if len(losses) > 1 else ""
-                    bar.update(task, advance=1, description=f"step {self.step}{shown}")
+                if bar:  # the newest loss already on the host: reading one still on the GPU
+                    # would wait for everything queued, this step included, every step
+                    ready = _ready_loss(loss, on_the_way)
+                    shown = ready if ready is not None else shown
+                    text = f" loss {shown:.3f}" if shown is not None else ""
+                    bar.update(task, advance=1, description=f"step {self.step}{text}")
                 if every and (self.step % every == 0 or self.step == cfg.steps):
                     self._log(losses[-1], marks[logged - start:], cfg.steps)
                     logged = self.step

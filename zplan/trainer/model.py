@@ -222,8 +222,8 @@ def init_weights_(model: nn.Module, seed: int = 0) -> None:
     layers = getattr(model, "spec", None).num_layers if hasattr(model, "spec") else 1
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        if p.dim() == 0:
-            local.copy_(full_init(canonical_name(name), p.shape, seed, layers).to(local.dtype))
+        if p.dim() == 0:  # a scalar: one row's value
+            local.copy_(init_rows(canonical_name(name), torch.Size((1,)), seed, layers)[0].to(local.dtype))
             continue
         start, stop = local_rows(p)
         piece = init_rows(canonical_name(name), p.shape, seed, layers, start, stop)
