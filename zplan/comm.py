@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, fields
 
 from . import policy
-from .deepspeed import reduces_after_backward
+from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduces_after_backward
 from .nccl import collective_time, contiguous_shape, strided_shape
 from .scenario import Scenario
 from .strategies import Strategy
@@ -245,8 +245,6 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
                 out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.master, N,
                                  g_world, rs_calls, ddp_bucket, DDP_FIRST_BUCKET_BYTES))
             else:  # DeepSpeed stage 0: once per step, after backward, in its fallback buffers
-                from .deepspeed import ALLREDUCE_FALLBACK_ELEMS
-
                 out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.reduce, N,
                                  g_world, 1, nbytes(ALLREDUCE_FALLBACK_ELEMS, p.reduce)))
             if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters

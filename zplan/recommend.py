@@ -103,7 +103,7 @@ def _micro_batches(per_gpu: int) -> tuple[int, ...]:
     return tuple(d for d in divisors if d <= MAX_MICRO_BATCH)
 
 
-def _largest_fitting(mbs: tuple[int, ...], fits) -> tuple[int, int]:
+def _largest_fitting(mbs: tuple[int, ...], fits_at) -> tuple[int, int]:
     """Index of the largest micro-batch that fits (memory grows with it), by bisection over
     the divisors, largest first; and how many were probed. Keeps the search bounded: O(log d)
     probes instead of one per divisor of a huge per-GPU batch."""
@@ -111,7 +111,7 @@ def _largest_fitting(mbs: tuple[int, ...], fits) -> tuple[int, int]:
     while lo < hi:
         mid = (lo + hi) // 2
         probes += 1
-        if fits(mbs[mid]):
+        if fits_at(mbs[mid]):
             hi = mid
         else:
             lo = mid + 1
@@ -128,10 +128,6 @@ def _checkpointing(base: Scenario, num_layers: int) -> list[tuple[str, int]]:
 
 def _usable(sc: Scenario, headroom: float) -> int:
     return int(sc.hw.gpu.memory_bytes * (1 - headroom))
-
-
-def _fits_memory(sc: Scenario, family: str, usable: int) -> bool:
-    return fits(sc, family, usable)  # availability was checked per family already
 
 
 def _variants(base: Scenario, family: str) -> list[Scenario]:
@@ -194,7 +190,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                         for mb in sorted({mbs[-1], per_gpu} & set(mbs)):
                             sc = at(mb, False)
                             evaluated += 1
-                            if _fits_memory(sc, family, usable):
+                            if fits(sc, family, usable):
                                 found.append(Candidate(family, sc, estimate_one(sc, family), usable))
                         continue
                     # one micro-batch per step (no accumulation) holds no accumulated gradients
@@ -203,18 +199,18 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                     # tried on its own; memory grows with the micro-batch among the others
                     one = 1 if (mbs and mbs[0] == per_gpu) else 0
                     evaluated += one
-                    if one and _fits_memory(at(mbs[0], False), family, usable):
+                    if one and fits(at(mbs[0], False), family, usable):
                         start, probes = 0, 0
                     else:
                         rest, probes = _largest_fitting(
-                            mbs[one:], lambda mb: _fits_memory(at(mb, False), family, usable))
+                            mbs[one:], lambda mb: fits(at(mb, False), family, usable))
                         start = one + rest
                     evaluated += probes
                     for mb in mbs[start:]:
                         for prefetch in (True, False):
                             sc = at(mb, prefetch)
                             evaluated += 1
-                            if _fits_memory(sc, family, usable):
+                            if fits(sc, family, usable):
                                 found.append(Candidate(family, sc, estimate_one(sc, family), usable))
                                 taken += 1
                                 break  # prefetch off only when prefetch on does not fit
