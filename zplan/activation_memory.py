@@ -22,6 +22,16 @@ def act_dtype_bytes(train: TrainSpec) -> int:
     return DTYPE_BITS[train.precision.param] // 8
 
 
+def stream_dtype_bytes(train: TrainSpec) -> int:
+    """Bytes per element of the residual stream (each block's input and output, and their
+    gradients): the param dtype, or under autocast (`train.autocast`: DDP and ZeRO-1 on weights
+    kept in the master dtype) the master dtype: the embedding is not an autocast op, so its output
+    is in the weights' dtype, and each residual add promotes the 16-bit branch output to it
+    (torch.autocast's op lists; MemTracker on the trainer's blocks, tests/test_memory.py). The
+    linears' inputs are autocast's 16-bit copies, their outputs 16-bit: act_dtype_bytes."""
+    return DTYPE_BITS[train.precision.master if train.autocast else train.precision.param] // 8
+
+
 def block_mode(train: TrainSpec, index: int, num_layers: int) -> str:
     """The recomputation mode of block `index` (every-k: the blocks policy.checkpointed_blocks
     wraps are fully checkpointed, the others keep everything)."""
@@ -42,16 +52,17 @@ def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     B, sb = act_dtype_bytes(train), train.seq_len * train.micro_batch
     k = m.experts_per_token if m.num_experts else 1
     branches = 3 if m.mlp == "swiglu" else 2
-    temp = k * branches * B * sb * m.ffn_hidden + B * sb * m.hidden
+    temp = k * branches * B * sb * m.ffn_hidden + stream_dtype_bytes(train) * sb * m.hidden
     if train.te_float8:  # the widest linear's output gradient cast to float8 and transposed
         temp += 2 * sb * max(m.ffn_hidden, m.hidden + 2 * m.kv_hidden if m.qkv_fused else m.hidden)
     return temp
 
 
 def head_saved_bytes(m: ModelSpec, train: TrainSpec) -> int:
-    """The final norm keeps what a block's norm keeps; the head keeps the norm's output."""
+    """The final norm keeps what a block's norm keeps; the head keeps the norm's output (under
+    autocast, the 16-bit copy autocast makes of it)."""
     B, sbh = act_dtype_bytes(train), train.seq_len * train.micro_batch * m.hidden
-    return norm_saved_per_token(train, B) * sbh + B * sbh
+    return norm_saved_per_token(train, stream_dtype_bytes(train)) * sbh + B * sbh
 
 
 def norm_saved_per_token(train: TrainSpec, B: int) -> int:
@@ -76,12 +87,13 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     dropout, 16-bit); these terms reduce to exactly that and generalise it.
     """
     s, b, h, f, a = train.seq_len, train.micro_batch, m.hidden, m.ffn_hidden, m.num_heads
-    kv, B = m.kv_hidden, act_dtype_bytes(train)
+    kv, B, S = m.kv_hidden, act_dtype_bytes(train), stream_dtype_bytes(train)
     sb = s * b
     stats = 8 * sb if m.norm == "layernorm" else 4 * sb  # fp32 mean/rstd saved by each norm
     t: dict[str, int] = {
         # torch.compile (each block compiled) fuses the norm as a fused kernel would
-        "norm_inputs": 2 * ((B if train.compile else norm_saved_per_token(train, B)) * sb * h + stats),
+        # the norms read the residual stream: under autocast in the master dtype
+        "norm_inputs": 2 * ((S if train.compile else norm_saved_per_token(train, S)) * sb * h + stats),
         "qkv_input": B * sb * h,
         "q_k_v": B * sb * (h + 2 * kv),
         # a flash kernel's output is (b, s, h, d) in memory (SDPA's flash allocates it like q,
@@ -114,6 +126,12 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         t["mlp_hidden"] = k * per_mlp
     else:
         t["mlp_hidden"] = per_mlp
+    if train.autocast:
+        # autocast casts a linear's fp32 input at each call (only leaf parameters are cached):
+        # q, k and v each keep a 16-bit copy of the norm's output (one when fused), SwiGLU's w1
+        # and w3 one each
+        t["qkv_input"] = (1 if m.qkv_fused else 3) * B * sb * h
+        t["mlp_input"] = (2 if m.mlp == "swiglu" else 1) * B * sb * h
     if train.te_float8:
         _te_float8_saves(t, m, sb, B)
     return t
@@ -146,14 +164,15 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     full = block_activation_terms(m, train)
     if mode == "none":
         return sum(full.values())
+    S = stream_dtype_bytes(train)
     if mode == "full":
-        return B * sb * h  # the block's input only
+        return S * sb * h  # the block's input only
     if mode == "attention":  # Megatron's selective: the attention core is recomputed
         return sum(v for k, v in full.items() if k not in ("attn_softmax", "attn_dropout"))
     if mode == "selective":
         # torchtitan op-level SAC (zplan/policy.py): the block's input, the outputs of the saved
         # matmuls and of the attention kernel; pointwise ops are recomputed.
-        saved = B * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp)))
+        saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp)))
         if policy.SELECTIVE_SAVES_ATTENTION:
             saved += B * sb * h + (4 * m.num_heads * sb if train.flash_attention else 0)
         return saved

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from . import allocator, arch
+from . import activation_memory, allocator, arch
 from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets
 from . import memory_timeline as mt
 from .memory_timeline import Event
@@ -241,7 +241,7 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     released = t.layout == "zero" and st.params_sharded and st.reshard_after_forward
     return setup_events(sc, st) + mt.replicated_events(
         sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp, compiled_graphs(sc, st),
-        step_gathered_b=0 if released else None)
+        step_gathered_b=0 if released else None, casts=autocast_copies(sc))
 
 
 def setup_events(sc: Scenario, st: Strategy) -> list[Event]:
@@ -318,10 +318,12 @@ def ddp_graph_buckets(sc: Scenario, grad_b: int) -> list[int]:
 
 def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:
     """Gather and reduce buffers held through the step where they are not modelled unit by unit:
-    DeepSpeed's (zero layout) and autocast's low-precision weight copies under DDP."""
-    t, p = sc.train, sc.train.precision
+    DeepSpeed's (zero layout), and under autocast with torch.compile the low-precision weight
+    copies, all of them throughout (a bound: what AOTAutograd's partitioner saves of them is not
+    modelled; eager, autocast_copies follows them event by event)."""
+    t = sc.train
     if t.layout == "torch":
-        cast = sc.params * pb if p.master != p.param else 0  # autocast's low-precision weights
+        cast = sc.params * pb if t.autocast and t.compile else 0
         # zplan's DDP uses gradient_as_bucket_view=True: the gradients are the buckets
         return cast, 0
     if not st.fsdp:
@@ -342,6 +344,43 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
     else:
         gather = held + biggest
     return gather * pb, biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
+
+
+def autocast_copies(sc: Scenario) -> mt.AutocastCopies | None:
+    """autocast's 16-bit copies of the weights, per unit, eager (torch/csrc/autograd/
+    autocast_mode.cpp cached_cast: a leaf parameter that requires grad is cast once per autocast
+    context and cached until the outermost context exits, `torch.clear_autocast_cache()` in
+    torch/amp/autocast_mode.py __exit__). The copied weights are the matmuls' (linear weights and
+    biases, the router, the head): the embedding and the norms run in the weights' dtype. The
+    trainer's autocast covers forward and the loss's forward (trainer/micro_batch.py); after it a
+    copy lives while a saved tensor holds it: the blocks that keep their activations (checkpointing
+    none, Megatron's attention-only mode) and the head until their backward; a checkpointed
+    block's recomputation runs under the autocast state it recorded (torch/utils/checkpoint.py),
+    so it casts its weights again and holds them through its backward. MemTracker on the
+    trainer's model under autocast: tests/test_memory.py."""
+    t, m = sc.train, sc.model
+    if not t.autocast or t.compile:
+        return None
+    pb = DTYPE_BITS[t.precision.param] // 8
+    norms = 2 * m.hidden * (2 if m.norm == "layernorm" else 1)  # a block's two norms
+    made, kept, again, root = [], [], [], 0
+    for u in sc.units:
+        if not u.blocks:  # the embedding (no matmul), the head (its weight; tied: the embedding's)
+            made.append(u.matmul_params * pb)
+            # a root holding the head comes first in forward order but its head's backward
+            # comes first too: its copy is gone before any block's backward
+            kept.append(0 if u.held else u.matmul_params * pb)
+            root += u.matmul_params * pb if u.held else 0
+            again.append(0)
+            continue
+        synthetic = m.total_params is not None or sc.custom_units is not None
+        per_block = (u.numel if synthetic else u.numel - u.blocks * norms) * pb // u.blocks
+        modes = [activation_memory.block_mode(t, i, m.num_layers)
+                 for i in range(u.first_block, u.first_block + u.blocks)]
+        made.append(per_block * u.blocks)
+        kept.append(per_block * sum(md in ("none", "attention") for md in modes))
+        again.append(per_block if any(md in ("full", "selective") for md in modes) else 0)
+    return mt.AutocastCopies(tuple(made), tuple(kept), tuple(again), root)
 
 
 def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]:

@@ -63,7 +63,7 @@ class Activations:
     loss_per_logit: dict[str, int]
     linear_loss: dict[str, int]  # a linear loss's bytes by phase (activation_memory.linear_loss_bytes)
     act_bytes: int  # bytes per activation element (the param dtype)
-    stream_bytes: int  # one hidden-state tensor (s·b·h) in the param dtype
+    stream_bytes: int  # one hidden-state tensor (s·b·h) in the residual stream's dtype
 
 
 def activations(sc: Scenario) -> Activations:
@@ -79,7 +79,7 @@ def _decoder_activations(m, t: TrainSpec, loss_fp32: bool) -> Activations:
 
 
 def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
-    B = activation_memory.act_dtype_bytes(t)
+    B, S = activation_memory.act_dtype_bytes(t), activation_memory.stream_dtype_bytes(t)
     sbh = t.seq_len * t.micro_batch * m.hidden
     none_b = activation_memory.block_saved_bytes(m, t, "none")
     temp_b = activation_memory.block_backward_temp_bytes(m, t)
@@ -89,7 +89,9 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
             head = u.name != "embed" and u.matmul_params > 0
             saved.append(activation_memory.head_saved_bytes(m, t) if head else 0)
             extra.append(0)
-            temp.append(B * sbh if not head else 2 * B * sbh)
+            # the embedding's output gradient; the norm's output and input gradients (under
+            # autocast both in the stream's dtype: the head's 16-bit input gradient is cast back)
+            temp.append(S * sbh if not head else 2 * S * sbh)
             continue
         modes = [activation_memory.block_mode(t, i, m.num_layers) for i in range(u.first_block, u.first_block + u.blocks)]
         per = [activation_memory.block_saved_bytes(m, t, md) for md in modes]
@@ -99,7 +101,7 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     linear = activation_memory.linear_loss_bytes(m, t)
     logits = 0 if t.linear_loss != "none" else t.seq_len * t.micro_batch * m.vocab_size
     return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
-                       activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B, B * sbh)
+                       activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B, S * sbh)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,20 @@ class CompiledGraphs:
     cap_bytes: int  # the most new gradients held at once (DDP: the largest bucket)
     end_temp: tuple[int, ...]  # per unit, what its graph's end holds besides its gradients (the
     # embedding's fp32 gradient buffer)
+
+
+@dataclass(frozen=True)
+class AutocastCopies:
+    """autocast's 16-bit copies of the weights (DDP and ZeRO-1 on master-dtype weights; memory.
+    autocast_copies), per unit (bytes): all of them, in autocast's cache from their first use in
+    forward until the autocast context exits after the loss's forward; those the unit's saved
+    tensors keep until its backward (a matmul saves the copy it used); and those a recomputed
+    block makes again in backward (one block's, alive through that block's backward)."""
+
+    made: tuple[int, ...]
+    kept: tuple[int, ...]
+    recomputed: tuple[int, ...]
+    until_head: int = 0  # a held root's head copy (tied embeddings): kept until the head's backward
 
 
 def optimizer_temp_bytes(largest_param_elems: int, local_elems: int, train: TrainSpec, layout: str) -> int:
@@ -256,7 +272,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
 
 def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: int,
                       reduce_b: int, opt_temp_b: int, compiled: CompiledGraphs | None = None,
-                      step_gathered_b: int | None = None) -> list[Event]:
+                      step_gathered_b: int | None = None,
+                      casts: AutocastCopies | None = None) -> list[Event]:
     """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
     static): gradients and buffers held throughout; activations follow the step. At the
     optimizer step the gathered weights are `step_gathered_b` (default: the static buffer):
@@ -265,14 +282,23 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     Compiled backward graphs hold the new gradients they make until they return: a unit's
     backward holds those of the later units of its graph (at most `cap_bytes`), and the graph's
     end holds all of its own with its end temporaries and its input's gradient, beside the
-    activations of the units before it."""
+    activations of the units before it.
+
+    autocast's weight copies (`casts`) are counted as gathered weights besides `static_b`: all
+    of them through forward and the loss's forward, then what the saved tensors keep, and a
+    recomputed block's own; none at the optimizer step."""
     n = len(acts.saved)
     total_saved = sum(acts.saved)
+    if casts is None:
+        casts = AutocastCopies((0,) * n, (0,) * n, (0,) * n)
+    kept_upto = [0, *accumulate(casts.kept)]
     kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
-    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.act_bytes, **kw)]
+    made = {**kw, "gathered": static_b + sum(casts.made)}
+    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.act_bytes, **made)]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
-                      + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase], **kw))
+                      + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase],
+                      **(made if phase == "forward" else {**kw, "gathered": static_b + kept_upto[n] + casts.until_head})))
     saved_upto = [0, *accumulate(acts.saved)]
     if compiled is None:  # eager: every gradient accumulated as soon as it is made
         compiled = CompiledGraphs((0,) * n, (), 0, (0,) * n)
@@ -284,7 +310,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     after = [*accumulate(reversed(new))][::-1] + [0]  # after[j]: new gradients of units >= j
     # new gradients a compiled graph holds at unit j's backward: its later units'
     held = [min(cap, after[j + 1] - after[g.stop]) if (g := graph_of[j]) else 0 for j in range(n)]
-    ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp)))
+    ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp,
+                              casts.kept, casts.recomputed)))
     logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
     logits_ref = 0 if sc.train.logits_unreferenced else logits_b  # referenced until backward ends
     for j in reversed(ends):
@@ -292,7 +319,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
-                      **{**kw, "unsharded_grads": reduce_b + held[j]}))
+                      **{**kw, "unsharded_grads": reduce_b + held[j],
+                         "gathered": static_b + kept_upto[j + 1] + casts.recomputed[j]}))
         g = graph_of[j]
         if g is not None and j == g.start:  # the graph returns its gradients
             label = sc.units[g.start].name + (f"..{sc.units[g.stop - 1].name}" if len(g) > 1 else "")

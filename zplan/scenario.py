@@ -58,10 +58,15 @@ class Scenario:
 
     def for_strategy(self, fsdp: bool) -> "Scenario":
         """The scenario a strategy is priced on: `embed_head_unit` groups FSDP's units, and a
-        strategy that shards no parameters (DDP, ZeRO-1) has none, so it sees the separate ones."""
-        if fsdp or self.train.embed_head_unit == "separate":
+        strategy that shards no parameters (DDP, ZeRO-1) has none, so it sees the separate ones; in
+        the torch layout it runs under autocast where the param dtype is below the master dtype
+        (`TrainSpec.autocast`)."""
+        t = self.train
+        autocast = not fsdp and t.layout == "torch" and t.precision.param != t.precision.master
+        if (fsdp or t.embed_head_unit == "separate") and autocast == t.autocast:
             return self
-        return replace(self, train=self.train.model_copy(update={"embed_head_unit": "separate"}))
+        update = {"autocast": autocast} if fsdp else {"embed_head_unit": "separate", "autocast": autocast}
+        return replace(self, train=t.model_copy(update=update))
 
 
 @lru_cache(maxsize=4096)

@@ -425,6 +425,10 @@ class TrainSpec(Spec):
         "inputs and weights in float8 for backward; FSDP gathers the weights in the param dtype)")
     float8_all_gather: bool = Field(True, description="tensorwise float8: FSDP gathers the block "
                                     "weights in float8 (torchao's enable_fsdp_float8_all_gather)")
+    autocast: bool = Field(
+        False, exclude=True, description="set by Scenario.for_strategy, never written: DDP and "
+        "ZeRO-1 in the torch layout with a param dtype below the master dtype run under "
+        "torch.autocast on weights kept in the master dtype (the trainer's parallel.py)")
 
 
     @model_validator(mode="after")

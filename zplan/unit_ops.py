@@ -10,6 +10,9 @@ f the MLP width, V the vocabulary), eager first, then torch.compile's fused pass
             GELU 3fB; residual and shared-input gradient sums 15hB (8hB + 6hB fused); with
             biases, each bias gradient reads the output gradient (width x B).
   loss    : logits to fp32, log_softmax, nll: 14V bytes forward, 22V backward (fused: 2V, 4V).
+  autocast (DDP/ZeRO-1 on fp32 weights): the norms and residual adds in the stream's dtype S;
+            each linear's input cast at each call and each weight once per forward (2+S per
+            element), their gradients cast back in backward.
 Derivation: docs/formulas.md, section 6.
 """
 
@@ -50,9 +53,17 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     B = _b(act)
     lin = "fp8" if t.float8 else act
     h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    S = _b(t.precision.master) if t.autocast else B  # the residual stream's element
     ops: Ops = []
+    cast_elems, casts = 0, 0
     for name, o, i in _linears(sc):
         if only is None or name.split()[0] in only:
+            if t.autocast:  # the weight, and the input where it is fp32 (the norm's output;
+                # compiled, that cast is fused into the norm's kernel)
+                from_stream = name.split()[0] in ("wq", "wk", "wv", "w1", "w3") and not (
+                    m.qkv_fused and name in ("wk", "wv")) and not t.compile
+                cast_elems += o * i + (T * i if from_stream else 0)
+                casts += 1 + from_stream
             ops += K.linear(gpu, name, T, o, i, lin, act, backward)
             # a fused q/k/v linear casts its input once (charged on wq)
             T_in = 0 if m.qkv_fused and name in ("wk", "wv") else T
@@ -95,10 +106,13 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     biases = _bias_widths(m)
     if backward and biases:  # autograd's addmm backward: grad_bias = grad_out.sum(0), one kernel each
         rows.append(("bias gradients", sum(biases), len(biases)))
-    ops += [K.memory(gpu, n, per * B * T, kern) for n, per, kern in rows if per]
+    ops += [K.memory(gpu, n, per * (S if n.startswith("residual") else B) * T, kern)
+            for n, per, kern in rows if per]
     if not t.compile:
-        per, kern = norm_bytes(t, B, backward)
+        per, kern = norm_bytes(t, S, backward)
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern))
+    if casts:
+        ops.append(K.memory(gpu, "autocast casts", (B + S) * cast_elems, casts))
     return ops
 
 
@@ -150,8 +164,12 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     m, t, gpu = sc.model, sc.train, sc.hw.gpu
     T, act = t.seq_len * t.micro_batch, t.precision.param
     B, V, h = _b(act), m.vocab_size, m.hidden
-    per, kern = norm_bytes(t, B, backward)
+    S = _b(t.precision.master) if t.autocast else B  # the residual stream's element
+    per, kern = norm_bytes(t, S, backward)
     ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern)]
+    if t.autocast:  # the head's input (unless compiled) and weight, their gradients back in backward
+        ops.append(K.memory(gpu, "autocast casts", (B + S) * ((0 if t.compile else T * h) + V * h),
+                            1 if t.compile else 2))
     if t.linear_loss != "none":
         return ops + _linear_loss(sc, backward)
     ops += K.linear(gpu, "output", T, V, h, act, act, backward)
