@@ -126,12 +126,13 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         t["mlp_hidden"] = k * per_mlp
     else:
         t["mlp_hidden"] = per_mlp
-    if train.autocast:
+    if train.autocast and not train.compile:
         # autocast casts a linear's fp32 input at each call (only leaf parameters are cached):
         # q, k and v each keep a 16-bit copy of the norm's output (one when fused), SwiGLU's w1
-        # and w3 one each
+        # and w3 one each (MoE: the router's; the experts' inputs are routed copies, counted
+        # above, not checked against a run). Compiled, AOTAutograd keeps one copy per norm.
         t["qkv_input"] = (1 if m.qkv_fused else 3) * B * sb * h
-        t["mlp_input"] = (2 if m.mlp == "swiglu" else 1) * B * sb * h
+        t["mlp_input"] = (2 if m.mlp == "swiglu" and not m.num_experts else 1) * B * sb * h
     if train.te_float8:
         _te_float8_saves(t, m, sb, B)
     return t
@@ -235,7 +236,10 @@ def linear_loss_bytes(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         temp = B * c * V + B * V * h + (4 * V * h if B != 4 else 0) + 4 * T
     else:
         temp = B * c * V + (4 * c * V if B != 4 else 8 * c)
-    return {"kept": kept, "forward": kept + B * T * h + 4 + temp, "backward": kept}
+    # under autocast the head's input is cast before the loss (trainer/linear_loss.py): its fp32
+    # original stays alive beside the copy
+    arg = B * T * h + (stream_dtype_bytes(train) * T * h if train.autocast else 0)
+    return {"kept": kept, "forward": kept + arg + 4 + temp, "backward": kept}
 
 
 def logits_bytes(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> int:

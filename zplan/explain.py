@@ -30,6 +30,8 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     if r.unavailable:
         return out + [f"{name} is unavailable: {r.unavailable}"]
     mem, st = r.memory, r.strategy
+    sc = sc.for_strategy(st.fsdp)  # what the strategy is priced on (DDP: its own units, autocast)
+    m, t, p = sc.model, sc.train, sc.train.precision
     D = sc.shard_degree(st.hsdp)
     out.append("## 1. Parameters")
     us = sc.units

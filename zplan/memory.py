@@ -363,14 +363,17 @@ def autocast_copies(sc: Scenario) -> mt.AutocastCopies | None:
         return None
     pb = DTYPE_BITS[t.precision.param] // 8
     norms = 2 * m.hidden * (2 if m.norm == "layernorm" else 1)  # a block's two norms
+    # a linear loss casts the head's weight itself (trainer/linear_loss.py, `w.to(dtype)`,
+    # autocast off inside) and saves only the gradients it made: the copy is not kept
+    head_kept = t.linear_loss == "none"
     made, kept, again, root = [], [], [], 0
     for u in sc.units:
         if not u.blocks:  # the embedding (no matmul), the head (its weight; tied: the embedding's)
             made.append(u.matmul_params * pb)
             # a root holding the head comes first in forward order but its head's backward
             # comes first too: its copy is gone before any block's backward
-            kept.append(0 if u.held else u.matmul_params * pb)
-            root += u.matmul_params * pb if u.held else 0
+            kept.append(0 if u.held or not head_kept else u.matmul_params * pb)
+            root += u.matmul_params * pb if u.held and head_kept else 0
             again.append(0)
             continue
         synthetic = m.total_params is not None or sc.custom_units is not None

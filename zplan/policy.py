@@ -140,3 +140,12 @@ def optimizer_splits_matrices(st, layout: str) -> bool:
     and FSDP2's dim-0 shards do; ZeroRedundancyOptimizer (zero1, torch layout) owns whole
     parameters and updates them from DDP's all-reduced gradients, nothing more to gather."""
     return st.optim_sharded and not (st.name == "zero1" and layout == "torch")
+
+
+def autocast_dtype(fsdp: bool, layout: str, param: str, master: str) -> str | None:
+    """The dtype the trainer autocasts forward and loss to (trainer/parallel.py, micro_batch.py),
+    which the planner prices as `TrainSpec.autocast` (Scenario.for_strategy): DDP and ZeRO-1 in
+    the torch layout keep the weights in the master dtype and compute in the param dtype where
+    it is lower. FSDP2 casts the gathered weights (MixedPrecisionPolicy) and DeepSpeed keeps
+    16-bit weights (the zero layout): no autocast."""
+    return param if not fsdp and layout == "torch" and param != master else None

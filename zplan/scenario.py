@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
-from . import arch
+from . import arch, policy
 from .specs import Assumptions, Hardware, ModelSpec, TrainSpec
 from .units import ceil_div
 
@@ -62,7 +62,8 @@ class Scenario:
         the torch layout it runs under autocast where the param dtype is below the master dtype
         (`TrainSpec.autocast`)."""
         t = self.train
-        autocast = not fsdp and t.layout == "torch" and t.precision.param != t.precision.master
+        p = t.precision
+        autocast = policy.autocast_dtype(fsdp, t.layout, p.param, p.master) is not None
         if (fsdp or t.embed_head_unit == "separate") and autocast == t.autocast:
             return self
         update = {"autocast": autocast} if fsdp else {"embed_head_unit": "separate", "autocast": autocast}

@@ -106,7 +106,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     biases = _bias_widths(m)
     if backward and biases:  # autograd's addmm backward: grad_bias = grad_out.sum(0), one kernel each
         rows.append(("bias gradients", sum(biases), len(biases)))
-    ops += [K.memory(gpu, n, per * (S if n.startswith("residual") else B) * T, kern)
+    ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern)
             for n, per, kern in rows if per]
     if not t.compile:
         per, kern = norm_bytes(t, S, backward)

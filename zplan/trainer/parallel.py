@@ -158,7 +158,8 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
         model.to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
-    cast = DTYPES[t.precision.param] if t.precision.param != t.precision.master else None
+    cast = policy.autocast_dtype(False, t.layout, t.precision.param, t.precision.master)
+    cast = DTYPES[cast] if cast else None
     return Parallelized(ddp, model, False, [], cast)
 
 
