@@ -44,15 +44,24 @@ def block_mode(train: TrainSpec, index: int, num_layers: int) -> str:
 def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     """Gradients of activations alive at once inside one block's backward, at its largest: in
     the MLP, the gradient of the down projection's input and the two it splits into (SwiGLU's
-    gate and up branches; GELU: one), with the residual stream's gradient. Liger's fused SwiGLU
-    (`fused_swiglu`) writes its two branch gradients into its saved inputs (ops/swiglu.py at
-    v0.8.0); counted as new tensors all the same: without them ml-engineering's 64k-256k rows
+    gate and up branches; GELU: one), with the residual stream's gradient; less the down
+    projection's saved input, which autograd releases once that matmul's backward has run
+    (before the branch gradients are made: a node's saved tensors go when it returns), so the
+    bytes a block keeps (block_saved_bytes) plus these are the block's backward peak. Held
+    against FSDPMemTracker under FakeTensorMode (tests/test_memory.py).
+
+    Liger's fused SwiGLU (`fused_swiglu`) writes its two branch gradients into its saved inputs
+    (ops/swiglu.py at v0.8.0) and allocates nothing, so its block peaks in the down projection's
+    backward, before that input goes; the branch gradients are counted as new tensors all the
+    same: without them ml-engineering's 64k-256k rows
     fall 10% below the reserved memory they measured, a reserve the allocator model does not
     explain yet (docs/accuracy-notes.md 9m)."""
     B, sb = act_dtype_bytes(train), train.seq_len * train.micro_batch
     k = m.experts_per_token if m.num_experts else 1
     branches = 3 if m.mlp == "swiglu" else 2
     temp = k * branches * B * sb * m.ffn_hidden + stream_dtype_bytes(train) * sb * m.hidden
+    if not train.fused_swiglu:  # the down projection's input, freed before the branches are made
+        temp -= k * (1 if train.te_float8 else B) * sb * m.ffn_hidden
     if train.te_float8:  # the widest linear's output gradient cast to float8 and transposed
         temp += 2 * sb * max(m.ffn_hidden, m.hidden + 2 * m.kv_hidden if m.qkv_fused else m.hidden)
     return temp

@@ -158,8 +158,14 @@ def _run_ends(sig: list) -> list[int]:
 def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[int],
                 held: list[bool], unsharded_grad: list[int], first_grad: list[int],
                 reduce_in: list[int],
-                sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int) -> list[Event]:
-    """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order)."""
+                sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int,
+                all_gathers: bool = True) -> list[Event]:
+    """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
+
+    `all_gathers` False: a shard group of one rank, where FSDP2 issues no all-gather and copies
+    each sharded parameter straight into its unsharded one (FSDPParamGroup.unshard and
+    wait_for_unshard, `world_size == 1`, since PyTorch 2.9: pytorch/pytorch#160135): no
+    all-gather output, none prefetched."""
     n = len(gathered)
     prefetch = sc.train.prefetch
     held_b = sum(g for g, h in zip(gathered, held) if h)
@@ -267,6 +273,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b))
+    if not all_gathers:
+        ev = [Event(e.phase, e.label, {**e.live, "all_gather": 0}) for e in ev]
     return ev
 
 
