@@ -764,3 +764,30 @@ def test_block_backward_peak_on_one_rank_against_fsdpmemtracker(tmp_path, mode):
     c = fake_cell(str(path), 1, 2048, 2, mode, "zero3")
     assert c.predicted_phase == c.traced_phase == "backward", c
     assert abs(c.error) <= 0.0075, c
+
+
+def test_one_partition_gathers_nothing_in_either_layout():
+    """A shard group of one gathers nothing: DeepSpeed points each parameter at its partition
+    (the installed DeepSpeed's partition_parameters.py returns `_no_gather_coalesced` when
+    num_partitions == 1, or in newer releases when every parameter's partition group has one
+    rank), FSDP2 copies each shard into its unsharded parameter (one rank:
+    test_block_backward_peak_on_one_rank_against_fsdpmemtracker). Two ranks gather."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        pytest.skip("deepspeed is not installed")
+    src = (Path(spec.origin).parent / "runtime" / "zero" / "partition_parameters.py").read_text()
+    one_rank = r"if (self\.num_partitions == 1|all\(self\._partition_world_size\(param\) == 1 for param in params\)):"
+    assert re.search(one_rank + r"\s*return _no_gather_coalesced\(params\)", src)
+    # DeepSpeed's gathered weights; FSDP2's all-gather outputs (its unsharded parameters are
+    # there either way)
+    # (a block's forward: its largest weight is 8192 x 2048, its weights 60.8M elements)
+    for layout, kind in (("zero", "gathered"), ("torch", "all_gather")):
+        one, two = (max(e.live.get(kind, 0) for e in timeline(
+            _sc(model="llama-3.2-1b", gpus=str(n), layout=layout, seq_len=2048), effective("zero3", layout))
+            if e.label.startswith(("forward blocks", "forward end"))) for n in (1, 2))
+        assert one <= 2 * 8192 * 2048, layout  # at most its largest weight's bf16 copy
+        assert two >= 2 * 60_000_000, layout  # a block's weights in bf16

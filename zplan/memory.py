@@ -228,13 +228,17 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     if t.layout == "torch" and st.fsdp:
         state = ms.params_bytes + ms.master_bytes + ms.optimizer_bytes
         grad_store = DTYPE_BITS[p.master] // 8 if not st.offload_optimizer else 0
+        # one rank: each parameter's all-gather input, a param-dtype cast of its shard (a view
+        # without mixed precision), after its host-to-device copy under offload
+        per_elem = (pb if p.param != p.master else 0) + (DTYPE_BITS[p.master] // 8 if st.offload_params else 0)
+        one_copy = [x * per_elem for x in _largest_params(sc, 1)]
         return mt.fsdp_events(
             sc, acts, state, [nbytes(g, gather_dtype(sc, u)) for g, u in zip(padded, sc.units)],
             [u.held for u in sc.units],
             [g * pb for g in padded], [x * pb for x in _largest_params(sc, 1)],
             [g * rb for g in padded],
             [x * grad_store for x in shards],
-            st.reshard_after_forward, accum_b, opt_temp, all_gathers=D > 1)
+            st.reshard_after_forward, accum_b, opt_temp, all_gathers=D > 1, one_copy=one_copy)
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
     # DeepSpeed ZeRO-3 releases every gathered parameter at the end of backward
     # (PartitionedParameterCoordinator.release_and_reset_all): none is gathered at the step
@@ -332,8 +336,13 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
 
             return 0, 2 * REDUCE_BUCKET_ELEMS * rb
         return 0, 2 * sc.assume.ddp_bucket_bytes  # DeepSpeed's reduce buckets
+    # one partition: DeepSpeed points each parameter at its shard, gathering nothing
+    # (partition_parameters.py all_gather_coalesced: `_no_gather_coalesced` when num_partitions
+    # == 1, v0.16.6 and v0.19.2)
+    one = sc.shard_degree(st.hsdp) == 1
     if t.deepspeed_defaults and st.reshard_after_forward:
-        return deepspeed_default_buffers(sc, pb, rb)
+        gather_b, reduce_b = deepspeed_default_buffers(sc, pb, rb)
+        return (0 if one else gather_b), reduce_b
     held = sum(g for g, u in zip(padded, sc.units) if u.held)
     moving = [g for g, u in zip(padded, sc.units) if not u.held]
     biggest = max(moving, default=0)
@@ -343,7 +352,7 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
         gather = held + max(a + b for a, b in zip(moving, moving[1:]))
     else:
         gather = held + biggest
-    return gather * pb, biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
+    return (0 if one else gather * pb), biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
 
 
 def autocast_copies(sc: Scenario) -> mt.AutocastCopies | None:

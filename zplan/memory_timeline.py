@@ -159,13 +159,15 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 held: list[bool], unsharded_grad: list[int], first_grad: list[int],
                 reduce_in: list[int],
                 sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int,
-                all_gathers: bool = True) -> list[Event]:
+                all_gathers: bool = True, one_copy: list[int] | None = None) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
 
     `all_gathers` False: a shard group of one rank, where FSDP2 issues no all-gather and copies
     each sharded parameter straight into its unsharded one (FSDPParamGroup.unshard and
     wait_for_unshard, `world_size == 1`, since PyTorch 2.9: pytorch/pytorch#160135): no
-    all-gather output, none prefetched."""
+    all-gather output, none prefetched; each parameter's all-gather input (its param-dtype copy;
+    per unit, `one_copy` at its largest parameter) lives while it is copied in, at the unit's
+    unshard."""
     n = len(gathered)
     prefetch = sc.train.prefetch
     held_b = sum(g for g, h in zip(gathered, held) if h)
@@ -273,8 +275,10 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b))
-    if not all_gathers:
-        ev = [Event(e.phase, e.label, {**e.live, "all_gather": 0}) for e in ev]
+    if not all_gathers:  # the unit unsharded at an event: its forward, the root's gather again
+        copy = {f"forward {u.name}": c for u, c in zip(sc.units, one_copy or [0] * n)}
+        copy.update({f"gather {u.name} again": c for u, c in zip(sc.units, one_copy or [0] * n)})
+        ev = [Event(e.phase, e.label, {**e.live, "all_gather": copy.get(e.label, 0)}) for e in ev]
     return ev
 
 
