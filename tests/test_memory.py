@@ -671,13 +671,13 @@ def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied
     zplan counted every weight copy at every event and the stream in bf16: -2.2% and +4.6%.
     Held on what the step adds to the model state (the state is most of the total here)."""
     torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from zplan import presets
+    from zplan import policy, presets
     from zplan.scenario_options import cpu_ranks
+    from zplan.trainer.micro_batch import forward_loss
     from zplan.trainer.model import Transformer
-    from zplan.trainer.parallel import apply_checkpointing
+    from zplan.trainer.parallel import DTYPES, Parallelized, apply_checkpointing
 
     path = tmp_path / "m.toml"
     path.write_text(AUTOCAST_MODEL + f'mlp = "{mlp}"\n' + ("tied_embeddings = true\n" if tied else ""))
@@ -695,18 +695,21 @@ def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied
     apply_checkpointing(model, mode, 2)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     x, y = torch.randint(0, 512, (2, 128)), torch.randint(0, 512, (2, 128))
+    # the trainer's micro-batch (the DDP wrapper left out: one rank, no reduction) under the
+    # autocast the trainer's DDP path chooses
+    p = sc.train.precision
+    cast = DTYPES[policy.autocast_dtype(False, sc.train.layout, p.param, p.master)]
+    ddp = Parallelized(model, model, False, [], cast)
+    snap = []  # what forward ends with, before the loss (the chunked loss ends inside the head)
 
-    def micro_batch(snap=None):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            if loss == "chunked":  # the loss inside the head: no logits, nothing after forward
-                out = model(x, y)
-                if snap:
-                    snap()
-            else:
-                logits = model(x)
-                if snap:
-                    snap()
-                out = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+    def at_forward_end(*_):  # returns None: the output is kept
+        for f in snap:
+            f()
+
+    model.register_forward_hook(at_forward_end)
+
+    def micro_batch():
+        out, _ = forward_loss(ddp, sc.train, x, y, sync=True)
         out.backward()
 
     micro_batch()
@@ -718,7 +721,8 @@ def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied
     total = lambda kind: next(iter(mt.get_tracker_snapshot(kind).values()))["Total"]  # noqa: E731
     with mt:
         state = total("current")  # parameters, gradients and AdamW's state, as DDP keeps them
-        micro_batch(lambda: seen.setdefault("forward", total("current")))
+        snap.append(lambda: seen.setdefault("forward", total("current")))
+        micro_batch()
         measured_peak = total("peak")
     if loss == "none":  # the chunked loss ends its forward inside the head
         assert predicted_forward == pytest.approx(seen["forward"] - state, rel=0.005)
