@@ -795,3 +795,35 @@ def test_one_partition_gathers_nothing_in_either_layout():
             if e.label.startswith(("forward blocks", "forward end"))) for n in (1, 2))
         assert one <= 2 * 8192 * 2048, layout  # at most its largest weight's bf16 copy
         assert two >= 2 * 60_000_000, layout  # a block's weights in bf16
+
+
+def test_one_rank_copies_are_priced_as_fsdp2_makes_them():
+    """FSDP2 on a shard group of one (the installed torch's _fsdp_param_group.py and
+    _fsdp_collectives.py): each shard copied into its unsharded parameter (a cast only where the
+    gather dtype differs), the reduce-scatter input copied into its output; with two ranks one
+    copy-in and one copy-out per unit."""
+    import importlib.util
+    from pathlib import Path
+
+    from zplan.comm import gather_dtype
+    from zplan.unit_ops import fsdp_copies
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        pytest.skip("torch is not installed")
+    fsdp = Path(spec.origin).parent / "distributed" / "fsdp" / "_fully_shard"
+    assert "tensor.copy_(all_gather_input)" in (fsdp / "_fsdp_param_group.py").read_text()
+    assert "reduce_output.copy_(reduce_scatter_input" in (fsdp / "_fsdp_collectives.py").read_text()
+    for param_dtype, cast in (("fp32", False), ("bf16", True)):
+        sc = _sc(model="llama-3.2-1b", gpus="1", seq_len=2048, param_dtype=param_dtype)
+        st = effective("zero3", "torch")
+        u = next(u for u in sc.units if u.blocks)
+        fwd, bwd = fsdp_copies(sc, st, u, 1, gather_dtype(sc, u))
+        names = [op.name for op in fwd]
+        assert ("all-gather copy-in" in names) == cast, param_dtype
+        assert all(op.kernels == len(u.shapes) for op in fwd)
+        out = next(op for op in bwd if op.name.startswith("reduce-scatter output copy"))
+        assert out.bytes == 2 * 4 * u.numel  # fp32 reduce, read and written
+        fwd2, bwd2 = fsdp_copies(sc, st, u, 2, gather_dtype(sc, u))
+        assert [op.kernels for op in fwd2] == [1, 1]
+        assert not any(op.name.startswith("reduce-scatter output copy") for op in bwd2)

@@ -60,7 +60,14 @@ class Scenario:
         """The scenario a strategy is priced on: `embed_head_unit` groups FSDP's units, and a
         strategy that shards no parameters (DDP, ZeRO-1) has none, so it sees the separate ones; in
         the torch layout it runs under autocast where the param dtype is below the master dtype
-        (`TrainSpec.autocast`)."""
+        (`TrainSpec.autocast`). One per scenario and `fsdp`, made once (recommend asks often)."""
+        return self._strategy_views[fsdp]
+
+    @cached_property
+    def _strategy_views(self) -> dict[bool, "Scenario"]:
+        return {fsdp: self._priced_for(fsdp) for fsdp in (False, True)}
+
+    def _priced_for(self, fsdp: bool) -> "Scenario":
         t = self.train
         p = t.precision
         autocast = policy.autocast_dtype(fsdp, t.layout, p.param, p.master) is not None

@@ -269,15 +269,26 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
     """FSDP2's copies around one unit's collectives (forward ops, backward ops): all-gather
     copy-in (the fp32 shard cast into the send buffer) and copy-out (the gathered flat buffer
     split into parameters), reduce-scatter copy-in (gradients cast to the reduce dtype) and the
-    sharded result accumulated into the gradient."""
+    sharded result accumulated into the gradient.
+
+    A shard group of one rank (D = 1) runs no collective (PyTorch >= 2.9,
+    FSDPParamGroup.unshard / wait_for_unshard and foreach_reduce at `world_size == 1`): each
+    parameter's shard, cast to the gather dtype where it differs (a view otherwise), is copied
+    into its unsharded parameter, one copy per parameter; the reduce-scatter input is copied
+    into its output (`reduce_output.copy_(...)`)."""
     gpu, p = sc.hw.gpu, sc.train.precision
     n = sc.padded_elems(u, D)
     g, r, store = _b(gather_dtype), _b(p.reduce), _b(p.master if sc.train.layout == "torch" else p.param)
-    gather = [K.memory(gpu, "all-gather copy-in", (store + g) * n // D, 1),
-              K.memory(gpu, "all-gather copy-out", 2 * g * n, 1)]
+    one = D == 1
+    per_param = len(u.shapes) if one else 1
+    gather = [K.memory(gpu, "all-gather copy-out", 2 * g * n, per_param)]
+    if not (one and g == store):
+        gather.insert(0, K.memory(gpu, "all-gather copy-in", (store + g) * n // D, per_param))
     bwd = list(gather) if regathered(sc, st, u) else []
-    bwd += [K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1),
-            K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1)]
+    bwd.append(K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1))
+    if one:
+        bwd.append(K.memory(gpu, "reduce-scatter output copy (one rank)", 2 * r * n, 1))
+    bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1))
     return gather, bwd
 
 
