@@ -74,6 +74,11 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
                                     + 3 * o * i, 3))
     if m.num_experts and (only is None or "w1" in only):  # the router runs before the experts
         ops += K.linear(gpu, "router", T, m.num_experts, h, act, act, backward)
+        if t.autocast:  # autocast casts every expert's weights, not only the k a token uses
+            E, k = m.num_experts, m.experts_per_token
+            expert = (3 if m.mlp == "swiglu" else 2) * h * f  # one expert's weights
+            cast_elems += (E - k) * expert + E * h + (0 if t.compile else T * h)  # + the router's
+            casts += (E - k) * (3 if m.mlp == "swiglu" else 2) + 1 + (0 if t.compile else 1)
     if with_attention:
         if t.flash_attention:
             ops.append(K.attention(gpu, s, h, T, backward, t.attention_kernel, m.head_dim, act))
