@@ -159,19 +159,23 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 held: list[bool], unsharded_grad: list[int], first_grad: list[int],
                 reduce_in: list[int],
                 sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int,
-                all_gathers: bool = True, one_copy: list[int] | None = None) -> list[Event]:
+                one_rank_copy: list[int] | None = None) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
 
-    `all_gathers` False: a shard group of one rank, where FSDP2 issues no all-gather and copies
-    each sharded parameter straight into its unsharded one (FSDPParamGroup.unshard and
+    `one_rank_copy` given: a shard group of one rank, where FSDP2 issues no all-gather and
+    copies each sharded parameter straight into its unsharded one (FSDPParamGroup.unshard and
     wait_for_unshard, `world_size == 1`, since PyTorch 2.9: pytorch/pytorch#160135): no
     all-gather output, none prefetched; each parameter's all-gather input (its param-dtype copy;
-    per unit, `one_copy` at its largest parameter) lives while it is copied in, at the unit's
-    unshard."""
+    per unit, `one_rank_copy` at its largest parameter) lives while it is copied in, at the
+    unit's unshard."""
     n = len(gathered)
-    prefetch = sc.train.prefetch
+    one_rank = one_rank_copy is not None
+    prefetch = sc.train.prefetch and not one_rank
     held_b = sum(g for g, h in zip(gathered, held) if h)
     moving = [0 if h else g for g, h in zip(gathered, held)]
+    # what the unit's unshard holds besides its unsharded parameters
+    unshard = (lambda i: one_rank_copy[i]) if one_rank else (  # noqa: E731
+        lambda i: gathered[i] if held[i] else moving[i])
     nxt = lambda i: moving[i + 1] if prefetch and i + 1 < n else 0  # noqa: E731
     # backward prefetch all-gathers the previous unit, unless it stayed gathered (no reshard)
     prv = lambda j: moving[j - 1] if prefetch and reshard and j > 0 else 0  # noqa: E731
@@ -201,7 +205,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
             act += logits_b  # the head's output
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b, grads=all_grads,
                       gathered=held_b + kept + moving[i],
-                      all_gather=max(gathered[i] if held[i] else moving[i], nxt(i)),
+                      all_gather=max(unshard(i), nxt(i)),
                       unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
     # reshard_after_forward to the root as well) and gathers again in its pre-backward, unless
@@ -237,7 +241,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         if reshard and not kept_at_loss[head]:
             # the root's pre-backward (a hook on its output) gathers it again: copy-out
             ev.append(_ev("backward", f"gather {root} again", state=state_b, grads=all_grads, gathered=held_b,
-                          all_gather=gathered[head], unsharded_grads=accum_b, activations=loss_grad))
+                          all_gather=unshard(head), unsharded_grads=accum_b, activations=loss_grad))
         # the head's backward inside the root, before the last block's: its input gradient and
         # its new weight gradient; FSDP2's implicit backward prefetch has the last block's
         # all-gather out (the root is not in the trainer's explicit prefetch chain)
@@ -275,10 +279,6 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b))
-    if not all_gathers:  # the unit unsharded at an event: its forward, the root's gather again
-        copy = {f"forward {u.name}": c for u, c in zip(sc.units, one_copy or [0] * n)}
-        copy.update({f"gather {u.name} again": c for u, c in zip(sc.units, one_copy or [0] * n)})
-        ev = [Event(e.phase, e.label, {**e.live, "all_gather": copy.get(e.label, 0)}) for e in ev]
     return ev
 
 
