@@ -124,3 +124,45 @@ def test_accumulation_finds_every_sharded_gradient_from_the_second_micro_batch(m
 
     cell = fake_cell(model, 8, 2048, 1, checkpointing, "zero3", grad_accum=2)
     assert abs(cell.error) < 0.005 and cell.predicted_phase == cell.traced_phase, cell
+
+
+@pytest.mark.slow
+def test_recorded_allocations_replay_to_the_trackers_peak_and_bound_the_planner(tmp_path, monkeypatch):
+    """`verify --fake --reserved` records every storage the tracker sees in order: replayed, the
+    live bytes reach exactly the tracker's own peak (nothing missed, nothing counted twice). The
+    caching allocator over them reserves at least that, and the planner's reserve, which packs
+    all but the loss's tensors, is at most the simulated one; where the loop drops the logits it
+    reserves the loss's hole (2 bytes per bf16 logit) over its allocated peak besides what it
+    reserves with them kept."""
+    pytest.importorskip("torch")
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    captured = []
+    replay = fake_trace.simulated_reserved
+
+    def capture(allocations, expandable):
+        captured.append(allocations)
+        return replay(allocations, expandable)
+
+    monkeypatch.setattr(fake_trace, "simulated_reserved", capture)
+    over = {}
+    for kept in (True, False):
+        captured.clear()
+        cell = fake_trace.fake_cell(str(path), 4, 1024, 2, "none", "zero3", logits_kept=kept,
+                                    reserved=True, expandable_segments=True)
+        live = peak = 0
+        held: dict[int, int] = {}
+        for op, winfo, now, _ in captured[0]:
+            live -= held.pop(id(winfo), 0)
+            if op in ("ADD", "SIZE"):
+                held[id(winfo)] = now
+                live += now
+            peak = max(peak, live)
+        assert peak == cell.traced_bytes
+        assert cell.traced_reserved_bytes >= cell.traced_bytes
+        assert cell.predicted_reserved_bytes <= cell.traced_reserved_bytes
+        over[kept] = cell.predicted_reserved_bytes - cell.predicted_bytes
+    hole = 2 * 2 * 1024 * 32000  # 125 MiB, six 20 MiB pages
+    assert over[False] - over[True] == pytest.approx(hole, abs=20 * 2**20)

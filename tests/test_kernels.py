@@ -390,7 +390,8 @@ def test_te_float8_recipe_is_refused_where_its_saves_are_unknown(capsys):
     assert modes and not modes & {"selective", "attention"}
     plain = json.loads(cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--layout",
                            "torch", "--float8", "--json").stdout)
-    assert "selective" in {c["train"]["checkpointing"] for c in plain["candidates"]}  # could be
+    # tensorwise float8 searches selective checkpointing too: more configurations evaluated
+    assert plain["evaluated"] > d["evaluated"]
 
 
 def test_sdpa_flash_output_follows_q_and_the_trainers_projection_reads_a_view():

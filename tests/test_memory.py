@@ -374,10 +374,18 @@ def test_allocator_rounding_follows_cuda_caching_allocator():
 def test_reserved_is_the_sum_of_each_streams_peak():
     z = {k: 0 for k in KINDS}
     a = Event("forward", "a", dict(z, activations=100 * MiB, all_gather=5 * MiB))
-    b = Event("backward", "b", dict(z, activations=20 * MiB, reduce_scatter=60 * MiB))
-    # allocated peaks at 105 MiB; the reduce-scatter stream's 60 MiB cannot reuse the default
-    # stream's cache, nor can the all-gather stream's 5 MiB (a 20 MiB segment)
+    b = Event("backward", "b", dict(z, activations=20 * MiB, grads=60 * MiB))
+    # allocated peaks at 105 MiB; the reduce-scatter stream's 60 MiB (sharded gradients) cannot
+    # reuse the default stream's cache, nor can the all-gather stream's 5 MiB (a 20 MiB segment)
     assert allocator.reserved_bytes([a, b], Assumptions()) == 100 * MiB + 20 * MiB + 60 * MiB
+    # the reduce-scatter input is the default stream's (PyTorch >= 2.5): it reuses its cache
+    c = Event("backward", "c", dict(z, activations=20 * MiB, reduce_scatter=60 * MiB))
+    assert allocator.reserved_bytes([a, c], Assumptions()) == 100 * MiB + 20 * MiB
+    # expandable segments map each stream's pool in 20 MiB pages
+    assert allocator.reserved_bytes([a, b], Assumptions(expandable_segments=True)) == 100 * MiB + 20 * MiB + 60 * MiB
+    d = Event("backward", "d", dict(z, activations=101 * MiB, grads=61 * MiB))
+    assert allocator.reserved_bytes([d], Assumptions()) == 102 * MiB + 62 * MiB
+    assert allocator.reserved_bytes([d], Assumptions(expandable_segments=True)) == 120 * MiB + 80 * MiB
     assert allocator.reserved_bytes([a, b], Assumptions(fragmentation=0.1)) == int(105 * MiB * 1.1)
 
 

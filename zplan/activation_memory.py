@@ -189,33 +189,60 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     raise ValueError(mode)
 
 
-def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
-    """Bytes per logit alive in the loss, eager as the trainer computes it,
-    `F.cross_entropy(logits.float().view(-1, V), y)` (zplan/trainer/loop.py), or compiled.
+def loss_steps(train: TrainSpec, loss_fp32: bool = True) -> tuple[tuple[str, str, str, int], ...]:
+    """The loss's tensors in the order they are made (+) and freed (-), bytes per logit:
+    (phase, op, tensor, bytes). Eager, as the trainer computes it,
+    `F.cross_entropy(logits.float().view(-1, V), y)` (zplan/trainer/loop.py):
 
-    Eager, forward: the logits (param dtype), their fp32 copy (`.float()`, none when they are
-    fp32 already or not upcast) and log_softmax's output. Backward: the logits (still
-    referenced), log_softmax's saved output, nll_loss's gradient (vocabulary-sized) and
-    log_softmax's input gradient, alive together inside log_softmax_backward: 2 + 4 + 4 + 4 = 14 B
-    for bf16 logits upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16;
-    12 B and 6 B where the loop drops the logits first (`TrainSpec.logits_kept` False).
+    forward: the logits (param dtype, the head's output), their fp32 copy (`.float()`; none when
+    they are fp32 already or not upcast), log_softmax's output (saved for backward); the copy is
+    freed when cross_entropy returns, the logits too where the loop drops them before backward
+    (`TrainSpec.logits_kept` False). backward: nll_loss's gradient (vocabulary-sized), then
+    log_softmax's input gradient, both alive with the saved output inside log_softmax_backward;
+    then the first two are freed and the upcast's backward casts the input gradient back to the
+    logits' dtype. This is the order PyTorch's FSDPMemTracker records under FakeTensorMode
+    (trainer/fake_trace.py), and the caching allocator sees (caching_allocator.py).
 
     Compiled (`train.compile_loss`): inductor's forward is row reductions only (max and
     log-sum-exp, per row) and keeps the logits for backward; its backward writes the logits'
-    gradient in their dtype in one kernel (the upcast fused, the NLL scatter turned pointwise):
-    B forward, 2B backward, whether or not the source upcasts (the code inductor generates for
+    gradient in their dtype in one kernel (the upcast fused, the NLL scatter turned pointwise),
+    whether or not the source upcasts (the code inductor generates for
     `F.cross_entropy(pred.float(), y)`, torch 2.13, shown by TORCH_LOGS=output_code;
     docs/formulas.md section 3). A fused cross-entropy kernel (`train.fused_loss`) holds the same:
     flash-attn's xentropy (v1.0.9 csrc/xentropy/xentropy_kernel.cu: fp32 per-row losses and
     log-sum-exp, the logits saved, `gI = at::empty_like(logits)` in backward unless in place)."""
     B = act_dtype_bytes(train)
     if train.loss_fused:
-        return {"forward": B, "backward": 2 * B}
+        return (("forward", "+", "logits", B), ("backward", "+", "logits grad", B))
     L = 4 if loss_fp32 else B
     upcast = 4 if loss_fp32 and B != 4 else 0
-    # a loop that drops its logits before backward (train.logits_dropped) leaves the eager
-    # loss's backward without them: 3L
-    return {"forward": B + upcast + L, "backward": (0 if train.logits_dropped else B) + 3 * L}
+    steps = [("forward", "+", "logits", B)]
+    if upcast:
+        steps.append(("forward", "+", "fp32 logits", upcast))
+    steps.append(("forward", "+", "log_softmax", L))
+    if upcast:
+        steps.append(("forward", "-", "fp32 logits", upcast))
+    if train.logits_dropped:
+        steps.append(("forward", "-", "logits", B))
+    steps += [("backward", "+", "nll grad", L), ("backward", "+", "log_softmax grad", L),
+              ("backward", "-", "nll grad", L), ("backward", "-", "log_softmax", L)]
+    if upcast:
+        steps += [("backward", "+", "logits grad", B), ("backward", "-", "log_softmax grad", L)]
+    return tuple(steps)
+
+
+def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
+    """Bytes per logit alive in the loss at its largest, forward and backward: the running sum
+    of `loss_steps`, which it is derived from. Eager, forward: the logits, their fp32 copy and
+    log_softmax's output; backward: the logits (unless dropped), log_softmax's saved output,
+    nll_loss's gradient and log_softmax's input gradient: 2 + 4 + 4 + 4 = 14 B for bf16 logits
+    upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16; 12 B and 6 B where
+    the loop drops the logits first. Compiled or fused: B forward, 2B backward."""
+    live, peak = 0, {"forward": 0, "backward": 0}
+    for phase, op, _, b in loss_steps(train, loss_fp32):
+        live += b if op == "+" else -b
+        peak[phase] = max(peak[phase], live)
+    return peak
 
 
 def linear_loss_bytes(m: ModelSpec, train: TrainSpec) -> dict[str, int]:

@@ -1,54 +1,52 @@
 """What PyTorch's CUDA caching allocator reserves for a step, from how it works
-(c10/cuda/CUDACachingAllocator.cpp):
+(c10/cuda/CUDACachingAllocator.cpp; simulated in caching_allocator.py):
 
 - every request is rounded up to a multiple of 512 B (kMinBlockSize); requests of at most
   1 MiB (kSmallSize) come from 2 MiB segments (kSmallBuffer), requests up to 10 MiB
   (kMinLargeAlloc) from 20 MiB segments (kLargeBuffer), larger ones get a segment of their own
-  rounded up to 2 MiB (kRoundLarge);
+  rounded up to 2 MiB (kRoundLarge); with `expandable_segments:True` each stream's pool is one
+  segment mapped in 20 MiB pages;
 - a freed block is cached, never returned to the driver during training, and reused only for
   a later request on the same CUDA stream (blocks are keyed by stream);
 - FSDP2 allocates on three streams (memory_timeline.STREAM): the default stream (weights,
-  unsharded parameters and gradients, activations), its all-gather stream (all-gather outputs)
-  and its reduce-scatter stream (reduce-scatter inputs and the sharded gradients).
+  unsharded parameters and gradients, activations, the reduce-scatter input), its all-gather
+  stream (all-gather outputs) and its reduce-scatter stream (the sharded gradients).
 
 So the reserved peak is at least the sum over streams of each stream's own peak, each rounded
-to the segment size: memory one stream has cached cannot serve another. Within a stream the
-model assumes cached blocks are reused fully (best-fit with splitting; with
-`expandable_segments:True` neighbouring free pages also merge), which is a lower bound there.
-`--fragmentation F` replaces this with the flat assumption reserved = (1 + F) x allocated.
+to the segment size: memory one stream has cached cannot serve another. Within the default
+stream the loss leaves a hole no later request fits: its vocabulary-sized tensors are made and
+freed in an order (activation_memory.loss_steps) the allocator can only partly reuse -- where
+the loop drops the logits, the logits and their fp32 copy free a block one and a half times the
+size of the two fp32 gradients of the backward, which take it and fresh memory beside it. The
+loss's tensors run through the allocator simulation on top of everything else the default
+stream holds then (assumed packed: a lower bound), and the default stream reserves at least
+that. Elsewhere the model assumes cached blocks are reused fully, a lower bound.
+`--fragmentation F` replaces all this with the flat assumption reserved = (1 + F) x allocated.
 """
 
 from __future__ import annotations
 
+from .activation_memory import loss_steps
+from .caching_allocator import (LARGE_SEGMENT_BYTES, SMALL_BYTES, CachingAllocator, allocation_size,
+                                round_size)
 from .memory_timeline import STREAM, Event
-from .specs import Assumptions
-from .units import MiB
+from .specs import Assumptions, TrainSpec
 
-BLOCK_BYTES = 512  # kMinBlockSize
-SMALL_BYTES = 1 * MiB  # kSmallSize: the small pool's largest request
-SMALL_SEGMENT_BYTES = 2 * MiB  # kSmallBuffer
-LARGE_SEGMENT_BYTES = 20 * MiB  # kLargeBuffer, for requests up to kMinLargeAlloc
-MIN_LARGE_ALLOC_BYTES = 10 * MiB  # kMinLargeAlloc
-ROUND_LARGE_BYTES = 2 * MiB  # kRoundLarge
 STREAMS = tuple(sorted(set(STREAM.values())))
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-int(n) // to) * to
 
 
 def block_bytes(request: int) -> int:
     """The block one request occupies (CUDACachingAllocator round_size)."""
-    return max(BLOCK_BYTES, _round_up(request, BLOCK_BYTES))
+    return round_size(int(request))
 
 
-def segment_bytes(request: int) -> int:
-    """The segment cudaMalloc'd for a request no cached block can serve (get_allocation_size)."""
-    if request <= SMALL_BYTES:
-        return SMALL_SEGMENT_BYTES
-    if request < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_SEGMENT_BYTES
-    return _round_up(request, ROUND_LARGE_BYTES)
+def segment_bytes(request: int, expandable: bool = False) -> int:
+    """The segment cudaMalloc'd for a request no cached block can serve (get_allocation_size), or
+    with expandable segments the pages mapped for it (20 MiB in the large pool, 2 MiB in the
+    small one)."""
+    if expandable and request > SMALL_BYTES:
+        return -(-int(request) // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES
+    return allocation_size(int(request))
 
 
 def stream_peaks(events: list[Event]) -> dict[str, int]:
@@ -64,10 +62,39 @@ def stream_peaks(events: list[Event]) -> dict[str, int]:
     return out
 
 
-def reserved_bytes(events: list[Event], assume: Assumptions) -> int:
-    """Reserved bytes at the step's peak (torch.cuda.max_memory_reserved)."""
+def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool) -> int:
+    """What the allocator reserves for the loss's own tensors (activation_memory.loss_steps, each
+    `logits_elems` logits), run through caching_allocator.CachingAllocator from nothing cached:
+    their peak plus the hole they leave that none of them fits."""
+    if logits_elems <= 0:
+        return 0
+    sim = CachingAllocator(expandable)
+    for _, op, name, per_logit in loss_steps(train, loss_fp32):
+        if op == "+":
+            sim.malloc(name, per_logit * logits_elems)
+        else:
+            sim.free(name)
+    return sim.peak_reserved_bytes
+
+
+def default_stream_floor(events: list[Event], loss_bytes: int, loss_reserved: int) -> int:
+    """The default stream's reserve through the loss: what it holds besides the loss's tensors
+    when the loss begins (the "loss forward" event, less the loss's own `loss_bytes`), and the
+    loss's own reserve on top (0 where no event is the loss's)."""
+    start = next((e for e in events if e.label == "loss forward"), None)
+    if start is None or not loss_reserved:
+        return 0
+    held = sum(b for k, b in start.live.items() if STREAM[k] == "default") - loss_bytes
+    return max(held, 0) + loss_reserved
+
+
+def reserved_bytes(events: list[Event], assume: Assumptions, default_floor: int = 0) -> int:
+    """Reserved bytes at the step's peak (torch.cuda.max_memory_reserved): the sum over streams
+    of each stream's peak in whole segments, the default stream's at least `default_floor`."""
     allocated = max((e.total_bytes for e in events), default=0)
     if assume.fragmentation is not None:
         return allocated + int(assume.fragmentation * allocated)
     per = stream_peaks(events)
-    return max(allocated, sum(segment_bytes(b) if b else 0 for b in per.values()))
+    per["default"] = max(per["default"], default_floor)
+    expandable = assume.expandable_segments
+    return max(allocated, sum(segment_bytes(b, expandable) if b else 0 for b in per.values()))

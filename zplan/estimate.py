@@ -123,6 +123,8 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                           "flag": "--fragmentation",
                           "meaning": "reserved over allocated: the CUDA caching allocator per stream, "
                                      "or a flat fraction if given"},
+        "expandable_segments": {"value": a.expandable_segments, "flag": "--expandable-segments",
+                                "meaning": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run"},
         "ddp_bucket_bytes": {"value": a.ddp_bucket_bytes, "flag": "--bucket-mib",
                              "meaning": "gradient bucket of DDP-style reduction"},
         "overlap": {"value": a.overlap, "flag": "--no-overlap",

@@ -416,6 +416,11 @@ def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]
     return gather * pb, REDUCE_BUCKET_ELEMS * rb + largest * pb
 
 
+@lru_cache(maxsize=256)
+def _loss_reserved(logits_elems: int, train, loss_fp32: bool, expandable: bool) -> int:
+    return allocator.loss_reserved_bytes(logits_elems, train, loss_fp32, expandable)
+
+
 def memory(sc: Scenario, st: Strategy) -> Memory:
     """Peak memory per GPU (bytes) over the step's timeline, allocated and reserved, and host
     memory for offload, for one strategy."""
@@ -424,7 +429,11 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     events = timeline(sc, st, ms)
     top = mt.peak(events)
     allocated = top.total_bytes
-    reserved = allocator.reserved_bytes(events, sc.assume)
+    acts = mt.activations(sc)
+    floor = allocator.default_stream_floor(
+        events, acts.logits_elems * acts.loss_per_logit["forward"],
+        _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32, sc.assume.expandable_segments))
+    reserved = allocator.reserved_bytes(events, sc.assume, floor)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)

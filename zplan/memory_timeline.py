@@ -27,11 +27,13 @@ KINDS = ("state", "grads", "gathered", "all_gather", "unsharded_grads", "reduce_
          "activations")
 # The CUDA stream each kind is allocated on: the caching allocator reuses a freed block only for
 # requests on the stream it was allocated on. FSDP2 allocates all-gather outputs on its
-# all-gather stream, reduce-scatter inputs and outputs (the sharded gradients are views of the
-# output) on its reduce-scatter stream (_fsdp_collectives.foreach_all_gather, foreach_reduce).
+# all-gather (copy-in) stream and the reduce-scatter outputs (the sharded gradients are views of
+# them) on its reduce-scatter stream; the reduce-scatter input is allocated and copied into on
+# the default stream since PyTorch 2.5 (pytorch/pytorch#129721; _fsdp_collectives.
+# foreach_all_gather, foreach_reduce in torch 2.13).
 STREAM = {"state": "default", "gathered": "default", "unsharded_grads": "default",
           "activations": "default", "all_gather": "all-gather", "grads": "reduce-scatter",
-          "reduce_scatter": "reduce-scatter"}
+          "reduce_scatter": "default"}
 
 
 class Event:

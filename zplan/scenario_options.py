@@ -76,6 +76,7 @@ class ScenarioOptions:
     efficiency: Optional[float] = None
     context_gib: Optional[float] = None  # None: 600 MiB on a GPU, 0 on a CPU rank
     fragmentation: Optional[float] = None  # None: the caching-allocator model on a GPU, 0 on a CPU rank
+    expandable_segments: bool = False  # the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     bucket_mib: float = 25.0
     overlap: bool = True
     presets_dir: Optional[list[str]] = None
@@ -250,7 +251,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         assume = Assumptions(
             compute_efficiency=efficiency, cuda_context_bytes=int(context_gib * GiB),
             fragmentation=fragmentation, ddp_bucket_bytes=int(o.bucket_mib * MiB),
-            overlap=o.overlap, loss_fp32=o.loss_fp32,
+            overlap=o.overlap, loss_fp32=o.loss_fp32, expandable_segments=o.expandable_segments,
         )
         hw = Hardware(gpu=gpu, cluster=cluster, num_gpus=n)
     except ValidationError as e:

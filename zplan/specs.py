@@ -312,6 +312,9 @@ class Assumptions(Spec):
         None, ge=0, lt=1, description="flat allocator fragmentation, fraction of allocated bytes; "
         "None: the caching-allocator model (zplan/allocator.py)"
     )
+    expandable_segments: bool = Field(
+        False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (PyTorch's default: "
+        "off; torchtitan's launcher sets it): each stream's pool one segment mapped in 20 MiB pages")
     ddp_bucket_bytes: int = Field(25 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="DDP gradient bucket size")
     loss_fp32: bool = Field(True, description="logits upcast to fp32 for the loss")
     overlap: bool = Field(True, description="communication runs concurrently with compute")

@@ -62,6 +62,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "efficiency": ((), "Assume one achieved fraction of peak FLOP/s for all work instead of the per-op kernel model (presets without kernel figures: 0.7; 1 when calibrated)"),
     "context_gib": ((), "Assumed CUDA context per GPU, GiB"),
     "fragmentation": ((), "Flat allocator reserve over allocated bytes, a fraction (default: the caching-allocator model)"),
+    "expandable_segments": ((), "The run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the allocator maps each stream's pool in 20 MiB pages (PyTorch's default is off)"),
     "bucket_mib": ((), "DDP gradient bucket, MiB"),
     "overlap": ((), "Assume communication overlaps compute"),
     "presets_dir": (("--presets",), "Folder of your own presets (gpus/, clusters/, models/)"),

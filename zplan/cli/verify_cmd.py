@@ -67,6 +67,9 @@ def verify(
     seq_len: Annotated[int, typer.Option(help="--fake: sequence length")] = 4096,
     micro_batch: Annotated[int, typer.Option(help="--fake: micro-batch")] = 1,
     linear_loss: Annotated[str, typer.Option(help="--fake: the loss, none (logits, then cross-entropy) or chunked (the trainer's linear loss)")] = "none",
+    reserved: Annotated[bool, typer.Option(help="--fake: also reserved memory, planned against PyTorch's caching allocator simulated over three traced steps (three times as long)")] = False,
+    expandable_segments: Annotated[bool, typer.Option(help="--fake --reserved: the allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")] = False,
+    logits_kept: Annotated[bool, typer.Option(help="--fake: the loop holds the logits until backward returns (--no-logits-kept: dropped first, as torchtitan's `del pred`)")] = True,
 ) -> None:
     """Short real trainings, predicted against measured; exit 1 past tolerance.
 
@@ -77,9 +80,12 @@ def verify(
         raise UsageError("--json covers the real matrix; drop it with --fake (its table is on stdout)")
     if fake:
         return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance,
-                            checkpointing or ["none"], linear_loss)
+                            checkpointing or ["none"], linear_loss, reserved, expandable_segments,
+                            logits_kept)
     if linear_loss != "none":
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
+    if reserved or expandable_segments or not logits_kept:
+        raise UsageError("--reserved, --expandable-segments and --no-logits-kept go with --fake: add --fake")
     import tempfile
     from pathlib import Path
 
@@ -209,11 +215,14 @@ def calibrate(
 
 
 def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float,
-                 modes: list[str], linear_loss: str = "none") -> None:
+                 modes: list[str], linear_loss: str = "none", reserved: bool = False,
+                 expandable: bool = False, logits_kept: bool = True) -> None:
     """One traced step per strategy at real scale, against the planner (torch layout): the
-    allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase."""
+    allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase;
+    with `reserved`, the planner's reserved bytes against the caching allocator simulated over
+    the traced steps' tensors (printed, not judged: the planner packs all but the loss's)."""
     from ..specs import CHECKPOINTING
-    from ..trainer.fake_trace import fake_cell
+    from ..trainer.fake_trace import RESERVE_STEPS, fake_cell
     from ..parse import check_choice, check_range
 
     check_range(world, "--world-size", 1, 1 << 20)
@@ -224,12 +233,22 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     bad = []
     print(f"{'strategy':28s} {'predicted':>12s} {'traced':>12s} {'error':>8s} {'phase (pred/traced)':>22s}"
           f"   traced by category (GiB)")
+    if expandable and not reserved:
+        raise UsageError("--expandable-segments goes with --reserved: add --reserved")
     for name, mode in ((n, md) for n in names for md in modes):
-        c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss)
+        c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss,
+                      logits_kept=logits_kept, reserved=reserved, expandable_segments=expandable)
         label = f"{name} ckpt={mode}"
-        cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
+        cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items()
+                         if v and k != "Total" and not k.startswith("reserved"))
         print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "
               f"{c.error:>+8.1%} {c.predicted_phase + '/' + c.traced_phase:>22s}   {cats}")
+        if reserved:
+            p, t = c.predicted_reserved_bytes, c.traced_reserved_bytes
+            how = "expandable segments" if expandable else "classic segments"
+            print(f"{'  reserved (' + how + ')':28s} {p / 2**30:>8.2f} GiB {t / 2**30:>8.2f} GiB "
+                  f"{(p - t) / t:>+8.1%}   traced: the caching allocator simulated over "
+                  f"{RESERVE_STEPS} steps' tensors")
         if not c.ok(tolerance):
             bad.append(label)
     if bad:

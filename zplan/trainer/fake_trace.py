@@ -33,9 +33,37 @@ def _init_optimizer_state(optim) -> None:
     optim.zero_grad(set_to_none=True)
 
 
-def trace_peak(plan, steps: int = 1) -> dict:
+# The CUDA stream FSDP2 allocates each of FSDPMemTracker's categories on (as
+# memory_timeline.STREAM): all-gather outputs on the all-gather copy-in stream, the sharded
+# gradients (views of the reduce-scatter outputs) on the reduce-scatter stream, the rest
+# (the reduce-scatter input included, PyTorch >= 2.5) on the default stream.
+TRACKER_STREAM = {"All Gather": "all-gather", "Sharded Grad": "reduce-scatter"}
+RESERVE_STEPS = 3  # the simulated reserve settles by the third step (Llama 3.1 8B, 8 and 128 ranks)
+
+
+def simulated_reserved(allocations: list, expandable_segments: bool) -> int:
+    """What PyTorch's caching allocator reserves for the recorded storages in their order
+    (caching_allocator.CachingAllocator), each on the stream FSDP2 allocates its category on
+    (its category as the tracker last labelled it)."""
+    from ..caching_allocator import CachingAllocator
+
+    sim = CachingAllocator(expandable_segments)
+    live: dict[int, int] = {}  # storage -> its current block's key (a resize makes a new one)
+    for n, (op, winfo, now, _) in enumerate(allocations):
+        if id(winfo) in live:  # freed, or resized: the old block goes first
+            sim.free(live.pop(id(winfo)))
+        if op in ("ADD", "SIZE") and now > 0:
+            stream = TRACKER_STREAM.get(str(getattr(winfo.reftype, "value", winfo.reftype)), "default")
+            sim.malloc(n, now, stream)
+            live[id(winfo)] = n
+    return sim.peak_reserved_bytes
+
+
+def trace_peak(plan, steps: int = 1, reserved: bool = False) -> dict:
     """Peak bytes per category on rank 0 of plan.num_gpus fake ranks (FSDP2 strategies), with
-    "phase" naming where in the step the peak was reached."""
+    "phase" naming where in the step the peak was reached; with `reserved`, also what the caching
+    allocator would reserve over the traced steps, classic and with expandable segments
+    ("reserved", "reserved expandable")."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -62,6 +90,8 @@ def trace_peak(plan, steps: int = 1) -> dict:
             optim = build_optimizer(par, plan, lr=1e-4)
             _init_optimizer_state(optim)
             tracker = tracker_class()(par.model, optim)
+            if reserved:
+                tracker.allocations = []
             t = plan.train
             with tracker:
                 for step in range(steps):
@@ -80,6 +110,9 @@ def trace_peak(plan, steps: int = 1) -> dict:
         per = next(iter(snap.values()))
         out: dict = {str(getattr(k, "value", k)): int(v) for k, v in per.items()}
         out["phase"] = tracker.peak_phase
+        if reserved:
+            out["reserved"] = simulated_reserved(tracker.allocations, False)
+            out["reserved expandable"] = simulated_reserved(tracker.allocations, True)
         return out
     finally:
         with contextlib.suppress(Exception):
@@ -97,6 +130,10 @@ class FakeCell:
     traced_phase: str
     categories: dict
     trace_s: float
+    # with `reserved`: the planner's reserved bytes and the caching allocator's over the traced
+    # steps (simulated_reserved), classic segments or expandable as the cell was planned
+    predicted_reserved_bytes: int | None = None
+    traced_reserved_bytes: int | None = None
 
     @property
     def error(self) -> float:
@@ -108,9 +145,12 @@ class FakeCell:
 
 def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
               strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
-              logits_kept: bool = True, grad_accum: int = 1) -> FakeCell:
+              logits_kept: bool = True, grad_accum: int = 1, reserved: bool = False,
+              expandable_segments: bool = False) -> FakeCell:
     """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
-    composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it."""
+    composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it. With
+    `reserved`, also the reserved bytes, planned (the caching-allocator model) and simulated over
+    RESERVE_STEPS traced steps."""
     import time
 
     from ..errors import UsageError
@@ -120,18 +160,27 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
 
     if strategy in ("ddp", "zero1"):
         raise UsageError(f"--fake traces the FSDP2 strategies; {strategy} replicates the model")
-    sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
-                         seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
-                         checkpointing=checkpointing, optimizer_kernels="single",
-                         linear_loss=linear_loss, embed_head_unit=embed_head_unit,
-                         logits_kept=logits_kept, grad_accum=grad_accum))
+    def plan_scenario(**kw):
+        return build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
+                               seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
+                               checkpointing=checkpointing, optimizer_kernels="single",
+                               linear_loss=linear_loss, embed_head_unit=embed_head_unit,
+                               logits_kept=logits_kept, grad_accum=grad_accum, **kw))
+
+    sc = plan_scenario()
     r = estimate_one(sc, strategy)
     if r.memory is None:
         raise UsageError(f"{strategy}: {r.unavailable}")
     t0 = time.perf_counter()
-    peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r))
+    peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r),
+                      steps=RESERVE_STEPS if reserved else 1, reserved=reserved)
     phase = peak.pop("phase")
+    planned = traced = None
+    if reserved:
+        rr = estimate_one(plan_scenario(fragmentation=None, expandable_segments=expandable_segments), strategy)
+        planned = rr.memory.reserved_bytes
+        traced = peak["reserved expandable" if expandable_segments else "reserved"]
     accum = f" A={grad_accum}" if grad_accum > 1 else ""
     return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch}{accum} {checkpointing} {strategy}",
                     r.memory.allocated_bytes, peak["Total"], r.memory.peak_phase, phase or "-",
-                    peak, time.perf_counter() - t0)
+                    peak, time.perf_counter() - t0, planned, traced)

@@ -11,6 +11,9 @@ torch 2.13 source it works around:
 - Only the global peak is kept, with the phase it was reached in
   (`TraceTracker._update_peak_stats`): the tracker's per-module peaks cost 40% of a trace and
   nothing reads them.
+- Where asked (`allocations` a list), every storage's allocation, release and resize is recorded
+  in order (`TraceTracker._update_snap`), for the caching-allocator simulation
+  (fake_trace.simulated_reserved).
 """
 
 from __future__ import annotations
@@ -77,6 +80,15 @@ def tracker_class():
 
     class TraceTracker(FSDPMemTracker):
         peak_phase: str | None = None
+        allocations: list | None = None  # (op, _WeakRefInfo, bytes now, bytes before) if recording
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+            """MemTracker._update_snap, and the change recorded: ADD (a new storage), DEL (freed),
+            SIZE (resized: FSDP2 frees and re-allocates unsharded parameters with resize_);
+            REF only relabels a storage."""
+            if self.allocations is not None and u_type.name != "REF":
+                self.allocations.append((u_type.name, winfo, winfo.mem_consumed, old_mem_consumed))
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
         def _update_peak_stats(self, _peak_state) -> None:
             """The global part of MemTracker._update_peak_stats (torch/distributed/_tools/

@@ -1,0 +1,204 @@
+"""The caching-allocator simulation against the rules of c10/cuda/CUDACachingAllocator.cpp, each
+expected figure worked out by hand from them; the loss's tensor order against what PyTorch's
+MemTracker records on the trainer's own loss; and the reserved memory the planner derives from
+both."""
+
+from __future__ import annotations
+
+import pytest
+
+from zplan import activation_memory, allocator
+from zplan.caching_allocator import CachingAllocator
+from zplan.scenario_options import build, cpu_ranks
+from zplan.units import MiB
+
+
+def run(seq, expandable=False):
+    a = CachingAllocator(expandable)
+    for op, key, *rest in seq:
+        if op == "+":
+            a.malloc(key, rest[0], *rest[1:])
+        else:
+            a.free(key)
+    return a
+
+
+def test_classic_segments_follow_get_allocation_size():
+    # <= 1 MiB: a 2 MiB small segment; < 10 MiB: a 20 MiB one; larger: own, rounded to 2 MiB
+    assert run([("+", "a", 1)]).reserved_bytes == 2 * MiB
+    assert run([("+", "a", MiB + 1)]).reserved_bytes == 20 * MiB
+    assert run([("+", "a", 10 * MiB + 1)]).reserved_bytes == 12 * MiB
+    # a second small request shares the first one's 2 MiB segment (split off its remainder)
+    a = run([("+", "a", 1000), ("+", "b", 1000)])
+    assert a.reserved_bytes == 2 * MiB and a.allocated_bytes == 2048  # 512 B blocks
+
+
+def test_best_fit_splits_large_blocks_only_past_one_mib():
+    # freed 100 MiB serves 30 MiB (the 70 MiB rest is split off and cached); 80 MiB fits nowhere
+    a = run([("+", "a", 100 * MiB), ("-", "a"), ("+", "b", 30 * MiB), ("+", "c", 80 * MiB)])
+    assert a.reserved_bytes == 180 * MiB
+    # a rest of exactly 1 MiB is not split off (remaining > kSmallSize): the block is used whole
+    a = run([("+", "a", 100 * MiB), ("-", "a"), ("+", "b", 99 * MiB)])
+    assert a.allocated_bytes == 100 * MiB
+    # the smallest block that fits is taken, not the first (x, 1 MiB, is the small pool's)
+    a = run([("+", "a", 50 * MiB), ("+", "x", 1 * MiB), ("+", "b", 30 * MiB), ("-", "a"), ("-", "b"),
+             ("+", "c", 30 * MiB), ("+", "d", 50 * MiB)])
+    assert a.reserved_bytes == 50 * MiB + 2 * MiB + 30 * MiB
+
+
+def test_freed_neighbours_merge_within_their_segment():
+    # two halves of one 100 MiB segment, freed, serve a 100 MiB request again
+    a = run([("+", "a", 100 * MiB), ("-", "a"), ("+", "b", 40 * MiB), ("+", "c", 60 * MiB),
+             ("-", "b"), ("-", "c"), ("+", "d", 100 * MiB)])
+    assert a.reserved_bytes == 100 * MiB
+    # blocks of two segments never merge: 40 + 60 MiB cached cannot serve 100 MiB
+    a = run([("+", "a", 40 * MiB), ("+", "b", 60 * MiB), ("-", "a"), ("-", "b"), ("+", "c", 100 * MiB)])
+    assert a.reserved_bytes == 200 * MiB
+
+
+def test_a_stream_reuses_only_its_own_blocks():
+    a = run([("+", "a", 100 * MiB, "s1"), ("-", "a"), ("+", "b", 100 * MiB, "s2")])
+    assert a.reserved_bytes == 200 * MiB
+    a = run([("+", "a", 100 * MiB, "s1"), ("-", "a"), ("+", "b", 100 * MiB, "s1")])
+    assert a.reserved_bytes == 100 * MiB
+
+
+def test_expandable_segments_grow_at_the_end_in_20_mib_pages():
+    # 30 MiB maps two pages; freed, it is the free block at the segment's end: 50 MiB extends it
+    # by one page rather than mapping 50 more
+    a = run([("+", "a", 30 * MiB), ("-", "a"), ("+", "b", 50 * MiB)], expandable=True)
+    assert a.reserved_bytes == 60 * MiB
+    assert run([("+", "a", 30 * MiB), ("-", "a"), ("+", "b", 50 * MiB)]).reserved_bytes == 80 * MiB
+    # neighbouring allocations across what were two classic segments merge when freed
+    a = run([("+", "a", 40 * MiB), ("+", "b", 60 * MiB), ("-", "a"), ("-", "b"), ("+", "c", 100 * MiB)],
+            expandable=True)
+    assert a.reserved_bytes == 100 * MiB
+    # small requests map 2 MiB pages of their own pool
+    assert run([("+", "a", 1000)], expandable=True).reserved_bytes == 2 * MiB
+
+
+def test_expandable_best_fit_keeps_the_growable_end_block_for_last():
+    # a 40 MiB hole in the middle and a 40 MiB free block at the end: a 30 MiB request takes the
+    # hole (get_free_block's expandable_size), so 45 MiB can still grow the end block
+    seq = [("+", "a", 40 * MiB), ("+", "x", 20 * MiB), ("+", "b", 40 * MiB), ("-", "a"), ("-", "b"),
+           ("+", "c", 30 * MiB), ("+", "d", 45 * MiB)]
+    assert run(seq, expandable=True).reserved_bytes == 120 * MiB
+
+
+def _steps(**kw):
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=8192, micro_batch=2, **kw))
+    return sc, activation_memory.loss_steps(sc.train)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_dropped_logits_tensor_leaves_a_hole_in_the_loss(expandable):
+    """The eager loss with bf16 logits upcast (E logits, all in the large pool): logits 2E, fp32
+    copy 4E and log_softmax's output 4E take 10E; the copy and (dropped) the logits free a 6E
+    block below the output; nll's gradient (4E) takes it, log_softmax's input gradient (4E) fits
+    in neither the 2E left nor anywhere else: 14E reserved for a 12E peak. Logits kept: the copy's
+    4E block takes nll's gradient exactly, 14E reserved for a 14E peak."""
+    sc, _ = _steps(logits_kept=False)
+    E = 2 * 8192 * 128256
+    t = sc.train
+    dropped = allocator.loss_reserved_bytes(E, t, True, expandable)
+    kept = allocator.loss_reserved_bytes(E, t.model_copy(update={"logits_kept": True}), True, expandable)
+    page = 20 * MiB if expandable else 2 * MiB
+    assert dropped == pytest.approx(14 * E, abs=4 * page)
+    assert activation_memory.loss_bytes_per_logit(t)["backward"] == 12
+    assert kept == pytest.approx(14 * E, abs=4 * page)
+    assert activation_memory.loss_bytes_per_logit(t.model_copy(update={"logits_kept": True}))["backward"] == 14
+    # compiled: the logits and their gradient only, no hole
+    compiled = t.model_copy(update={"compile_loss": True})
+    assert allocator.loss_reserved_bytes(E, compiled, True, expandable) == pytest.approx(4 * E, abs=2 * page)
+
+
+def test_the_planner_reserves_the_loss_hole_on_the_default_stream():
+    """torchtitan's Llama 3.1 8B run (8 GPUs, seq 8192 x 2, logits dropped): the default stream
+    reserves its holdings at the loss and the 14E the loss's tensors take, 2E (3.9 GiB) above its
+    allocated peak; with the logits kept, no hole."""
+    from zplan.estimate import estimate_one
+
+    E = 2 * 8192 * 128256
+    for kept, hole in ((False, 2 * E), (True, 0)):
+        sc = build(cpu_ranks(model="llama-3.1-8b", gpu="h100-sxm", gpus="8", seq_len=8192,
+                             micro_batch=2, logits_kept=kept, fragmentation=None,
+                             embed_head_unit="root-kept", checkpointing="selective"))
+        m = estimate_one(sc, "zero3").memory
+        from zplan.memory import timeline
+        from zplan.strategies import effective
+
+        events = timeline(sc, effective("zero3", "torch"))
+        per = allocator.stream_peaks(events)
+        assert m.peak_phase == "loss"
+        others = sum(allocator.segment_bytes(b) for s, b in per.items() if s != "default" and b)
+        assert m.reserved_bytes - others == pytest.approx(per["default"] + hole, abs=8 * MiB)
+
+
+def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_path):
+    """The trainer's own loss (trainer/micro_batch.forward_loss on bf16 logits) under PyTorch's
+    MemTracker, every storage's allocation and release in order: the vocabulary-sized ones, in
+    logits, are activation_memory.loss_steps, logits dropped or kept."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zplan import presets
+    from zplan.trainer.micro_batch import forward_loss
+    from zplan.trainer.model import Transformer
+    from zplan.trainer.parallel import Parallelized
+
+    path = tmp_path / "m.toml"
+    path.write_text('name = "vocab-heavy"\nnum_layers = 1\nhidden = 64\nffn_hidden = 128\n'
+                    'num_heads = 4\nnum_kv_heads = 2\nvocab_size = 8192\nmax_seq_len = 64\n'
+                    'source = "test"\n')
+    for kept in (False, True):
+        sc = build(cpu_ranks(model=str(path), gpus="1", seq_len=64, micro_batch=2, logits_kept=kept))
+        E = 2 * 64 * 8192
+        torch.manual_seed(0)
+        model = Transformer(presets.model(str(path))).to(torch.bfloat16)
+        p = Parallelized(model, model, False, [], None)
+        x = torch.randint(0, 8192, (2, 64))
+        log: list[tuple[str, int, int]] = []
+
+        class Recorder(MemTracker):
+            def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+                log.append((u_type.name, id(winfo), winfo.mem_consumed))
+                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+        with Recorder():
+            loss, logits = forward_loss(p, sc.train, x, x, sync=True)
+            loss.backward()
+        names, seq = {}, []
+        for op, key, b in log:
+            if b >= 2 * E and op in ("ADD", "DEL"):
+                name = names.setdefault(key, len(names))
+                seq.append(("+" if op == "ADD" else "-", name, b // E))
+        expected = activation_memory.loss_steps(sc.train)
+        order = {}
+        got = [(op, per) for op, _, per in seq[:len(expected)]]
+        assert got == [(op, b) for _, op, _, b in expected]
+        # and the same tensors: each one freed is the one made under that name
+        for (_, op, tname, _), (_, idx, _) in zip(expected, seq):
+            assert order.setdefault(tname, idx) == idx
+        del logits
+
+
+def test_reserved_flags_go_with_fake(capsys):
+    from tests.helpers import cli
+
+    for flags in (["--reserved"], ["--expandable-segments"], ["--no-logits-kept"]):
+        r = cli(capsys, "verify", *flags)
+        assert r.returncode == 2 and "--fake" in r.stderr and "Traceback" not in r.stderr
+    r = cli(capsys, "verify", "--fake", "--expandable-segments")
+    assert r.returncode == 2 and "--reserved" in r.stderr
+
+
+def test_expandable_segments_is_an_assumption_anyone_can_change(capsys):
+    import json
+
+    from tests.helpers import cli
+
+    base = ["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "8192", "--json"]
+    plain = json.loads(cli(capsys, *base).stdout)
+    exp = json.loads(cli(capsys, *base, "--expandable-segments").stdout)
+    assert plain["assumptions"]["expandable_segments"]["value"] is False
+    assert exp["assumptions"]["expandable_segments"]["value"] is True

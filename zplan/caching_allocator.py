@@ -1,0 +1,196 @@
+"""PyTorch's CUDA caching allocator, simulated over a sequence of allocations and frees: what it
+reserves (torch.cuda.max_memory_reserved) for a given order of tensors, block rounding, segment
+sizes and splitting, best fit, coalescing and expandable segments included.
+
+Follows c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.5-2.13, DeviceCachingAllocator::malloc,
+get_free_block, alloc_block, should_split, free_block/try_merge_blocks,
+try_allocate_expandable_block, map_block):
+
+- a request is rounded up to 512 B (round_size); one of at most 1 MiB is served from the small
+  pool, a larger one from the large pool; blocks are cached per (stream, pool) and never go back
+  to the driver during training (release only on an allocation failure or empty_cache, neither
+  modelled: reserved memory is assumed unbounded);
+- best fit: the cached block of the request's stream and pool with the smallest size >= the
+  request, the lowest address on a tie (BlockComparatorSize);
+- classic segments: where no cached block fits, cudaMalloc 2 MiB (request <= 1 MiB), 20 MiB
+  (request < 10 MiB) or the request rounded up to 2 MiB (get_allocation_size); a block is split
+  when what remains is >= 512 B (small pool) or > 1 MiB (large pool); the allocation takes the
+  block's low end; freed blocks merge with free neighbours of the same segment;
+- expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`): one segment of
+  virtual address space per (stream, pool), mapped in pages of 2 MiB (small pool) or 20 MiB
+  (large pool); a request no free block fits extends the segment at its end, merging with a free
+  block there; any remainder of at least 512 B is split off; among blocks that fit, best fit
+  prefers one that cannot grow (get_free_block's expandable_size) over the free block at the end.
+
+Pure Python, no torch: the planner (allocator.py) runs it over the loss's tensors and the fake
+trace (trainer/fake_trace.py) over every tensor of a traced step. Derivation: docs/formulas.md
+section 3 (reserved memory).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+BLOCK_BYTES = 512  # kMinBlockSize
+SMALL_BYTES = 1 << 20  # kSmallSize
+SMALL_SEGMENT_BYTES = 2 << 20  # kSmallBuffer: small segments, and the small pool's page
+LARGE_SEGMENT_BYTES = 20 << 20  # kLargeBuffer: mid-size segments, and the large pool's page
+MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
+
+
+def round_size(nbytes: int) -> int:
+    """The block one request occupies (round_size, without roundup_power2_divisions)."""
+    return BLOCK_BYTES if nbytes < BLOCK_BYTES else -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def allocation_size(size: int) -> int:
+    """The classic segment cudaMalloc'd for a request no cached block fits (get_allocation_size)."""
+    if size <= SMALL_BYTES:
+        return SMALL_SEGMENT_BYTES
+    if size < MIN_LARGE_ALLOC_BYTES:
+        return LARGE_SEGMENT_BYTES
+    return -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+
+
+class _Block:
+    __slots__ = ("addr", "size", "free", "prev", "next", "segment")
+
+    def __init__(self, addr: int, size: int, segment: object):
+        self.addr, self.size, self.segment = addr, size, segment
+        self.free, self.prev, self.next = True, None, None
+
+
+class _Segment:
+    """An expandable segment: its base address, the bytes mapped so far and its last block."""
+
+    __slots__ = ("base", "mapped", "last")
+
+    def __init__(self, base: int):
+        self.base, self.mapped, self.last = base, 0, None
+
+
+class _Pool:
+    """The cached free blocks of one (stream, pool), ordered by (size, address)."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, int]] = []
+        self.blocks: dict[tuple[int, int], _Block] = {}
+
+    def add(self, b: _Block) -> None:
+        k = (b.size, b.addr)
+        bisect.insort(self.keys, k)
+        self.blocks[k] = b
+
+    def remove(self, b: _Block) -> None:
+        k = (b.size, b.addr)
+        del self.keys[bisect.bisect_left(self.keys, k)]
+        del self.blocks[k]
+
+
+_ADDRESS_SPACE = 1 << 48  # apart: no two segments ever touch
+
+
+class CachingAllocator:
+    """malloc(key, nbytes, stream) and free(key) in program order; `reserved_bytes`,
+    `allocated_bytes` and their peaks (bytes) follow the allocator's own statistics."""
+
+    def __init__(self, expandable_segments: bool = False):
+        self.expandable = expandable_segments
+        self._pools: dict[tuple[str, bool], _Pool] = {}
+        self._segments: dict[tuple[str, bool], _Segment] = {}
+        self._live: dict[object, tuple[_Block, _Pool, bool]] = {}
+        self._next_base = 0
+        self.allocated_bytes = self.reserved_bytes = 0
+        self.peak_allocated_bytes = self.peak_reserved_bytes = 0
+
+    def malloc(self, key: object, nbytes: int, stream: str = "default") -> None:
+        size = round_size(int(nbytes))
+        small = size <= SMALL_BYTES
+        pool = self._pools.setdefault((stream, small), _Pool())
+        b = self._best_fit(pool, size)
+        if b is not None:
+            pool.remove(b)
+        else:
+            b = self._extend(pool, stream, small, size) if self.expandable else self._segment(size)
+        remaining = b.size - size
+        if remaining >= BLOCK_BYTES if (small or self.expandable) else remaining > SMALL_BYTES:
+            rest = _Block(b.addr + size, remaining, b.segment)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next, b.size = rest, size
+            if isinstance(b.segment, _Segment) and b.segment.last is b:
+                b.segment.last = rest
+            pool.add(rest)
+        b.free = False
+        self._live[key] = (b, pool, small)
+        self.allocated_bytes += b.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+
+    def free(self, key: object) -> None:
+        b, pool, _ = self._live.pop(key)
+        self.allocated_bytes -= b.size
+        b.free = True
+        seg = b.segment if isinstance(b.segment, _Segment) else None
+        for other in (b.prev, b.next):
+            if other is None or not other.free:
+                continue
+            pool.remove(other)
+            lo, hi = (other, b) if other is b.prev else (b, other)
+            lo.size += hi.size
+            lo.next = hi.next
+            if hi.next is not None:
+                hi.next.prev = lo
+            if seg is not None and seg.last is hi:
+                seg.last = lo
+            b = lo
+        pool.add(b)
+
+    def _best_fit(self, pool: _Pool, size: int) -> _Block | None:
+        i = bisect.bisect_left(pool.keys, (size, -1))
+        if i == len(pool.keys):
+            return None
+        b = pool.blocks[pool.keys[i]]
+        if self.expandable:  # the free block at a segment's end counts as able to grow
+            def reach(x: _Block) -> int:
+                return x.size + (_ADDRESS_SPACE if x.segment.last is x else 0)
+            for k in pool.keys[i + 1:]:
+                nxt = pool.blocks[k]
+                if reach(nxt) >= reach(b):
+                    break
+                b = nxt
+        return b
+
+    def _segment(self, size: int) -> _Block:
+        n = allocation_size(size)
+        b = _Block(self._next_base, n, object())
+        self._next_base += n + _ADDRESS_SPACE
+        self._grow(n)
+        return b
+
+    def _extend(self, pool: _Pool, stream: str, small: bool, size: int) -> _Block:
+        seg = self._segments.get((stream, small))
+        if seg is None:
+            seg = self._segments[(stream, small)] = _Segment(self._next_base)
+            self._next_base += _ADDRESS_SPACE
+        page = SMALL_SEGMENT_BYTES if small else LARGE_SEGMENT_BYTES
+        last = seg.last
+        have = last.size if last is not None and last.free else 0
+        grow = -(-(size - have) // page) * page
+        seg.mapped += grow
+        self._grow(grow)
+        if have:
+            pool.remove(last)
+            last.size += grow
+            return last
+        b = _Block(seg.base + seg.mapped - grow, grow, seg)
+        b.prev = last
+        if last is not None:
+            last.next = b
+        seg.last = b
+        return b
+
+    def _grow(self, n: int) -> None:
+        self.reserved_bytes += n
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
