@@ -497,3 +497,35 @@ def test_two_nodes_train_checkpoint_to_one_run_dir_and_resume(run_zplan, tmp_pat
     second = both(3, "--resume")
     assert second["start_step"] == 2 and second["end_step"] == 3
     assert second["losses"][0] < first["losses"][0]  # it continued from the trained weights
+
+
+def test_rank_env_adds_expandable_segments_to_what_the_user_set():
+    from zplan.launch.command import rank_env
+
+    assert rank_env(False, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) == ()
+    assert rank_env(True, {}) == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    assert rank_env(True, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) == (
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True"),)
+    assert rank_env(True, {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == ()
+    with pytest.raises(UsageError, match="expandable_segments:False.*--expandable-segments"):
+        rank_env(True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    spec = LaunchSpec("/p.json", 8, env=rank_env(True, {}))
+    assert torchrun_argv(spec)[1] == {"ZPLAN_PLAN": "/p.json", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in slurm_script(spec, 8)
+
+
+def test_a_plan_made_for_expandable_segments_runs_with_them(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    _eight_gpus(monkeypatch)
+    plan = tmp_path / "p.json"
+    p = cli(capsys, "recommend", "--model", "tiny", "--gpu", "h100-sxm", "--gpus", "8",
+            "--expandable-segments", "--write", str(plan))
+    assert p.returncode == 0, p.stderr
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "r"))
+    assert p.returncode == 0, p.stderr
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in p.stdout
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "r"))
+    assert p.returncode == 2 and "expandable_segments:False" in p.stderr and "Traceback" not in p.stderr

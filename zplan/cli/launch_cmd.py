@@ -132,7 +132,7 @@ def launch(
     built-in trainer that zplan does not know follow `--`: zplan launch --steps 5 -- --deterministic
     """
     from ..hardware import detect as run_detect
-    from ..launch.command import LaunchSpec, shell_line, slurm_script, torchrun_argv
+    from ..launch.command import LaunchSpec, rank_env, shell_line, slurm_script, torchrun_argv
     from ..launch.run_dir import check_run_dir
     from ..plan import load, save, write_atomic
 
@@ -201,20 +201,22 @@ def launch(
                 (["--log-every", str(log_every)] if log_every is not None else []) + extra
     opts = tuple(f"--{k}={v}" for k, v in (("log-dir", log_dir), ("redirects", redirects),
                                             ("local-ranks-filter", local_ranks_filter)) if v is not None)
+    # the allocator the plan's reserved memory assumes (Assumptions.expandable_segments)
+    env_for_plan = rank_env(p.assumptions.expandable_segments, dict(os.environ))
     if slurm:
         plan_path = str(Path(slurm).resolve().with_suffix(".plan.json"))
         if len(os.fsencode(Path(plan_path).name)) > 255:
             raise UsageError(f"--slurm {slurm}: the plan written beside it, {Path(plan_path).name}, "
                              f"would be a file name over 255 bytes; choose a shorter name")
         spec = LaunchSpec(plan_path, per_node, nnodes, None, rdzv_endpoint, rdzv_id, max_restarts, script,
-                          tuple(extra), torchrun_opts=opts)
+                          tuple(extra), torchrun_opts=opts, env=env_for_plan)
         save(p, plan_path)
         gpus = per_node if (found.gpus or p.gpu.device != "cpu") else 0
         write_atomic(slurm, slurm_script(spec, gpus, cpus_per_task or 4 * per_node))
         print(f"zplan: wrote {slurm} (sbatch {slurm}); plan {plan_path}", file=sys.stderr)
         return
     spec = LaunchSpec(plan_path, per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, 0, script,
-                      tuple(extra), torchrun_opts=opts)
+                      tuple(extra), torchrun_opts=opts, env=env_for_plan)
     argv, env = torchrun_argv(spec)
     save(p, plan_path)
     if dry_run:

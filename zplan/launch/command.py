@@ -32,6 +32,7 @@ class LaunchSpec:
     script_args: tuple[str, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
     torchrun_opts: tuple[str, ...] = ()  # passed through: --log-dir, --redirects, --local-ranks-filter
+    env: tuple[tuple[str, str], ...] = ()  # the ranks' environment besides ZPLAN_PLAN (rank_env)
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -62,7 +63,31 @@ def torchrun_argv(spec: LaunchSpec, module: str = ELASTIC) -> tuple[list[str], d
             argv.append(f"--node-rank={spec.node_rank}")
     argv += [f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
     argv += list(spec.torchrun_opts)
-    return argv + spec.target(), {"ZPLAN_PLAN": spec.plan_path}
+    return argv + spec.target(), {"ZPLAN_PLAN": spec.plan_path, **dict(spec.env)}
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"  # also read as PYTORCH_ALLOC_CONF by newer PyTorch
+
+
+def rank_env(expandable_segments: bool, environ: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """What the ranks' environment must add for the plan's allocator assumption: with
+    `expandable_segments` (planned with --expandable-segments), PYTORCH_CUDA_ALLOC_CONF with
+    expandable_segments:True added to whatever the user set (PyTorch reads it once, at the
+    allocator's first use, so it goes in before the ranks start). A setting that turns them off
+    contradicts the plan: one line naming both fixes."""
+    if not expandable_segments:
+        return ()
+    name = next((n for n in (ALLOC_CONF, "PYTORCH_ALLOC_CONF") if environ.get(n)), ALLOC_CONF)
+    current = environ.get(name, "").strip().strip(",")
+    options = dict(o.split(":", 1) if ":" in o else (o, "") for o in current.split(",") if o)
+    value = options.get("expandable_segments", "").strip()
+    if value.lower() == "true":
+        return ()
+    if value:
+        raise UsageError(f"{name}={current} sets expandable_segments:{value}, but the plan assumes "
+                         f"expandable segments (--expandable-segments): drop it from {name}, or plan "
+                         f"without --expandable-segments")
+    return ((name, f"{current},expandable_segments:True" if current else "expandable_segments:True"),)
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:
@@ -92,6 +117,7 @@ def slurm_script(spec: LaunchSpec, gpus_per_node: int, cpus_per_task: int = 0, j
         '# sed reads every line: `head -n 1` would end the pipe early, and pipefail turns that into an exit',
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"export ZPLAN_PLAN={shlex.quote(spec.plan_path)}",
+        *(f"export {k}={shlex.quote(v)}" for k, v in spec.env),
         f"srun --kill-on-bad-exit=1 {shlex.quote(spec.python)} -m {TORCHRUN} \\",
         f"    --nnodes={spec.nnodes} --nproc-per-node={spec.nproc_per_node} \\",
         f'    --rdzv-backend=c10d --rdzv-endpoint="{endpoint}" --rdzv-id="$SLURM_JOB_ID" \\',
