@@ -202,3 +202,17 @@ def test_expandable_segments_is_an_assumption_anyone_can_change(capsys):
     exp = json.loads(cli(capsys, *base, "--expandable-segments").stdout)
     assert plain["assumptions"]["expandable_segments"]["value"] is False
     assert exp["assumptions"]["expandable_segments"]["value"] is True
+
+
+def test_one_rank_copies_in_on_the_default_stream():
+    """A shard group of one rank copies each shard in on the current stream (FSDPParamGroup.
+    wait_for_unshard, torch 2.13): no all-gather stream, so no segment of its own; the copy is
+    counted with the gathered weights."""
+    from zplan.memory import timeline
+    from zplan.strategies import effective
+
+    sc = build(cpu_ranks(model="llama-3.2-1b", gpu="h100-sxm", gpus="1", seq_len=2048, fragmentation=None))
+    per = allocator.stream_peaks(timeline(sc, effective("zero3", "torch")))
+    assert per["all-gather"] == 0 and per["default"] > 0
+    two = build(cpu_ranks(model="llama-3.2-1b", gpu="h100-sxm", gpus="2", seq_len=2048, fragmentation=None))
+    assert allocator.stream_peaks(timeline(two, effective("zero3", "torch")))["all-gather"] > 0

@@ -509,6 +509,15 @@ def test_rank_env_adds_expandable_segments_to_what_the_user_set():
     assert rank_env(True, {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == ()
     with pytest.raises(UsageError, match="expandable_segments:False.*--expandable-segments"):
         rank_env(True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    # spaces around an option are PyTorch's too: the user's off is refused, not overridden
+    with pytest.raises(UsageError, match="expandable_segments:False"):
+        rank_env(True, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:False"})
+    with pytest.raises(UsageError, match="backend:cudaMallocAsync"):
+        rank_env(True, {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    # an empty variable is set (PyTorch reads it, and then not the other name): both get the option
+    assert rank_env(True, {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}) == (
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ("PYTORCH_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True"))
     spec = LaunchSpec("/p.json", 8, env=rank_env(True, {}))
     assert torchrun_argv(spec)[1] == {"ZPLAN_PLAN": "/p.json", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in slurm_script(spec, 8)

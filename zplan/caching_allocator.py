@@ -155,8 +155,8 @@ class CachingAllocator:
         if self.expandable:  # the free block at a segment's end counts as able to grow
             def reach(x: _Block) -> int:
                 return x.size + (_ADDRESS_SPACE if x.segment.last is x else 0)
-            for k in pool.keys[i + 1:]:
-                nxt = pool.blocks[k]
+            for j in range(i + 1, len(pool.keys)):
+                nxt = pool.blocks[pool.keys[j]]
                 if reach(nxt) >= reach(b):
                     break
                 b = nxt

@@ -169,15 +169,18 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     wait_for_unshard, `world_size == 1`, since PyTorch 2.9: pytorch/pytorch#160135): no
     all-gather output, none prefetched; each parameter's all-gather input (its param-dtype copy;
     per unit, `one_rank_copy` at its largest parameter) lives while it is copied in, at the
-    unit's unshard."""
+    unit's unshard, on the default stream (wait_for_unshard runs on the current stream; torch
+    2.13 _fsdp_param_group.py), so it is counted with the gathered weights."""
     n = len(gathered)
     one_rank = one_rank_copy is not None
     prefetch = sc.train.prefetch and not one_rank
     held_b = sum(g for g, h in zip(gathered, held) if h)
     moving = [0 if h else g for g, h in zip(gathered, held)]
-    # what the unit's unshard holds besides its unsharded parameters
-    unshard = (lambda i: one_rank_copy[i]) if one_rank else (  # noqa: E731
+    # what the unit's unshard holds besides its unsharded parameters: its all-gather output, or
+    # on one rank the copy-in on the default stream
+    unshard = (lambda i: 0) if one_rank else (  # noqa: E731
         lambda i: gathered[i] if held[i] else moving[i])
+    copy_in = (lambda i: one_rank_copy[i]) if one_rank else (lambda i: 0)  # noqa: E731
     nxt = lambda i: moving[i + 1] if prefetch and i + 1 < n else 0  # noqa: E731
     # backward prefetch all-gathers the previous unit, unless it stayed gathered (no reshard)
     prv = lambda j: moving[j - 1] if prefetch and reshard and j > 0 else 0  # noqa: E731
@@ -206,7 +209,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         if i == n - 1 and not root_head:
             act += logits_b  # the head's output
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b, grads=all_grads,
-                      gathered=held_b + kept + moving[i],
+                      gathered=held_b + kept + moving[i] + copy_in(i),
                       all_gather=max(unshard(i), nxt(i)),
                       unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
@@ -242,8 +245,9 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         loss_grad = saved_upto[n] + logits_ref + logits_b  # the logits and their gradient
         if reshard and not kept_at_loss[head]:
             # the root's pre-backward (a hook on its output) gathers it again: copy-out
-            ev.append(_ev("backward", f"gather {root} again", state=state_b, grads=all_grads, gathered=held_b,
-                          all_gather=unshard(head), unsharded_grads=accum_b, activations=loss_grad))
+            ev.append(_ev("backward", f"gather {root} again", state=state_b, grads=all_grads,
+                          gathered=held_b + copy_in(head), all_gather=unshard(head),
+                          unsharded_grads=accum_b, activations=loss_grad))
         # the head's backward inside the root, before the last block's: its input gradient and
         # its new weight gradient; FSDP2's implicit backward prefetch has the last block's
         # all-gather out (the root is not in the trainer's explicit prefetch chain)

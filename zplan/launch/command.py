@@ -66,28 +66,34 @@ def torchrun_argv(spec: LaunchSpec, module: str = ELASTIC) -> tuple[list[str], d
     return argv + spec.target(), {"ZPLAN_PLAN": spec.plan_path, **dict(spec.env)}
 
 
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"  # also read as PYTORCH_ALLOC_CONF by newer PyTorch
+ALLOC_CONFS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the older name, and PyTorch's newer
 
 
 def rank_env(expandable_segments: bool, environ: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """What the ranks' environment must add for the plan's allocator assumption: with
-    `expandable_segments` (planned with --expandable-segments), PYTORCH_CUDA_ALLOC_CONF with
-    expandable_segments:True added to whatever the user set (PyTorch reads it once, at the
-    allocator's first use, so it goes in before the ranks start). A setting that turns them off
-    contradicts the plan: one line naming both fixes."""
+    `expandable_segments` (planned with --expandable-segments), expandable_segments:True added to
+    every allocator setting the user has (PyTorch reads one of the two names, which one depends
+    on its version, once, at the allocator's first use: so before the ranks start), or
+    PYTORCH_CUDA_ALLOC_CONF alone where there is none. A setting that turns them off, or
+    cudaMallocAsync (another allocator), contradicts the plan: one line naming both fixes."""
     if not expandable_segments:
         return ()
-    name = next((n for n in (ALLOC_CONF, "PYTORCH_ALLOC_CONF") if environ.get(n)), ALLOC_CONF)
-    current = environ.get(name, "").strip().strip(",")
-    options = dict(o.split(":", 1) if ":" in o else (o, "") for o in current.split(",") if o)
-    value = options.get("expandable_segments", "").strip()
-    if value.lower() == "true":
-        return ()
-    if value:
-        raise UsageError(f"{name}={current} sets expandable_segments:{value}, but the plan assumes "
-                         f"expandable segments (--expandable-segments): drop it from {name}, or plan "
-                         f"without --expandable-segments")
-    return ((name, f"{current},expandable_segments:True" if current else "expandable_segments:True"),)
+    out = []
+    for name in (n for n in ALLOC_CONFS if n in environ):
+        current = environ[name].strip().strip(",")
+        options = {k.strip(): v.strip() for k, _, v in (o.partition(":") for o in current.split(",")) if k.strip()}
+        value = options.get("expandable_segments", "")
+        if value.lower() == "true":
+            continue
+        if value or options.get("backend", "native").lower() != "native":
+            what = f"expandable_segments:{value}" if value else f"backend:{options['backend']}"
+            raise UsageError(f"{name}={current} sets {what}, but the plan assumes PyTorch's native "
+                             f"allocator with expandable segments (--expandable-segments): drop it "
+                             f"from {name}, or plan without --expandable-segments")
+        out.append((name, f"{current},expandable_segments:True" if current else "expandable_segments:True"))
+    if not any(n in environ for n in ALLOC_CONFS):
+        out.append((ALLOC_CONFS[0], "expandable_segments:True"))
+    return tuple(out)
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:
