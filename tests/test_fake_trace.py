@@ -163,6 +163,8 @@ def test_recorded_allocations_replay_to_the_trackers_peak_and_bound_the_planner(
         assert peak == cell.traced_bytes
         assert cell.traced_reserved_bytes >= cell.traced_bytes
         assert cell.predicted_reserved_bytes <= cell.traced_reserved_bytes
+        assert cell.reserved_by_allocator["expandable"] == (cell.predicted_reserved_bytes, cell.traced_reserved_bytes)
+        assert cell.reserved_by_allocator["classic"][1] == cell.categories["reserved"]
         over[kept] = cell.predicted_reserved_bytes - cell.predicted_bytes
     hole = 2 * 2 * 1024 * 32000  # 125 MiB, six 20 MiB pages
     assert over[False] - over[True] == pytest.approx(hole, abs=20 * 2**20)

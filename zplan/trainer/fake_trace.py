@@ -134,6 +134,8 @@ class FakeCell:
     # steps (simulated_reserved), classic segments or expandable as the cell was planned
     predicted_reserved_bytes: int | None = None
     traced_reserved_bytes: int | None = None
+    # with `reserved`, both allocators: {"classic": (planned, simulated), "expandable": (...)}
+    reserved_by_allocator: dict | None = None
 
     @property
     def error(self) -> float:
@@ -175,12 +177,14 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
     peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r),
                       steps=RESERVE_STEPS if reserved else 1, reserved=reserved)
     phase = peak.pop("phase")
-    planned = traced = None
+    planned = traced = both = None
     if reserved:
-        rr = estimate_one(plan_scenario(fragmentation=None, expandable_segments=expandable_segments), strategy)
-        planned = rr.memory.reserved_bytes
-        traced = peak["reserved expandable" if expandable_segments else "reserved"]
+        both = {name: (estimate_one(plan_scenario(fragmentation=None, expandable_segments=exp), strategy)
+                       .memory.reserved_bytes, peak[key])
+                for name, exp, key in (("classic", False, "reserved"),
+                                       ("expandable", True, "reserved expandable"))}
+        planned, traced = both["expandable" if expandable_segments else "classic"]
     accum = f" A={grad_accum}" if grad_accum > 1 else ""
     return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch}{accum} {checkpointing} {strategy}",
                     r.memory.allocated_bytes, peak["Total"], r.memory.peak_phase, phase or "-",
-                    peak, time.perf_counter() - t0, planned, traced)
+                    peak, time.perf_counter() - t0, planned, traced, both)
