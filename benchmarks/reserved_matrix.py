@@ -75,10 +75,10 @@ def main(argv=None) -> int:
              "The logits kept: the trainer's loop (held until backward returns, the embedding and head "
              "their own units); dropped: torchtitan's (`del pred` before backward, the root unit "
              "kept gathered). error = (planned - simulated) / simulated: the planner prices each "
-             "stream's peak and the loss's hole (docs/formulas.md section 3), a lower bound of the "
+             "stream's peak and the holes the loss and the head unit leave (docs/formulas.md section 3), a lower bound of the "
              "simulation; the rest is holes the replay finds elsewhere: between the blocks' "
-             "activations, a unit's reduce-scatter input no freed block fits (the head's, 2 GiB "
-             "for Llama 3.1 8B), 20 MiB segments shared by tensors of 1-10 MiB (classic).", "",
+             "activations, a held root's reduce-scatter input no freed block fits (embedding "
+             "and head, 4 GiB for Llama 3.1 8B), 20 MiB segments shared by tensors of 1-10 MiB (classic).", "",
              summary("classic") + "; " + summary("expandable") + ".", "",
              *HEADER, *rows, ""]
     print("\n".join(lines))

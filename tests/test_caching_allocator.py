@@ -216,3 +216,29 @@ def test_one_rank_copies_in_on_the_default_stream():
     assert per["all-gather"] == 0 and per["default"] > 0
     two = build(cpu_ranks(model="llama-3.2-1b", gpu="h100-sxm", gpus="2", seq_len=2048, fragmentation=None))
     assert allocator.stream_peaks(timeline(two, effective("zero3", "torch")))["all-gather"] > 0
+
+
+@pytest.mark.parametrize("expandable,want_mib", [(False, 6520), (True, 5040)])
+def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable, want_mib):
+    """Llama 3.1 8B at seq 2048, its head a unit of its own (FSDP2, resharded after forward):
+    logits L = 501 MiB, fp32 copy, log_softmax output and both gradients 1002 MiB; head weights
+    W and weight gradient G 1002 MiB + 8 KiB (the norm), input gradient 16 MiB, reduce-scatter
+    input R 2004 MiB + 16 KiB in fp32. Worked by hand from CUDACachingAllocator's rules:
+    classic -- W's 1004 MiB segment serves F then nll's gradient; P, log_softmax's gradient, G
+    (8 KiB too big for the 1002 MiB blocks the loss freed) and R take segments of their own:
+    1004 + 502 + 1002 + 1002 + 1004 + 2006 = 6520 MiB. Expandable (20 MiB pages) -- the holes
+    the loss leaves are 1002 MiB apiece, apart; W and G fill two of them, R extends the end:
+    5040 MiB. Without the head's tensors: 3508 / 3520 MiB."""
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, micro_batch=1))
+    E, w = 2048 * 128256, 128256 * 4096 * 2 + 4096 * 2
+    head = allocator.HeadTail(w, w, 2048 * 4096 * 2, 2 * w)
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head) == want_mib * MiB
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable) == (3520 if expandable else 3508) * MiB
+    # the planner reads these sizes from the head unit as FSDP2 shards it
+    from zplan.memory import _head_tail, model_state
+    from zplan.strategies import effective
+
+    st = effective("zero3", "torch")
+    assert _head_tail(sc, st, model_state(sc, st)) == head
+    kept = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="head-kept"))
+    assert _head_tail(kept, st, model_state(kept, st)).weights_bytes == 0  # not gathered again

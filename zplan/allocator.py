@@ -26,6 +26,8 @@ that. Elsewhere the model assumes cached blocks are reused fully, a lower bound.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .activation_memory import loss_steps
 from .caching_allocator import (LARGE_SEGMENT_BYTES, SMALL_BYTES, CachingAllocator, allocation_size,
                                 round_size)
@@ -62,18 +64,57 @@ def stream_peaks(events: list[Event]) -> dict[str, int]:
     return out
 
 
-def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool) -> int:
+@dataclass(frozen=True)
+class HeadTail:
+    """The head unit's own tensors around the loss (FSDP2, torch layout), bytes: its unsharded
+    weights in the param dtype where it is gathered again for backward (0 where it stays
+    gathered from its forward), its unsharded weight gradients and its input gradient, and its
+    reduce-scatter input where it is reduced as its backward ends (0 for a held root, reduced
+    with everything else at the end of backward)."""
+
+    weights_bytes: int
+    grad_bytes: int
+    input_grad_bytes: int
+    reduce_in_bytes: int
+
+
+def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
+                        head: HeadTail | None = None) -> int:
     """What the allocator reserves for the loss's own tensors (activation_memory.loss_steps, each
     `logits_elems` logits), run through caching_allocator.CachingAllocator from nothing cached:
-    their peak plus the hole they leave that none of them fits."""
+    their peak plus the holes none of them fits. With `head`, the head unit's tensors around it,
+    in FSDP2's order: its weights gathered for its forward and freed after it (reshard after
+    forward), the loss, its weights gathered again (pre-backward), its input and weight
+    gradients while the logits' gradient is alive, then that gradient freed, the weights freed
+    (reshard after backward) and the reduce-scatter input allocated before the unsharded
+    gradients are released (_fsdp_collectives.foreach_reduce: copy-in, then clear)."""
     if logits_elems <= 0:
         return 0
     sim = CachingAllocator(expandable)
+    w = head.weights_bytes if head else 0
+    if w:
+        sim.malloc("head weights", w)
+    live = []
     for _, op, name, per_logit in loss_steps(train, loss_fp32):
         if op == "+":
             sim.malloc(name, per_logit * logits_elems)
+            live.append(name)
+            if name == "logits" and w:  # the head's forward made them: it reshards
+                sim.free("head weights")
         else:
             sim.free(name)
+            live.remove(name)
+    if head:
+        if w:
+            sim.malloc("head weights", w)
+        for name, b in (("head input grad", head.input_grad_bytes), ("head grad", head.grad_bytes)):
+            if b:
+                sim.malloc(name, b)
+        sim.free(live[-1])  # the logits' gradient, consumed by the head's backward
+        if w:
+            sim.free("head weights")
+        if head.reduce_in_bytes:
+            sim.malloc("reduce-scatter input", head.reduce_in_bytes)
     return sim.peak_reserved_bytes
 
 

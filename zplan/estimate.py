@@ -122,10 +122,10 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         "fragmentation": {"value": a.fragmentation if a.fragmentation is not None else "allocator model",
                           "flag": "--fragmentation",
                           "meaning": "reserved over allocated: the CUDA caching allocator, each stream's "
-                                     "peak packed and the loss's hole (a lower bound: the allocator replayed "
-                                     "over traced steps reserved 1-23% more with classic segments, 1-12% "
-                                     "with expandable ones, docs/reserved-matrix.md), or a flat fraction "
-                                     "if given"},
+                                     "peak packed and the holes the loss and the head leave (the allocator "
+                                     "replayed over traced steps reserved 2-17% more with classic segments, "
+                                     "1-10% with expandable ones, docs/reserved-matrix.md), or a flat "
+                                     "fraction if given"},
         "expandable_segments": {"value": a.expandable_segments, "flag": "--expandable-segments",
                                 "meaning": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run"},
         "ddp_bucket_bytes": {"value": a.ddp_bucket_bytes, "flag": "--bucket-mib",

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from . import activation_memory, allocator, arch
+from . import activation_memory, allocator, arch, policy
 from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets
 from . import memory_timeline as mt
 from .memory_timeline import Event
@@ -417,8 +417,29 @@ def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]
 
 
 @lru_cache(maxsize=256)
-def _loss_reserved(logits_elems: int, train, loss_fp32: bool, expandable: bool) -> int:
-    return allocator.loss_reserved_bytes(logits_elems, train, loss_fp32, expandable)
+def _loss_reserved(logits_elems: int, train, loss_fp32: bool, expandable: bool,
+                   head: allocator.HeadTail | None) -> int:
+    return allocator.loss_reserved_bytes(logits_elems, train, loss_fp32, expandable, head)
+
+
+def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail | None:
+    """The head unit's tensors around the loss (allocator.HeadTail) under FSDP2, from the sizes
+    timeline's events use: its gathered weights where it is gathered again for backward
+    (policy.stays_gathered), its unsharded gradients in the param dtype, its input gradient, and
+    its reduce-scatter input in the reduce dtype unless it is the held root."""
+    if sc.train.layout != "torch" or not st.fsdp:
+        return None
+    i = next((k for k, u in enumerate(sc.units) if "head" in u.name), None)
+    if i is None:
+        return None
+    u, t = sc.units[i], sc.train
+    padded = ms.unit_shards[i] * sc.shard_degree(st.hsdp)
+    regather = st.reshard_after_forward and not policy.stays_gathered(u.held, True, t.embed_head_unit)
+    return allocator.HeadTail(
+        weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regather else 0,
+        grad_bytes=padded * DTYPE_BITS[t.precision.param] // 8,
+        input_grad_bytes=t.seq_len * t.micro_batch * sc.model.hidden * activation_memory.act_dtype_bytes(t),
+        reduce_in_bytes=0 if u.held else padded * DTYPE_BITS[t.precision.reduce] // 8)
 
 
 def memory(sc: Scenario, st: Strategy) -> Memory:
@@ -432,7 +453,8 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     acts = mt.activations(sc)
     floor = allocator.default_stream_floor(
         events, acts.logits_elems * acts.loss_per_logit["forward"],
-        _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32, sc.assume.expandable_segments))
+        _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32, sc.assume.expandable_segments,
+                       _head_tail(sc, st, ms)))
     reserved = allocator.reserved_bytes(events, sc.assume, floor)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
