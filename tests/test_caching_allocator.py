@@ -242,3 +242,33 @@ def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable,
     assert _head_tail(sc, st, model_state(sc, st)) == head
     kept = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="head-kept"))
     assert _head_tail(kept, st, model_state(kept, st)).weights_bytes == 0  # not gathered again
+
+
+@pytest.mark.parametrize("kept,want_mib", [(False, (5520, 4540)), (True, (5520, 5520))])
+def test_a_compiled_loss_frees_its_logits_before_the_heads_backward(kept, want_mib):
+    """Compiled (or fused) loss, same head as above: the loss saves the logits (501 MiB) and
+    writes their gradient; where the loop holds none (`del pred`) they are freed when the loss's
+    backward ends, before the head's. Expandable, by hand: their block joins the free end, which
+    the regathered weights then take; G extends the end (51 pages), R (2004 MiB) extends it by
+    100 pages: 4540 MiB. Held by the loop: 5520. Classic: 1004 + 502 + 1004 + 1004 + 2006 = 5520
+    either way (the logits' 502 MiB segment serves only the input gradient)."""
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, compile=True, logits_kept=kept))
+    E, w = 2048 * 128256, 128256 * 4096 * 2 + 4096 * 2
+    head = allocator.HeadTail(w, w, 2048 * 4096 * 2, 2 * w)
+    got = tuple(allocator.loss_reserved_bytes(E, sc.train, True, e, head) // MiB for e in (False, True))
+    assert got == want_mib
+
+
+def test_a_held_roots_head_gradient_is_the_head_weights_alone():
+    """Embedding and head in one held root (untied): at the head's backward only the head's
+    weight gradient exists (the embedding's comes at the end of backward), as the timeline's
+    `backward head` event counts it; the whole root is what is gathered again."""
+    from zplan.memory import _head_tail, model_state
+    from zplan.strategies import effective
+
+    st = effective("zero3", "torch")
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="root"))
+    tail = _head_tail(sc, st, model_state(sc, st))
+    head_w = 128256 * 4096 * 2
+    assert tail.grad_bytes == head_w and tail.reduce_in_bytes == 0
+    assert tail.weights_bytes == 2 * head_w + 4096 * 2  # embedding, norm and head

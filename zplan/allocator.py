@@ -17,10 +17,13 @@ to the segment size: memory one stream has cached cannot serve another. Within t
 stream the loss leaves a hole no later request fits: its vocabulary-sized tensors are made and
 freed in an order (activation_memory.loss_steps) the allocator can only partly reuse -- where
 the loop drops the logits, the logits and their fp32 copy free a block one and a half times the
-size of the two fp32 gradients of the backward, which take it and fresh memory beside it. The
-loss's tensors run through the allocator simulation on top of everything else the default
-stream holds then (assumed packed: a lower bound), and the default stream reserves at least
-that. Elsewhere the model assumes cached blocks are reused fully, a lower bound.
+size of the two fp32 gradients of the backward, which take it and fresh memory beside it; and
+under FSDP2 the head unit's reduce-scatter input, at short sequences larger than any block the
+loss freed, takes fresh memory too. The loss's tensors and the head unit's (HeadTail) run
+through the allocator simulation on top of everything else the default stream holds then
+(assumed packed), and the default stream reserves at least that. Elsewhere the model assumes
+cached blocks are reused fully: a lower bound (docs/reserved-matrix.md holds it against the
+allocator replayed over every tensor of traced steps).
 `--fragmentation F` replaces all this with the flat assumption reserved = (1 + F) x allocated.
 """
 
@@ -105,6 +108,9 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
             sim.free(name)
             live.remove(name)
     if head:
+        if train.logits_unreferenced and "logits" in live:  # a compiled or fused loss's saved
+            sim.free("logits")  # logits go when its backward ends, where the loop holds none
+            live.remove("logits")
         if w:
             sim.malloc("head weights", w)
         for name, b in (("head input grad", head.input_grad_bytes), ("head grad", head.grad_bytes)):

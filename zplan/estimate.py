@@ -123,8 +123,8 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                           "flag": "--fragmentation",
                           "meaning": "reserved over allocated: the CUDA caching allocator, each stream's "
                                      "peak packed and the holes the loss and the head leave (the allocator "
-                                     "replayed over traced steps reserved 2-17% more with classic segments, "
-                                     "1-10% with expandable ones, docs/reserved-matrix.md), or a flat "
+                                     "replayed over traced steps reserved 2-18% more with classic segments, "
+                                     "1-11% with expandable ones, docs/reserved-matrix.md), or a flat "
                                      "fraction if given"},
         "expandable_segments": {"value": a.expandable_segments, "flag": "--expandable-segments",
                                 "meaning": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run"},

@@ -426,7 +426,9 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail
     """The head unit's tensors around the loss (allocator.HeadTail) under FSDP2, from the sizes
     timeline's events use: its gathered weights where it is gathered again for backward
     (policy.stays_gathered), its unsharded gradients in the param dtype, its input gradient, and
-    its reduce-scatter input in the reduce dtype unless it is the held root."""
+    its reduce-scatter input in the reduce dtype unless it is the held root (whose head gradient
+    is the head weight's alone in the head's backward, as the timeline's: the embedding's comes
+    at the end of backward)."""
     if sc.train.layout != "torch" or not st.fsdp:
         return None
     i = next((k for k, u in enumerate(sc.units) if "head" in u.name), None)
@@ -437,7 +439,7 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail
     regather = st.reshard_after_forward and not policy.stays_gathered(u.held, True, t.embed_head_unit)
     return allocator.HeadTail(
         weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regather else 0,
-        grad_bytes=padded * DTYPE_BITS[t.precision.param] // 8,
+        grad_bytes=(_largest_params(sc, 1)[i] if u.held else padded) * DTYPE_BITS[t.precision.param] // 8,
         input_grad_bytes=t.seq_len * t.micro_batch * sc.model.hidden * activation_memory.act_dtype_bytes(t),
         reduce_in_bytes=0 if u.held else padded * DTYPE_BITS[t.precision.reduce] // 8)
 
