@@ -185,11 +185,14 @@ def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_p
 def test_reserved_flags_go_with_fake(capsys):
     from tests.helpers import cli
 
-    for flags in (["--reserved"], ["--expandable-segments"], ["--no-logits-kept"]):
+    for flags in (["--reserved"], ["--expandable-segments"], ["--no-logits-kept"],
+                  ["--embed-head-unit", "root-kept"]):
         r = cli(capsys, "verify", *flags)
         assert r.returncode == 2 and "--fake" in r.stderr and "Traceback" not in r.stderr
     r = cli(capsys, "verify", "--fake", "--expandable-segments")
     assert r.returncode == 2 and "--reserved" in r.stderr
+    r = cli(capsys, "verify", "--fake", "--embed-head-unit", "rooot")
+    assert r.returncode == 2 and "rooot" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_expandable_segments_is_an_assumption_anyone_can_change(capsys):

@@ -70,6 +70,7 @@ def verify(
     reserved: Annotated[bool, typer.Option(help="--fake: also reserved memory, planned against PyTorch's caching allocator simulated over three traced steps (three times as long)")] = False,
     expandable_segments: Annotated[bool, typer.Option(help="--fake --reserved: the allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")] = False,
     logits_kept: Annotated[bool, typer.Option(help="--fake: the loop holds the logits until backward returns (--no-logits-kept: dropped first, as torchtitan's `del pred`)")] = True,
+    embed_head_unit: Annotated[str, typer.Option(help="--fake: where embedding and head sit: separate | head-kept | root | root-kept (torchtitan 2024: root-kept)")] = "separate",
 ) -> None:
     """Short real trainings, predicted against measured; exit 1 past tolerance.
 
@@ -81,11 +82,12 @@ def verify(
     if fake:
         return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance,
                             checkpointing or ["none"], linear_loss, reserved, expandable_segments,
-                            logits_kept)
+                            logits_kept, embed_head_unit)
     if linear_loss != "none":
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
-    if reserved or expandable_segments or not logits_kept:
-        raise UsageError("--reserved, --expandable-segments and --no-logits-kept go with --fake: add --fake")
+    if reserved or expandable_segments or not logits_kept or embed_head_unit != "separate":
+        raise UsageError("--reserved, --expandable-segments, --no-logits-kept and --embed-head-unit go "
+                         "with --fake: add --fake")
     import tempfile
     from pathlib import Path
 
@@ -216,12 +218,16 @@ def calibrate(
 
 def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float,
                  modes: list[str], linear_loss: str = "none", reserved: bool = False,
-                 expandable: bool = False, logits_kept: bool = True) -> None:
+                 expandable: bool = False, logits_kept: bool = True,
+                 embed_head_unit: str = "separate") -> None:
     """One traced step per strategy at real scale, against the planner (torch layout): the
     allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase;
     with `reserved`, the planner's reserved bytes against the caching allocator simulated over
     the traced steps' tensors (printed, not judged: the planner packs all but the loss's)."""
     from ..specs import CHECKPOINTING
+    from typing import get_args
+
+    from ..specs import EmbedHeadUnit
     from ..trainer.fake_trace import RESERVE_STEPS, fake_cell
     from ..parse import check_choice, check_range
 
@@ -230,6 +236,7 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     for mode in modes:
         check_choice(mode, "--checkpointing", CHECKPOINTING)
     check_choice(linear_loss, "--linear-loss", ("none", "chunked"))
+    check_choice(embed_head_unit, "--embed-head-unit", get_args(EmbedHeadUnit))
     bad = []
     print(f"{'strategy':28s} {'predicted':>12s} {'traced':>12s} {'error':>8s} {'phase (pred/traced)':>22s}"
           f"   traced by category (GiB)")
@@ -237,7 +244,8 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
         raise UsageError("--expandable-segments goes with --reserved: add --reserved")
     for name, mode in ((n, md) for n in names for md in modes):
         c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss,
-                      logits_kept=logits_kept, reserved=reserved, expandable_segments=expandable)
+                      embed_head_unit=embed_head_unit, logits_kept=logits_kept, reserved=reserved,
+                      expandable_segments=expandable)
         label = f"{name} ckpt={mode}"
         cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items()
                          if v and k != "Total" and not k.startswith("reserved"))
@@ -245,7 +253,7 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
               f"{c.error:>+8.1%} {c.predicted_phase + '/' + c.traced_phase:>22s}   {cats}")
         if reserved:
             p, t = c.predicted_reserved_bytes, c.traced_reserved_bytes
-            how = "expandable segments" if expandable else "classic segments"
+            how = "expandable" if expandable else "classic"
             print(f"{'  reserved (' + how + ')':28s} {p / 2**30:>8.2f} GiB {t / 2**30:>8.2f} GiB "
                   f"{(p - t) / t:>+8.1%}   traced: the caching allocator simulated over "
                   f"{RESERVE_STEPS} steps' tensors")
