@@ -200,11 +200,15 @@ def test_expandable_segments_is_an_assumption_anyone_can_change(capsys):
 
     from tests.helpers import cli
 
-    base = ["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "8192", "--json"]
+    base = ["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "8192", "--layout",
+            "torch", "--strategy", "zero3", "--json"]
     plain = json.loads(cli(capsys, *base).stdout)
     exp = json.loads(cli(capsys, *base, "--expandable-segments").stdout)
     assert plain["assumptions"]["expandable_segments"]["value"] is False
     assert exp["assumptions"]["expandable_segments"]["value"] is True
+    # and it is priced: each stream's pool mapped in whole 20 MiB pages, not 2 MiB-rounded segments
+    reserved = [d["strategies"][0]["per_gpu"]["reserved_bytes"] for d in (plain, exp)]
+    assert reserved[1] % (20 * MiB) == 0 and reserved[0] % (20 * MiB) != 0
 
 
 def test_one_rank_copies_in_on_the_default_stream():

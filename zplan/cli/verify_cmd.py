@@ -244,16 +244,14 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
         raise UsageError("--expandable-segments goes with --reserved: add --reserved")
     for name, mode in ((n, md) for n in names for md in modes):
         c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss,
-                      embed_head_unit=embed_head_unit, logits_kept=logits_kept, reserved=reserved,
-                      expandable_segments=expandable)
+                      embed_head_unit=embed_head_unit, logits_kept=logits_kept, reserved=reserved)
         label = f"{name} ckpt={mode}"
-        cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items()
-                         if v and k != "Total" and not k.startswith("reserved"))
+        cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
         print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "
               f"{c.error:>+8.1%} {c.predicted_phase + '/' + c.traced_phase:>22s}   {cats}")
         if reserved:
-            p, t = c.predicted_reserved_bytes, c.traced_reserved_bytes
             how = "expandable" if expandable else "classic"
+            p, t = c.reserved_by_allocator[how]
             print(f"{'  reserved (' + how + ')':28s} {p / 2**30:>8.2f} GiB {t / 2**30:>8.2f} GiB "
                   f"{(p - t) / t:>+8.1%}   traced: the caching allocator simulated over "
                   f"{RESERVE_STEPS} steps' tensors")

@@ -33,11 +33,10 @@ def _init_optimizer_state(optim) -> None:
     optim.zero_grad(set_to_none=True)
 
 
-# The CUDA stream FSDP2 allocates each of FSDPMemTracker's categories on (as
-# memory_timeline.STREAM): all-gather outputs on the all-gather copy-in stream, the sharded
-# gradients (views of the reduce-scatter outputs) on the reduce-scatter stream, the rest
-# (the reduce-scatter input included, PyTorch >= 2.5) on the default stream.
-TRACKER_STREAM = {"All Gather": "all-gather", "Sharded Grad": "reduce-scatter"}
+# FSDPMemTracker's categories allocated off the default stream, as the planner's kinds (whose
+# stream memory_timeline.STREAM names): all-gather outputs, and the sharded gradients (views of
+# the reduce-scatter outputs); every other category is on the default stream.
+TRACKER_KIND = {"All Gather": "all_gather", "Sharded Grad": "grads"}
 RESERVE_STEPS = 3  # the simulated reserve settles by the third step (Llama 3.1 8B, 8 and 128 ranks)
 
 
@@ -46,15 +45,16 @@ def simulated_reserved(allocations: list, expandable_segments: bool) -> int:
     (caching_allocator.CachingAllocator), each on the stream FSDP2 allocates its category on
     (its category as the tracker last labelled it)."""
     from ..caching_allocator import CachingAllocator
+    from ..memory_timeline import STREAM
 
     sim = CachingAllocator(expandable_segments)
     live: dict[int, int] = {}  # storage -> its current block's key (a resize makes a new one)
-    for n, (op, winfo, now, _) in enumerate(allocations):
+    for n, (op, winfo, now) in enumerate(allocations):
         if id(winfo) in live:  # freed, or resized: the old block goes first
             sim.free(live.pop(id(winfo)))
         if op in ("ADD", "SIZE") and now > 0:
-            stream = TRACKER_STREAM.get(str(getattr(winfo.reftype, "value", winfo.reftype)), "default")
-            sim.malloc(n, now, stream)
+            kind = TRACKER_KIND.get(str(getattr(winfo.reftype, "value", winfo.reftype)), "activations")
+            sim.malloc(n, now, STREAM[kind])
             live[id(winfo)] = n
     return sim.peak_reserved_bytes
 
@@ -62,8 +62,8 @@ def simulated_reserved(allocations: list, expandable_segments: bool) -> int:
 def trace_peak(plan, steps: int = 1, reserved: bool = False) -> dict:
     """Peak bytes per category on rank 0 of plan.num_gpus fake ranks (FSDP2 strategies), with
     "phase" naming where in the step the peak was reached; with `reserved`, also what the caching
-    allocator would reserve over the traced steps, classic and with expandable segments
-    ("reserved", "reserved expandable")."""
+    allocator would reserve over the traced steps ("reserved": {"classic": bytes, "expandable":
+    bytes})."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -111,8 +111,8 @@ def trace_peak(plan, steps: int = 1, reserved: bool = False) -> dict:
         out: dict = {str(getattr(k, "value", k)): int(v) for k, v in per.items()}
         out["phase"] = tracker.peak_phase
         if reserved:
-            out["reserved"] = simulated_reserved(tracker.allocations, False)
-            out["reserved expandable"] = simulated_reserved(tracker.allocations, True)
+            out["reserved"] = {"classic": simulated_reserved(tracker.allocations, False),
+                               "expandable": simulated_reserved(tracker.allocations, True)}
         return out
     finally:
         with contextlib.suppress(Exception):
@@ -130,11 +130,8 @@ class FakeCell:
     traced_phase: str
     categories: dict
     trace_s: float
-    # with `reserved`: the planner's reserved bytes and the caching allocator's over the traced
-    # steps (simulated_reserved), classic segments or expandable as the cell was planned
-    predicted_reserved_bytes: int | None = None
-    traced_reserved_bytes: int | None = None
-    # with `reserved`, both allocators: {"classic": (planned, simulated), "expandable": (...)}
+    # with `reserved`, per allocator ("classic", "expandable"): (the planner's reserved bytes, the
+    # caching allocator's simulated over the traced steps' storages, simulated_reserved)
     reserved_by_allocator: dict | None = None
 
     @property
@@ -147,8 +144,7 @@ class FakeCell:
 
 def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
               strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
-              logits_kept: bool = True, grad_accum: int = 1, reserved: bool = False,
-              expandable_segments: bool = False) -> FakeCell:
+              logits_kept: bool = True, grad_accum: int = 1, reserved: bool = False) -> FakeCell:
     """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
     composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it. With
     `reserved`, also the reserved bytes, planned (the caching-allocator model) and simulated over
@@ -177,14 +173,13 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
     peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r),
                       steps=RESERVE_STEPS if reserved else 1, reserved=reserved)
     phase = peak.pop("phase")
-    planned = traced = both = None
+    both = None
     if reserved:
-        both = {name: (estimate_one(plan_scenario(fragmentation=None, expandable_segments=exp), strategy)
-                       .memory.reserved_bytes, peak[key])
-                for name, exp, key in (("classic", False, "reserved"),
-                                       ("expandable", True, "reserved expandable"))}
-        planned, traced = both["expandable" if expandable_segments else "classic"]
+        simulated = peak.pop("reserved")
+        both = {name: (estimate_one(plan_scenario(fragmentation=None, expandable_segments=name == "expandable"),
+                                    strategy).memory.reserved_bytes, simulated[name])
+                for name in ("classic", "expandable")}
     accum = f" A={grad_accum}" if grad_accum > 1 else ""
     return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch}{accum} {checkpointing} {strategy}",
                     r.memory.allocated_bytes, peak["Total"], r.memory.peak_phase, phase or "-",
-                    peak, time.perf_counter() - t0, planned, traced, both)
+                    peak, time.perf_counter() - t0, both)

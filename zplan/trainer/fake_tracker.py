@@ -80,14 +80,14 @@ def tracker_class():
 
     class TraceTracker(FSDPMemTracker):
         peak_phase: str | None = None
-        allocations: list | None = None  # (op, _WeakRefInfo, bytes now, bytes before) if recording
+        allocations: list | None = None  # (op, _WeakRefInfo, bytes now) if recording
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
             """MemTracker._update_snap, and the change recorded: ADD (a new storage), DEL (freed),
             SIZE (resized: FSDP2 frees and re-allocates unsharded parameters with resize_);
             REF only relabels a storage."""
             if self.allocations is not None and u_type.name != "REF":
-                self.allocations.append((u_type.name, winfo, winfo.mem_consumed, old_mem_consumed))
+                self.allocations.append((u_type.name, winfo, winfo.mem_consumed))
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
         def _update_peak_stats(self, _peak_state) -> None:
