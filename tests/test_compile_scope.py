@@ -77,7 +77,9 @@ def test_whole_model_graph_holds_every_gradient_as_pytorchs_profiler_measures():
     # compile one block's gradients
     grads_b = sum(u.numel for u in _tiny("model").units) * 2
     for scope in ("model", "block"):
-        got, want = measured(scope), _new_bytes_peak(_tiny(scope))
+        with torch.backends.mkldnn.flags(enabled=False):  # no oneDNN scratch (see _DDP_RUN)
+            got = measured(scope)
+        want = _new_bytes_peak(_tiny(scope))
         print(f"{scope}: measured {got} predicted {want} gradient set {grads_b}")
         assert abs(got - want) <= 0.05 * grads_b, (scope, got, want, grads_b)
 
@@ -85,6 +87,9 @@ def test_whole_model_graph_holds_every_gradient_as_pytorchs_profiler_measures():
 _DDP_RUN = """
 import json, sys, tempfile
 import torch, torch.distributed as dist, torch.nn.functional as F
+# oneDNN's bf16 matmuls on CPUs with AMX reorder the weights into scratch buffers the profiler
+# counts (370 KB here at 1 MiB buckets); a GPU has none: the native CPU kernels, as there
+torch.backends.mkldnn.enabled = False
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zplan.specs import ModelSpec
 from zplan.trainer.model import Transformer
