@@ -75,10 +75,13 @@ def main(argv=None) -> int:
              "The logits kept: the trainer's loop (held until backward returns, the embedding and head "
              "their own units); dropped: torchtitan's (`del pred` before backward, the root unit "
              "kept gathered). error = (planned - simulated) / simulated: the planner prices each "
-             "stream's peak and the holes the loss and the head unit leave (docs/formulas.md section 3), a lower bound of the "
-             "simulation; the rest is holes the replay finds elsewhere: between the blocks' "
-             "activations, a held root's reduce-scatter input no freed block fits (embedding "
-             "and head, 4 GiB for Llama 3.1 8B), 20 MiB segments shared by tensors of 1-10 MiB (classic).", "",
+             "stream's peak and the holes the loss, the head unit and the end of backward leave "
+             "(the last unit's reduce-scatter input: a held root's, embedding and head in fp32, "
+             "fits no freed block; docs/formulas.md section 3). Classic segments: the rest is holes "
+             "the replay finds elsewhere, between the blocks' activations and in 20 MiB segments "
+             "shared by tensors of 1-10 MiB. Expandable: the planner assumes the freed "
+             "activations are not at the segment's free end, and reads above the replay where "
+             "they partly are.", "",
              summary("classic") + "; " + summary("expandable") + ".", "",
              *HEADER, *rows, ""]
     print("\n".join(lines))

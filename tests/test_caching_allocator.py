@@ -5,6 +5,8 @@ both."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from zplan import activation_memory, allocator
@@ -246,9 +248,61 @@ def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable,
     from zplan.strategies import effective
 
     st = effective("zero3", "torch")
-    assert _head_tail(sc, st, model_state(sc, st)) == head
+    planned = _head_tail(sc, st, model_state(sc, st))
+    assert planned.__dict__ | {"last_grad_bytes": 0, "last_reduce_in_bytes": 0, "freed_block_bytes": 0} == head.__dict__
+    # the embedding, reduced last (1002 MiB gradient, 2004 MiB fp32 input), takes the blocks the
+    # head's own gradient and reduce-scatter input left: the end of backward adds nothing
+    assert (planned.last_grad_bytes, planned.last_reduce_in_bytes) == (w - 8192, 2 * (w - 8192))
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, planned) == want_mib * MiB
     kept = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="head-kept"))
     assert _head_tail(kept, st, model_state(kept, st)).weights_bytes == 0  # not gathered again
+
+
+@pytest.mark.parametrize("expandable,want_mib", [(False, 7518), (True, 6540)])
+def test_a_held_roots_reduce_scatter_input_fits_no_block_at_the_end_of_backward(expandable, want_mib):
+    """Llama 3.1 8B at seq 2048, embedding, norm and head one root kept gathered (torchtitan),
+    logits dropped before backward (eager loss): the root's reduce-scatter input R = 4008 MiB +
+    16 KiB (fp32, the norm's weight the 16 KiB) comes at the end of backward, with the head's
+    gradient G (1002 MiB, held since the head's backward) and the embedding's E (1002 MiB).
+    Worked by hand from CUDACachingAllocator's rules. Classic -- the loss leaves segments of 502
+    (logits), 1002 (fp32 copy, then nll's gradient), 1002 (log_softmax) and 1002 MiB (its
+    gradient), 3508 MiB; the head's input gradient splits the first 1002, G takes the second; at
+    the end the blocks' largest activation (56 MiB) finds the 502 MiB block, E the first 1002, and
+    R fits nothing: a segment of its own, rounded to 4010 MiB: 7518 MiB. Expandable -- the loss
+    ends with [0, 501) logits' gradient and [501, 3520) free at the end; the input gradient and G
+    take [501, 1519); at the end E takes [1519, 2521) and R extends the 999 MiB left at the end by
+    151 pages of 20 MiB: 3520 + 3020 = 6540 MiB. The planner's sizes for this layout are these."""
+    from zplan.memory import _head_tail, model_state
+    from zplan.strategies import effective
+
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="root-kept",
+                         logits_kept=False))
+    E, g = 2048 * 128256, 128256 * 4096 * 2
+    head = allocator.HeadTail(0, g, 2048 * 4096 * 2, 0, last_grad_bytes=g,
+                              last_reduce_in_bytes=(2 * 128256 + 1) * 4096 * 4,
+                              freed_block_bytes=2048 * 14336 * 2)
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head) == want_mib * MiB
+    st = effective("zero3", "torch")
+    assert _head_tail(sc, st, model_state(sc, st)) == head
+    # without the end of backward, the loss and the head's backward alone
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head.__class__(0, g, 2048 * 4096 * 2, 0)) == \
+        (3520 if expandable else 3508) * MiB
+    # freed activations that hold the embedding's gradient and the root's input (one 8 GiB
+    # tensor, or an expandable segment's 8 GiB of them) leave the end of backward nothing to add
+    roomy = replace(head, freed_block_bytes=8 << 30)
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, roomy) == allocator.loss_reserved_bytes(
+        E, sc.train, True, expandable, replace(roomy, last_grad_bytes=0, last_reduce_in_bytes=0))
+
+
+def test_the_largest_block_tensor_is_the_mlps_hidden_or_the_attention_probabilities():
+    """A dense SwiGLU block's largest tensor is one of its MLP-wide outputs, s·b·f in bf16; with
+    the math attention path, the attention probabilities a·s²·b are larger at long sequences."""
+    from zplan.activation_memory import largest_block_tensor_bytes
+
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, micro_batch=2))
+    assert largest_block_tensor_bytes(sc.model, sc.train) == 2048 * 2 * 14336 * 2
+    math = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, flash=False))
+    assert largest_block_tensor_bytes(math.model, math.train) == 32 * 2048 * 2048 * 2
 
 
 @pytest.mark.parametrize("kept,want_mib", [(False, (5520, 4540)), (True, (5520, 5520))])

@@ -19,9 +19,11 @@ freed in an order (activation_memory.loss_steps) the allocator can only partly r
 the loop drops the logits, the logits and their fp32 copy free a block one and a half times the
 size of the two fp32 gradients of the backward, which take it and fresh memory beside it; and
 under FSDP2 the head unit's reduce-scatter input, at short sequences larger than any block the
-loss freed, takes fresh memory too. The loss's tensors and the head unit's (HeadTail) run
-through the allocator simulation on top of everything else the default stream holds then
-(assumed packed), and the default stream reserves at least that. Elsewhere the model assumes
+loss freed, takes fresh memory too, as does, at the end of backward, the reduce-scatter input of
+the unit reduced last where it is a root holding embedding and head (4 GiB in fp32 for Llama 3.1
+8B). The loss's tensors, the head unit's and the end of backward's (HeadTail) run through the
+allocator simulation on top of everything else the default stream holds then (assumed packed),
+and the default stream reserves at least that. Elsewhere the model assumes
 cached blocks are reused fully: a lower bound (docs/reserved-matrix.md holds it against the
 allocator replayed over every tensor of traced steps).
 `--fragmentation F` replaces all this with the flat assumption reserved = (1 + F) x allocated.
@@ -79,6 +81,14 @@ class HeadTail:
     grad_bytes: int
     input_grad_bytes: int
     reduce_in_bytes: int
+    # the unit reduced last, as backward ends (the embedding's, or the held root): the gradient
+    # its backward makes then (the embedding weight's) and its reduce-scatter input; and the
+    # blocks' activations, alive through the loss and freed by then: with classic segments the
+    # largest one tensor (each has a segment of its own), with expandable segments all of them
+    # (one segment, below the loss's tensors)
+    last_grad_bytes: int = 0
+    last_reduce_in_bytes: int = 0
+    freed_block_bytes: int = 0
 
 
 def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
@@ -94,6 +104,12 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
     if logits_elems <= 0:
         return 0
     sim = CachingAllocator(expandable)
+    blocks_reserve = 0
+    if head and head.freed_block_bytes:
+        # the blocks' activations, alive through the loss; what they reserve is counted with
+        # everything else the stream holds then (default_stream_floor), so it is taken off below
+        sim.malloc("blocks' activations", head.freed_block_bytes)
+        blocks_reserve = sim.reserved_bytes
     w = head.weights_bytes if head else 0
     if w:
         sim.malloc("head weights", w)
@@ -121,7 +137,31 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
             sim.free("head weights")
         if head.reduce_in_bytes:
             sim.malloc("reduce-scatter input", head.reduce_in_bytes)
-    return sim.peak_reserved_bytes
+        if head.last_reduce_in_bytes:
+            _backward_end(sim, head)
+    return sim.peak_reserved_bytes - blocks_reserve
+
+
+def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
+    """The end of backward on top of the loss's and the head's tensors (`sim`): the head's input
+    gradient is consumed by the last block's backward, its unsharded gradients by its
+    reduce-scatter input's copy-in (a held root keeps its head gradient to the end), and that
+    input is released at the next unit's reduce-scatter; the blocks free their activations
+    (`freed_block_bytes`, allocated before the loss; their reserve is counted with what the
+    default stream holds at the loss, so loss_reserved_bytes takes it off); then the last unit
+    makes its gradient and allocates its reduce-scatter input, which the cached blocks may not
+    fit (fp32 embedding and head of a held root: 4 GiB for Llama 3.1 8B, where the loss's
+    largest block is 1 GiB at seq 2048 and, with the norm's weight, 16 KiB too small at 8192).
+    What is still live from the loss (the logits the loop holds until backward returns) stays."""
+    held_root = head.reduce_in_bytes == 0  # its head gradient waits for the root's reduce-scatter
+    for name in ("head input grad", "reduce-scatter input") + (() if held_root else ("head grad",)):
+        if name in sim:
+            sim.free(name)
+    if "blocks' activations" in sim:
+        sim.free("blocks' activations")
+    if head.last_grad_bytes:
+        sim.malloc("last grad", head.last_grad_bytes)
+    sim.malloc("last reduce-scatter input", head.last_reduce_in_bytes)
 
 
 def default_stream_floor(events: list[Event], loss_bytes: int, loss_reserved: int) -> int:

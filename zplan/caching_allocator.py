@@ -128,6 +128,9 @@ class CachingAllocator:
         self.allocated_bytes += b.size
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._live
+
     def free(self, key: object) -> None:
         b, pool, _ = self._live.pop(key)
         self.allocated_bytes -= b.size

@@ -10,9 +10,10 @@ Derivations and every assumption: docs/formulas.md.
 
 from __future__ import annotations
 
+
 import heapq
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from . import activation_memory, allocator, arch, policy
@@ -435,13 +436,21 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail
     if i is None:
         return None
     u, t = sc.units[i], sc.train
-    padded = ms.unit_shards[i] * sc.shard_degree(st.hsdp)
+    degree = sc.shard_degree(st.hsdp)
+    padded, last = ms.unit_shards[i] * degree, ms.unit_shards[0] * degree
+    largest = _largest_params(sc, 1)
+    pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
     regather = st.reshard_after_forward and not policy.stays_gathered(u.held, True, t.embed_head_unit)
     return allocator.HeadTail(
         weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regather else 0,
-        grad_bytes=(_largest_params(sc, 1)[i] if u.held else padded) * DTYPE_BITS[t.precision.param] // 8,
+        grad_bytes=(largest[i] if u.held else padded) * pb // 8,
         input_grad_bytes=t.seq_len * t.micro_batch * sc.model.hidden * activation_memory.act_dtype_bytes(t),
-        reduce_in_bytes=0 if u.held else padded * DTYPE_BITS[t.precision.reduce] // 8)
+        reduce_in_bytes=0 if u.held else padded * rb // 8,
+        # the unit reduced last: the embedding weight's gradient (a held root's other gradients
+        # exist already), the whole unit's reduce-scatter input
+        last_grad_bytes=(largest[0] if sc.units[0].held else last) * pb // 8,
+        last_reduce_in_bytes=last * rb // 8,
+        freed_block_bytes=activation_memory.largest_block_tensor_bytes(sc.model, t))
 
 
 def memory(sc: Scenario, st: Strategy) -> Memory:
@@ -453,10 +462,17 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     top = mt.peak(events)
     allocated = top.total_bytes
     acts = mt.activations(sc)
+    loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
+    head = _head_tail(sc, st, ms)
+    if head is not None and sc.assume.expandable_segments:
+        # one segment: the blocks' activations, made before the loss and below its tensors, free
+        # by the end of backward as one block (assumed: no tensor still alive splits them)
+        start = next((e for e in events if e.label == "loss forward"), None)
+        if start is not None:
+            head = replace(head, freed_block_bytes=max(start.live.get("activations", 0) - loss_b, 0))
     floor = allocator.default_stream_floor(
-        events, acts.logits_elems * acts.loss_per_logit["forward"],
-        _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32, sc.assume.expandable_segments,
-                       _head_tail(sc, st, ms)))
+        events, loss_b,
+        _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32, sc.assume.expandable_segments, head))
     reserved = allocator.reserved_bytes(events, sc.assume, floor)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
