@@ -249,29 +249,39 @@ def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable,
 
     st = effective("zero3", "torch")
     planned = _head_tail(sc, st, model_state(sc, st))
-    assert planned.__dict__ | {"last_grad_bytes": 0, "last_reduce_in_bytes": 0, "freed_block_bytes": 0} == head.__dict__
-    # the embedding, reduced last (1002 MiB gradient, 2004 MiB fp32 input), takes the blocks the
-    # head's own gradient and reduce-scatter input left: the end of backward adds nothing
-    assert (planned.last_grad_bytes, planned.last_reduce_in_bytes) == (w - 8192, 2 * (w - 8192))
-    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, planned) == want_mib * MiB
+    assert replace(planned, last_weights_bytes=0, last_grad_bytes=0, last_reduce_in_bytes=0,
+                   freed_block_bytes=0) == head
+    # the embedding, reduced last (gathered again: 1002 MiB weights, then a 1002 MiB gradient,
+    # a 2004 MiB fp32 input), takes the blocks the head's own gradient and reduce-scatter input
+    # left: the end of backward adds nothing
+    e = w - 8192
+    assert (planned.last_weights_bytes, planned.last_grad_bytes, planned.last_reduce_in_bytes) == (e, e, 2 * e)
+    assert not planned.held_root and planned.freed_block_bytes == 2048 * 14336 * 2
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, planned) == \
+        allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(planned, last_reduce_in_bytes=0))
     kept = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="head-kept"))
     assert _head_tail(kept, st, model_state(kept, st)).weights_bytes == 0  # not gathered again
 
 
-@pytest.mark.parametrize("expandable,want_mib", [(False, 7518), (True, 6540)])
+@pytest.mark.parametrize("expandable,want_mib", [(False, 7518), (True, 6544)])
 def test_a_held_roots_reduce_scatter_input_fits_no_block_at_the_end_of_backward(expandable, want_mib):
-    """Llama 3.1 8B at seq 2048, embedding, norm and head one root kept gathered (torchtitan),
-    logits dropped before backward (eager loss): the root's reduce-scatter input R = 4008 MiB +
-    16 KiB (fp32, the norm's weight the 16 KiB) comes at the end of backward, with the head's
-    gradient G (1002 MiB, held since the head's backward) and the embedding's E (1002 MiB).
-    Worked by hand from CUDACachingAllocator's rules. Classic -- the loss leaves segments of 502
-    (logits), 1002 (fp32 copy, then nll's gradient), 1002 (log_softmax) and 1002 MiB (its
-    gradient), 3508 MiB; the head's input gradient splits the first 1002, G takes the second; at
-    the end the blocks' largest activation (56 MiB) finds the 502 MiB block, E the first 1002, and
-    R fits nothing: a segment of its own, rounded to 4010 MiB: 7518 MiB. Expandable -- the loss
-    ends with [0, 501) logits' gradient and [501, 3520) free at the end; the input gradient and G
-    take [501, 1519); at the end E takes [1519, 2521) and R extends the 999 MiB left at the end by
-    151 pages of 20 MiB: 3520 + 3020 = 6540 MiB. The planner's sizes for this layout are these."""
+    """Llama 3.1 8B at seq 2048, embedding, norm and head one root kept gathered (torchtitan's
+    layout until 2025-07), logits dropped before backward (eager loss): the root's
+    reduce-scatter input R = 4008 MiB + 16 KiB (fp32, the norm's weight the 16 KiB) comes at the
+    end of backward, with the head's gradient G (1002 MiB, held since the head's backward) and
+    the embedding's E (1002 MiB). The blocks' activations A (here their largest tensor, 56 MiB)
+    are alive through the loss and free at the end; their bytes are taken off the result.
+    Worked by hand from CUDACachingAllocator's rules. Classic -- A takes a 56 MiB segment; the
+    loss leaves segments of 502 (logits, then their gradient), 1002 (fp32 copy, then nll's
+    gradient), 1002 (log_softmax) and 1002 MiB (its gradient); the head's input gradient splits
+    the first 1002, G takes the second; at the end E takes the first 1002 again and R fits
+    nothing: a segment of its own, rounded to 4010 MiB: 56 + 502 + 3 x 1002 + 4010 - 56 = 7518.
+    Expandable (20 MiB pages) -- A [0, 56); the loss ends with its logits' gradient at [56, 557)
+    and [557, 3580) free at the end; the input gradient and G take [557, 1575); at the end E
+    takes [1575, 2577) and R extends the 1003 MiB left at the end by 151 pages: 3580 + 3020 - 56
+    = 6544 MiB. Accumulating (G and E added into the accumulated gradients before R): all of
+    [0, 3580) is free, R extends it by 22 pages, 3964 MiB. Tied (E added into G in place): R
+    extends [1575, 3580) by 101 pages, 5544 MiB."""
     from zplan.memory import _head_tail, model_state
     from zplan.strategies import effective
 
@@ -280,18 +290,40 @@ def test_a_held_roots_reduce_scatter_input_fits_no_block_at_the_end_of_backward(
     E, g = 2048 * 128256, 128256 * 4096 * 2
     head = allocator.HeadTail(0, g, 2048 * 4096 * 2, 0, last_grad_bytes=g,
                               last_reduce_in_bytes=(2 * 128256 + 1) * 4096 * 4,
-                              freed_block_bytes=2048 * 14336 * 2)
+                              freed_block_bytes=2048 * 14336 * 2, held_root=True)
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head) == want_mib * MiB
     st = effective("zero3", "torch")
     assert _head_tail(sc, st, model_state(sc, st)) == head
-    # without the end of backward, the loss and the head's backward alone
-    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head.__class__(0, g, 2048 * 4096 * 2, 0)) == \
-        (3520 if expandable else 3508) * MiB
+    # without the end of backward, the loss and the head's backward alone (with A: 3524 = 3580 - 56)
+    assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(head, last_reduce_in_bytes=0)) == \
+        (3524 if expandable else 3508) * MiB
+    for flag, mib in (("accumulating", 3964), ("tied", 5544)):
+        got = allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(head, **{flag: True}))
+        assert got == (mib if expandable else 7518) * MiB, flag
     # freed activations that hold the embedding's gradient and the root's input (one 8 GiB
     # tensor, or an expandable segment's 8 GiB of them) leave the end of backward nothing to add
     roomy = replace(head, freed_block_bytes=8 << 30)
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, roomy) == allocator.loss_reserved_bytes(
         E, sc.train, True, expandable, replace(roomy, last_grad_bytes=0, last_reduce_in_bytes=0))
+
+
+def test_a_resharding_roots_weights_stay_gathered_to_its_own_reshard():
+    """The same root resharding after forward (embed_head_unit root): gathered again (2004 MiB
+    + 8 KiB in bf16) for the head's backward, it reshards only in its post-backward, after the
+    embedding's gradient, before its reduce-scatter input (FSDPParamGroup.post_backward). By
+    hand, classic: A 56; W 2006 (freed after the forward, it takes the fp32 copy and
+    log_softmax, then nll's gradient); logits 502; log_softmax's gradient 1002; W again in its
+    own 2006; the input gradient splits the 1002, G a new 1002; at the end E takes that 1002, W
+    is freed and R takes 4010: 56 + 2006 + 502 + 1002 + 1002 + 4010 - 56 = 8522 MiB."""
+    from zplan.memory import _head_tail, model_state
+    from zplan.strategies import effective
+
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="root",
+                         logits_kept=False))
+    st = effective("zero3", "torch")
+    head = _head_tail(sc, st, model_state(sc, st))
+    assert head.held_root and head.weights_bytes == (2 * 128256 + 1) * 4096 * 2
+    assert allocator.loss_reserved_bytes(2048 * 128256, sc.train, True, False, head) == 8522 * MiB
 
 
 def test_the_largest_block_tensor_is_the_mlps_hidden_or_the_attention_probabilities():
@@ -333,3 +365,27 @@ def test_a_held_roots_head_gradient_is_the_head_weights_alone():
     head_w = 128256 * 4096 * 2
     assert tail.grad_bytes == head_w and tail.reduce_in_bytes == 0
     assert tail.weights_bytes == 2 * head_w + 4096 * 2  # embedding, norm and head
+
+
+@pytest.mark.parametrize("checkpointing,expandable,adds", [
+    ("none", False, True), ("full", False, True), ("none", True, False), ("full", True, True)])
+def test_the_planner_prices_the_end_of_backward_where_freed_activations_do_not_hold_it(
+        monkeypatch, checkpointing, expandable, adds):
+    """Llama 3.1 8B, root kept, seq 2048 on 8 GPUs. Classic segments: the root's 4 GiB input
+    fits none of the activations' segments (56 MiB at most), with or without checkpointing.
+    Expandable: the planner frees all the activations alive at the loss as one region -- 20 GB
+    without checkpointing hold it, the 0.6 GB of block inputs under full checkpointing do not."""
+    from zplan import memory as mem
+    from zplan.strategies import effective
+
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpu="h100-sxm", gpus="8", seq_len=2048,
+                         embed_head_unit="root-kept", logits_kept=False, checkpointing=checkpointing,
+                         fragmentation=None, expandable_segments=expandable))
+    st = effective("zero3", "torch")
+    mem._loss_reserved.cache_clear()
+    with_end = mem.memory(sc, st).reserved_bytes
+    monkeypatch.setattr(allocator, "_backward_end", lambda sim, head: None)
+    mem._loss_reserved.cache_clear()
+    without = mem.memory(sc, st).reserved_bytes
+    mem._loss_reserved.cache_clear()
+    assert (with_end > without + (1 << 30)) if adds else with_end == without

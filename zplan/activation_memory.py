@@ -42,12 +42,13 @@ def block_mode(train: TrainSpec, index: int, num_layers: int) -> str:
 
 
 def largest_block_tensor_bytes(m: ModelSpec, train: TrainSpec) -> int:
-    """The largest single tensor a block allocates: the MLP's hidden (s·b·f, dense; an MoE
-    block's routed inputs, k·s·b·h), a residual-stream tensor (s·b·h), or without a flash kernel
-    the attention probabilities (a·s²·b). Freed by the end of backward, its cached block can serve
-    a later request (allocator.HeadTail)."""
+    """The largest single tensor a block allocates: the MLP's hidden (s·b·f; an MoE block's
+    experts over the k·s·b routed tokens, as block_activation_terms counts them), a
+    residual-stream tensor (s·b·h), or without a flash kernel the attention probabilities
+    (a·s²·b). Freed by the end of backward, its cached block can serve a later request
+    (allocator.HeadTail)."""
     sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
-    mlp = m.experts_per_token * m.hidden if m.num_experts else m.ffn_hidden
+    mlp = (m.experts_per_token if m.num_experts else 1) * m.ffn_hidden
     probs = 0 if train.flash_attention else m.num_heads * train.seq_len
     return sb * max(B * mlp, S * m.hidden, B * probs)
 

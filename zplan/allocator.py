@@ -81,14 +81,20 @@ class HeadTail:
     grad_bytes: int
     input_grad_bytes: int
     reduce_in_bytes: int
-    # the unit reduced last, as backward ends (the embedding's, or the held root): the gradient
-    # its backward makes then (the embedding weight's) and its reduce-scatter input; and the
-    # blocks' activations, alive through the loss and freed by then: with classic segments the
-    # largest one tensor (each has a segment of its own), with expandable segments all of them
-    # (one segment, below the loss's tensors)
+    # the unit reduced last, as backward ends (the embedding's, or the held root): its weights
+    # gathered again for its backward (a held root's are weights_bytes, kept from the head's
+    # backward to its own reshard), the gradient its backward makes then (the embedding
+    # weight's) and its reduce-scatter input; and the blocks' activations, alive through the
+    # loss and freed by then: with classic segments the largest one tensor (each has a segment
+    # of its own), with expandable segments all of them (one segment, below the loss's tensors)
+    last_weights_bytes: int = 0
     last_grad_bytes: int = 0
     last_reduce_in_bytes: int = 0
     freed_block_bytes: int = 0
+    held_root: bool = False  # the head sits in the root, reduced with the embedding at the end
+    tied: bool = False  # the embedding's gradient is added into the head's in place (one weight)
+    accumulating: bool = False  # micro-batches skip the reduce: the new gradients go into the
+    # accumulated ones before the reduce-scatter input is allocated (FSDPParam accumulation)
 
 
 def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
@@ -104,12 +110,13 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
     if logits_elems <= 0:
         return 0
     sim = CachingAllocator(expandable)
-    blocks_reserve = 0
+    blocks_bytes = 0
     if head and head.freed_block_bytes:
-        # the blocks' activations, alive through the loss; what they reserve is counted with
-        # everything else the stream holds then (default_stream_floor), so it is taken off below
+        # the blocks' activations, alive through the loss; their bytes are counted with
+        # everything else the stream holds then (default_stream_floor), so they are taken off
+        # below (the rounding of their block stays: the real ones have it too)
         sim.malloc("blocks' activations", head.freed_block_bytes)
-        blocks_reserve = sim.reserved_bytes
+        blocks_bytes = round_size(head.freed_block_bytes)
     w = head.weights_bytes if head else 0
     if w:
         sim.malloc("head weights", w)
@@ -133,34 +140,45 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
             if b:
                 sim.malloc(name, b)
         sim.free(live[-1])  # the logits' gradient, consumed by the head's backward
-        if w:
+        if w and not head.held_root:  # a held root reshards after its own backward, at the end
             sim.free("head weights")
         if head.reduce_in_bytes:
             sim.malloc("reduce-scatter input", head.reduce_in_bytes)
         if head.last_reduce_in_bytes:
             _backward_end(sim, head)
-    return sim.peak_reserved_bytes - blocks_reserve
+    return sim.peak_reserved_bytes - blocks_bytes
 
 
 def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
     """The end of backward on top of the loss's and the head's tensors (`sim`): the head's input
     gradient is consumed by the last block's backward, its unsharded gradients by its
-    reduce-scatter input's copy-in (a held root keeps its head gradient to the end), and that
-    input is released at the next unit's reduce-scatter; the blocks free their activations
-    (`freed_block_bytes`, allocated before the loss; their reserve is counted with what the
-    default stream holds at the loss, so loss_reserved_bytes takes it off); then the last unit
-    makes its gradient and allocates its reduce-scatter input, which the cached blocks may not
-    fit (fp32 embedding and head of a held root: 4 GiB for Llama 3.1 8B, where the loss's
-    largest block is 1 GiB at seq 2048 and, with the norm's weight, 16 KiB too small at 8192).
-    What is still live from the loss (the logits the loop holds until backward returns) stays."""
-    held_root = head.reduce_in_bytes == 0  # its head gradient waits for the root's reduce-scatter
-    for name in ("head input grad", "reduce-scatter input") + (() if held_root else ("head grad",)):
+    reduce-scatter input's copy-in (a held root keeps its head gradient, and its weights, to its
+    own post-backward), and that input is released at the next unit's reduce-scatter; the
+    blocks have freed their activations. The last unit -- the embedding's, or the held root --
+    is gathered again where it resharded, makes the embedding's gradient, and in its
+    post-backward (FSDPParamGroup.post_backward, torch 2.13) adds its new gradients into the
+    accumulated ones where micro-batches skip the reduce, reshards, and allocates its
+    reduce-scatter input, which the cached blocks may not fit: a held root's embedding, norm
+    and head in fp32, 4 GiB for Llama 3.1 8B, where the loss's largest block is 1 GiB at seq
+    2048 and, with the norm's weight, 16 KiB too small at 8192. What is still live from the
+    loss (the logits the loop holds until backward returns) stays."""
+    gone = ["head input grad", "reduce-scatter input", "blocks' activations"]
+    if not head.held_root:  # a held root's head gradient waits for the root's reduce-scatter
+        gone.append("head grad")
+    for name in gone:
         if name in sim:
             sim.free(name)
-    if "blocks' activations" in sim:
-        sim.free("blocks' activations")
+    if head.last_weights_bytes:
+        sim.malloc("last weights", head.last_weights_bytes)
     if head.last_grad_bytes:
         sim.malloc("last grad", head.last_grad_bytes)
+    # FSDPParamGroup.post_backward: the new gradients added into the accumulated ones (or, tied,
+    # autograd added the embedding's into the head's in place), the unit resharded, then
+    # foreach_reduce allocates the input
+    gone = (["last grad", "head grad"] if head.accumulating else ["last grad"] if head.tied else [])
+    for name in gone + ["last weights", "head weights"]:
+        if name in sim:
+            sim.free(name)
     sim.malloc("last reduce-scatter input", head.last_reduce_in_bytes)
 
 

@@ -10,7 +10,6 @@ Derivations and every assumption: docs/formulas.md.
 
 from __future__ import annotations
 
-
 import heapq
 import math
 from dataclasses import dataclass, fields, replace
@@ -437,20 +436,28 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail
         return None
     u, t = sc.units[i], sc.train
     degree = sc.shard_degree(st.hsdp)
+    first = sc.units[0]
     padded, last = ms.unit_shards[i] * degree, ms.unit_shards[0] * degree
     largest = _largest_params(sc, 1)
     pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
-    regather = st.reshard_after_forward and not policy.stays_gathered(u.held, True, t.embed_head_unit)
+
+    def regathered(unit, head: bool) -> bool:
+        return st.reshard_after_forward and not policy.stays_gathered(unit.held, head, t.embed_head_unit)
+
     return allocator.HeadTail(
-        weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regather else 0,
+        weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regathered(u, True) else 0,
         grad_bytes=(largest[i] if u.held else padded) * pb // 8,
         input_grad_bytes=t.seq_len * t.micro_batch * sc.model.hidden * activation_memory.act_dtype_bytes(t),
         reduce_in_bytes=0 if u.held else padded * rb // 8,
-        # the unit reduced last: the embedding weight's gradient (a held root's other gradients
-        # exist already), the whole unit's reduce-scatter input
-        last_grad_bytes=(largest[0] if sc.units[0].held else last) * pb // 8,
+        # the unit reduced last: its weights where gathered again (not the head's own unit),
+        # the embedding weight's gradient (a held root's other gradients exist already), the
+        # whole unit's reduce-scatter input
+        last_weights_bytes=nbytes(last, gather_dtype(sc, first)) if i and regathered(first, False) else 0,
+        last_grad_bytes=(largest[0] if first.held else last) * pb // 8,
         last_reduce_in_bytes=last * rb // 8,
-        freed_block_bytes=activation_memory.largest_block_tensor_bytes(sc.model, t))
+        freed_block_bytes=activation_memory.largest_block_tensor_bytes(sc.model, t),
+        held_root=u.held, tied=u.held and sc.model.tied_embeddings,
+        accumulating=accum_grad_bytes(sc, st) > 0)
 
 
 def memory(sc: Scenario, st: Strategy) -> Memory:

@@ -144,8 +144,12 @@ def _variants(base: Scenario, family: str) -> list[Scenario]:
 
 
 def search(base: Scenario, global_batch: int, objective: str = "throughput",
-           headroom: float = 0.1, families: list[str] | None = None) -> Recommendation:
-    """Search every configuration; raise PlanError with what would help when nothing fits."""
+           headroom: float = 0.1, families: list[str] | None = None,
+           alternatives: bool = True) -> Recommendation:
+    """Search every configuration; raise PlanError with what would help when nothing fits.
+    With `alternatives`, also under expandable segments where the plan assumes classic ones
+    (`_expandable_alternative`): a flag, or a hint when nothing fits, where they change the
+    answer."""
     n = base.n
     if global_batch % n:
         raise UsageError(f"--global-batch {global_batch} is not a multiple of {n} GPUs; "
@@ -224,7 +228,8 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         if set(rejected) == unavailable:  # every family asked for cannot run at all: not a fit
             name, why = next(iter(rejected.items()))
             raise UsageError(f"--strategy {name} cannot be planned here: {why}")
-        raise PlanError(_nothing_fits(base, global_batch, headroom, rejected))
+        alt = _expandable_alternative(base, global_batch, objective, headroom, families) if alternatives else None
+        raise PlanError(_nothing_fits(base, global_batch, headroom, rejected, alt))
     key = (lambda c: (c.step_s, c.total_bytes)) if objective == "throughput" else \
           (lambda c: (c.total_bytes, c.step_s))
     ranked = sorted(feasible, key=key)
@@ -238,8 +243,41 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
     for c in ranked:
         best.setdefault(c.family, c)
     lost = {f: _why_lost(c, winner, objective) for f, c in best.items() if c is not winner}
-    return Recommendation(winner, ranked, best, rejected, lost, _flags(base, winner),
-                          evaluated, global_batch)
+    flags = _flags(base, winner)
+    alt = _expandable_alternative(base, global_batch, objective, headroom, families) if alternatives else None
+    if alt is not None and _better(alt, winner, objective):
+        gain = (f"{fmt_s(alt.step_s)} per step, {(alt.step_s / winner.step_s - 1) * 100:+.0f}%"
+                if objective == "throughput" else f"{fmt_bytes(alt.total_bytes)} per GPU")
+        flags.append(f"with expandable segments ({EXPANDABLE_HOW}) {alt.label()} fits: {gain}")
+    return Recommendation(winner, ranked, best, rejected, lost, flags, evaluated, global_batch)
+
+
+EXPANDABLE_HOW = ("--expandable-segments; zplan launch then sets "
+                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+
+
+def _expandable_alternative(base: Scenario, global_batch: int, objective: str, headroom: float,
+                            families: list[str] | None) -> Candidate | None:
+    """The winner were the run to use expandable segments, where the plan assumes PyTorch's
+    classic ones (and no flat --fragmentation): one segment per stream, grown in 20 MiB pages,
+    leaves fewer holes (docs/reserved-matrix.md: 1-15% less reserved than classic segments on
+    the same traced steps), which can fit a larger micro-batch or less recomputation. None where
+    it does not apply or nothing fits either way."""
+    a = base.assume
+    if a.expandable_segments or a.fragmentation is not None:
+        return None
+    other = replace(base, assume=a.model_copy(update={"expandable_segments": True}))
+    try:
+        return search(other, global_batch, objective, headroom, families, alternatives=False).winner
+    except (PlanError, UsageError):
+        return None
+
+
+def _better(c: Candidate, w: Candidate, objective: str) -> bool:
+    """`c` beats `w` by more than the model's resolution (TIE)."""
+    if objective == "throughput":
+        return c.step_s < w.step_s * (1 - TIE)
+    return c.total_bytes < w.total_bytes * (1 - TIE)
 
 
 SETUP_PEAK = "deepspeed.initialize moves the whole model to each GPU before ZeRO-3 partitions it"
@@ -322,10 +360,14 @@ def _flags(base: Scenario, w: Candidate) -> list[str]:
     return flags
 
 
-def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict) -> str:
+def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict,
+                  expandable: Candidate | None = None) -> str:
     from .estimate import smallest_n
 
     hints = []
+    if expandable is not None:
+        hints.append(f"--expandable-segments ({expandable.label()} fits with them; zplan launch "
+                     f"then sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     full = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1})
     n = smallest_n(base, full, usable_fraction=1 - headroom)
     if n is not None:

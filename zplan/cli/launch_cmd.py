@@ -55,7 +55,7 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, gpus_found: int, gpu
                          seq_len=seq_len)
     sc = build(opts)
     batch = global_batch or 4 * sc.n
-    rec = search(sc, batch, families=strategy or None)
+    rec = search(sc, batch, families=strategy or None, alternatives=False)  # its flags go unshown
     return make_plan(rec.winner.sc, rec.winner.family, batch, rec.winner.result), per_node
 
 
