@@ -184,3 +184,54 @@ def test_a_held_roots_reduce_scatter_input_is_priced_against_the_replay(tmp_path
                                 embed_head_unit="root-kept", reserved=True)
     planned, simulated = cell.reserved_by_allocator["classic"]
     assert 0.9 * simulated <= planned <= simulated, (planned, simulated)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("embed_head_unit", ["separate", "root-kept"])
+def test_each_streams_allocated_peak_is_fsdp2s(tmp_path, monkeypatch, embed_head_unit):
+    """What the caching allocator reserves is priced per CUDA stream, so each stream's own peak
+    must be FSDP2's: the storages the tracker records in a traced step, on the stream FSDP2
+    allocates each on, peak exactly where the planner's timeline does on the all-gather and
+    reduce-scatter streams (in forward an all-gather output lives until the next unit's
+    copy-out: two at once, the root's beside block 0's), and on the default stream within 0.1%."""
+    pytest.importorskip("torch")
+    from collections import defaultdict
+
+    from zplan import allocator
+    from zplan.memory import model_state, timeline
+    from zplan.memory_timeline import STREAM
+    from zplan.scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
+    from zplan.strategies import effective
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    captured = []
+    replay = fake_trace.simulated_reserved
+
+    def capture(allocations, expandable):
+        captured.append(allocations)
+        return replay(allocations, expandable)
+
+    monkeypatch.setattr(fake_trace, "simulated_reserved", capture)
+    kept = embed_head_unit == "separate"
+    fake_trace.fake_cell(str(path), 4, 256, 2, "none", "zero3", logits_kept=kept,
+                         embed_head_unit=embed_head_unit, reserved=True)
+    live, traced, held = defaultdict(int), defaultdict(int), {}
+    for op, winfo, now in captured[0]:
+        if id(winfo) in held:
+            stream, b = held.pop(id(winfo))
+            live[stream] -= b
+        if op in ("ADD", "SIZE") and now > 0:
+            kind = fake_trace.TRACKER_KIND.get(str(getattr(winfo.reftype, "value", winfo.reftype)), "activations")
+            held[id(winfo)] = (STREAM[kind], now)
+            live[STREAM[kind]] += now
+            traced[STREAM[kind]] = max(traced[STREAM[kind]], live[STREAM[kind]])
+    sc = build(cpu_ranks(model=str(path), gpu=None, cluster=DEFAULT_CLUSTER, gpus="4", seq_len=256,
+                         micro_batch=2, fused_norm=False, checkpointing="none", optimizer_kernels="single",
+                         embed_head_unit=embed_head_unit, logits_kept=kept))
+    st = effective("zero3", "torch")
+    fsdp = sc.for_strategy(True)
+    planned = allocator.stream_peaks(timeline(fsdp, st, model_state(fsdp, st)))
+    assert planned["all-gather"] == traced["all-gather"] and planned["reduce-scatter"] == traced["reduce-scatter"]
+    assert planned["default"] == pytest.approx(traced["default"], rel=1e-3)

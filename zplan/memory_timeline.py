@@ -201,17 +201,27 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     all_grads = grads_upto[n] if later else 0  # through forward and the loss, too
     ev: list[Event] = []
     for i in ends:
-        # copy-out of this unit's all-gather into its unsharded parameters (the held root's too,
-        # gathered at its own pre-forward), or its compute with the next unit's all-gather output
-        # already allocated (prefetch)
+        # its compute, after the copy-out of its all-gather into its unsharded parameters (the
+        # held root's too, gathered at its own pre-forward). In forward FSDP2 frees an all-gather
+        # output only at the next unit's copy-out (FSDPParamGroup.wait_for_unshard keeps it in
+        # comm_ctx.all_gather_state, to overlap the copy-out with the next all-gather; torch
+        # 2.13), so this unit's output is still allocated beside the next unit's, prefetched in
+        # its pre-forward (explicit prefetch) or allocated at the next pre-forward, after this
+        # unit has resharded (none)
         kept = moving_upto[i] if not reshard else 0
         act = saved_upto[i + 1]
         if i == n - 1 and not root_head:
             act += logits_b  # the head's output
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b, grads=all_grads,
                       gathered=held_b + kept + moving[i] + copy_in(i),
-                      all_gather=max(unshard(i), nxt(i)),
+                      all_gather=unshard(i) + nxt(i),
                       unsharded_grads=accum_b, activations=act))
+        if not prefetch and not one_rank and i + 1 < n:
+            nxt_kept = kept + (moving[i] if not reshard else 0)
+            ev.append(_ev("forward", f"all-gather {sc.units[i + 1].name}", state=state_b,
+                          grads=all_grads, gathered=held_b + nxt_kept,
+                          all_gather=unshard(i) + unshard(i + 1),
+                          unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
     # reshard_after_forward to the root as well) and gathers again in its pre-backward, unless
     # it stays gathered (policy.stays_gathered: FSDP1's kept root). A linear
