@@ -126,6 +126,19 @@ def test_accumulation_finds_every_sharded_gradient_from_the_second_micro_batch(m
     assert abs(cell.error) < 0.005 and cell.predicted_phase == cell.traced_phase, cell
 
 
+def _capture_allocations(monkeypatch, fake_trace) -> list:
+    """The storages each `reserved` trace records, in order, one list per replay."""
+    captured = []
+    replay = fake_trace.simulated_reserved
+
+    def capture(allocations, expandable):
+        captured.append(allocations)
+        return replay(allocations, expandable)
+
+    monkeypatch.setattr(fake_trace, "simulated_reserved", capture)
+    return captured
+
+
 @pytest.mark.slow
 def test_recorded_allocations_replay_to_the_trackers_peak_and_bound_the_planner(tmp_path, monkeypatch):
     """`verify --fake --reserved` records every storage the tracker sees in order: replayed, the
@@ -139,14 +152,7 @@ def test_recorded_allocations_replay_to_the_trackers_peak_and_bound_the_planner(
 
     path = tmp_path / "small.toml"
     path.write_text(SMALL)
-    captured = []
-    replay = fake_trace.simulated_reserved
-
-    def capture(allocations, expandable):
-        captured.append(allocations)
-        return replay(allocations, expandable)
-
-    monkeypatch.setattr(fake_trace, "simulated_reserved", capture)
+    captured = _capture_allocations(monkeypatch, fake_trace)
     over = {}
     for kept in (True, False):
         captured.clear()
@@ -206,14 +212,7 @@ def test_each_streams_allocated_peak_is_fsdp2s(tmp_path, monkeypatch, embed_head
 
     path = tmp_path / "small.toml"
     path.write_text(SMALL)
-    captured = []
-    replay = fake_trace.simulated_reserved
-
-    def capture(allocations, expandable):
-        captured.append(allocations)
-        return replay(allocations, expandable)
-
-    monkeypatch.setattr(fake_trace, "simulated_reserved", capture)
+    captured = _capture_allocations(monkeypatch, fake_trace)
     kept = embed_head_unit == "separate"
     fake_trace.fake_cell(str(path), 4, 256, 2, "none", "zero3", logits_kept=kept,
                          embed_head_unit=embed_head_unit, reserved=True)
