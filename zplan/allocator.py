@@ -107,7 +107,7 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
     gradients while the logits' gradient is alive, then that gradient freed, the weights freed
     (reshard after backward) and the reduce-scatter input allocated before the unsharded
     gradients are released (_fsdp_collectives.foreach_reduce: copy-in, then clear)."""
-    if logits_elems <= 0:
+    if logits_elems <= 0 and not (head and head.last_reduce_in_bytes):
         return 0
     sim = CachingAllocator(expandable)
     blocks_bytes = 0
@@ -117,6 +117,8 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
         # below (the rounding of their block stays: the real ones have it too)
         sim.malloc("blocks' activations", head.freed_block_bytes)
         blocks_bytes = round_size(head.freed_block_bytes)
+    if logits_elems <= 0:
+        return _linear_loss_backward(sim, head) - blocks_bytes
     w = head.weights_bytes if head else 0
     if w:
         sim.malloc("head weights", w)
@@ -147,6 +149,25 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
         if head.last_reduce_in_bytes:
             _backward_end(sim, head)
     return sim.peak_reserved_bytes - blocks_bytes
+
+
+def _linear_loss_backward(sim: CachingAllocator, head: HeadTail) -> int:
+    """Under a linear loss (no logits): the head's weight gradient, made in the loss's forward
+    and counted with what the stream holds at the loss (so taken off again), then the head's
+    backward as FSDP2 runs it -- its weights gathered again where it resharded, its input
+    gradient, its reduce-scatter input (a held root's waits) -- and the end of backward."""
+    sim.malloc("head grad", head.grad_bytes)
+    w = head.weights_bytes
+    if w:
+        sim.malloc("head weights", w)
+    if head.input_grad_bytes:
+        sim.malloc("head input grad", head.input_grad_bytes)
+    if w and not head.held_root:
+        sim.free("head weights")
+    if head.reduce_in_bytes:
+        sim.malloc("reduce-scatter input", head.reduce_in_bytes)
+    _backward_end(sim, head)
+    return sim.peak_reserved_bytes - round_size(head.grad_bytes)
 
 
 def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:

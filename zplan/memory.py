@@ -476,7 +476,10 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         # by the end of backward as one block (assumed: no tensor still alive splits them)
         start = next((e for e in events if e.label == "loss forward"), None)
         if start is not None:
-            head = replace(head, freed_block_bytes=max(start.live.get("activations", 0) - loss_b, 0))
+            # a linear loss's weight gradient is not among them: made in the loss's forward, it
+            # is simulated on its own (and a held root keeps it to the end of backward)
+            acts_b = start.live.get("activations", 0) - loss_b - acts.linear_loss["kept"]
+            head = replace(head, freed_block_bytes=max(acts_b, 0))
     floor = allocator.default_stream_floor(
         events, loss_b,
         _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32, sc.assume.expandable_segments, head))
