@@ -194,3 +194,16 @@ def test_a_straddling_group_spans_the_nodes_it_really_does(n, world, nodes):
 
     c = presets.cluster("dgx-h100")
     assert collective_time(c, "all_gather", 1 << 20, n, contiguous_shape(n, 8, world)).nodes == nodes
+
+
+def test_a_rings_pipeline_fill_is_paid_inside_a_node_only():
+    """dgx-a100 reads a per-call fill (100 us) off a measured single-node all_gather curve; a
+    ring across nodes keeps tuning.cc's per-step latencies (no multi-node curve says more)."""
+    c = presets.cluster("dgx-a100")
+    bare = c.model_copy(update={"intra_node_ring_fill_s": 0.0})
+    inside = collective_time(c, "all_gather", 1 << 30, 8, 8).seconds - collective_time(bare, "all_gather", 1 << 30, 8, 8).seconds
+    assert inside == pytest.approx(100e-6)
+    allreduce = collective_time(c, "all_reduce", 1 << 30, 8, 8).seconds - collective_time(bare, "all_reduce", 1 << 30, 8, 8).seconds
+    assert allreduce == pytest.approx(200e-6)  # reduce-scatter and all-gather phases
+    across = collective_time(c, "all_gather", 1 << 30, 64, 8).seconds
+    assert across == collective_time(bare, "all_gather", 1 << 30, 64, 8).seconds

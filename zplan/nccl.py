@@ -124,7 +124,8 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
         bw = c.intra_node_busbw_bytes_per_s
     steps = f * (n - 1)
     inter = 0 if nodes == 1 else f * (nodes - 1)
-    simple = (c.base_latency_s + (steps - inter) * c.intra_node_latency_s
+    fill = f * c.intra_node_ring_fill_s if nodes == 1 else 0.0
+    simple = (c.base_latency_s + fill + (steps - inter) * c.intra_node_latency_s
               + inter * c.inter_node_latency_s + wire / bw)
     best = CollectiveTime(simple, "ring", "Simple", bw, nodes, per_node)
     if nvls is not None and nvls.seconds < best.seconds:

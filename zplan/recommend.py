@@ -246,14 +246,25 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
     flags = _flags(base, winner)
     alt = _expandable_alternative(base, global_batch, objective, headroom, families) if alternatives else None
     if alt is not None and _better(alt, winner, objective):
-        gain = (f"{fmt_s(alt.step_s)} per step, {(alt.step_s / winner.step_s - 1) * 100:+.0f}%"
-                if objective == "throughput" else f"{fmt_bytes(alt.total_bytes)} per GPU")
-        flags.append(f"with expandable segments ({EXPANDABLE_HOW}) {alt.label()} fits: {gain}")
+        if alt.label() == winner.label():
+            what = (f"the same configuration needs {fmt_bytes(alt.total_bytes)} per GPU instead of "
+                    f"{fmt_bytes(winner.total_bytes)}")
+        else:
+            gain = (f"{fmt_s(alt.step_s)} per step, {(alt.step_s / winner.step_s - 1) * 100:+.0f}%"
+                    if objective == "throughput" else f"{fmt_bytes(alt.total_bytes)} per GPU")
+            what = f"{alt.label()} fits: {gain}"
+        flags.append(f"with expandable segments {what}; {expandable_how(base)}")
     return Recommendation(winner, ranked, best, rejected, lost, flags, evaluated, global_batch)
 
 
-EXPANDABLE_HOW = ("--expandable-segments; zplan launch then sets "
-                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+def expandable_how(base: Scenario) -> str:
+    """How a user gets expandable segments: plan again with them (this plan assumes PyTorch's
+    classic segments); zplan launch sets the allocator for such a plan, DeepSpeed's launcher
+    does not."""
+    run = ("zplan launch runs such a plan under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+           if base.train.layout == "torch" else
+           "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run's environment")
+    return f"plan again with --expandable-segments (this plan assumes classic segments); {run}"
 
 
 def _expandable_alternative(base: Scenario, global_batch: int, objective: str, headroom: float,
@@ -366,8 +377,9 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
 
     hints = []
     if expandable is not None:
-        hints.append(f"--expandable-segments ({expandable.label()} fits with them; zplan launch "
-                     f"then sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+        run = ("zplan launch then sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+               if base.train.layout == "torch" else "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        hints.append(f"--expandable-segments ({expandable.label()} fits with them; {run})")
     full = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1})
     n = smallest_n(base, full, usable_fraction=1 - headroom)
     if n is not None:

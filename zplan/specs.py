@@ -199,6 +199,9 @@ class ClusterSpec(Spec):
     intra_node_latency_s: float = Field(ge=0, le=1, description="per ring step inside a node")
     inter_node_latency_s: float = Field(ge=0, le=1, description="per ring step that crosses nodes")
     base_latency_s: float = Field(0.0, ge=0, le=1, description="per call (NCCL's baseLat)")
+    intra_node_ring_fill_s: float = Field(
+        0.0, ge=0, le=1, description="per call of a ring inside one node (twice for all-reduce): "
+        "the pipeline fill a measured nccl-tests curve shows beyond NCCL's per-step latencies")
     link: Literal["nvlink", "pcie", "loopback"] = Field(
         "nvlink", description="intra-node link type: selects NCCL's LL latencies")
     ll_max_busbw_bytes_per_s: Annotated[tuple[Rate, Rate, Rate] | None,
