@@ -245,9 +245,12 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     p = sc.train.precision
     in_place = accum_b and p.reduce == p.param
     hold = (acts.linear_loss["kept"] if linear else first_grad[head]) if root_head and not in_place else 0
+    # a linear loss runs inside the model's forward: the last unit's all-gather output is still
+    # allocated then (wait_for_unshard defers its free; the root's post-forward releases it)
+    last_ag = unshard(n - 1) if linear and not one_rank else 0
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, grads=all_grads, gathered=at_loss,
-                      unsharded_grads=accum_b,
+                      all_gather=last_ag if phase == "forward" else 0, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
                       + acts.linear_loss[phase]))
     if root_head and not linear:
