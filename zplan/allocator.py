@@ -142,13 +142,19 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
             if b:
                 sim.malloc(name, b)
         sim.free(live[-1])  # the logits' gradient, consumed by the head's backward
-        if w and not head.held_root:  # a held root reshards after its own backward, at the end
-            sim.free("head weights")
-        if head.reduce_in_bytes:
-            sim.malloc("reduce-scatter input", head.reduce_in_bytes)
-        if head.last_reduce_in_bytes:
-            _backward_end(sim, head)
+        _head_reduce(sim, head)
     return sim.peak_reserved_bytes - blocks_bytes
+
+
+def _head_reduce(sim: CachingAllocator, head: HeadTail) -> None:
+    """The head unit's post-backward: its weights resharded (a held root's only after its own
+    backward, at the end), its reduce-scatter input allocated; then the end of backward."""
+    if head.weights_bytes and not head.held_root:
+        sim.free("head weights")
+    if head.reduce_in_bytes:
+        sim.malloc("reduce-scatter input", head.reduce_in_bytes)
+    if head.last_reduce_in_bytes:
+        _backward_end(sim, head)
 
 
 def _linear_loss_backward(sim: CachingAllocator, head: HeadTail) -> int:
@@ -157,16 +163,11 @@ def _linear_loss_backward(sim: CachingAllocator, head: HeadTail) -> int:
     backward as FSDP2 runs it -- its weights gathered again where it resharded, its input
     gradient, its reduce-scatter input (a held root's waits) -- and the end of backward."""
     sim.malloc("head grad", head.grad_bytes)
-    w = head.weights_bytes
-    if w:
-        sim.malloc("head weights", w)
+    if head.weights_bytes:
+        sim.malloc("head weights", head.weights_bytes)
     if head.input_grad_bytes:
         sim.malloc("head input grad", head.input_grad_bytes)
-    if w and not head.held_root:
-        sim.free("head weights")
-    if head.reduce_in_bytes:
-        sim.malloc("reduce-scatter input", head.reduce_in_bytes)
-    _backward_end(sim, head)
+    _head_reduce(sim, head)
     return sim.peak_reserved_bytes - round_size(head.grad_bytes)
 
 

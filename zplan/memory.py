@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import activation_memory, allocator, arch, policy
@@ -422,13 +422,17 @@ def _loss_reserved(logits_elems: int, train, loss_fp32: bool, expandable: bool,
     return allocator.loss_reserved_bytes(logits_elems, train, loss_fp32, expandable, head)
 
 
-def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail | None:
+def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
+               events: list[Event] | None = None) -> allocator.HeadTail | None:
     """The head unit's tensors around the loss (allocator.HeadTail) under FSDP2, from the sizes
     timeline's events use: its gathered weights where it is gathered again for backward
     (policy.stays_gathered), its unsharded gradients in the param dtype, its input gradient, and
     its reduce-scatter input in the reduce dtype unless it is the held root (whose head gradient
     is the head weight's alone in the head's backward, as the timeline's: the embedding's comes
-    at the end of backward)."""
+    at the end of backward). The blocks' activations freed by the end of backward: their
+    largest tensor's segment, or with expandable segments (and the step's `events`) all those
+    alive at the loss, one region below its tensors (assumed: no tensor still alive splits it)
+    -- a linear loss's weight gradient, made in the loss's forward, not among them."""
     if sc.train.layout != "torch" or not st.fsdp:
         return None
     i = next((k for k, u in enumerate(sc.units) if "head" in u.name), None)
@@ -444,6 +448,12 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail
     def regathered(unit, head: bool) -> bool:
         return st.reshard_after_forward and not policy.stays_gathered(unit.held, head, t.embed_head_unit)
 
+    freed = activation_memory.largest_block_tensor_bytes(sc.model, t)
+    start = next((e for e in events or () if e.label == "loss forward"), None)
+    if sc.assume.expandable_segments and start is not None:
+        acts = mt.activations(sc)
+        loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
+        freed = max(start.live.get("activations", 0) - loss_b - acts.linear_loss["kept"], 0)
     return allocator.HeadTail(
         weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regathered(u, True) else 0,
         grad_bytes=(largest[i] if u.held else padded) * pb // 8,
@@ -455,7 +465,7 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState) -> allocator.HeadTail
         last_weights_bytes=nbytes(last, gather_dtype(sc, first)) if i and regathered(first, False) else 0,
         last_grad_bytes=(largest[0] if first.held else last) * pb // 8,
         last_reduce_in_bytes=last * rb // 8,
-        freed_block_bytes=activation_memory.largest_block_tensor_bytes(sc.model, t),
+        freed_block_bytes=freed,
         held_root=u.held, tied=u.held and sc.model.tied_embeddings,
         accumulating=accum_grad_bytes(sc, st) > 0)
 
@@ -470,19 +480,9 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     allocated = top.total_bytes
     acts = mt.activations(sc)
     loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
-    head = _head_tail(sc, st, ms)
-    if head is not None and sc.assume.expandable_segments:
-        # one segment: the blocks' activations, made before the loss and below its tensors, free
-        # by the end of backward as one block (assumed: no tensor still alive splits them)
-        start = next((e for e in events if e.label == "loss forward"), None)
-        if start is not None:
-            # a linear loss's weight gradient is not among them: made in the loss's forward, it
-            # is simulated on its own (and a held root keeps it to the end of backward)
-            acts_b = start.live.get("activations", 0) - loss_b - acts.linear_loss["kept"]
-            head = replace(head, freed_block_bytes=max(acts_b, 0))
     floor = allocator.default_stream_floor(
-        events, loss_b,
-        _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32, sc.assume.expandable_segments, head))
+        events, loss_b, _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32,
+                                       sc.assume.expandable_segments, _head_tail(sc, st, ms, events)))
     reserved = allocator.reserved_bytes(events, sc.assume, floor)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live

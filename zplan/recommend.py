@@ -253,18 +253,21 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
             gain = (f"{fmt_s(alt.step_s)} per step, {(alt.step_s / winner.step_s - 1) * 100:+.0f}%"
                     if objective == "throughput" else f"{fmt_bytes(alt.total_bytes)} per GPU")
             what = f"{alt.label()} fits: {gain}"
-        flags.append(f"with expandable segments {what}; {expandable_how(base)}")
+        flags.append(f"with expandable segments {what}; {_expandable_how(base)}")
     return Recommendation(winner, ranked, best, rejected, lost, flags, evaluated, global_batch)
 
 
-def expandable_how(base: Scenario) -> str:
+def _expandable_how(base: Scenario) -> str:
     """How a user gets expandable segments: plan again with them (this plan assumes PyTorch's
     classic segments); zplan launch sets the allocator for such a plan, DeepSpeed's launcher
     does not."""
-    run = ("zplan launch runs such a plan under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-           if base.train.layout == "torch" else
-           "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run's environment")
-    return f"plan again with --expandable-segments (this plan assumes classic segments); {run}"
+    return f"plan again with --expandable-segments (this plan assumes classic segments); {_expandable_run(base)}"
+
+
+def _expandable_run(base: Scenario) -> str:
+    if base.train.layout == "torch":
+        return "zplan launch runs such a plan under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    return "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run's environment"
 
 
 def _expandable_alternative(base: Scenario, global_batch: int, objective: str, headroom: float,
@@ -377,9 +380,7 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
 
     hints = []
     if expandable is not None:
-        run = ("zplan launch then sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-               if base.train.layout == "torch" else "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-        hints.append(f"--expandable-segments ({expandable.label()} fits with them; {run})")
+        hints.append(f"--expandable-segments ({expandable.label()} fits with them; {_expandable_run(base)})")
     full = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1})
     n = smallest_n(base, full, usable_fraction=1 - headroom)
     if n is not None:
