@@ -280,8 +280,11 @@ def test_a_held_roots_reduce_scatter_input_fits_no_block_at_the_end_of_backward(
     and [557, 3580) free at the end; the input gradient and G take [557, 1575); at the end E
     takes [1575, 2577) and R extends the 1003 MiB left at the end by 151 pages: 3580 + 3020 - 56
     = 6544 MiB. Accumulating (G and E added into the accumulated gradients before R): all of
-    [0, 3580) is free, R extends it by 22 pages, 3964 MiB. Tied (E added into G in place): R
-    extends [1575, 3580) by 101 pages, 5544 MiB."""
+    [0, 3580) is free, R extends it by 22 pages, 3964 MiB. Tied (E added into G in place, as a
+    linear loss's G takes it): R extends [1575, 3580) by 101 pages, 5544 MiB. Tied under a plain
+    head, whose G is a transpose's view, so autograd adds out of place: the sum S takes [2577,
+    3579), G and E go, R extends the 1 MiB left at the end by 201 pages: 3580 + 4020 - 56 = 7544;
+    classic: S takes the third 1002 MiB segment, 7518 as before."""
     from zplan.memory import _head_tail, model_state
     from zplan.strategies import effective
 
@@ -297,9 +300,10 @@ def test_a_held_roots_reduce_scatter_input_fits_no_block_at_the_end_of_backward(
     # without the end of backward, the loss and the head's backward alone (with A: 3524 = 3580 - 56)
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(head, last_reduce_in_bytes=0)) == \
         (3524 if expandable else 3508) * MiB
-    for flag, mib in (("accumulating", 3964), ("tied", 5544)):
-        got = allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(head, **{flag: True}))
-        assert got == (mib if expandable else 7518) * MiB, flag
+    for flags, mib in ((("accumulating",), 3964), (("tied",), 5544), (("tied", "tied_out_of_place"), 7544),
+                       (("tied", "tied_out_of_place", "accumulating"), 3964)):
+        got = allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(head, **dict.fromkeys(flags, True)))
+        assert got == (mib if expandable else 7518) * MiB, flags
     # freed activations that hold the embedding's gradient and the root's input (one 8 GiB
     # tensor, or an expandable segment's 8 GiB of them) leave the end of backward nothing to add
     roomy = replace(head, freed_block_bytes=8 << 30)

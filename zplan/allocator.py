@@ -92,7 +92,9 @@ class HeadTail:
     last_reduce_in_bytes: int = 0
     freed_block_bytes: int = 0
     held_root: bool = False  # the head sits in the root, reduced with the embedding at the end
-    tied: bool = False  # the embedding's gradient is added into the head's in place (one weight)
+    tied: bool = False  # one weight: the embedding's gradient is added into the head's
+    tied_out_of_place: bool = False  # ... into a new tensor, where the head's is a view (a plain
+    # head: nn.Linear's weight gradient is a transpose); a linear loss's takes it in place
     accumulating: bool = False  # micro-batches skip the reduce: the new gradients go into the
     # accumulated ones before the reduce-scatter input is allocated (FSDPParam accumulation)
 
@@ -198,6 +200,11 @@ def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
     # autograd added the embedding's into the head's in place), the unit resharded, then
     # foreach_reduce allocates the input
     gone = (["last grad", "head grad"] if head.accumulating else ["last grad"] if head.tied else [])
+    if head.tied and head.tied_out_of_place:  # autograd's input buffer: head's + embedding's, into
+        sim.malloc("tied sum", head.grad_bytes)  # a new tensor, which becomes .grad
+        sim.free("last grad")
+        sim.free("head grad")
+        gone = ["tied sum"] if head.accumulating else []
     for name in gone + ["last weights", "head weights"]:
         if name in sim:
             sim.free(name)

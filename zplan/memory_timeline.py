@@ -243,8 +243,19 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     # reduce, it is added into the accumulated gradients (accum_b) only then, in the root's
     # post-backward, unless they share its dtype (then autograd accumulates into .grad in place)
     p = sc.train.precision
-    in_place = accum_b and p.reduce == p.param
+    tied = sc.model.tied_embeddings and root_head
+    # a tied weight's two gradients (the head's, then the embedding's) meet in autograd's input
+    # buffer of its one AccumulateGrad, which runs only once both exist: the head's waits there
+    # whatever the accumulation
+    in_place = accum_b and p.reduce == p.param and not tied
     hold = (acts.linear_loss["kept"] if linear else first_grad[head]) if root_head and not in_place else 0
+    # ... and are added out of place where the head's is a view: nn.Linear's weight gradient is
+    # the transpose of its matmul's (TBackward0), which keeps its base alive and so its storage
+    # shared, and InputBuffer's accumulate adds in place only into a tensor whose storage it
+    # holds alone (torch/csrc/autograd/input_buffer.cpp, can_accumulate_inplace); a linear
+    # loss's gradient is a plain tensor and takes the embedding's in place (measured on CPU:
+    # tests/test_memory.py)
+    tied_sum = first_grad[head] if tied and not linear else 0
     # a linear loss runs inside the model's forward: the last unit's all-gather output is still
     # allocated then (wait_for_unshard defers its free; the root's post-forward releases it)
     last_ag = unshard(n - 1) if linear and not one_rank else 0
@@ -280,7 +291,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # at its largest, early in the unit's backward: one weight's gradient so far
         ev.append(_ev("backward", f"backward {name}", state=state_b,
                       grads=grads_at(j + 1), gathered=gath, all_gather=prv(j),
-                      unsharded_grads=accum_b + first_grad[j] + hold,
+                      unsharded_grads=accum_b + first_grad[j] + hold + (tied_sum if j == head else 0),
                       reduce_scatter=prev_rs, activations=act))
         # reduce-scatter, at its copy-in: the unit's unsharded gradients copied into the
         # reduce-scatter input (the previous one is released first); its output, the sharded
