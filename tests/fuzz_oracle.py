@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tests.fuzzing import PROJECT_KEYS, Case
 
-HANG_S = 10.0
+HANG_S = 30.0  # a hang, not a speed test: a busy 2-core CI machine ran a bare recommend past 10 s
 SIGNED = {"headroom_bytes"}  # negative by design: how far over the GPU's memory
 
 

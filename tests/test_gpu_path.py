@@ -308,3 +308,32 @@ def test_calibrated_cpu_adamw_uses_the_trainers_kernel_on_the_given_threads(monk
     rate = calibrate.adamw_params_per_s(n=50_000, reps=1, threads=before + 1)
     assert rate > 0 and seen["kw"].get("fused") is True and seen["threads"] == before + 1
     assert torch.get_num_threads() == before
+
+
+def test_calibrated_matmul_sizes_stop_once_a_product_is_long_enough(monkeypatch):
+    """Sizes grow until one product takes longer than the budget, then stop: a CPU without bf16
+    matrix units runs a bf16 2048-cube product for about a minute. The clock is faked: each
+    product takes n/1000 s, so with a 0.3 s budget 256 is timed, 512 stops the growth."""
+    from zplan import calibrate
+
+    clock = {"t": 0.0}
+    calls = []
+
+    class Tensor:
+        def __init__(self, n):
+            self.n = n
+
+        def __matmul__(self, other):
+            calls.append(self.n)
+            clock["t"] += self.n / 1000
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(torch, "randn", lambda n, m, **kw: Tensor(n))
+    monkeypatch.setattr(torch, "ones", lambda n, m, **kw: Tensor(n))
+    out = calibrate.matmul_flops(torch.device("cpu"), sizes=(256, 512, 1024), reps=3, budget_s=0.3)
+    for dtype in ("fp32", "bf16"):
+        assert list(out[dtype]) == [256, 512]
+        assert out[dtype][256] == pytest.approx(2 * 256**3 / 0.256)
+        assert out[dtype][512] == pytest.approx(2 * 512**3 / 0.512)  # the probe itself, once
+    # per dtype: a 64 warm-up, 256 probed + warmed + 3 reps, 512 probed only
+    assert calls == [64, 256, 256, 256, 256, 256, 512] * 2

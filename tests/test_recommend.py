@@ -1,6 +1,7 @@
 """recommend reaches the choices an expert would; plans round-trip; exports use documented keys."""
 
 import json
+import os
 
 import pytest
 
@@ -118,6 +119,18 @@ def test_memory_objective_minimises_memory():
 
 
 # ----------------------------------------------------------------- through the CLI
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_search(run_zplan, tmp_path):
+    """A FIFO or a folder as --write or --plot: one line naming it, exit 2, and nothing of the
+    search (its "using" lines come after the check)."""
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    for flag, path, kind in (("--write", fifo, "a FIFO"), ("--plot", tmp_path, "a directory")):
+        p = run_zplan("recommend", "--gpus", "8", flag, str(path))
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.splitlines() == [f"zplan: error: {'output' if flag == '--write' else 'plot'} "
+                                         f"{path} is {kind}; pass a path to a regular file"]
+
 
 def test_plan_round_trips(run_zplan, tmp_path):
     """The written plan against figures derived here, not by the code that wrote it: Llama 3.1

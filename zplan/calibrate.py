@@ -36,17 +36,31 @@ def _timeit(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def matmul_flops(device, sizes=(256, 512, 1024, 2048), reps: int = 5) -> dict[str, dict[int, float]]:
+def matmul_flops(device, sizes=(256, 512, 1024, 2048), reps: int = 5,
+                 budget_s: float = 0.5) -> dict[str, dict[int, float]]:
+    """Matmul FLOP/s per dtype and square size. Sizes grow until one product takes longer than
+    `budget_s`: the rate has saturated by then, and a CPU without bf16 matrix units runs a bf16
+    2048-cube product for about a minute (measured here: 62 s on one thread), which would make
+    calibrate take minutes for a figure the smaller sizes already give."""
     import torch
 
     out: dict[str, dict[int, float]] = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         out[name] = {}
+        w = torch.ones(64, 64, device=device, dtype=dt)
+        w @ w  # library start-up (a cuBLAS handle, lazy module loading) is not a product's time
+        _sync(device)
         for n in sizes:
             a = torch.randn(n, n, device=device, dtype=dt)
             b = torch.randn(n, n, device=device, dtype=dt)
-            t = _timeit(lambda: a @ b, device, reps)
-            out[name][n] = 2 * n**3 / t
+            t0 = time.perf_counter()
+            a @ b  # warm-up, and the probe of how long one product takes
+            _sync(device)
+            once = time.perf_counter() - t0
+            if once > budget_s:  # long enough to time by itself; larger sizes would only be slower
+                out[name][n] = 2 * n**3 / once
+                break
+            out[name][n] = 2 * n**3 / _timeit(lambda: a @ b, device, reps)
     return out
 
 

@@ -201,6 +201,12 @@ def _target(path: str | Path, what: str) -> tuple[Path, int]:
     return p, stat.S_IMODE(st.st_mode)
 
 
+def check_target(path: str | Path, what: str = "output") -> None:
+    """Refuse, before any work is done, a target that the writers below would refuse (a
+    directory, FIFO, device or socket; a path that names no file)."""
+    _target(path, what)
+
+
 _USAGE_ERRNOS = {errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOENT,
                  errno.EINVAL}
 

@@ -73,6 +73,11 @@ def recommend(
     if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
         strategy = [s for s in STRATEGIES if s != "hsdp"]
         used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp to plan it anyway)")
+    from ..files import check_target
+
+    for path, what in ((write, "output"), (plot, "plot")):
+        if path:
+            check_target(path, what)  # before the search, not after it
     with project_file_named(used):
         sc = build(opts)
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]

@@ -142,33 +142,41 @@ class FakeCell:
         return abs(self.error) <= tolerance and self.predicted_phase == self.traced_phase
 
 
-def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
-              strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
-              logits_kept: bool = True, grad_accum: int = 1, reserved: bool = False) -> FakeCell:
-    """Plan one configuration as on a GPU (no CUDA context, allocated bytes) but with the CPU's
-    composite RMSNorm and single-tensor AdamW, which the trace runs, and trace it. With
-    `reserved`, also the reserved bytes, planned (the caching-allocator model) and simulated over
-    RESERVE_STEPS traced steps."""
-    import time
-
+def planned_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
+                 strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
+                 logits_kept: bool = True, grad_accum: int = 1, **options):
+    """The planner's side of a fake cell, without tracing: the scenario, planned as on a GPU (no
+    CUDA context, allocated bytes) but with the CPU's composite RMSNorm and single-tensor AdamW,
+    which the trace runs, and the strategy's estimate. `options` are further ScenarioOptions."""
     from ..errors import UsageError
     from ..estimate import estimate_one
-    from ..plan import make_plan
     from ..scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
 
     if strategy in ("ddp", "zero1"):
         raise UsageError(f"--fake traces the FSDP2 strategies; {strategy} replicates the model")
-    def plan_scenario(**kw):
-        return build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
-                               seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
-                               checkpointing=checkpointing, optimizer_kernels="single",
-                               linear_loss=linear_loss, embed_head_unit=embed_head_unit,
-                               logits_kept=logits_kept, grad_accum=grad_accum, **kw))
-
-    sc = plan_scenario()
+    sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
+                         seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
+                         checkpointing=checkpointing, optimizer_kernels="single",
+                         linear_loss=linear_loss, embed_head_unit=embed_head_unit,
+                         logits_kept=logits_kept, grad_accum=grad_accum, **options))
     r = estimate_one(sc, strategy)
     if r.memory is None:
         raise UsageError(f"{strategy}: {r.unavailable}")
+    return sc, r
+
+
+def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
+              strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
+              logits_kept: bool = True, grad_accum: int = 1, reserved: bool = False) -> FakeCell:
+    """Plan one configuration (`planned_cell`) and trace it. With `reserved`, also the reserved
+    bytes, planned (the caching-allocator model) and simulated over RESERVE_STEPS traced steps."""
+    import time
+
+    from ..plan import make_plan
+
+    args = (model, world, seq_len, micro_batch, checkpointing, strategy, linear_loss,
+            embed_head_unit, logits_kept, grad_accum)
+    sc, r = planned_cell(*args)
     t0 = time.perf_counter()
     peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r),
                       steps=RESERVE_STEPS if reserved else 1, reserved=reserved)
@@ -176,8 +184,8 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
     both = None
     if reserved:
         simulated = peak.pop("reserved")
-        both = {name: (estimate_one(plan_scenario(fragmentation=None, expandable_segments=name == "expandable"),
-                                    strategy).memory.reserved_bytes, simulated[name])
+        both = {name: (planned_cell(*args, fragmentation=None, expandable_segments=name == "expandable")[1]
+                       .memory.reserved_bytes, simulated[name])
                 for name in ("classic", "expandable")}
     accum = f" A={grad_accum}" if grad_accum > 1 else ""
     return FakeCell(f"{model} W={world} s={seq_len} b={micro_batch}{accum} {checkpointing} {strategy}",
