@@ -467,7 +467,7 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
         last_reduce_in_bytes=last * rb // 8,
         freed_block_bytes=freed,
         held_root=u.held, tied=u.held and sc.model.tied_embeddings,
-        tied_out_of_place=u.held and sc.model.tied_embeddings and t.linear_loss == "none",
+        tied_out_of_place=u.held and mt.tied_grads_summed_out_of_place(sc),
         accumulating=accum_grad_bytes(sc, st) > 0)
 
 

@@ -36,6 +36,19 @@ STREAM = {"state": "default", "gathered": "default", "unsharded_grads": "default
           "reduce_scatter": "default"}
 
 
+def tied_grads_summed_out_of_place(sc: Scenario) -> bool:
+    """Whether a tied weight's two gradients (the head's, then the embedding's), which meet in
+    autograd's input buffer of its one AccumulateGrad, are summed out of place there: where the
+    head's is a view, as nn.Linear's weight gradient is (the transpose of its matmul's,
+    TBackward0, which keeps its base alive and so its storage shared), and InputBuffer adds in
+    place only into a tensor whose storage it holds alone (torch/csrc/autograd/input_buffer.cpp,
+    can_accumulate_inplace). A linear loss's gradient is a plain tensor and takes the embedding's
+    in place; so does the head's under autocast, where the cast's backward (ToCopyBackward0)
+    hands autograd a fresh tensor in the weight's dtype. Measured on real CPU tensors:
+    tests/test_memory.py."""
+    return sc.model.tied_embeddings and sc.train.linear_loss == "none" and not sc.train.autocast
+
+
 class Event:
     """One moment of the step: its phase, a label, and the live bytes by kind (KINDS; a kind
     not named holds nothing)."""
@@ -249,13 +262,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     # whatever the accumulation
     in_place = accum_b and p.reduce == p.param and not tied
     hold = (acts.linear_loss["kept"] if linear else first_grad[head]) if root_head and not in_place else 0
-    # ... and are added out of place where the head's is a view: nn.Linear's weight gradient is
-    # the transpose of its matmul's (TBackward0), which keeps its base alive and so its storage
-    # shared, and InputBuffer's accumulate adds in place only into a tensor whose storage it
-    # holds alone (torch/csrc/autograd/input_buffer.cpp, can_accumulate_inplace); a linear
-    # loss's gradient is a plain tensor and takes the embedding's in place (measured on CPU:
-    # tests/test_memory.py)
-    tied_sum = first_grad[head] if tied and not linear else 0
+    # ... and are summed out of place under a plain head (tied_grads_summed_out_of_place)
+    tied_sum = first_grad[head] if tied and tied_grads_summed_out_of_place(sc) else 0
     # a linear loss runs inside the model's forward: the last unit's all-gather output is still
     # allocated then (wait_for_unshard defers its free; the root's post-forward releases it)
     last_ag = unshard(n - 1) if linear and not one_rank else 0
@@ -356,12 +364,13 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                               casts.kept, casts.recomputed)))
     logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
     logits_ref = 0 if sc.train.logits_unreferenced else logits_b  # referenced until backward ends
+    wait = tied_head_grad_wait(sc) if not compiled.graphs else (0, 0)
     for j in reversed(ends):
         act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_ref
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
-                      **{**kw, "unsharded_grads": reduce_b + held[j],
+                      **{**kw, "unsharded_grads": reduce_b + held[j] + wait[j == 0],
                          "gathered": static_b + kept_upto[j + 1] + casts.recomputed[j]}))
         g = graph_of[j]
         if g is not None and j == g.start:  # the graph returns its gradients
@@ -373,6 +382,24 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     step_kw = kw if step_gathered_b is None else {**kw, "gathered": step_gathered_b}
     ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **step_kw))
     return ev
+
+
+def tied_head_grad_wait(sc: Scenario) -> tuple[int, int]:
+    """Bytes a tied weight's gradients add to a replicated step's backward (DDP, ZeRO-1/2, every
+    DeepSpeed stage; eager): (at each block's backward, at the embedding's). The head's gradient,
+    made in the head's backward, waits in autograd's input buffer of the weight's one
+    AccumulateGrad until the embedding's arrives at the very end of backward (the node runs once
+    all of its inputs exist: torch/csrc/autograd/input_buffer.cpp, engine.cpp), so it is alive
+    through every block's backward; at the embedding's backward it meets the embedding's
+    gradient, and under a plain head their sum is a third (tied_grads_summed_out_of_place), before
+    AccumulateGrad adds it into `.grad` (the gradient buffer the layout already holds). Both are
+    in the dtype the weights are stored in: the master dtype under the trainer's autocast, the
+    param dtype otherwise. A replicated unit list puts embeddings and head in unit 0."""
+    if not sc.model.tied_embeddings or "head" not in sc.units[0].name:
+        return 0, 0
+    p = sc.train.precision
+    w = sc.units[0].matmul_params * DTYPE_BITS[p.master if sc.train.autocast else p.param] // 8
+    return w, w * (3 if tied_grads_summed_out_of_place(sc) else 2)
 
 
 def peak(events: list[Event]) -> Event:
