@@ -317,3 +317,17 @@ def test_when_nothing_fits_expandable_segments_are_the_first_hint_where_they_mak
     with pytest.raises(PlanError) as e:
         search(scenario(model="llama-3.1-8b", gpus=2, seq_len=8192, layout="torch"), 16, families=["zero3"])
     assert "--expandable-segments" not in str(e.value)
+
+
+def test_configurations_searched_count_the_expandable_search_too():
+    """recommend searches twice where the plan assumes classic segments (the second time under
+    expandable ones): "N configurations searched" counts both searches, each counted on its own."""
+    from dataclasses import replace
+
+    sc = scenario(model="llama-3.1-8b", gpus="8")
+    assert not sc.assume.expandable_segments and sc.assume.fragmentation is None
+    alone = search(sc, 64, alternatives=False).evaluated
+    other = replace(sc, assume=sc.assume.model_copy(update={"expandable_segments": True}))
+    second = search(other, 64, alternatives=False).evaluated
+    assert search(sc, 64).evaluated == alone + second and second > 0
+    assert search(other, 64).evaluated == second  # planned under expandable: one search

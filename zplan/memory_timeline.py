@@ -385,8 +385,9 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
 
 
 def tied_head_grad_wait(sc: Scenario) -> tuple[int, int]:
-    """Bytes a tied weight's gradients add to a replicated step's backward (DDP, ZeRO-1/2, every
-    DeepSpeed stage; eager): (at each block's backward, at the embedding's). The head's gradient,
+    """Bytes a tied weight's gradients add to a replicated step's backward (DDP and ZeRO-1 in the
+    torch layout, every DeepSpeed stage; eager): (at each block's backward, at the embedding's).
+    The head's gradient,
     made in the head's backward, waits in autograd's input buffer of the weight's one
     AccumulateGrad until the embedding's arrives at the very end of backward (the node runs once
     all of its inputs exist: torch/csrc/autograd/input_buffer.cpp, engine.cpp), so it is alive

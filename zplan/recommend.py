@@ -228,7 +228,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         if set(rejected) == unavailable:  # every family asked for cannot run at all: not a fit
             name, why = next(iter(rejected.items()))
             raise UsageError(f"--strategy {name} cannot be planned here: {why}")
-        alt = _expandable_alternative(base, global_batch, objective, headroom, families) if alternatives else None
+        alt, _ = _expandable_alternative(base, global_batch, objective, headroom, families) if alternatives else (None, 0)
         raise PlanError(_nothing_fits(base, global_batch, headroom, rejected, alt))
     key = (lambda c: (c.step_s, c.total_bytes)) if objective == "throughput" else \
           (lambda c: (c.total_bytes, c.step_s))
@@ -244,7 +244,9 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         best.setdefault(c.family, c)
     lost = {f: _why_lost(c, winner, objective) for f, c in best.items() if c is not winner}
     flags = _flags(base, winner)
-    alt = _expandable_alternative(base, global_batch, objective, headroom, families) if alternatives else None
+    alt, alt_evaluated = (_expandable_alternative(base, global_batch, objective, headroom, families)
+                          if alternatives else (None, 0))
+    evaluated += alt_evaluated  # the second search's configurations are searched too
     if alt is not None and _better(alt, winner, objective):
         if alt.label() == winner.label():
             what = (f"the same configuration needs {fmt_bytes(alt.total_bytes)} per GPU instead of "
@@ -271,20 +273,21 @@ def _expandable_run(base: Scenario) -> str:
 
 
 def _expandable_alternative(base: Scenario, global_batch: int, objective: str, headroom: float,
-                            families: list[str] | None) -> Candidate | None:
+                            families: list[str] | None) -> tuple[Candidate | None, int]:
     """The winner were the run to use expandable segments, where the plan assumes PyTorch's
     classic ones (and no flat --fragmentation): one segment per stream, grown in 20 MiB pages,
     leaves fewer holes (docs/reserved-matrix.md: 1-15% less reserved than classic segments on
     the same traced steps), which can fit a larger micro-batch or less recomputation. None where
-    it does not apply or nothing fits either way."""
+    it does not apply or nothing fits either way; with the configurations that search tried."""
     a = base.assume
     if a.expandable_segments or a.fragmentation is not None:
-        return None
+        return None, 0
     other = replace(base, assume=a.model_copy(update={"expandable_segments": True}))
     try:
-        return search(other, global_batch, objective, headroom, families, alternatives=False).winner
+        r = search(other, global_batch, objective, headroom, families, alternatives=False)
     except (PlanError, UsageError):
-        return None
+        return None, 0
+    return r.winner, r.evaluated
 
 
 def _better(c: Candidate, w: Candidate, objective: str) -> bool:
