@@ -387,15 +387,15 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
 def tied_head_grad_wait(sc: Scenario) -> tuple[int, int]:
     """Bytes a tied weight's gradients add to a replicated step's backward (DDP and ZeRO-1 in the
     torch layout, every DeepSpeed stage; eager): (at each block's backward, at the embedding's).
-    The head's gradient,
-    made in the head's backward, waits in autograd's input buffer of the weight's one
-    AccumulateGrad until the embedding's arrives at the very end of backward (the node runs once
-    all of its inputs exist: torch/csrc/autograd/input_buffer.cpp, engine.cpp), so it is alive
-    through every block's backward; at the embedding's backward it meets the embedding's
-    gradient, and under a plain head their sum is a third (tied_grads_summed_out_of_place), before
-    AccumulateGrad adds it into `.grad` (the gradient buffer the layout already holds). Both are
-    in the dtype the weights are stored in: the master dtype under the trainer's autocast, the
-    param dtype otherwise. A replicated unit list puts embeddings and head in unit 0."""
+    The head's gradient, made in the head's backward, waits in autograd's input buffer of the
+    weight's one AccumulateGrad until the embedding's arrives at the very end of backward (the
+    node runs once all of its inputs exist: torch/csrc/autograd/input_buffer.cpp, engine.cpp),
+    so it is alive through every block's backward; at the embedding's backward it meets the
+    embedding's gradient, and under a plain head their sum is a third
+    (tied_grads_summed_out_of_place), before AccumulateGrad adds it into `.grad` (the gradient
+    buffer the layout already holds). All are in the dtype the weights are stored in: the master
+    dtype under the trainer's autocast, the param dtype otherwise. A replicated unit list puts
+    embeddings and head in unit 0."""
     if not sc.model.tied_embeddings or "head" not in sc.units[0].name:
         return 0, 0
     p = sc.train.precision
