@@ -1005,3 +1005,27 @@ def test_a_tied_heads_gradient_waits_for_the_embeddings_under_ddp(tmp_path):
     assert step(top) == pytest.approx(measured, rel=0.01)
     # without them the peak was the loss's backward, far below (-65%)
     assert step(next(e for e in events if e.label == "loss backward")) < 0.5 * measured
+
+
+@pytest.mark.parametrize("scope", ["block", "model"])
+def test_a_tied_weights_wait_under_compile_follows_where_embedding_and_head_run(tmp_path, scope):
+    """Per-block compile leaves embedding and head eager: the head's gradient waits as without
+    compile, through every block's backward and each block graph's return (1 weight), and the
+    embedding's backward holds three (the sum out of place in bf16). Whole-model compile puts
+    both in one graph, whose gradients the graph's own events price: no wait."""
+    from zplan.scenario_options import cpu_ranks
+
+    path = tmp_path / "m.toml"
+    path.write_text(TIED_MODEL)
+    sc = build(cpu_ranks(model=str(path), gpus="1", gpus_per_node=2, seq_len=32, micro_batch=1,
+                         param_dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16",
+                         checkpointing="none", compile=True, compile_scope=scope))
+    w = 8192 * 256 * 2
+    back = [e for e in timeline(sc, effective("ddp", "torch")) if e.phase == "backward"]
+    held = {e.label: e.live.get("unsharded_grads", 0) for e in back}
+    if scope == "block":
+        assert held["backward embed+head"] == 3 * w
+        blocks = [v for k, v in held.items() if "blocks." in k]
+        assert len(blocks) == 4 and min(blocks) >= w  # two blocks, each with its graph's return
+    else:
+        assert held["backward embed+head"] < w

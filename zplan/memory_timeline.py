@@ -364,7 +364,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                               casts.kept, casts.recomputed)))
     logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
     logits_ref = 0 if sc.train.logits_unreferenced else logits_b  # referenced until backward ends
-    wait = tied_head_grad_wait(sc) if not compiled.graphs else (0, 0)
+    # eager where the tied root is in no compiled graph (per-block compile leaves it eager)
+    wait = tied_head_grad_wait(sc) if graph_of[0] is None else (0, 0)
     for j in reversed(ends):
         act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_ref
         if j == n - 1:
@@ -378,7 +379,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
             ev.append(_ev("backward", f"backward graph of {label} returns",
                           activations=saved_upto[j] + logits_ref + sum(end_temp[g.start:g.stop])
                           + (acts.stream_bytes if j else 0),  # and its input's gradient
-                          **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])}))
+                          **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])
+                             + wait[0]}))
     step_kw = kw if step_gathered_b is None else {**kw, "gathered": step_gathered_b}
     ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **step_kw))
     return ev
@@ -386,7 +388,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
 
 def tied_head_grad_wait(sc: Scenario) -> tuple[int, int]:
     """Bytes a tied weight's gradients add to a replicated step's backward (DDP and ZeRO-1 in the
-    torch layout, every DeepSpeed stage; eager): (at each block's backward, at the embedding's).
+    torch layout, every DeepSpeed stage; where embedding and head run eager, as under per-block
+    compile too): (at each block's backward, at the embedding's).
     The head's gradient, made in the head's backward, waits in autograd's input buffer of the
     weight's one AccumulateGrad until the embedding's arrives at the very end of backward (the
     node runs once all of its inputs exist: torch/csrc/autograd/input_buffer.cpp, engine.cpp),
