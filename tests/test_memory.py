@@ -970,26 +970,33 @@ source = "test: Llama-shaped, a vocabulary-sized weight larger than a step's act
 """
 
 
+def _tied_bf16_scenario(tmp_path, **kw):
+    """TIED_MODEL on one CPU rank in bf16 throughout (no autocast), seq 32; `kw` more options."""
+    from zplan.scenario_options import cpu_ranks
+
+    path = tmp_path / "m.toml"
+    path.write_text(TIED_MODEL)
+    return build(cpu_ranks(model=str(path), gpus="1", gpus_per_node=2, seq_len=32, micro_batch=1,
+                           param_dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16",
+                           checkpointing="none", **kw)), path
+
+
 def test_a_tied_heads_gradient_waits_for_the_embeddings_under_ddp(tmp_path):
     """DDP's step in bf16 (no autocast) on a model whose tied weight outweighs its activations,
     against PyTorch's MemTracker on the real model on CPU: the head's gradient waits in
     autograd's input buffer through every block's backward, and at the embedding's backward it
     meets the embedding's gradient and their out-of-place sum (3 weights, the peak). zplan
-    counted none of them (-65% of what the step adds here: its peak was the loss's backward). Dispatch modes never accumulate in
-    place, so only the plain head in bf16 -- out of place in a real run too -- is held here."""
+    counted none of them (-65% of what the step adds here: its peak was the loss's backward).
+    Dispatch modes never accumulate in place, so only the plain head in bf16 -- out of place in
+    a real run too -- is held here."""
     torch = pytest.importorskip("torch")
 
     from zplan import presets
     from zplan.memory_timeline import tied_head_grad_wait
-    from zplan.scenario_options import cpu_ranks
     from zplan.trainer.model import Transformer
     from zplan.trainer.parallel import Parallelized
 
-    path = tmp_path / "m.toml"
-    path.write_text(TIED_MODEL)
-    sc = build(cpu_ranks(model=str(path), gpus="1", gpus_per_node=2, seq_len=32, micro_batch=1,
-                         param_dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16",
-                         checkpointing="none"))
+    sc, path = _tied_bf16_scenario(tmp_path)
     events = timeline(sc, effective("ddp", "torch"))
     step = lambda e: e.total_bytes - e.live["state"]  # noqa: E731
     top = max((e for e in events if e.phase != "optimizer"), key=step)
@@ -1013,13 +1020,7 @@ def test_a_tied_weights_wait_under_compile_follows_where_embedding_and_head_run(
     compile, through every block's backward and each block graph's return (1 weight), and the
     embedding's backward holds three (the sum out of place in bf16). Whole-model compile puts
     both in one graph, whose gradients the graph's own events price: no wait."""
-    from zplan.scenario_options import cpu_ranks
-
-    path = tmp_path / "m.toml"
-    path.write_text(TIED_MODEL)
-    sc = build(cpu_ranks(model=str(path), gpus="1", gpus_per_node=2, seq_len=32, micro_batch=1,
-                         param_dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16",
-                         checkpointing="none", compile=True, compile_scope=scope))
+    sc, _ = _tied_bf16_scenario(tmp_path, compile=True, compile_scope=scope)
     w = 8192 * 256 * 2
     back = [e for e in timeline(sc, effective("ddp", "torch")) if e.phase == "backward"]
     held = {e.label: e.live.get("unsharded_grads", 0) for e in back}
