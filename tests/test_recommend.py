@@ -331,3 +331,30 @@ def test_configurations_searched_count_the_expandable_search_too():
     second = search(other, 64, alternatives=False).evaluated
     assert search(sc, 64).evaluated == alone + second and second > 0
     assert search(other, 64).evaluated == second  # planned under expandable: one search
+
+
+@pytest.mark.parametrize("family", ["zero3", "ddp"])
+def test_the_segment_free_memo_answers_as_a_cold_computation(monkeypatch, family):
+    """Events, traffic and time are reused across the allocator's segment kind (SegmentFreeMemo):
+    with them warm from a classic-segment estimate, the expandable one equals the same estimate
+    computed from nothing; the segment kind still changes what is reserved, and another
+    hardware spec is never served another's answer."""
+    from dataclasses import replace
+
+    from zplan import estimate, memory
+    from zplan.estimate import estimate_one
+    from zplan.scenario import SegmentFreeMemo
+
+    classic = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, micro_batch=2)
+    expandable = replace(classic, assume=classic.assume.model_copy(update={"expandable_segments": True}))
+    first = estimate_one(classic, family)
+    warm = estimate_one(expandable, family)
+    monkeypatch.setattr(memory, "_ALLOCATIONS", SegmentFreeMemo())
+    monkeypatch.setattr(estimate, "_TIMES", SegmentFreeMemo())
+    cold = estimate_one(expandable, family)
+    assert warm.memory == cold.memory and warm.timing == cold.timing
+    assert warm.collectives == cold.collectives
+    assert warm.memory.allocated_bytes == first.memory.allocated_bytes
+    assert warm.memory.reserved_bytes != first.memory.reserved_bytes
+    a100 = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, micro_batch=2, gpu="a100-80gb")
+    assert estimate_one(a100, family).timing.step_s > 1.5 * first.timing.step_s

@@ -211,11 +211,10 @@ def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
     sim.malloc("last reduce-scatter input", head.last_reduce_in_bytes)
 
 
-def default_stream_floor(events: list[Event], loss_bytes: int, loss_reserved: int) -> int:
+def default_stream_floor(start: Event | None, loss_bytes: int, loss_reserved: int) -> int:
     """The default stream's reserve through the loss: what it holds besides the loss's tensors
-    when the loss begins (the "loss forward" event, less the loss's own `loss_bytes`), and the
-    loss's own reserve on top (0 where no event is the loss's)."""
-    start = next((e for e in events if e.label == "loss forward"), None)
+    when the loss begins (`start`, the "loss forward" event, less the loss's own `loss_bytes`),
+    and the loss's own reserve on top (0 where no event is the loss's)."""
     if start is None or not loss_reserved:
         return 0
     held = sum(b for k, b in start.live.items() if STREAM[k] == "default") - loss_bytes
@@ -226,9 +225,15 @@ def reserved_bytes(events: list[Event], assume: Assumptions, default_floor: int 
     """Reserved bytes at the step's peak (torch.cuda.max_memory_reserved): the sum over streams
     of each stream's peak in whole segments, the default stream's at least `default_floor`."""
     allocated = max((e.total_bytes for e in events), default=0)
+    return reserved_from_peaks(allocated, stream_peaks(events), assume, default_floor)
+
+
+def reserved_from_peaks(allocated: int, per_stream: dict[str, int], assume: Assumptions,
+                        default_floor: int = 0) -> int:
+    """reserved_bytes from the step's peak of live bytes and each stream's own peak
+    (stream_peaks), or a flat --fragmentation over the allocated peak where one is given."""
     if assume.fragmentation is not None:
         return allocated + int(assume.fragmentation * allocated)
-    per = stream_peaks(events)
-    per["default"] = max(per["default"], default_floor)
+    per = {**per_stream, "default": max(per_stream.get("default", 0), default_floor)}
     expandable = assume.expandable_segments
     return max(allocated, sum(segment_bytes(b, expandable) if b else 0 for b in per.values()))

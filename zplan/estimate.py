@@ -8,7 +8,7 @@ from . import activation_memory
 from .comm import Collective, collectives
 from .compute import Timing, timing
 from .memory import Memory, memory
-from .scenario import Scenario
+from .scenario import Scenario, SegmentFreeMemo
 from .strategies import STRATEGIES, Strategy, effective
 from .units import GB
 
@@ -81,11 +81,22 @@ def estimate_one(sc: Scenario, name: str) -> StrategyEstimate:
     if why:
         return StrategyEstimate(name, st, None, unavailable=why)
     mem = memory(sc, st)
-    colls = collectives(sc, st)
-    tm = timing(sc, st, mem, colls)
+    colls, tm = _traffic_and_time(sc, st, mem)
     fits, host_fits = _fits(sc, mem)
     return StrategyEstimate(name, st, mem, colls, tm, fits, sc.hw.gpu.memory_bytes - mem.total_bytes,
                             host_fits)
+
+
+_TIMES = SegmentFreeMemo()
+
+
+def _traffic_and_time(sc: Scenario, st: Strategy, mem: Memory) -> tuple[list[Collective], Timing]:
+    """collectives and timing, made once per scenario and strategy (SegmentFreeMemo): neither
+    depends on the allocator's segment kind (timing reads only the model state of `mem`)."""
+    def make() -> tuple[list[Collective], Timing]:
+        colls = collectives(sc, st)
+        return colls, timing(sc, st, mem, colls)
+    return _TIMES.get(sc, st, make)
 
 
 def _fits(sc: Scenario, mem: Memory, usable_bytes: int | None = None) -> tuple[bool, bool | None]:

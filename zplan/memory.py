@@ -19,7 +19,7 @@ from . import activation_memory, allocator, arch, policy
 from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets
 from . import memory_timeline as mt
 from .memory_timeline import Event
-from .scenario import Scenario
+from .scenario import Scenario, SegmentFreeMemo
 from .strategies import Strategy
 from .units import DTYPE_BITS, ceil_div, nbytes
 
@@ -423,14 +423,14 @@ def _loss_reserved(logits_elems: int, train, loss_fp32: bool, expandable: bool,
 
 
 def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
-               events: list[Event] | None = None) -> allocator.HeadTail | None:
+               start: Event | None = None) -> allocator.HeadTail | None:
     """The head unit's tensors around the loss (allocator.HeadTail) under FSDP2, from the sizes
     timeline's events use: its gathered weights where it is gathered again for backward
     (policy.stays_gathered), its unsharded gradients in the param dtype, its input gradient, and
     its reduce-scatter input in the reduce dtype unless it is the held root (whose head gradient
     is the head weight's alone in the head's backward, as the timeline's: the embedding's comes
     at the end of backward). The blocks' activations freed by the end of backward: their
-    largest tensor's segment, or with expandable segments (and the step's `events`) all those
+    largest tensor's segment, or with expandable segments (and the step's loss `start` event) all those
     alive at the loss, one region below its tensors (assumed: no tensor still alive splits it)
     -- a linear loss's weight gradient, made in the loss's forward, not among them."""
     if sc.train.layout != "torch" or not st.fsdp:
@@ -449,7 +449,6 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
         return st.reshard_after_forward and not policy.stays_gathered(unit.held, head, t.embed_head_unit)
 
     freed = activation_memory.largest_block_tensor_bytes(sc.model, t)
-    start = next((e for e in events or () if e.label == "loss forward"), None)
     if sc.assume.expandable_segments and start is not None:
         acts = mt.activations(sc)
         loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
@@ -471,20 +470,45 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
         accumulating=accum_grad_bytes(sc, st) > 0)
 
 
+@dataclass(frozen=True)
+class _Allocation:
+    """What memory() reads from a step's events: the peak event, each stream's own peak, and the
+    loss's first event (None without one). The same for classic and expandable segments."""
+    state: ModelState
+    top: Event
+    stream_peaks: tuple[tuple[str, int], ...]
+    loss_start: Event | None
+
+
+_ALLOCATIONS = SegmentFreeMemo()
+
+
+def _allocation(sc: Scenario, st: Strategy) -> _Allocation:
+    """model_state and the step's events, reduced to what memory() needs (_Allocation), made once
+    per scenario and strategy (SegmentFreeMemo: the segment kind changes only what is
+    reserved). `sc` is for_strategy's view."""
+    def make() -> _Allocation:
+        ms = model_state(sc, st)
+        events = timeline(sc, st, ms)
+        return _Allocation(ms, mt.peak(events), tuple(allocator.stream_peaks(events).items()),
+                           next((e for e in events if e.label == "loss forward"), None))
+    return _ALLOCATIONS.get(sc, st, make)
+
+
 def memory(sc: Scenario, st: Strategy) -> Memory:
     """Peak memory per GPU (bytes) over the step's timeline, allocated and reserved, and host
     memory for offload, for one strategy."""
     sc = sc.for_strategy(st.fsdp)
-    ms = model_state(sc, st)
-    events = timeline(sc, st, ms)
-    top = mt.peak(events)
+    alloc = _allocation(sc, st)
+    ms, top = alloc.state, alloc.top
     allocated = top.total_bytes
     acts = mt.activations(sc)
     loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
-    floor = allocator.default_stream_floor(
-        events, loss_b, _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32,
-                                       sc.assume.expandable_segments, _head_tail(sc, st, ms, events)))
-    reserved = allocator.reserved_bytes(events, sc.assume, floor)
+    start = alloc.loss_start
+    loss_reserved = _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32,
+                                   sc.assume.expandable_segments, _head_tail(sc, st, ms, start))
+    floor = allocator.default_stream_floor(start, loss_b, loss_reserved)
+    reserved = allocator.reserved_from_peaks(allocated, dict(alloc.stream_peaks), sc.assume, floor)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)
