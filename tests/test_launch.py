@@ -244,6 +244,11 @@ def test_detect_cli():
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["cpus"] == 1 and d["host_ram_bytes"] > 0
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = [ln.split(":", 1)[1].split() for ln in info.splitlines()
+             if ln.split(":", 1)[0].strip().lower() in ("flags", "features") and ":" in ln]
+    if flags:  # the kernel's flags, read here on their own
+        assert d["cpu_bf16"] is any(w in f for f in flags for w in ("avx512_bf16", "amx_bf16", "bf16"))
 
 
 RANK_SCRIPT = """
@@ -538,3 +543,44 @@ def test_a_plan_made_for_expandable_segments_runs_with_them(capsys, tmp_path, mo
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "r"))
     assert p.returncode == 2 and "expandable_segments:False" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("text,want", [
+    ("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n", False),  # an AVX2-only x86 CPU
+    ("processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16\n", True),  # AVX-512 BF16
+    ("processor\t: 0\nflags\t\t: avx2 avx512f amx_bf16 amx_tile\n", True),  # AMX
+    ("processor\t: 0\nFeatures\t: fp asimd sve i8mm bf16\n", True),  # Arm FEAT_BF16
+    ("processor\t: 0\nFeatures\t: fp asimd evtstrm\n", False),
+    ("processor\t: 0\nmodel name\t: something\n", None),  # no flags at all: unknown
+])
+def test_cpu_bf16_from_the_kernels_flags(tmp_path, text, want):
+    from zplan.hardware import cpu_has_bf16
+
+    f = tmp_path / "cpuinfo"
+    f.write_text(text)
+    assert cpu_has_bf16(f) is want
+    assert cpu_has_bf16(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("bf16,dtype", [(False, "fp32"), (True, "bf16"), (None, "bf16")])
+def test_cpu_ranks_train_in_fp32_where_the_cpu_emulates_bf16(capsys, tmp_path, monkeypatch, bf16, dtype):
+    """A fresh plan on CPU ranks: bf16 where the CPU has bf16 instructions (or nothing says
+    otherwise), fp32 where bf16 matmuls would be emulated, said on stderr."""
+    import json
+
+    from zplan import hardware
+
+    fake = hardware.Detected([], "no NVML", 16 * 2**30, "psutil (host)", 2, bf16)
+    monkeypatch.setattr(hardware, "detect", lambda *a, **k: fake)
+    p = cli(capsys, "launch", "--dry-run", "--run-dir", str(tmp_path / "r"))
+    assert p.returncode == 0, p.stderr
+    plan = json.loads((tmp_path / "r" / "plan.json").read_text())
+    assert plan["train"]["precision"]["param"] == dtype, plan["train"]["precision"]
+    assert ("train in fp32" in p.stderr) is (dtype == "fp32")
+    # the bf16 plan run as given: said to be slow where the CPU emulates bf16
+    bf16_plan = tmp_path / "bf16.json"
+    cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+        "--param-dtype", "bf16", "--write", str(bf16_plan))
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(bf16_plan), "--run-dir", str(tmp_path / "r2"))
+    assert p.returncode == 0, p.stderr
+    assert ("computes in bf16 on CPU ranks" in p.stderr) is (bf16 is False)

@@ -21,26 +21,33 @@ CPU_MODEL = "tiny"
 
 @app.command()
 def detect(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False) -> None:
-    """What this machine has: GPUs (NVML), host RAM (cgroup-clamped), usable CPUs."""
+    """What this machine has: GPUs (NVML), host RAM (cgroup-clamped), usable CPUs, bf16 instructions."""
     from ..hardware import detect as run_detect
 
     d = run_detect()
     if as_json:
         emit_json({"gpus": [g.__dict__ for g in d.gpus], "gpu_reason": d.gpu_reason,
                    "gpu_preset": d.gpu_preset, "host_ram_bytes": d.host_ram_bytes,
-                   "host_ram_source": d.host_ram_source, "cpus": d.cpus})
+                   "host_ram_source": d.host_ram_source, "cpus": d.cpus, "cpu_bf16": d.cpu_bf16})
         return
     if d.gpus:
         for g in d.gpus:
             print(f"GPU {g.index}: {g.name}, {g.memory_bytes / 2**30:.1f} GiB (preset: {g.preset or 'none'})")
     else:
-        print(f"No GPU: {d.gpu_reason}. zplan launch will run {CPU_RANKS} CPU ranks over gloo.")
+        print(f"No GPU: {d.gpu_reason}. zplan launch will run {CPU_RANKS} CPU ranks over gloo"
+              f"{'' if d.cpu_bf16 is not False else ', in fp32: ' + NO_BF16}.")
     print(f"Host RAM: {d.host_ram_bytes / 2**30:.1f} GiB ({d.host_ram_source}); usable CPUs: {d.cpus}")
 
 
-def _fresh_plan(model: str, nproc: int | None, nnodes: int, gpus_found: int, gpu_preset: str | None,
-                global_batch: int | None, strategy: list[str] | None, seq_len: int | None):
-    """A recommendation for this machine (or CPU ranks), as the plan to run."""
+NO_BF16 = ("this CPU has no bf16 matrix instructions (avx512_bf16 or amx_bf16 on x86, bf16 on Arm, "
+           "in /proc/cpuinfo), where a bf16 matmul runs up to 40x slower than fp32")
+
+
+def _fresh_plan(model: str, nproc: int | None, nnodes: int, found, global_batch: int | None,
+                strategy: list[str] | None, seq_len: int | None):
+    """A recommendation for this machine (or CPU ranks), as the plan to run: in bf16 on GPUs
+    and on CPUs with bf16 instructions, in fp32 on CPUs without (hardware.cpu_has_bf16)."""
+    gpus_found, gpu_preset = len(found.gpus), found.gpu_preset
     from ..plan import make_plan
     from ..recommend import search
     from ..scenario_options import ScenarioOptions, build, cpu_ranks
@@ -51,8 +58,11 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, gpus_found: int, gpu
                                gpus_per_node=per_node, layout="torch", seq_len=seq_len)
     else:
         per_node = nproc or CPU_RANKS
+        dtype = "fp32" if found.cpu_bf16 is False else "bf16"
+        if dtype == "fp32":
+            print(f"zplan: CPU ranks train in fp32: {NO_BF16}", file=sys.stderr)
         opts = cpu_ranks(model=model, gpus=str(per_node * nnodes), gpus_per_node=per_node,
-                         seq_len=seq_len)
+                         seq_len=seq_len, param_dtype=dtype)
     sc = build(opts)
     batch = global_batch or 4 * sc.n
     rec = search(sc, batch, families=strategy or None, alternatives=False)  # its flags go unshown
@@ -174,8 +184,7 @@ def launch(
             raise UsageError(f"the plan is for {p.num_gpus} ranks; --nproc {per_node} x --nnodes {nnodes} "
                              f"gives {per_node * nnodes}: drop --nproc or plan again with --gpus {per_node * nnodes}")
     else:
-        p, per_node = _fresh_plan(model, nproc, nnodes, len(found.gpus), found.gpu_preset,
-                                  global_batch, strategy, seq_len)
+        p, per_node = _fresh_plan(model, nproc, nnodes, found, global_batch, strategy, seq_len)
     from ..plan import trainer_refusal
 
     why = trainer_refusal(p) if script is None else None
@@ -194,6 +203,10 @@ def launch(
         check_run_dir(run, resume=False, create=False)
     else:
         check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)))
+    low = p.train.precision.param
+    if plan is not None and not found.gpus and not slurm and found.cpu_bf16 is False and low in ("bf16", "fp16"):
+        print(f"zplan: note: {plan} computes in {low} on CPU ranks, but {NO_BF16}; a plan with "
+              f"--param-dtype fp32 runs faster here", file=sys.stderr)
     plan_path = str((run / "plan.json").resolve())
     if script is None:
         extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps), "--save-every", str(save_every),
