@@ -49,6 +49,34 @@ def test_sharding_propagation_is_not_counted(fake_group):
     assert peak(16 * 41, contextlib.nullcontext()) >= 16 * 41 * 1024 * 4
 
 
+def test_sharding_propagation_is_not_counted_by_a_tracker_without_the_entry_filter(fake_group, monkeypatch):
+    """torch 2.11's MemTracker counts every op it sees; 2.13's only those under the fake mode it
+    was entered in (mem_tracker.py __torch_dispatch__, `_fake_mode_on_entry`). The propagation
+    must run outside every mode of the trace, as on a real run, not only outside its fake mode:
+    2.13's tracker with its filter made to pass everything stands in for 2.11's."""
+    torch = fake_group
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools import mem_tracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from zplan.trainer.fake_tracker import propagation_outside_trace
+
+    monkeypatch.setattr(mem_tracker, "active_fake_mode", lambda: None)  # no filter, as in 2.11
+    mesh = init_device_mesh("cpu", (16,))
+
+    def peak(rows: int, ctx) -> int:  # a shape of its own: DTensor caches propagation by shape
+        with FakeTensorMode(), ctx:
+            d = DTensor.from_local(torch.empty(rows // 16, 1024), mesh, [Shard(0)], run_check=False)
+            mt = mem_tracker.MemTracker()
+            with mt:
+                d.mul_(2.0)
+            return next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
+
+    assert peak(16 * 43, propagation_outside_trace()) == 43 * 1024 * 4
+    assert peak(16 * 47, contextlib.nullcontext()) >= 16 * 47 * 1024 * 4  # the stand-in counts
+
+
 @pytest.mark.slow
 def test_global_peak_only_matches_the_trackers_own_update(tmp_path, monkeypatch):
     """The trace keeps the global peak only; the tracker's own update (per module too) gives

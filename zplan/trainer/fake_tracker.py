@@ -2,8 +2,9 @@
 would not show taken out. Each adjustment keeps the tracker's own accounting and names the
 torch 2.13 source it works around:
 
-- DTensor's sharding propagation runs in a fake mode of its own, as on a real run
-  (`propagation_outside_trace`): otherwise the global-shape tensors it makes are counted.
+- DTensor's sharding propagation runs outside the trace's modes, in a fake mode of its own, as
+  on a real run (`propagation_outside_trace`): otherwise the global-shape tensors it makes are
+  counted (by torch 2.11's tracker even where the propagation has a fake mode of its own).
 - Grouped units (`fully_shard([norm, output])`, several blocks per unit) keep FSDP2's group
   forward hooks (`TraceTracker._instrument_fsdp_module`): the tracker's own instrumentation
   registers each module of a group separately, so a group was gathered and reduce-scattered
@@ -39,23 +40,35 @@ def propagation_outside_trace():
     """DTensor's sharding propagation derives each op's output metadata by running the op on
     global-shape fake tensors in `detect_fake_mode() or FakeTensorMode()`
     (torch/distributed/tensor/_sharding_prop.py, _propagate_tensor_meta_non_cached). On a real
-    run no fake mode is active, so it runs in a mode of its own, which FSDPMemTracker skips
-    (it counts only ops under the fake mode it was entered in, fsdp2_mem_tracker.py
-    __torch_dispatch__). Under the trace's FakeTensorMode it would find that mode and the
-    tracker would count full-size, unsharded copies of a parameter (three fp32 copies of the
-    vocabulary matrix in AdamW's step: 12.6 GB for Llama 3.1 70B). Let it find none, as on a
-    real run."""
+    run no mode is active, so it runs in a fake mode of its own, which torch 2.13's
+    FSDPMemTracker skips (it counts only ops under the fake mode it was entered in,
+    mem_tracker.py __torch_dispatch__, `_fake_mode_on_entry`); torch 2.11's counts every op it
+    sees. Under the trace's FakeTensorMode, the propagation would find that mode and the tracker
+    would count full-size, unsharded copies of a parameter (three fp32 copies of the vocabulary
+    matrix in AdamW's step: 12.6 GB for Llama 3.1 70B). So it runs as on a real run: with every
+    mode of the trace (the fake mode and the tracker) set aside (torch.utils._python_dispatch
+    `_disable_current_modes`, in 2.11 and 2.13 alike), in a fake mode of its own."""
     from torch.distributed.tensor import _sharding_prop
+    from torch.utils._python_dispatch import _disable_current_modes
 
+    prop = getattr(_sharding_prop, "ShardingPropagator", None)
     saved = getattr(_sharding_prop, "detect_fake_mode", None)
-    if saved is None:  # another torch: nothing to redirect
+    run = getattr(prop, "_propagate_tensor_meta_non_cached", None)
+    if saved is None or run is None:  # another torch: nothing to redirect
         yield
         return
+
+    def outside(self, op_schema):
+        with _disable_current_modes():
+            return run(self, op_schema)
+
     _sharding_prop.detect_fake_mode = lambda *_a, **_k: None
+    prop._propagate_tensor_meta_non_cached = outside
     try:
         yield
     finally:
         _sharding_prop.detect_fake_mode = saved
+        prop._propagate_tensor_meta_non_cached = run
 
 
 _STATE_NAMES = ("_pre_forward_hook_handle", "_post_forward_hook_handle", "_modules",
