@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # a real process group: ~5 s a case on 2 cores
 
+from zplan.netutil import free_port  # noqa: E402
 from zplan.plan import make_plan, save  # noqa: E402
 from tests.helpers import est, scenario  # noqa: E402
 
@@ -36,7 +37,7 @@ def test_user_model_is_stored_in_the_plans_master_dtype(tmp_path, monkeypatch, s
     assert plan.train.precision.master == "fp32"
     save(plan, tmp_path / "plan.json")
     monkeypatch.setenv("ZPLAN_PLAN", str(tmp_path / "plan.json"))
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"),
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                  ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(k, v)
     ctx = api.init(ckpt_dir=str(tmp_path))
@@ -87,8 +88,6 @@ def test_ddp_replicas_start_equal_whatever_each_ranks_rng(tmp_path):
     weights then makes the replicas equal. Initialised after (as before), two ranks seeded
     apart would train different replicas, which DDP never reconciles. Two real gloo ranks."""
     import torch.multiprocessing as mp
-
-    from zplan.netutil import free_port
 
     kw = dict(model="llama-3.2-1b", gpus=2, micro_batch=1, grad_accum=1, layout="torch",
               gpu="cpu", cluster="cpu-local")

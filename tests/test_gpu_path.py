@@ -92,7 +92,7 @@ def test_prepared_batches_are_contiguous_before_pinning():
         pre.close()
 
 
-def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, plan: str, out: str, api_port: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="",
@@ -110,7 +110,7 @@ def _rank(rank: int, world: int, port: int, plan: str, out: str) -> None:
     # 2. the user API's group for a GPU run (the stand-in makes it on any machine): the
     #    reductions the trainer runs on host tensors work
     os.environ[STAND_IN_ENV] = "gloo"
-    os.environ["MASTER_PORT"] = str(port + 1)
+    os.environ["MASTER_PORT"] = str(api_port)  # a second free port: port + 1 may be taken
     from zplan.trainer import api
 
     ctx = api.init(ckpt_dir=os.path.dirname(out))
@@ -176,7 +176,7 @@ def test_nccl_scoping_on_cpu_and_the_api_group(run_zplan, tmp_path):
 
     plan = _plan(run_zplan, tmp_path / "plan.json", "zero3")
     out = tmp_path / "res.json"
-    mp.start_processes(_rank, args=(2, free_port(), str(plan), str(out)), nprocs=2, join=True,
+    mp.start_processes(_rank, args=(2, free_port(), str(plan), str(out), free_port()), nprocs=2, join=True,
                        start_method="spawn")
     res = json.loads(out.read_text())
     assert "No backend type associated with device type cpu" in res["nccl_scoped"]

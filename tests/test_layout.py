@@ -6,9 +6,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "zplan"
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
-    """Every module an import statement in `path` names, resolved to its absolute name."""
-    pkg = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts[:-1])
+def _imports(path: Path, root: Path = ROOT) -> list[tuple[str, int]]:
+    """Every module an import statement in `path` (a file of the package at `root`) names,
+    resolved to its absolute name."""
+    pkg = ".".join(path.relative_to(root.parent).with_suffix("").parts[:-1])
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -57,11 +58,12 @@ def _is_module(dotted: str) -> bool:
 
 
 def test_the_checker_sees_a_planted_violation(tmp_path):
-    """The walker resolves relative imports: a planted `from ..cli.options import x` is caught."""
-    planted = ROOT / "trainer" / "_planted_for_test.py"
+    """The walker resolves relative imports: a planted `from ..cli.options import x` is caught
+    (planted in a copy of the package's shape under tmp_path: the real tree is read by the other
+    tests, in another worker at the same time)."""
+    root = tmp_path / "zplan"
+    planted = root / "trainer" / "_planted_for_test.py"
+    planted.parent.mkdir(parents=True)
     planted.write_text("from ..cli.options import scenario_options\nfrom .__main__ import main\n")
-    try:
-        mods = [m for m, _ in _imports(planted)]
-        assert "zplan.cli.options" in mods and "zplan.trainer.__main__" in mods
-    finally:
-        planted.unlink()
+    mods = [m for m, _ in _imports(planted, root)]
+    assert "zplan.cli.options" in mods and "zplan.trainer.__main__" in mods

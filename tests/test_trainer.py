@@ -35,9 +35,13 @@ def launch(run_zplan, plan, run_dir, steps, *extra, resume=False, save_every=0):
 
 
 def weights(run_zplan, run_dir, tmp):
+    """The run's newest checkpoint as one weights file, consolidated in this process (the CLI's
+    consolidate, a subprocess importing torch again, is tested in tests/test_checkpoint.py)."""
+    from zplan.trainer.checkpoint import newest
+    from zplan.trainer.consolidate import consolidate
+
     out = tmp / f"{Path(run_dir).name}.safetensors"
-    p = run_zplan("consolidate", str(run_dir), str(out))
-    assert p.returncode == 0, p.stderr
+    consolidate(newest(run_dir), out)
     return load_file(str(out))
 
 
