@@ -252,3 +252,29 @@ def test_the_root_is_gathered_again_for_backward_only_where_it_reshards():
 
     assert backward_gather("root") - backward_gather("root-kept") == 2 * 128256 * 4096 + 4096
     assert backward_gather("separate") == backward_gather("root")
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_selective_policy_answers_the_recompute_as_the_forward(mlp):
+    """torch 2.11 asks the checkpoint policy in the forward and again in the recomputation
+    (`ctx.is_recompute`), reading saved outputs back in order; 2.13 asks in the forward only. The
+    trainer's policy gives the recompute the forward's answers, matmul by matmul, and saves the
+    matmuls policy.selective_saved_matmuls names (an independent list: the block's matmul order)."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from zplan import policy
+    from zplan.trainer.parallel import selective_policy
+
+    mm = torch.ops.aten.mm.default
+    names = policy.BLOCK_MATMULS[mlp]
+    choose = selective_policy(policy.selective_saved_positions(mlp))
+    forward = [choose(SimpleNamespace(is_recompute=False), mm) for _ in names]
+    recompute = [choose(SimpleNamespace(is_recompute=True), mm) for _ in names]
+    assert forward == recompute
+    saved = [n for n, c in zip(names, forward) if c == CheckpointPolicy.MUST_SAVE]
+    assert saved == [n for n in names if n in set(policy.selective_saved_matmuls(mlp))]
+    assert 0 < len(saved) < len(names)
+    assert choose(SimpleNamespace(is_recompute=False), torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE

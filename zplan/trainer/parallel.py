@@ -80,7 +80,17 @@ def _attention_ops() -> set:
 def selective_context(saved_positions: frozenset[int]):
     """torchtitan's op-level SAC: the block's matmuls at `saved_positions` (in the order they
     run) and the attention kernel are kept; everything else is recomputed."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_policy(saved_positions))
+
+
+def selective_policy(saved_positions: frozenset[int]):
+    """The policy function of selective_context, fresh per checkpointed call. Matmuls are
+    counted apart in the forward and in the recompute: torch 2.11 also asks the policy during
+    recomputation (`ctx.is_recompute` True) and must get the forward's answers back in the same
+    order; torch 2.13 asks in the forward only."""
+    from torch.utils.checkpoint import CheckpointPolicy
 
     count = {"forward": 0, "recompute": 0}
     matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -94,7 +104,7 @@ def selective_context(saved_positions: frozenset[int]):
             return CheckpointPolicy.MUST_SAVE if i in saved_positions else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(choose)
+    return choose
 
 
 def build_mesh(plan: Plan, device: torch.device):
