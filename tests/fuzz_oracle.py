@@ -54,6 +54,7 @@ def run_case(case: Case, folder: Path) -> tuple[int, str, str, float]:
         (folder / "zplan.toml").write_bytes(case.project)
     import zplan.launch.runner
 
+    real_run = zplan.launch.runner.run
     zplan.launch.runner.run = _never_launch  # a safety net: cases always carry --dry-run
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
@@ -70,6 +71,7 @@ def run_case(case: Case, folder: Path) -> tuple[int, str, str, float]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         os.chdir(cwd)
+        zplan.launch.runner.run = real_run  # the worker runs other tests after this one
     return rc, out.getvalue(), err.getvalue(), time.perf_counter() - t0
 
 

@@ -50,10 +50,11 @@ def test_sharding_propagation_is_not_counted(fake_group):
 
 
 def test_sharding_propagation_is_not_counted_by_a_tracker_without_the_entry_filter(fake_group, monkeypatch):
-    """torch 2.11's MemTracker counts every op it sees; 2.13's only those under the fake mode it
-    was entered in (mem_tracker.py __torch_dispatch__, `_fake_mode_on_entry`). The propagation
-    must run outside every mode of the trace, as on a real run, not only outside its fake mode:
-    2.13's tracker with its filter made to pass everything stands in for 2.11's."""
+    """torch 2.11's trackers count every op they see; 2.13's only those under the fake mode they
+    were entered in (`_fake_mode_on_entry` in __torch_dispatch__ of mem_tracker.py and, the same
+    test, fsdp2_mem_tracker.py). The propagation must run outside every mode of the trace, as on
+    a real run, not only outside its fake mode: 2.13's MemTracker with that filter made to pass
+    everything stands in for 2.11's."""
     torch = fake_group
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools import mem_tracker

@@ -584,3 +584,18 @@ def test_cpu_ranks_train_in_fp32_where_the_cpu_emulates_bf16(capsys, tmp_path, m
     p = cli(capsys, "launch", "--dry-run", "--plan", str(bf16_plan), "--run-dir", str(tmp_path / "r2"))
     assert p.returncode == 0, p.stderr
     assert ("computes in bf16 on CPU ranks" in p.stderr) is (bf16 is False)
+
+
+def test_a_slurm_plan_is_not_chosen_by_the_login_nodes_cpu(capsys, tmp_path, monkeypatch):
+    """--slurm runs on other nodes: a fresh plan keeps bf16 whatever this node's CPU lacks."""
+    import json
+
+    from zplan import hardware
+
+    fake = hardware.Detected([], "no NVML", 16 * 2**30, "psutil (host)", 2, False)
+    monkeypatch.setattr(hardware, "detect", lambda *a, **k: fake)
+    job = tmp_path / "job.sbatch"
+    p = cli(capsys, "launch", "--slurm", str(job), "--run-dir", "/shared/run")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(job.with_suffix(".plan.json").read_text())
+    assert plan["train"]["precision"]["param"] == "bf16" and "train in fp32" not in p.stderr

@@ -34,9 +34,10 @@ def launch(run_zplan, plan, run_dir, steps, *extra, resume=False, save_every=0):
     return json.loads((Path(run_dir) / "run_report.json").read_text()), p
 
 
-def weights(run_zplan, run_dir, tmp):
-    """The run's newest checkpoint as one weights file, consolidated in this process (the CLI's
-    consolidate, a subprocess importing torch again, is tested in tests/test_checkpoint.py)."""
+def weights(run_dir, tmp):
+    """The run's newest checkpoint as one weights file, consolidated in this process (no
+    `zplan consolidate` subprocess importing torch again: the command has its own tests in
+    tests/test_checkpoint.py)."""
     from zplan.trainer.checkpoint import newest
     from zplan.trainer.consolidate import consolidate
 
@@ -63,7 +64,7 @@ def test_zero3_matches_ddp(run_zplan, tmp_path):
         rep, _ = launch(run_zplan, tmp_path / f"{s}.json", tmp_path / s, 4, save_every=4)
         assert rep["strategy"] == s
         assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
-    a, b = weights(run_zplan, tmp_path / "ddp", tmp_path), weights(run_zplan, tmp_path / "zero3", tmp_path)
+    a, b = weights(tmp_path / "ddp", tmp_path), weights(tmp_path / "zero3", tmp_path)
     assert a.keys() == b.keys() and len(a) == 39
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst < 1e-4, worst  # AdamW amplifies last-bit differences of the reductions
@@ -123,8 +124,8 @@ def test_stop_and_resume_equals_uninterrupted(run_zplan, tmp_path):
     rep, _ = launch(run_zplan, tmp_path / "p.json", tmp_path / "broken", 6, resume=True, save_every=6)
     assert rep["start_step"] == 3 and rep["end_step"] == 6
     assert not stale.exists()
-    a = weights(run_zplan, tmp_path / "straight", tmp_path)
-    b = weights(run_zplan, tmp_path / "broken", tmp_path)
+    a = weights(tmp_path / "straight", tmp_path)
+    b = weights(tmp_path / "broken", tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
     # resuming a finished run says so and changes nothing
     report = (tmp_path / "broken" / "run_report.json").read_bytes()
@@ -176,7 +177,7 @@ def test_deterministic_fsdp2_equals_unsharded_adamw(run_zplan, tmp_path):
     make_plan(run_zplan, tmp_path / "p.json", "zero3", 3, 6)
     launch(run_zplan, tmp_path / "p.json", tmp_path / "det", 3, "--deterministic", "--clip", "1e9",
            save_every=3)
-    got = weights(run_zplan, tmp_path / "det", tmp_path)
+    got = weights(tmp_path / "det", tmp_path)
 
     plan = load(tmp_path / "p.json")
     torch.set_num_threads(1)
@@ -206,5 +207,5 @@ def test_deterministic_fsdp2_equals_unsharded_adamw(run_zplan, tmp_path):
     assert not diff, f"{len(diff)} tensors differ, e.g. {diff[0]}"
     # and the guarantee needs the ordered sum: gloo's ring reduce-scatter rounds differently
     launch(run_zplan, tmp_path / "p.json", tmp_path / "ring", 3, "--clip", "1e9", save_every=3)
-    ring = weights(run_zplan, tmp_path / "ring", tmp_path)
+    ring = weights(tmp_path / "ring", tmp_path)
     assert any(not torch.equal(ring[n], ref[n]) for n in ref)

@@ -195,8 +195,9 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (AVX-512 BF16, AMX),
 def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
     """Whether this CPU has bf16 matrix instructions, from the kernel's flags (x86's `flags`:
     avx512_bf16 or amx_bf16; Arm's `Features`: bf16); None where /proc/cpuinfo cannot be read.
-    Without them PyTorch emulates bf16 matmuls: one thread of an AVX2-only AMD EPYC ran them at
-    1.3 GFLOP/s against 52-57 in fp32 (torch 2.13; measured for CHANGELOG's calibrate fix)."""
+    Without them PyTorch emulates bf16 matmuls: one thread of an AVX2-only AMD EPYC (this
+    project's 2-core test machine, torch 2.13) ran them at 0.9-1.3 GFLOP/s against 46-57 in fp32
+    (1024-cube products: bf16 0.9, fp16 0.7, fp32 45.7 on 2026-12-02)."""
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:

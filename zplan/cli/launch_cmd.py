@@ -40,13 +40,14 @@ def detect(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON 
 
 
 NO_BF16 = ("this CPU has no bf16 matrix instructions (avx512_bf16 or amx_bf16 on x86, bf16 on Arm, "
-           "in /proc/cpuinfo), where a bf16 matmul runs up to 40x slower than fp32")
+           "in /proc/cpuinfo), where a bf16 matmul runs some 40-50x slower than fp32")
 
 
 def _fresh_plan(model: str, nproc: int | None, nnodes: int, found, global_batch: int | None,
-                strategy: list[str] | None, seq_len: int | None):
+                strategy: list[str] | None, seq_len: int | None, here: bool = True):
     """A recommendation for this machine (or CPU ranks), as the plan to run: in bf16 on GPUs
-    and on CPUs with bf16 instructions, in fp32 on CPUs without (hardware.cpu_has_bf16)."""
+    and on CPUs with bf16 instructions, in fp32 on CPUs without (hardware.cpu_has_bf16) where
+    the ranks run `here` (not under --slurm, whose nodes are not this one)."""
     gpus_found, gpu_preset = len(found.gpus), found.gpu_preset
     from ..plan import make_plan
     from ..recommend import search
@@ -58,7 +59,7 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, found, global_batch:
                                gpus_per_node=per_node, layout="torch", seq_len=seq_len)
     else:
         per_node = nproc or CPU_RANKS
-        dtype = "fp32" if found.cpu_bf16 is False else "bf16"
+        dtype = "fp32" if here and found.cpu_bf16 is False else "bf16"
         if dtype == "fp32":
             print(f"zplan: CPU ranks train in fp32: {NO_BF16}", file=sys.stderr)
         opts = cpu_ranks(model=model, gpus=str(per_node * nnodes), gpus_per_node=per_node,
@@ -184,7 +185,8 @@ def launch(
             raise UsageError(f"the plan is for {p.num_gpus} ranks; --nproc {per_node} x --nnodes {nnodes} "
                              f"gives {per_node * nnodes}: drop --nproc or plan again with --gpus {per_node * nnodes}")
     else:
-        p, per_node = _fresh_plan(model, nproc, nnodes, found, global_batch, strategy, seq_len)
+        p, per_node = _fresh_plan(model, nproc, nnodes, found, global_batch, strategy, seq_len,
+                                  here=not slurm)
     from ..plan import trainer_refusal
 
     why = trainer_refusal(p) if script is None else None
@@ -203,9 +205,9 @@ def launch(
         check_run_dir(run, resume=False, create=False)
     else:
         check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)))
-    low = p.train.precision.param
-    if plan is not None and not found.gpus and not slurm and found.cpu_bf16 is False and low in ("bf16", "fp16"):
-        print(f"zplan: note: {plan} computes in {low} on CPU ranks, but {NO_BF16}; a plan with "
+    if plan is not None and not found.gpus and not slurm and found.cpu_bf16 is False \
+            and p.train.precision.param == "bf16":
+        print(f"zplan: note: {plan} computes in bf16 on CPU ranks, but {NO_BF16}; a plan with "
               f"--param-dtype fp32 runs faster here", file=sys.stderr)
     plan_path = str((run / "plan.json").resolve())
     if script is None:
