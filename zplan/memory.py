@@ -430,9 +430,9 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
     its reduce-scatter input in the reduce dtype unless it is the held root (whose head gradient
     is the head weight's alone in the head's backward, as the timeline's: the embedding's comes
     at the end of backward). The blocks' activations freed by the end of backward: their
-    largest tensor's segment, or with expandable segments (and the step's loss `start` event) all those
-    alive at the loss, one region below its tensors (assumed: no tensor still alive splits it)
-    -- a linear loss's weight gradient, made in the loss's forward, not among them."""
+    largest tensor's segment, or with expandable segments (and the step's loss `start` event)
+    all those alive at the loss, one region below its tensors (assumed: no tensor still alive
+    splits it) -- a linear loss's weight gradient, made in the loss's forward, not among them."""
     if sc.train.layout != "torch" or not st.fsdp:
         return None
     i = next((k for k, u in enumerate(sc.units) if "head" in u.name), None)

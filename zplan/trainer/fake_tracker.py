@@ -43,11 +43,12 @@ def propagation_outside_trace():
     run no mode is active, so it runs in a fake mode of its own, which torch 2.13's
     FSDPMemTracker skips (it counts only ops under the fake mode it was entered in:
     fsdp2_mem_tracker.py __torch_dispatch__, `_fake_mode_on_entry`, as MemTracker's in
-    mem_tracker.py); torch 2.11's counts every op it sees. Under the trace's FakeTensorMode, the propagation would find that mode and the tracker
-    would count full-size, unsharded copies of a parameter (three fp32 copies of the vocabulary
-    matrix in AdamW's step: 12.6 GB for Llama 3.1 70B). So it runs as on a real run: with every
-    mode of the trace (the fake mode and the tracker) set aside (torch.utils._python_dispatch
-    `_disable_current_modes`, in 2.11 and 2.13 alike), in a fake mode of its own."""
+    mem_tracker.py); torch 2.11's counts every op it sees. Under the trace's FakeTensorMode,
+    the propagation would find that mode and the tracker would count full-size, unsharded
+    copies of a parameter (three fp32 copies of the vocabulary matrix in AdamW's step: 12.6 GB
+    for Llama 3.1 70B). So it runs as on a real run: with every mode of the trace (the fake mode
+    and the tracker) set aside (torch.utils._python_dispatch `_disable_current_modes`, in 2.11
+    and 2.13 alike), in a fake mode of its own."""
     from torch.distributed.tensor import _sharding_prop
     from torch.utils._python_dispatch import _disable_current_modes
 
