@@ -18,7 +18,7 @@ from . import unit_ops
 from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
 from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_tensor_sizes
-from .scenario import Scenario
+from .scenario import PinnedMemo, Scenario
 from .strategies import Strategy
 
 
@@ -110,12 +110,12 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
     return fwd, bwd, kinds
 
 
-_OPS_CACHE: dict = {}
+_OPS_CACHE = PinnedMemo()
 
 
 def _ops_key(sc: Scenario) -> tuple:
-    # GPUSpec holds dicts (unhashable): key on its identity and keep it alive in the value
-    return (id(sc.hw.gpu), hash((sc.model, sc.train)), sc.assume.loss_fp32)
+    # GPUSpec holds dicts (unhashable): keyed on its identity, pinned by the entry (PinnedMemo)
+    return (id(sc.hw.gpu), sc.model, sc.train, sc.assume.loss_fp32)
 
 
 def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[str, float]]:
@@ -123,19 +123,15 @@ def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[s
     across strategies and searches: they depend only on the model, the training and the GPU."""
     key = base + (u.blocks, u.name if not u.blocks else "",
                   u.first_block if sc.train.checkpointing == "every-k" else 0)
-    hit = _OPS_CACHE.get(key)
-    if hit is not None and hit[0] is sc.hw.gpu and hit[1] == (sc.model, sc.train):
-        return hit[2]
-    f_ops = unit_ops.unit_ops(sc, u, False)
-    b_ops = unit_ops.unit_ops(sc, u, True)
-    r_ops, r_n = unit_ops.recompute_ops(sc, u)
-    k = K.by_kind(f_ops + b_ops)
-    k["recompute"] = r_n * K.total(r_ops)
-    out = (K.total(f_ops), K.total(b_ops) + k["recompute"], k)
-    if len(_OPS_CACHE) > 4096:
-        _OPS_CACHE.clear()
-    _OPS_CACHE[key] = (sc.hw.gpu, (sc.model, sc.train), out)
-    return out
+
+    def make() -> tuple[float, float, dict[str, float]]:
+        f_ops = unit_ops.unit_ops(sc, u, False)
+        b_ops = unit_ops.unit_ops(sc, u, True)
+        r_ops, r_n = unit_ops.recompute_ops(sc, u)
+        k = K.by_kind(f_ops + b_ops)
+        k["recompute"] = r_n * K.total(r_ops)
+        return K.total(f_ops), K.total(b_ops) + k["recompute"], k
+    return _OPS_CACHE.get(key, sc.hw.gpu, make)
 
 
 def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],

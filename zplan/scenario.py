@@ -80,30 +80,41 @@ class Scenario:
         return replace(self, train=t.model_copy(update=update))
 
 
-class SegmentFreeMemo:
-    """A bounded memo of results that depend on a scenario but not on the allocator's segment kind
-    (Assumptions.expandable_segments changes only what is reserved): a step's events, traffic and
-    time. recommend's second search, under expandable segments, and estimate's full estimate after
-    its fit test ask for them again. The hardware spec (its GPU holds dicts, so it has no hash)
-    counts by identity: an entry keeps it alive, so its id cannot be reused while it is kept."""
+class PinnedMemo:
+    """A bounded memo (cleared whole when full) whose keys may name an unhashable spec by its id
+    (the GPU spec holds dicts): each entry keeps that spec (`pin`) alive, so its id cannot be
+    reused while the entry is kept, and a hit must hold the same object."""
 
     def __init__(self, limit: int = 4096):
         self._entries: dict[tuple, tuple[object, object]] = {}
         self._limit = limit
+
+    def get(self, key: tuple, pin: object, make: Callable[[], T]) -> T:
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is pin:
+            return hit[1]
+        value = make()
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        self._entries[key] = (pin, value)
+        return value
+
+
+class SegmentFreeMemo:
+    """A memo of results that depend on a scenario but not on the allocator's segment kind
+    (Assumptions.expandable_segments changes only what is reserved): a step's events, traffic and
+    time. recommend's second search, under expandable segments, and estimate's full estimate after
+    its fit test ask for them again. The hardware spec counts by identity (PinnedMemo)."""
+
+    def __init__(self, limit: int = 4096):
+        self._memo = PinnedMemo(limit)
 
     def get(self, sc: Scenario, extra: object, make: Callable[[], T]) -> T:
         a = sc.assume
         if a.expandable_segments:
             a = a.model_copy(update={"expandable_segments": False})
         key = (sc.model, id(sc.hw), sc.train, a, sc.shard_size, sc.custom_units, extra)
-        hit = self._entries.get(key)
-        if hit is not None and hit[0] is sc.hw:
-            return hit[1]
-        value = make()
-        if len(self._entries) >= self._limit:
-            self._entries.clear()
-        self._entries[key] = (sc.hw, value)
-        return value
+        return self._memo.get(key, sc.hw, make)
 
 
 @lru_cache(maxsize=4096)
