@@ -3,7 +3,7 @@
 #
 # NEEDS on the GPU machine: Linux x86_64, the NVIDIA driver, Python 3.12 (another: set
 #   FETCH_PYTHON_VERSION for --fetch) and a CUDA build of torch >= 2.6 (2.11's API). No package
-#   registry is needed there: everything else zplan imports (pydantic, typer, rich, psutil,
+#   registry is needed there: everything else zplan imports (typer, rich, psutil,
 #   nvidia-ml-py, numpy, safetensors; pytest for the GPU tests) travels as wheels in .whl/ and is
 #   installed offline into a private folder when the machine lacks it.
 #   1. on a machine with a registry:  bash benchmarks/gpu_check.sh --fetch   (py3.12 wheels -> .whl/)
@@ -30,7 +30,7 @@ case "${1:-}" in
   *) echo "gpu_check.sh: unknown option '$1': use --fetch, --cpu-dry or nothing" >&2; exit 2 ;;
 esac
 
-WHEELS="pydantic typer rich psutil nvidia-ml-py numpy safetensors pytest pytest-timeout"
+WHEELS="typer rich psutil nvidia-ml-py numpy safetensors pytest pytest-timeout"
 if [ "$MODE" = fetch ]; then
   # Wheels for CPython 3.12 on manylinux x86_64, with their dependencies, for an offline install.
   ver=${FETCH_PYTHON_VERSION:-3.12}
@@ -49,7 +49,7 @@ export PYTHONUNBUFFERED=1
 
 # Offline install of what this Python lacks (import name:wheel name), into a private folder.
 missing=""
-for pair in pydantic:pydantic typer:typer rich:rich psutil:psutil pynvml:nvidia-ml-py numpy:numpy \
+for pair in typer:typer rich:rich psutil:psutil pynvml:nvidia-ml-py numpy:numpy \
             safetensors:safetensors pytest:pytest pytest_timeout:pytest-timeout; do
   $PY -c "import ${pair%%:*}" 2>/dev/null || missing="$missing ${pair#*:}"
 done

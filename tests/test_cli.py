@@ -94,15 +94,27 @@ def test_debug_shows_the_traceback(run_zplan):
     assert p.returncode != 0 and "Traceback" in p.stderr
 
 
-def test_estimate_never_imports_torch():
+def test_estimate_never_imports_torch_or_pydantic():
+    """The planning path never imports torch. estimate (which answers without Typer) never
+    imports pydantic either: it cost ~40% of estimate's 0.3 s budget, and zplan/validated.py
+    replaced it (Typer 0.29 imports it for its own commands, recommend among them)."""
     import subprocess
     import sys
-    code = ("import sys, io, contextlib\n"
+    code = ("import sys, io, contextlib, tempfile, os\n"
             "from zplan.cli.main import run\n"
+            "from zplan.plan import make_plan, save\n"
+            "from zplan.scenario_options import ScenarioOptions, build\n"
+            "plan = os.path.join(tempfile.mkdtemp(), 'p.json')\n"
+            "save(make_plan(build(ScenarioOptions(model='llama-3.2-1b', gpus=8)), 'zero3', 8), plan)\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    run(['estimate', '--model', 'llama-3.1-70b', '--gpus', '64'])\n"
             "    run(['estimate', '--params', '7e9', '--json'])\n"
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+            "    assert run(['estimate', '--plan', plan]) == 0\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer')]\n"
+            "assert not bad, bad\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert run(['recommend', '--model', 'llama-3.2-1b', '--gpus', '8']) == 0\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'torch']\n"
             "assert not bad, bad\n"
             "print('ok')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -375,7 +375,7 @@ def test_te_float8_recipe_is_refused_where_its_saves_are_unknown(capsys):
     attention checkpointing, no compile with TransformerEngine's float8."""
     import json
 
-    from pydantic import ValidationError
+    from zplan.validated import ValidationError
 
     from tests.helpers import cli
     from zplan.specs import TrainSpec

@@ -1,6 +1,6 @@
 """The plan file: the one contract between planning (recommend) and running (launch, trainer).
 
-Versioned and validated (pydantic, extra fields refused). It embeds the full model, GPU and
+Versioned and validated (zplan/validated.py, extra fields refused). It embeds the full model, GPU and
 cluster specs so it runs the same wherever it is read, and the predicted figures so a run can
 report measured against predicted. Written atomically. Documented in docs/plan-file.md.
 """
@@ -10,14 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from . import __version__
 from .errors import UsageError
 from .files import read_json, write_text as write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .scenario import Scenario
 from .specs import (Assumptions, ClusterSpec, GPUSpec, Hardware, ModelSpec, StrategyName, TrainSpec,
                     validation_line)
+from .validated import Field, Record, ValidationError, model_validator
 
 PLAN_VERSION = 1
 Runner = Literal["zplan", "deepspeed"]
@@ -28,14 +27,12 @@ LAYOUT_RUNNER = {v: k for k, v in RUNNER_LAYOUT.items()}
 NO_RESHARD = ("zero2", "zero3-noreshard")  # FSDP2 keeps the weights gathered after forward
 
 
-class Mesh(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Mesh(Record):
     shape: list[int]
     dim_names: list[str]
 
 
-class Predicted(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Predicted(Record):
     per_gpu: dict[str, int]
     step_s: float
     tokens_per_s_per_gpu: float
@@ -45,8 +42,7 @@ class Predicted(BaseModel):
     exposed_comm_s: float
 
 
-class Plan(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Plan(Record):
     plan_version: Literal[1] = PLAN_VERSION
     created_by: str = f"zplan {__version__}"
     runner: Runner = Field("zplan", description="what runs it: zplan's trainer (launch) or DeepSpeed (export)")
@@ -276,7 +272,7 @@ def check_plan_numbers(plan: Plan, p: Path) -> None:
     from .specs import MAX_GPUS, MAX_GRAD_ACCUM, MAX_MICRO_BATCH, bad_number
 
     for name in Plan.model_fields:
-        why = bad_number(getattr(plan, name).model_dump() if isinstance(getattr(plan, name), BaseModel)
+        why = bad_number(getattr(plan, name).model_dump() if isinstance(getattr(plan, name), Record)
                          else getattr(plan, name))
         if why:
             raise UsageError(f"plan {p}: field '{name}': {why}; write it again with zplan recommend --write")

@@ -13,14 +13,13 @@ from importlib import resources
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
-
 from .errors import UsageError
 from .files import read_json, read_toml
 from .specs import ClusterSpec, GPUSpec, ModelSpec, validation_line
+from .validated import Record, ValidationError
 
 KINDS = {"gpus": GPUSpec, "clusters": ClusterSpec, "models": ModelSpec}
-T = TypeVar("T", bound=BaseModel)
+T = TypeVar("T", bound=Record)
 
 
 @lru_cache(maxsize=1)
@@ -64,7 +63,7 @@ def _parse(path: Path, cls: type[T], data: dict) -> T:
 
 
 @lru_cache(maxsize=256)
-def _load_file(path_str: str, kind: str) -> BaseModel:
+def _load_file(path_str: str, kind: str) -> Record:
     path = Path(path_str)
     cls = KINDS[kind]
     if path.suffix == ".json":
@@ -85,7 +84,7 @@ def _is(test, p: Path) -> bool:
 MAX_NAME = 255
 
 
-def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> BaseModel:
+def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> Record:
     """Load a preset by name or path; unknown names list the close ones."""
     singular = kind[:-1]
     if not name_or_path.strip():

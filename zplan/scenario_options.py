@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
-from pydantic import ValidationError
 
 from . import arch, presets
 from .errors import UsageError
@@ -20,6 +19,7 @@ from .scenario import Scenario
 from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
+from .validated import ValidationError
 
 DTYPES = tuple(DTYPE_BITS)
 DEFAULT_CLUSTER = "dgx-h100"

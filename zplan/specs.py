@@ -1,7 +1,7 @@
 """Validated, frozen specs: what a GPU, a cluster, a model and a training run are.
 
-Every spec is a pydantic model that refuses unknown fields and is checked once, at the edge
-(CLI flags, preset files, plan files). Cost models take these and nothing else.
+Every spec is a record (zplan/validated.py) that refuses unknown fields and is checked once, at
+the edge (CLI flags, preset files, plan files). Cost models take these and nothing else.
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PositiveInt, StringConstraints,
-                      ValidationError, field_validator, model_validator)
+from .validated import Field, Record, ValidationError, model_validator
 
 DTypeName = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "int4"]
 StrategyName = Literal[
@@ -49,7 +48,8 @@ MAX_PARAMS = 10**13
 MAX_SEQ_LEN = 10**7
 MAX_MICRO_BATCH = 10**5
 MAX_GRAD_ACCUM = 10**6
-Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+PositiveInt = Annotated[int, Field(gt=0)]
 
 
 def bad_number(value: Any) -> str | None:
@@ -75,7 +75,7 @@ def bad_number(value: Any) -> str | None:
 
 
 def validation_line(what: str, err: ValidationError) -> str:
-    """pydantic's first error as one line: `what: field 'loc': message (got value)`."""
+    """The first validation error as one line: `what: field 'loc': message (got value)`."""
     e = err.errors()[0]
     field = ".".join(str(x) for x in e["loc"])
     msg = " ".join(str(e["msg"]).split()).removeprefix("Value error, ")
@@ -86,18 +86,19 @@ def validation_line(what: str, err: ValidationError) -> str:
     return f"{what}: field '{field}': {msg}{got}" if field else f"{what}: {msg}"
 
 
-class Spec(BaseModel):
+def _sane_numbers(v: Any) -> Any:
+    why = bad_number(v)
+    if why:
+        raise ValueError(why)
+    return v
+
+
+class Spec(Record):
     """Frozen, unknown fields refused, and every number finite and non-negative."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, str_max_length=4096)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _sane_numbers(cls, v: Any) -> Any:
-        why = bad_number(v)
-        if why:
-            raise ValueError(why)
-        return v
+    allow_inf_nan = False
+    str_max_length = 4096
+    field_check = staticmethod(_sane_numbers)
 
 
 class KernelSpec(Spec):
@@ -204,12 +205,10 @@ class ClusterSpec(Spec):
         "the pipeline fill a measured nccl-tests curve shows beyond NCCL's per-step latencies")
     link: Literal["nvlink", "pcie", "loopback"] = Field(
         "nvlink", description="intra-node link type: selects NCCL's LL latencies")
-    ll_max_busbw_bytes_per_s: Annotated[tuple[Rate, Rate, Rate] | None,
-                                        PlainSerializer(lambda v: None if v is None else list(v))] = Field(
+    ll_max_busbw_bytes_per_s: tuple[Rate, Rate, Rate] | None = Field(
         None, description="NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws): "
         "one node (by GPU generation), two nodes, more (by the host CPU's vendor); None: uncapped")
-    nccl_tests: Annotated[tuple[NcclTestFigure, ...],
-                          PlainSerializer(lambda v: [f.model_dump() for f in v])] = ()
+    nccl_tests: tuple[NcclTestFigure, ...] = ()
     host_ram_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES, description="per node")
     # default: DeepSpeed CPU-Adam on 2 x Xeon Platinum 8168, ZeRO-Offload (arXiv 2101.06840) Table 4
     cpu_adam_params_per_s: float = Field(3.9e9, gt=0, le=MAX_RATE, description="CPU optimizer throughput per node")

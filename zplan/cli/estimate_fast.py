@@ -25,8 +25,8 @@ from .options import OPTION_ARGS
 OWN = {"--strategy": ("strategy", "many"), "--json": ("as_json", True), "--unit": ("unit", str),
        "--plan": ("plan", str), "--wide": ("wide", True), "--no-wide": ("wide", False)}
 
-# Values read here only where every reader agrees on them (Typer converts with pydantic's lax
-# mode): plain decimal integers, plain decimal floats; anything else is left to Typer.
+# Values read here only where every reader agrees on them (Typer's click types, then the specs'
+# lax validation): plain decimal integers, plain decimal floats; anything else is left to Typer.
 _INT = re.compile(r"0|-?[1-9][0-9]{0,17}")
 _FLOAT = re.compile(r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,18})?([eE][-+]?[0-9]{1,3})?")
 
