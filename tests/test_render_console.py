@@ -32,3 +32,15 @@ def test_a_colour_console_keeps_its_highlighter(monkeypatch):
     monkeypatch.setenv("FORCE_COLOR", "1")
     made = render.make_console()
     assert made.color_system is not None and made._highlight is True
+
+
+def test_names_are_printed_as_written_not_as_emoji(monkeypatch, tmp_path):
+    """rich would replace `:fire:` in a model's name by the emoji; the console never does."""
+    f = tmp_path / "fire.toml"
+    f.write_text('name = "x:fire:"\nnum_layers = 2\nhidden = 256\nffn_hidden = 704\nnum_heads = 4\n'
+                 'num_kv_heads = 2\nvocab_size = 1000\n')
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    sc = build(ScenarioOptions(model=str(f), gpus="8"))
+    render.print_estimate(sc, estimate(sc), assumptions(sc), "GB")
+    assert "x:fire:" in out.getvalue() and "\N{FIRE}" not in out.getvalue()
