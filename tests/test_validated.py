@@ -70,7 +70,8 @@ VALUES = [0, 1, -1, 7, 256, 257, 0.5, 1.0, 8.0, -0.0, 2.5e3, 1e30, float("nan"),
           "1_000", "+5", "x", "", "abc", "ABC", "a\n", "abcdefghi", "true", "no", "yes", "off", "1e3",
           None, [], {}, [1.0, 2.0, 3.0], [1.0, 2.0], [1.0, 2.0, 3.0, 4.0], {"x": 1.0}, {"z": 1.0},
           {"x": 0}, {"x": "2"}, {"kind": "b"}, {"kind": "c"}, {"rate": 0}, [{"kind": "b"}], [{"rate": -1}],
-          "a", "b", 1e20]
+          "a", "b", 1e20, "8.0", " 1.0", "8.", ".0", "\x1c8", "\u20038", "\xa08", "\uff15\uff10", "\u0665",
+          "s\udc00", "x" * 5000, "9" * 30]
 
 
 def corpus():
@@ -179,3 +180,13 @@ def test_validators_settings_and_exclude():
         Checked(label="abcdef")
     assert "secret" not in Checked(secret=True).model_dump() and Checked(secret=True).secret is True
     assert math.isnan(Outer(n=1, name="a", frac=None).model_copy(update={"frac": float("nan")}).frac)
+
+
+def test_json_has_no_nan_and_defaults_are_not_shared():
+    """A non-finite float is written null (pydantic's default; JSON has no NaN, and zplan's
+    reader refuses it); an unhashable default is each record's own copy."""
+    rec = Outer(n=1, name="a").model_copy(update={"frac": float("nan"), "triple": (1.0, float("inf"), 2.0)})
+    assert json.loads(rec.model_dump_json()) == {**json.loads(Outer(n=1, name="a").model_dump_json()),
+                                                 "frac": None, "triple": [1.0, None, 2.0]}
+    a, b = Outer(n=1, name="a"), Outer(n=2, name="b")
+    assert a.rates == {} and a.rates is not b.rates

@@ -11,20 +11,24 @@ now and errors read the same (`errors()` gives loc, msg, type and input):
 - types: bool, int, float, str, Literal, `X | None`, dict[K, V], list[X], tuple[X, ...],
   tuple[A, B, C], a nested Record (a dict or an instance), Annotated[T, Field(...)] for bounds
   (a string's pattern must match the whole string);
-- int takes an int, an integral float or a decimal string; float takes an int, a float or a
-  number's string (finite unless the class allows inf and NaN); neither takes a bool (pydantic
-  took True as 1: a mistake in a spec file); bool takes a bool, 0 or 1, or true/false, yes/no,
-  on/off, t/f, y/n as text;
+- int takes an int, an integral float or a string of ASCII digits (`1_000`, `8.0`); float takes
+  an int, a float or a number's string in ASCII digits (finite unless the class allows inf and
+  NaN); neither takes a bool (pydantic took True as 1: a mistake in a spec file); bool takes a
+  bool, 0 or 1, or true/false, yes/no, on/off, t/f, y/n as text; Unicode spaces around a number
+  are stripped; no string may hold a lone surrogate; inputs only Python code makes (bytes,
+  Decimal, enums, sets; pydantic took some) are refused: files give none of them;
 - unknown fields are refused, missing required ones named; the first error in field order is
   reported (model validators run only on valid fields, as pydantic's do);
 - `model_copy(update=...)` copies without validating, as pydantic's does; defaults are not
-  validated either.
+  validated either, and an unhashable one is copied for each record; JSON writes a non-finite
+  float as null; equality, hashing and dumps read the fields only.
 
 tests/test_validated.py holds each rule.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -121,7 +125,21 @@ def _text_bounds(f: Field, v: str) -> None:
         raise _Invalid(f"String should match pattern '{f.pattern}'", "string_pattern_mismatch", v)
 
 
-_INT_TEXT = re.compile(r"\s*[+-]?[0-9]+(_[0-9]+)*\s*")
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(_[0-9]+)*(\.0+)?")  # ASCII digits; "8.0" is 8, as pydantic read it
+# Unicode's White_Space, which pydantic-core (Rust's str::trim) strips around a number; Python's
+# str.strip would also strip \x1c-\x1f, which pydantic refused
+_SPACE = " \t\n\x0b\x0c\r\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008" \
+         "\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+
+
+def _unicode(v: str) -> None:
+    """A lone surrogate (JSON's "\ud800") is no text: it could never be written out again.
+    pydantic refused it wherever a string was read, whatever the field's type."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Invalid("Input should be a valid string, unable to parse raw data as a unicode "
+                       "string", "string_unicode", v) from None
 
 
 def _numbers(a: Any, b: Any) -> bool:
@@ -130,9 +148,11 @@ def _numbers(a: Any, b: Any) -> bool:
 
 
 def _to_int(v: Any) -> int:
-    if isinstance(v, str) and _INT_TEXT.fullmatch(v) and len(v) < 4300:
-        return int(v)
     if isinstance(v, str):
+        _unicode(v)
+        text = v.strip(_SPACE)
+        if _INT_TEXT.fullmatch(text) and len(text) < 4300:
+            return int(text.partition(".")[0])
         raise _Invalid("Input should be a valid integer, unable to parse string as an integer",
                        "int_parsing", v)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -153,8 +173,10 @@ def _to_int(v: Any) -> int:
 def _float_check(finite: bool) -> Callable[[Any], float]:
     def to_float(v: Any) -> float:
         if isinstance(v, str):
-            try:
-                v2 = float(v)
+            _unicode(v)
+            text = v.strip(_SPACE)
+            try:  # ASCII only: float() also reads other scripts' digits, which pydantic refused
+                v2 = float(text) if text.isascii() else None
             except ValueError:
                 v2 = None
             if v2 is None:
@@ -184,6 +206,8 @@ def _to_bool(v: Any) -> bool:
         return v
     if isinstance(v, (int, float)) and v in (0, 1):
         return bool(v)
+    if isinstance(v, str):
+        _unicode(v)
     if isinstance(v, str) and v.lower() in _BOOL_TEXT:
         return _BOOL_TEXT[v.lower()]
     whole = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
@@ -220,6 +244,7 @@ class _Compiler:
 
         def bounded(v: Any) -> Any:
             if textual and isinstance(v, str):  # the field's own length first, then the class's
+                _unicode(v)
                 _text_bounds(bounds, v)
             out = check(v)
             if out is not None:  # `X | None`: the bounds are X's
@@ -247,14 +272,18 @@ class _Compiler:
             def to_str(v: Any) -> str:
                 if not isinstance(v, str):
                     raise _Invalid("Input should be a valid string", "string_type", v)
+                _unicode(v)
                 if limit is not None and len(v) > limit:
                     raise _Invalid(f"String should have at most {limit} characters", "string_too_long", v)
                 return v
             return to_str
         if origin is Literal:
             allowed = args
+            textual = any(isinstance(a, str) for a in allowed)
 
             def literal(v: Any) -> Any:
+                if textual and isinstance(v, str):
+                    _unicode(v)
                 for a in allowed:  # equal and of the same kind: True is not 1, 1.0 is (lax)
                     if v == a and (type(v) is type(a) or _numbers(v, a)):
                         return a
@@ -425,14 +454,15 @@ class Record:
         ValueError from a "before" validator."""
         for name in cls.__validators__[0]:
             data = getattr(cls, name)(data)
-        compiled = cls.__compiled__ or cls._compile()
+        compiled = cls.__compiled__ if cls.__compiled__ is not None else cls._compile()
         check = cls.field_check
         out: dict[str, Any] = {}
         for name, convert, f in compiled:
             if name not in data:
                 if f.default is _MISSING:
                     raise _Invalid("Field required", "missing", data, (name,))
-                out[name] = f.default
+                # an unhashable default (a dict, a list) is copied for each record, as pydantic did
+                out[name] = f.default if _hashable(f.default) else copy.deepcopy(f.default)
                 continue
             raw = data[name]
             try:
@@ -463,13 +493,16 @@ class Record:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return self.__dict__ == other.__dict__
+        d, e = self.__dict__, other.__dict__  # fields only: a cached property is not one
+        return all(d[k] == e[k] for k in type(self).model_fields)
 
     def __hash__(self) -> int:
-        return hash((type(self), *self.__dict__.values()))
+        d = self.__dict__
+        return hash((type(self), *(d[k] for k in type(self).model_fields)))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+        d = self.__dict__
+        return f"{type(self).__name__}({', '.join(f'{k}={d[k]!r}' for k in type(self).model_fields)})"
 
     def model_copy(self, update: dict[str, Any] | None = None) -> Record:
         """A copy with `update`'s fields replaced, not validated (pydantic's model_copy)."""
@@ -484,13 +517,33 @@ class Record:
 
     def model_dump(self) -> dict[str, Any]:
         """Plain data: nested records as dicts, tuples as lists; fields marked exclude left out."""
-        fields = type(self).model_fields
-        return {k: _dump(v) for k, v in self.__dict__.items() if not fields[k].exclude}
+        d = self.__dict__
+        return {k: _dump(d[k]) for k, f in type(self).model_fields.items() if not f.exclude}
 
     def model_dump_json(self, indent: int | None = None) -> str:
+        """JSON; a non-finite float is written null, as pydantic wrote it (JSON has no NaN)."""
+        data = _finite(self.model_dump())
         if indent is None:
-            return json.dumps(self.model_dump(), ensure_ascii=False, allow_nan=True, separators=(",", ":"))
-        return json.dumps(self.model_dump(), ensure_ascii=False, allow_nan=True, indent=indent)
+            return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return json.dumps(data, ensure_ascii=False, allow_nan=False, indent=indent)
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
 
 
 def _dump(v: Any) -> Any:
