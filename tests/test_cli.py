@@ -95,9 +95,9 @@ def test_debug_shows_the_traceback(run_zplan):
 
 
 def test_estimate_never_imports_torch_or_pydantic():
-    """The planning path never imports torch. estimate (which answers without Typer) never
-    imports pydantic either: it cost ~40% of estimate's 0.3 s budget, and zplan/validated.py
-    replaced it (Typer 0.29 imports it for its own commands, recommend among them)."""
+    """The planning path never imports torch. A plain estimate or recommend (read without Typer,
+    zplan/cli/plain_line.py) never imports pydantic either: it cost ~40% of estimate's 0.3 s
+    budget, and zplan/validated.py replaced it (Typer 0.29 imports it for its own commands)."""
     import subprocess
     import sys
     code = ("import sys, io, contextlib, tempfile, os\n"
@@ -114,6 +114,10 @@ def test_estimate_never_imports_torch_or_pydantic():
             "assert not bad, bad\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    assert run(['recommend', '--model', 'llama-3.2-1b', '--gpus', '8']) == 0\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer')]\n"
+            "assert not bad, bad\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert run(['explain', '--model', 'llama-3.2-1b', '--gpus', '8']) == 0\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'torch']\n"
             "assert not bad, bad\n"
             "print('ok')\n")

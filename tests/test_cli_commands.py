@@ -58,6 +58,14 @@ def test_one_command_imports_only_its_own_module():
         assert f"zplan.cli.{other}" not in mods, mods
 
 
+def test_a_plain_recommend_never_imports_typer():
+    rc, mods = imported_by(["recommend", "--model", "tiny", "--gpus", "2", "--top", "1"])
+    assert rc == 0 and "zplan.cli.recommend_body" in mods
+    assert not [m for m in mods if m.split(".")[0] in ("typer", "click")], mods
+    rc, mods = imported_by(["recommend", "--model", "tiny", "--gpus", "2", "--top", "01"])  # Typer's
+    assert rc == 0 and "typer" in mods and "zplan.cli.recommend_cmd" in mods
+
+
 def test_a_plain_estimate_never_imports_typer():
     rc, mods = imported_by(["estimate", "--model", "tiny", "--gpus", "2", "--strategy", "zero3"])
     assert rc == 0 and "zplan.cli.estimate_fast" in mods

@@ -135,7 +135,7 @@ def test_a_presets_folder_that_cannot_be_listed_holds_none(monkeypatch):
 
 @pytest.mark.parametrize("name", ["", "   ", "x" * 5000, "a\x00b"])
 def test_empty_huge_or_nul_names(name):
-    with pytest.raises(UsageError, match="the model name"):
+    with pytest.raises(UsageError, match=r"^(the model name|--model) "):
         presets.model(name)
 
 
@@ -177,3 +177,12 @@ def test_a_presets_known_miss_is_printed_with_the_assumptions(capsys):
     assert "gpu_figures" not in json.loads(r.stdout)["assumptions"]
     r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--cluster", "mi300x-node", "--json")
     assert any("29-60%" in f and "zplan calibrate" in f for f in json.loads(r.stdout)["flags"])
+
+
+def test_a_name_with_a_nul_or_too_long_is_named_in_its_error():
+    """The fuzzer found `--gpu` with a NUL answered without naming the flag or the value."""
+    from zplan.errors import UsageError
+    with pytest.raises(UsageError, match=r"^--gpu 'a\\x00b' holds a NUL; name a preset"):
+        presets.load("gpus", "a\x00b")
+    with pytest.raises(UsageError, match=r"^--model 'xxxx.*'\.\.\. is 5,000 characters long"):
+        presets.load("models", "x" * 5000)

@@ -95,8 +95,9 @@ def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> Record:
     if not name_or_path.strip():
         raise UsageError(f"the {singular} name {name_or_path!r} is empty; name a preset or a .toml file")
     if len(name_or_path) > 4096 or "\x00" in name_or_path:
-        raise UsageError(f"the {singular} name is {len(name_or_path)} characters or holds a NUL; "
-                         f"name a preset or a .toml file")
+        shown = repr(name_or_path[:40]) + ("..." if len(name_or_path) > 40 else "")
+        why = "holds a NUL" if "\x00" in name_or_path else f"is {len(name_or_path):,} characters long"
+        raise UsageError(f"--{singular} {shown} {why}; name a preset or a .toml file")
     p = Path(name_or_path)
     if p.suffix in (".toml", ".json") or _is(Path.is_dir, p) or os.sep in name_or_path:
         if _is(Path.is_dir, p) and _is(Path.is_file, p / "config.json"):

@@ -19,6 +19,8 @@ COMMANDS = {
     "explain": "recommend_cmd", "selfcheck": "verify_cmd", "verify": "verify_cmd",
     "calibrate": "verify_cmd",
 }
+# commands whose plain command lines are read without Typer (plain_line.py): their body's module
+PLAIN = {"estimate": "estimate_fast", "recommend": "recommend_body"}
 
 
 def _kind(e: BaseException) -> str:
@@ -98,12 +100,11 @@ def run(argv: list[str] | None = None) -> int:
     try:
         args = sys.argv[1:] if argv is None else argv
         first = next(iter(args), None)
-        if first == "estimate" and not os.environ.get("_ZPLAN_COMPLETE"):  # Typer's completion
-            from . import estimate_fast
-
-            plain = estimate_fast.parse(args[1:])
+        if first in PLAIN and not os.environ.get("_ZPLAN_COMPLETE"):  # Typer's completion
+            body = importlib.import_module(f"{__package__}.{PLAIN[first]}")
+            plain = body.parse(args[1:])
             if plain is not None:  # a plain command line: no Typer to import and build
-                estimate_fast.run(plain[0], **plain[1])
+                body.run(plain[0], **plain[1])
                 return 0
         rv = _command(first if first in COMMANDS else None)(args=argv, standalone_mode=False,
                                                            prog_name="zplan")

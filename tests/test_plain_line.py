@@ -1,32 +1,36 @@
-"""estimate's plain path (zplan/cli/estimate_fast.py) against Typer's own reading of the line."""
+"""The plain path of estimate and recommend (zplan/cli/plain_line.py) against Typer's own
+reading of the line."""
 
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.fuzzing import HOSTILE_TEXT
-from zplan.cli import estimate_fast
-from zplan.cli.estimate_fast import flags, parse
+from zplan.cli import estimate_fast, recommend_body
+
+BODIES = {"estimate": estimate_fast, "recommend": recommend_body}
 
 
-def typer_reading(argv: list[str]):
-    """(opts, keywords) Typer calls estimate's body with, or the exception it raises first."""
+def typer_reading(command: str, argv: list[str]):
+    """(opts, keywords) Typer calls the command's body with, or the exception it raises first."""
     from zplan.cli.main import _command
 
     seen = []
-    with mock.patch.object(estimate_fast, "run", lambda opts, **kw: seen.append((opts, kw))):
+    with mock.patch.object(BODIES[command], "run", lambda opts, **kw: seen.append((opts, kw))):
         try:
-            _command("estimate")(args=["estimate", *argv], standalone_mode=False, prog_name="zplan")
+            _command(command)(args=[command, *argv], standalone_mode=False, prog_name="zplan")
         except Exception as e:  # noqa: BLE001  (Typer's usage errors and the like)
             return e
     return seen[0]
 
 
-def test_the_flag_table_is_the_typer_commands():
+@pytest.mark.parametrize("command", BODIES)
+def test_the_flag_table_is_the_typer_commands(command):
     from zplan.cli.main import _command
 
-    click_cmd = _command("estimate").commands["estimate"]
+    click_cmd = _command(command).commands[command]
     want = {}
     for p in click_cmd.params:
         if p.name == "help":
@@ -36,7 +40,13 @@ def test_the_flag_table_is_the_typer_commands():
                          _plain(p.type_descriptor.annotation))
         for opt in p.secondary_opts:
             want[opt] = (p.name, False)
-    assert flags() == want
+    assert BODIES[command].flags() == want
+
+
+def test_main_reads_plain_lines_of_these_commands_only():
+    from zplan.cli.main import PLAIN
+
+    assert {k: f"zplan.cli.{v}" for k, v in PLAIN.items()} == {k: m.__name__ for k, m in BODIES.items()}
 
 
 def _plain(annotation):
@@ -59,20 +69,35 @@ EXAMPLES = [
 ]
 
 
-def test_plain_lines_are_read_as_typer_reads_them():
-    for argv in EXAMPLES:
-        got = parse(argv)
-        assert got is not None, argv
-        assert got == typer_reading(argv), argv
+RECOMMEND_EXAMPLES = [
+    [],
+    ["--model", "llama-3.1-70b", "--gpus", "64", "--json", "--top", "3"],
+    ["--global-batch", "512", "--objective", "memory", "--headroom", "0.2", "--write", "p.json"],
+    ["--global-batch-tokens", "4M", "--for", "deepspeed", "--strategy", "zero3", "--strategy=zero2"],
+    ["--plot", "x.png", "--wide", "--no-wide", "--seq-len", "8192", "--for=zplan", "--top=0"],
+]
 
 
-def test_lines_that_need_typer_are_left_to_it():
+@pytest.mark.parametrize("command,argv", [("estimate", a) for a in EXAMPLES] +
+                         [("recommend", a) for a in RECOMMEND_EXAMPLES])
+def test_plain_lines_are_read_as_typer_reads_them(command, argv):
+    got = BODIES[command].parse(argv)
+    assert got is not None, argv
+    assert got == typer_reading(command, argv), argv
+
+
+@pytest.mark.parametrize("command", BODIES)
+def test_lines_that_need_typer_are_left_to_it(command):
+    parse = BODIES[command].parse
     for argv in (["--help"], ["--gpus"], ["--json=1"], ["--seq-len", "08"], ["--seq-len", "1_000"],
                  ["--seq-len", "2.5"], ["--efficiency", "1e999"], ["--efficiency", "nan"],
                  ["--gpus", "-3"], ["--model", "--json"],
                  ["--no-such-flag"], ["word"], ["--", "--json"], ["--model", "a\nb"],
                  ["--model", "\udcff"], ["--no-json"]):
         assert parse(argv) is None, argv
+    if command == "recommend":
+        for argv in (["--top", "2.5"], ["--headroom", "inf"], ["--for", "-x"], ["--unit", "GB"]):
+            assert parse(argv) is None, argv
 
 
 values = (st.sampled_from(HOSTILE_TEXT) | st.integers(-10**20, 10**20).map(str)
@@ -82,9 +107,9 @@ ODD = ["--help", "--", "-x", "--json=1", "word", "--no-json", "--gpu"]
 
 
 @st.composite
-def lines(draw):
-    """Mostly well-formed lines of estimate's flags, with hostile values and stray words."""
-    table = flags()
+def lines(draw, command):
+    """Mostly well-formed lines of the command's flags, with hostile values and stray words."""
+    table = BODIES[command].flags()
     out: list[str] = []
     for _ in range(draw(st.integers(0, 6))):
         flag = draw(st.sampled_from(sorted(table)))
@@ -98,9 +123,10 @@ def lines(draw):
     return out
 
 
-@settings(max_examples=400, deadline=None, database=None)
-@given(lines())
-def test_whatever_the_plain_path_reads_typer_reads_the_same(argv):
-    got = parse(argv)
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.sampled_from(sorted(BODIES)).flatmap(lambda c: st.tuples(st.just(c), lines(c))))
+def test_whatever_the_plain_path_reads_typer_reads_the_same(case):
+    command, argv = case
+    got = BODIES[command].parse(argv)
     if got is not None:
-        assert got == typer_reading(argv), argv
+        assert got == typer_reading(command, argv), argv
