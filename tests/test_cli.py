@@ -94,7 +94,7 @@ def test_debug_shows_the_traceback(run_zplan):
     assert p.returncode != 0 and "Traceback" in p.stderr
 
 
-def test_estimate_never_imports_torch_or_pydantic():
+def test_planning_never_imports_torch_nor_pydantic_when_plain():
     """The planning path never imports torch. A plain estimate or recommend (read without Typer,
     zplan/cli/plain_line.py) never imports pydantic either: it cost ~40% of estimate's 0.3 s
     budget, and zplan/validated.py replaced it (Typer 0.29 imports it for its own commands)."""

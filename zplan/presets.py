@@ -93,7 +93,7 @@ def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> Record:
     """Load a preset by name or path; unknown names list the close ones."""
     singular = kind[:-1]
     if not name_or_path.strip():
-        raise UsageError(f"the {singular} name {name_or_path!r} is empty; name a preset or a .toml file")
+        raise UsageError(f"--{singular} {name_or_path!r} is empty; name a preset or a .toml file")
     if len(name_or_path) > 4096 or "\x00" in name_or_path:
         shown = repr(name_or_path[:40]) + ("..." if len(name_or_path) > 40 else "")
         why = "holds a NUL" if "\x00" in name_or_path else f"is {len(name_or_path):,} characters long"

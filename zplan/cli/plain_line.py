@@ -5,7 +5,7 @@ command calls, and its own flags. `parse` reads the command lines that need noth
 (known long options, each with a plain value) into the same call Typer would make, or answers
 None, and Typer reads the line instead: help, unknown flags, odd values and every error stay
 Typer's. Importing Typer (0.29 imports pydantic for its parameters) and building the command
-cost ~40 ms of estimate's 0.3 s budget and ~250 ms of recommend's start (issue 8).
+cost ~40 ms of estimate's 0.3 s budget and ~400 ms of recommend's start (issue 8).
 tests/test_plain_line.py holds the parser against Typer's own reading of many command lines.
 """
 

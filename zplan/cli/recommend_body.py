@@ -116,7 +116,6 @@ def _launch_note(plan, written: str) -> str:
     from ..plan import trainer_refusal
 
     if plan.train.layout == "zero":
-        from ..errors import UsageError
         from ..export import deepspeed_config
         from ..strategies import effective
 

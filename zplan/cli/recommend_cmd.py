@@ -33,6 +33,8 @@ def recommend(
     runner: Annotated[Optional[str], typer.Option("--for", help="What will run the plan: zplan (launch, FSDP2; torch layout, the default) or deepspeed (export; zero layout)")] = None,
 ) -> None:
     """The fastest configuration that fits, and why every other one lost."""
+    # the defaults above are recommend_body.run's (the plain path reads them there);
+    # tests/test_plain_line.py holds the two readings of a bare `zplan recommend` equal
     recommend_body.run(opts, global_batch=global_batch, global_batch_tokens=global_batch_tokens,
                        objective=objective, headroom=headroom, write=write, as_json=as_json,
                        plot=plot, top=top, strategy=strategy, wide=wide, runner=runner)
