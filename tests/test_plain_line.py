@@ -1,4 +1,4 @@
-"""The plain path of estimate and recommend (zplan/cli/plain_line.py) against Typer's own
+"""The plain path of estimate, recommend and explain (zplan/cli/plain_line.py) against Typer's own
 reading of the line."""
 
 from unittest import mock
@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.fuzzing import HOSTILE_TEXT
-from zplan.cli import estimate_fast, recommend_body
+from zplan.cli import estimate_fast, explain_body, recommend_body
 
-BODIES = {"estimate": estimate_fast, "recommend": recommend_body}
+BODIES = {"estimate": estimate_fast, "recommend": recommend_body, "explain": explain_body}
 
 
 def typer_reading(command: str, argv: list[str]):
@@ -78,8 +78,13 @@ RECOMMEND_EXAMPLES = [
 ]
 
 
+EXPLAIN_EXAMPLES = [[], ["--strategy", "hsdp", "--shard-size", "8", "--gpus", "16", "--json"],
+                    ["--strategy=zero1", "--model", "llama-3.1-70b", "--strategy", "ddp"]]
+
+
 @pytest.mark.parametrize("command,argv", [("estimate", a) for a in EXAMPLES] +
-                         [("recommend", a) for a in RECOMMEND_EXAMPLES])
+                         [("recommend", a) for a in RECOMMEND_EXAMPLES] +
+                         [("explain", a) for a in EXPLAIN_EXAMPLES])
 def test_plain_lines_are_read_as_typer_reads_them(command, argv):
     got = BODIES[command].parse(argv)
     assert got is not None, argv

@@ -20,7 +20,7 @@ COMMANDS = {
     "calibrate": "verify_cmd",
 }
 # commands whose plain command lines are read without Typer (plain_line.py): their body's module
-PLAIN = {"estimate": "estimate_fast", "recommend": "recommend_body"}
+PLAIN = {"estimate": "estimate_fast", "recommend": "recommend_body", "explain": "explain_body"}
 
 
 def _kind(e: BaseException) -> str:

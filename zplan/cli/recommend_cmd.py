@@ -1,5 +1,5 @@
-"""zplan recommend (its body, and a plain path that skips Typer, in recommend_body.py), export
-and explain."""
+"""zplan recommend, export and explain: the Typer commands (recommend's and explain's bodies,
+with a plain path that skips Typer, are in recommend_body.py and explain_body.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from ..parse import check_choice
-from ..scenario_options import ScenarioOptions, build
-from . import recommend_body
+from ..scenario_options import ScenarioOptions
+from . import explain_body, recommend_body
 from .app import app
-from .json_out import emit_json
 from .options import scenario_options
 
 
@@ -67,17 +66,4 @@ def explain(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: the figures and the derivation's lines")] = False,
 ) -> None:
     """The derivation of one strategy's figures, with your numbers substituted."""
-    from ..explain import explain_lines
-    from ..strategies import STRATEGIES
-
-    check_choice(strategy, "--strategy", tuple(STRATEGIES))
-    sc = build(opts)
-    lines = explain_lines(sc, strategy)
-    if as_json:
-        from ..estimate import SCHEMA_VERSION, estimate_one
-
-        emit_json({"schema_version": SCHEMA_VERSION, "strategy": strategy,
-                   "figures": estimate_one(sc, strategy).as_dict(), "derivation": lines})
-        return
-    for line in lines:
-        print(line)
+    explain_body.run(opts, strategy=strategy, as_json=as_json)  # the defaults above are run's
