@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
-
 from . import arch, presets
 from .errors import UsageError
 from .files import read_toml
