@@ -8,9 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.fuzzing import HOSTILE_TEXT
-from zplan.cli import estimate_fast, explain_body, recommend_body
+from zplan.cli import estimate_fast, explain_body, plain_line, recommend_body
 
 BODIES = {"estimate": estimate_fast, "recommend": recommend_body, "explain": explain_body}
+
+
+def read(command: str, argv: list[str]):
+    """The plain path's reading of `zplan COMMAND ARGV`, as main.run makes it."""
+    body = BODIES[command]
+    return plain_line.parse(argv, body.OWN, body.run)
 
 
 def typer_reading(command: str, argv: list[str]):
@@ -40,7 +46,7 @@ def test_the_flag_table_is_the_typer_commands(command):
                          _plain(p.type_descriptor.annotation))
         for opt in p.secondary_opts:
             want[opt] = (p.name, False)
-    assert BODIES[command].flags() == want
+    assert plain_line.flags(BODIES[command].OWN) == want
 
 
 def test_main_reads_plain_lines_of_these_commands_only():
@@ -86,14 +92,16 @@ EXPLAIN_EXAMPLES = [[], ["--strategy", "hsdp", "--shard-size", "8", "--gpus", "1
                          [("recommend", a) for a in RECOMMEND_EXAMPLES] +
                          [("explain", a) for a in EXPLAIN_EXAMPLES])
 def test_plain_lines_are_read_as_typer_reads_them(command, argv):
-    got = BODIES[command].parse(argv)
+    got = read(command, argv)
     assert got is not None, argv
     assert got == typer_reading(command, argv), argv
 
 
 @pytest.mark.parametrize("command", BODIES)
 def test_lines_that_need_typer_are_left_to_it(command):
-    parse = BODIES[command].parse
+    def parse(argv):
+        return read(command, argv)
+
     for argv in (["--help"], ["--gpus"], ["--json=1"], ["--seq-len", "08"], ["--seq-len", "1_000"],
                  ["--seq-len", "2.5"], ["--efficiency", "1e999"], ["--efficiency", "nan"],
                  ["--gpus", "-3"], ["--model", "--json"],
@@ -114,7 +122,7 @@ ODD = ["--help", "--", "-x", "--json=1", "word", "--no-json", "--gpu"]
 @st.composite
 def lines(draw, command):
     """Mostly well-formed lines of the command's flags, with hostile values and stray words."""
-    table = BODIES[command].flags()
+    table = plain_line.flags(BODIES[command].OWN)
     out: list[str] = []
     for _ in range(draw(st.integers(0, 6))):
         flag = draw(st.sampled_from(sorted(table)))
@@ -133,7 +141,7 @@ def test_whatever_the_plain_path_reads_typer_reads_the_same(command):
     @settings(max_examples=300, deadline=None, database=None)
     @given(lines(command))
     def check(argv):
-        got = BODIES[command].parse(argv)
+        got = read(command, argv)
         if got is not None:
             assert got == typer_reading(command, argv), argv
     check()

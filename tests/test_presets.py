@@ -181,7 +181,6 @@ def test_a_presets_known_miss_is_printed_with_the_assumptions(capsys):
 
 def test_a_name_with_a_nul_or_too_long_is_named_in_its_error():
     """The fuzzer found `--gpu` with a NUL answered without naming the flag or the value."""
-    from zplan.errors import UsageError
     with pytest.raises(UsageError, match=r"^--gpu 'a\\x00b' holds a NUL; name a preset"):
         presets.load("gpus", "a\x00b")
     with pytest.raises(UsageError, match=r"^--model 'xxxx.*'\.\.\. is 5,000 characters long"):

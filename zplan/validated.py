@@ -57,6 +57,9 @@ class Field:
         return self.default is _MISSING
 
 
+_BOUNDS = ("gt", "ge", "lt", "le", "min_length", "max_length", "pattern")
+
+
 class ValidationError(ValueError):
     """Why data is not a valid record: `errors()` as pydantic's, the first error found."""
 
@@ -76,6 +79,10 @@ class _Invalid(Exception):
 
     def __init__(self, msg: str, kind: str, value: Any, loc: tuple = ()) -> None:
         self.msg, self.kind, self.value, self.loc = msg, kind, value, loc
+
+    def error(self, title: str) -> ValidationError:
+        return ValidationError(title, [{"loc": self.loc, "msg": self.msg, "type": self.kind,
+                                        "input": self.value}])
 
 
 def model_validator(*, mode: str) -> Callable:
@@ -235,10 +242,9 @@ class _Compiler:
     def __call__(self, tp: Any, bounds: Field | None = None) -> Callable[[Any], Any]:
         origin, args = get_origin(tp), get_args(tp)
         if origin is Annotated:
-            inner = self(args[0], next((m for m in args[1:] if isinstance(m, Field)), bounds))
-            return inner
+            return self(args[0], next((m for m in args[1:] if isinstance(m, Field)), bounds))
         check = self._plain(tp, origin, args)
-        if bounds is None or not any(getattr(bounds, k) is not None for k in Field.__slots__[1:8]):
+        if bounds is None or not any(getattr(bounds, k) is not None for k in _BOUNDS):
             return check
         textual = tp is str
 
@@ -382,8 +388,10 @@ class Record:
         return cls.__compiled__
 
     def __init__(self, **data: Any) -> None:
-        self.__dict__.update(type(self)._fields_of(data))
-        type(self)._after(self)
+        try:
+            type(self)._fill(self, data)
+        except _Invalid as e:
+            raise e.error(type(self).__name__) from None
 
     @classmethod
     def model_validate(cls, data: Any) -> Record:
@@ -391,11 +399,9 @@ class Record:
         if isinstance(data, cls):
             return data
         try:
-            out = cls._coerce(data)
+            return cls._coerce(data)
         except _Invalid as e:
-            raise ValidationError(cls.__name__, [
-                {"loc": e.loc, "msg": e.msg, "type": e.kind, "input": e.value}]) from None
-        return out
+            raise e.error(cls.__name__) from None
 
     @classmethod
     def model_validate_json(cls, text: str | bytes) -> Record:
@@ -403,8 +409,7 @@ class Record:
         try:
             data = json.loads(text)
         except ValueError as e:
-            raise ValidationError(cls.__name__, [
-                {"loc": (), "msg": f"Invalid JSON: {e}", "type": "json_invalid", "input": text}]) from None
+            raise _Invalid(f"Invalid JSON: {e}", "json_invalid", text).error(cls.__name__) from None
         return cls.model_validate(data)
 
     @classmethod
@@ -414,31 +419,17 @@ class Record:
         if not isinstance(data, dict):
             raise _Invalid(f"Input should be a valid dictionary or instance of {cls.__name__}",
                            "model_type", data)
-        out = object.__new__(cls)
+        return cls._fill(object.__new__(cls), data)
+
+    @classmethod
+    def _fill(cls, out: Record, data: dict) -> Record:
+        """`out` given `data`'s validated fields, then checked by the "after" validators; a
+        ValueError from a validator is an error of the whole record (loc ())."""
         try:
             out.__dict__.update(cls._values(data))
             return cls._run_after(out)
         except ValueError as e:
             raise _Invalid(f"Value error, {e}", "value_error", data) from None
-
-    @classmethod
-    def _fields_of(cls, data: dict) -> dict[str, Any]:
-        try:
-            return cls._values(data)
-        except _Invalid as e:
-            raise ValidationError(cls.__name__, [
-                {"loc": e.loc, "msg": e.msg, "type": e.kind, "input": e.value}]) from None
-        except ValueError as e:
-            raise ValidationError(cls.__name__, [
-                {"loc": (), "msg": f"Value error, {e}", "type": "value_error", "input": data}]) from None
-
-    @classmethod
-    def _after(cls, rec: Record) -> None:
-        try:
-            cls._run_after(rec)
-        except ValueError as e:
-            raise ValidationError(cls.__name__, [
-                {"loc": (), "msg": f"Value error, {e}", "type": "value_error", "input": rec.__dict__}]) from None
 
     @classmethod
     def _run_after(cls, rec: Record) -> Record:

@@ -1,7 +1,7 @@
 """zplan estimate without Typer: the command's body and its own flags.
 
-`run` is the body the Typer command (estimate_cmd.py) calls; `parse` reads a plain command line
-into the same call without Typer (plain_line.py), or answers None and Typer reads it.
+`run` is the body the Typer command (estimate_cmd.py) calls; plain_line.parse(args, OWN, run)
+reads a plain command line into the same call without Typer, or answers None and Typer reads it.
 """
 
 from __future__ import annotations
@@ -63,13 +63,3 @@ def _given_flags(opts: ScenarioOptions) -> list[str]:
         flag = plain_line.flag_of(f.name)
         out.append(f"--no-{flag[2:]}" if v is False else flag)
     return out
-
-
-def flags() -> dict[str, tuple[str, object]]:
-    """estimate's flags -> (parameter, reader), as plain_line.flags reads them."""
-    return plain_line.flags(OWN)
-
-
-def parse(args: list[str]) -> tuple[ScenarioOptions, dict] | None:
-    """The call Typer would make for `zplan estimate ARGS`, or None (plain_line.parse)."""
-    return plain_line.parse(args, OWN, run)

@@ -1,7 +1,7 @@
 """zplan explain without Typer: the command's body and its own flags.
 
-`run` is the body the Typer command (recommend_cmd.py) calls; `parse` reads a plain command line
-into the same call without Typer (plain_line.py), or answers None and Typer reads it.
+`run` is the body the Typer command (recommend_cmd.py) calls; plain_line.parse(args, OWN, run)
+reads a plain command line into the same call without Typer, or answers None and Typer reads it.
 """
 
 from __future__ import annotations
@@ -32,13 +32,3 @@ def run(opts: ScenarioOptions, strategy: str = "zero3", as_json: bool = False) -
         return
     for line in lines:
         print(line)
-
-
-def flags() -> dict[str, tuple[str, object]]:
-    """explain's flags -> (parameter, reader), as plain_line.flags reads them."""
-    return plain_line.flags(OWN)
-
-
-def parse(args: list[str]) -> tuple[ScenarioOptions, dict] | None:
-    """The call Typer would make for `zplan explain ARGS`, or None (plain_line.parse)."""
-    return plain_line.parse(args, OWN, run)

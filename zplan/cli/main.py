@@ -101,8 +101,10 @@ def run(argv: list[str] | None = None) -> int:
         args = sys.argv[1:] if argv is None else argv
         first = next(iter(args), None)
         if first in PLAIN and not os.environ.get("_ZPLAN_COMPLETE"):  # Typer's completion
+            from .plain_line import parse
+
             body = importlib.import_module(f"{__package__}.{PLAIN[first]}")
-            plain = body.parse(args[1:])
+            plain = parse(args[1:], body.OWN, body.run)
             if plain is not None:  # a plain command line: no Typer to import and build
                 body.run(plain[0], **plain[1])
                 return 0

@@ -1,7 +1,9 @@
-"""Scenario commands without Typer: a parser for plain command lines (estimate, recommend).
+"""Scenario commands without Typer: a parser for plain command lines (estimate, recommend,
+explain).
 
-A command's module (estimate_fast.py, recommend_body.py) holds its body, `run`, which its Typer
-command calls, and its own flags. `parse` reads the command lines that need nothing of Typer
+A command's module (estimate_fast.py, recommend_body.py, explain_body.py; main.PLAIN) holds its
+body, `run`, which its Typer command calls, and its own flags, `OWN`. `parse(args, OWN, run)`
+reads the command lines that need nothing of Typer
 (known long options, each with a plain value) into the same call Typer would make, or answers
 None, and Typer reads the line instead: help, unknown flags, odd values and every error stay
 Typer's. Importing Typer (0.29 imports pydantic for its parameters) and building the command

@@ -1,7 +1,7 @@
 """zplan recommend without Typer: the command's body and its own flags.
 
-`run` is the body the Typer command (recommend_cmd.py) calls; `parse` reads a plain command line
-into the same call without Typer (plain_line.py), or answers None and Typer reads it.
+`run` is the body the Typer command (recommend_cmd.py) calls; plain_line.parse(args, OWN, run)
+reads a plain command line into the same call without Typer, or answers None and Typer reads it.
 """
 
 from __future__ import annotations
@@ -163,13 +163,3 @@ def _json(rec, plan, top: int) -> dict:
         "flags": rec.flags,
         "plan": plan.model_dump(),
     }
-
-
-def flags() -> dict[str, tuple[str, object]]:
-    """recommend's flags -> (parameter, reader), as plain_line.flags reads them."""
-    return plain_line.flags(OWN)
-
-
-def parse(args: list[str]) -> tuple[ScenarioOptions, dict] | None:
-    """The call Typer would make for `zplan recommend ARGS`, or None (plain_line.parse)."""
-    return plain_line.parse(args, OWN, run)
