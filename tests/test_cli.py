@@ -97,7 +97,9 @@ def test_debug_shows_the_traceback(run_zplan):
 def test_planning_never_imports_torch_nor_pydantic_when_plain():
     """The planning path never imports torch. A plain estimate, recommend or explain (read without Typer,
     zplan/cli/plain_line.py) never imports pydantic either: it cost ~40% of estimate's 0.3 s
-    budget, and zplan/validated.py replaced it (Typer 0.29 imports it for its own commands)."""
+    budget, and zplan/validated.py replaced it (Typer 0.29 imports it for its own commands).
+    Piped, without colour, they print without rich too (zplan/cli/textout.py)."""
+    import os
     import subprocess
     import sys
     code = ("import sys, io, contextlib, tempfile, os\n"
@@ -110,18 +112,22 @@ def test_planning_never_imports_torch_nor_pydantic_when_plain():
             "    run(['estimate', '--model', 'llama-3.1-70b', '--gpus', '64'])\n"
             "    run(['estimate', '--params', '7e9', '--json'])\n"
             "    assert run(['estimate', '--plan', plan]) == 0\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer')]\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer', 'rich')]\n"
             "assert not bad, bad\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    assert run(['recommend', '--model', 'llama-3.2-1b', '--gpus', '8']) == 0\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer')]\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer', 'rich')]\n"
             "assert not bad, bad\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    assert run(['explain', '--model', 'llama-3.2-1b', '--gpus', '8']) == 0\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer')]\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'pydantic_core', 'typer', 'rich')]\n"
             "assert not bad, bad\n"
             "print('ok')\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # piped at the default width: no colour, and every table fits (a wider one goes to rich)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "COLUMNS")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=env)
     assert p.stdout.strip() == "ok", p.stderr
 
 

@@ -18,20 +18,33 @@ def printed(monkeypatch, make) -> str:
     return out.getvalue()
 
 
-def test_piped_tables_are_the_same_with_the_highlighter_off(monkeypatch):
+def test_piped_tables_are_the_same_as_rich_prints_them(monkeypatch):
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
-    made = render.make_console()
-    assert made.color_system is None and made._highlight is False
     fast = printed(monkeypatch, render.make_console)
-    full = printed(monkeypatch, lambda: Console(width=render.console_width()))
+    full = printed(monkeypatch, lambda: RichFull(render.console_width()))
     assert fast == full and "Memory per GPU" in fast
+
+
+class RichFull(render.Out):
+    """Every print through a rich Console with its highlighter on, as before textout."""
+
+    def print(self, item):
+        c = Console(width=self.width)
+        c.print(item.to_rich() if isinstance(item, render.TableSpec) else item)
 
 
 def test_a_colour_console_keeps_its_highlighter(monkeypatch):
     monkeypatch.setenv("FORCE_COLOR", "1")
     made = render.make_console()
-    assert made.color_system is not None and made._highlight is True
+    assert made.colour and made.rich().color_system is not None and made.rich()._highlight is True
+
+
+def test_a_piped_console_through_rich_leaves_the_highlighter_off(monkeypatch):
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    made = render.make_console()
+    assert not made.colour and made.rich().color_system is None and made.rich()._highlight is False
 
 
 def test_names_are_printed_as_written_not_as_emoji(monkeypatch, tmp_path):

@@ -1,4 +1,5 @@
-"""Rich tables for people; JSON goes to stdout through main. Imported only when printing."""
+"""Tables for people (textout: plain text where rich would write no colour, else rich); JSON
+goes to stdout through main. Imported only when printing."""
 
 from __future__ import annotations
 
@@ -6,14 +7,10 @@ import os
 import shutil
 import sys
 
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 from ..estimate import StrategyEstimate
 from ..scenario import Scenario
 from ..units import GiB, fmt_bytes, fmt_count, fmt_s
+from .textout import Out, TableSpec, escape
 
 BAR_WIDTH = 24
 DEFAULT_WIDTH = 100  # piped output with no COLUMNS: fits a 100-column terminal
@@ -29,24 +26,19 @@ def console_width() -> int:
     return DEFAULT_WIDTH
 
 
-def make_console() -> Console:
-    """A console of console_width(). Without colour (piped output, TERM=dumb) no style is
-    written, so the highlighter, whose only effect is styles, is left off (~10 ms a table run).
-    Emoji codes are never replaced: a name such as `x:fire:` is printed as written (and
-    the replacement pass cost ~5 ms of estimate's 0.3 s)."""
-    console = Console(width=console_width(), emoji=False)
-    if console.color_system is None:
-        return Console(width=console.width, highlight=False, emoji=False)
-    return console
+def make_console() -> Out:
+    """Standard output at console_width(): plain text where rich would write no colour (piped
+    output, TERM=dumb), else a rich Console. Emoji codes are never replaced: a name such as
+    `x:fire:` is printed as written (and the replacement pass cost ~5 ms of estimate's 0.3 s)."""
+    return Out(console_width())
 
 
-def new_table(title: str) -> Table:
+def new_table(title: str) -> TableSpec:
     """A table with a rule under the heading and no vertical borders (narrower than rich's box)."""
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                 show_edge=False)
+    return TableSpec(title)
 
 
-def add_columns(tb: Table, heads, left=("strategy",)) -> None:
+def add_columns(tb: TableSpec, heads, left=("strategy",)) -> None:
     """One column per heading, never wrapped nor cut below its heading's width."""
     for col in heads:
         tb.add_column(col, justify="left" if col in left else "right", no_wrap=True,
@@ -76,7 +68,7 @@ def bar(mem: dict, capacity: int) -> str:
     return text
 
 
-def header(console: Console, sc: Scenario, unit: str) -> None:
+def header(console: Out, sc: Scenario, unit: str) -> None:
     m, hw, t = sc.model, sc.hw, sc.train
     psi = sc.params
     console.print(
@@ -125,7 +117,7 @@ def _memory_cells(d: dict, unit: str, phase: str = "") -> dict[str, str]:
             "allocated": f("allocated_bytes"), "reserved": f("reserved_bytes"), "peak at": phase}
 
 
-def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: bool = False) -> Table:
+def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: bool = False) -> TableSpec:
     """Per GPU; the narrow form folds params/grads/master/optim into model state and the
     gather and reduce buffers into one column (--wide shows each)."""
     tb = new_table("Memory per GPU" + ("" if wide else " (--wide: every component)"))
@@ -144,7 +136,7 @@ def memory_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide:
     return tb
 
 
-def bars(console: Console, results: list[StrategyEstimate], sc: Scenario, unit: str) -> None:
+def bars(console: Out, results: list[StrategyEstimate], sc: Scenario, unit: str) -> None:
     cap = sc.hw.gpu.memory_bytes
     legend = " ".join(f"[{c}]{l}[/]={k.removesuffix('_bytes').replace('_', ' ')}" for k, l, c in COMPONENTS)
     console.print(f"[bold]Memory against one GPU[/] ({fmt_bytes(cap, unit)}): {legend}")
@@ -161,7 +153,7 @@ COMM_WIDE = ("elements/step", "x params", "bytes/step", "links", "compute", "exp
 COMM_NARROW = ("bytes/step", "links", "exposed comm", "step", "tokens/s/GPU", "MFU")
 
 
-def comm_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: bool = False) -> Table:
+def comm_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: bool = False) -> TableSpec:
     tb = new_table("Communication and time per step" + ("" if wide else " (--wide: every column)"))
     cols = COMM_WIDE if wide else COMM_NARROW
     add_columns(tb, ("strategy",) + cols, ("strategy", "links"))
@@ -183,7 +175,7 @@ def comm_table(results: list[StrategyEstimate], sc: Scenario, unit: str, wide: b
     return tb
 
 
-def overlap_table(r: StrategyEstimate) -> Table:
+def overlap_table(r: StrategyEstimate) -> TableSpec:
     """Per unit: does its all-gather hide? Identical consecutive units are folded into one row
     (count: how many); an exposed time is the part of the gather not hidden behind compute."""
     tb = new_table(f"Overlap per unit ({r.name}, one micro-batch)")
@@ -205,7 +197,7 @@ def overlap_table(r: StrategyEstimate) -> Table:
     return tb
 
 
-def assumptions_lines(console: Console, assumed: dict) -> None:
+def assumptions_lines(console: Out, assumed: dict) -> None:
     console.print("[bold]Assumptions[/] (change them with the flag shown):")
     for k, v in assumed.items():
         val = v["value"]

@@ -1,14 +1,13 @@
-"""Rich output of a recommendation."""
+"""A recommendation for people (through render's console: plain text or rich)."""
 
 from __future__ import annotations
 
 import sys
 
-from rich.markup import escape
-
 from ..recommend import Recommendation
 from ..units import fmt_bytes, fmt_s
 from .render import add_columns, bar, make_console, new_table
+from .textout import escape
 
 
 def print_recommendation(rec: Recommendation, top: int, written: str | None, plot: str | None,
