@@ -152,8 +152,9 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     zero3 = sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies)
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
-            "; DeepSpeed ZeRO-3 in eager mode overlaps less: its published runs on 32 H100 "
-            "measured 24-56% slower than overlap predicts (docs/accuracy-notes.md 9l)")
+            "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: published runs on "
+            "32 H100 measured 24-44% (DeepSpeed) and 51-66% (FSDP1) slower than overlap predicts, "
+            "their communication adding nearly serially (docs/accuracy-notes.md 9aa)")
     if zero3:
         out["zero_init"] = {
             "value": sc.train.zero_init, "flag": "--no-zero-init" if sc.train.zero_init else "--zero-init",
