@@ -37,14 +37,14 @@ class RichFull(render.Out):
 def test_a_colour_console_keeps_its_highlighter(monkeypatch):
     monkeypatch.setenv("FORCE_COLOR", "1")
     made = render.make_console()
-    assert made.colour and made.rich().color_system is not None and made.rich()._highlight is True
+    assert made.terminal and made.rich().color_system is not None and made.rich()._highlight is True
 
 
 def test_a_piped_console_through_rich_leaves_the_highlighter_off(monkeypatch):
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
     made = render.make_console()
-    assert not made.colour and made.rich().color_system is None and made.rich()._highlight is False
+    assert not made.terminal and made.rich().color_system is None and made.rich()._highlight is False
 
 
 def test_names_are_printed_as_written_not_as_emoji(monkeypatch, tmp_path):

@@ -1,5 +1,5 @@
-"""zplan/cli/textout.py against rich itself: the markup, the wrapping, the tables and the colour
-rule, on generated inputs, and the estimate and recommend output as rich prints it."""
+"""zplan/cli/textout.py against rich itself: the markup, the wrapping, the tables and the
+terminal rule, on generated inputs, and the estimate and recommend output as rich prints it."""
 
 import io
 import random
@@ -64,11 +64,12 @@ def test_wrapping_matches_rich():
 
 
 def random_table(rng: random.Random) -> tuple[textout.TableSpec, Table]:
-    spec = textout.TableSpec(rng.choice(["", "T", "A title of several words", "x" * 50, "t [dim]d[/]"]))
+    spec = textout.TableSpec(rng.choice(["", "T", "A title of several words", "x" * 50, "t [dim]d[/]",
+                                         "[bold][/]"]))
     ncol = rng.randint(1, 6)
     for i in range(ncol):
         head = rng.choice(["strategy", "n", "a b", "fits", "[bold]h[/]", "headroom"])
-        spec.add_column(head, justify=rng.choice(["left", "right"]), no_wrap=True,
+        spec.add_column(head, justify=rng.choice(["left", "right", "right", "left", "center"]), no_wrap=True,
                         min_width=rng.choice([None, len(head), 12]))
     cells = ["", "1", "12.3 GB", "yes", "[green]yes[/]", "[red]no[/]", "hidden  ", " lead", "x" * 20,
              "a\\[b]", "[dim]n/a: why[/]"]
@@ -102,10 +103,13 @@ def test_the_rich_table_is_the_one_zplan_always_printed():
 class Stdout(io.StringIO):
     def __init__(self, tty: bool, encoding: str = "utf-8"):
         super().__init__()
-        self._tty, self._enc = tty, encoding
+        self._tty, self._enc, self.flushes = tty, encoding, 0
 
     def isatty(self):
         return self._tty
+
+    def flush(self):
+        self.flushes += 1
 
     @property
     def encoding(self):
@@ -116,22 +120,55 @@ class Stdout(io.StringIO):
 @pytest.mark.parametrize("force", [None, "", "1"])
 @pytest.mark.parametrize("compat", [None, "0", "1", "x"])
 @pytest.mark.parametrize("term", [None, "dumb", "xterm-256color", "unknown"])
-def test_plain_text_only_where_rich_writes_no_colour(monkeypatch, tty, force, compat, term):
+def test_plain_text_only_where_rich_sees_no_terminal(monkeypatch, tty, force, compat, term):
+    """Where textout prints, rich writes no style and keeps the width it is given (a dumb
+    terminal is one: rich prints it 80 wide, so it goes to rich)."""
     for k, v in (("FORCE_COLOR", force), ("TTY_COMPATIBLE", compat), ("TERM", term)):
         if v is None:
             monkeypatch.delenv(k, raising=False)
         else:
             monkeypatch.setenv(k, v)
     monkeypatch.delenv("COLORTERM", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
     monkeypatch.setattr(sys, "stdout", Stdout(tty))
-    assert textout._rich_would_colour() == (Console().color_system is not None)
+    rich = Console(width=123)
+    assert textout._rich_sees_a_terminal() == rich.is_terminal
+    if not textout._rich_sees_a_terminal():
+        assert rich.color_system is None and rich.size.width == 123
+
+
+def test_a_dumb_terminal_goes_to_rich_at_its_width(monkeypatch):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.delenv("LINES", raising=False)
+    monkeypatch.setenv("COLUMNS", "100")
+    out = Stdout(False)
+    monkeypatch.setattr(sys, "stdout", out)
+    text = "word " * 30
+    render.make_console().print(text)
+    assert out.getvalue() == rich_printed(text, 80)
 
 
 def test_a_stdout_without_utf8_goes_to_rich(monkeypatch):
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
     monkeypatch.setattr(sys, "stdout", Stdout(False, "ascii"))
-    assert textout._rich_would_colour()
+    assert textout._rich_sees_a_terminal()
+
+
+def test_each_print_is_flushed_and_a_closed_stdout_takes_nothing(monkeypatch):
+    """rich flushes after each print (so stderr's notes follow the tables) and writes nowhere
+    when standard output is closed (`>&-`: sys.stdout is None)."""
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    out = Stdout(False)
+    monkeypatch.setattr(sys, "stdout", out)
+    c = render.make_console()
+    c.print("a")
+    c.print("b")
+    assert out.getvalue() == "a\nb\n" and out.flushes == 2
+    monkeypatch.setattr(sys, "stdout", None)
+    render.make_console().print("a")
 
 
 def printed(monkeypatch, make, fn) -> str:

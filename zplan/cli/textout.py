@@ -1,5 +1,6 @@
-"""Console output for the planner's tables without importing rich where rich would write no
-colour: piped output (the usual way a script or a benchmark runs `zplan estimate`), TERM=dumb.
+"""Console output for the planner's tables without importing rich where rich would not write to
+a terminal: piped or redirected output (the usual way a script or a benchmark runs
+`zplan estimate`), where rich writes no colour and keeps the width it is given.
 
 rich costs ~100 ms of `zplan estimate` (its import ~55 ms, laying out four tables ~45 ms) against
 a budget of 0.3 s. Without colour its output is plain text, and for what zplan prints (ASCII
@@ -14,8 +15,10 @@ restated here and held byte for byte against rich itself in tests/test_textout.p
   its widest cell, the columns joined by one space, a rule of `─` under the heading, and its
   title wrapped and padded to the table's width.
 
-Anything else goes to rich unchanged: colour, a table wider than the console, a character that
-is not printable ASCII (wide characters, control codes, tabs), a cell of several lines.
+Anything else goes to rich unchanged: a terminal (colour; a dumb one, which rich prints 80
+columns wide), a table wider than the console, a character that is not printable ASCII (wide
+characters, control codes, tabs), a cell of several lines. These are rich 15's rules (rich 13 and
+14 pad a table's edge columns and read FORCE_COLOR="" otherwise): pyproject requires rich>=15.
 """
 
 from __future__ import annotations
@@ -148,7 +151,8 @@ class TableSpec:
         """The table as rich prints it without colour, or None where that is not this simple
         (rich then prints it)."""
         n = len(self.columns)
-        if n == 0 or any(len(r) != n for r in self.rows) or not all(c.no_wrap for c in self.columns):
+        if n == 0 or any(len(r) != n for r in self.rows) or not all(
+                c.no_wrap and c.justify in ("left", "right") for c in self.columns):
             return None
         grid = [[plain(c.header) for c in self.columns]] + [[plain(x) for x in r] for r in self.rows]
         title = plain(self.title)
@@ -164,7 +168,8 @@ class TableSpec:
         table_width = sum(widths) + n - 1
         if table_width > width:
             return None
-        out = [line + " " * (table_width - len(line)) for line in wrapped(title, table_width)] if title else []
+        # rich prints a title whose markup is set, even where it has no text (a blank line)
+        out = [line + " " * (table_width - len(line)) for line in wrapped(title, table_width)] if self.title else []
         for k, row in enumerate(grid):
             cells = []
             for i, (c, x) in enumerate(zip(self.columns, row)):
@@ -179,13 +184,13 @@ class TableSpec:
 
 
 class Out:
-    """print(markup or TableSpec) to standard output: as text where rich would write no colour
-    and the text is simple, else through a rich Console built as zplan always built it."""
+    """print(markup or TableSpec) to standard output: as text where rich would not write to a
+    terminal and the text is simple, else through a rich Console built as zplan always built it."""
 
     def __init__(self, width: int):
         self.width = width
         self._rich = None
-        self.colour = _rich_would_colour()
+        self.terminal = _rich_sees_a_terminal()
 
     def rich(self):
         if self._rich is None:
@@ -198,10 +203,13 @@ class Out:
         return self._rich
 
     def print(self, item) -> None:
-        if not self.colour:
+        if not self.terminal:
             lines = self._lines(item)
             if lines is not None:
-                sys.stdout.write("".join(line + "\n" for line in lines))
+                out = sys.stdout
+                if out is not None:  # closed (`>&-`): rich writes nowhere too
+                    out.write("".join(line + "\n" for line in lines))
+                    out.flush()  # as rich does after each print (stderr's notes come after)
                 return
         self.rich().print(item.to_rich() if isinstance(item, TableSpec) else item)
 
@@ -212,28 +220,26 @@ class Out:
         return wrapped(text, self.width) if printable(text) else None
 
 
-def _rich_would_colour() -> bool:
-    """Whether rich.console.Console would write styles to standard output (its is_terminal,
-    is_dumb_terminal and color_system rules, rich 13-15), or might: then rich prints. A
-    standard output that cannot take UTF-8 also goes to rich (its rule is then ASCII)."""
+def _rich_sees_a_terminal() -> bool:
+    """Whether rich.console.Console would take standard output for a terminal (its is_terminal
+    rule, rich 15: TTY_COMPATIBLE, then FORCE_COLOR, then isatty), where it may colour or, on a
+    dumb one, print 80 columns wide; or might (Windows, Jupyter, an output that cannot take
+    UTF-8, whose rule rich draws in ASCII). Then rich prints."""
     env = os.environ
     if sys.platform == "win32" or "ipykernel" in sys.modules:
         return True
-    enc = (getattr(sys.stdout, "encoding", None) or "utf-8").lower()
+    out = sys.stdout
+    if out is None:
+        return False
+    enc = (getattr(out, "encoding", None) or "utf-8").lower()
     if not enc.startswith("utf"):
         return True
     compatible = env.get("TTY_COMPATIBLE", "")
-    if compatible == "0":
+    if compatible in ("0", "1"):
+        return compatible == "1"
+    if env.get("FORCE_COLOR") is not None:
+        return env.get("FORCE_COLOR") != ""
+    try:
+        return bool(out.isatty())
+    except (ValueError, AttributeError):
         return False
-    if compatible == "1":
-        terminal = True
-    elif env.get("FORCE_COLOR") is not None:
-        terminal = env.get("FORCE_COLOR") != ""
-    else:
-        try:
-            terminal = sys.stdout.isatty()
-        except (ValueError, AttributeError):
-            terminal = False
-    if not terminal:
-        return False
-    return env.get("TERM", "").lower() not in ("dumb", "unknown")
