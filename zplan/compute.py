@@ -74,20 +74,21 @@ def _flop_rate(sc: Scenario) -> float:
     return sc.hw.gpu.flops(dtype) * _efficiency(sc)
 
 
-def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], dict[str, float]]:
-    """Forward and backward (recompute included) seconds per unit for one micro-batch, and the
-    micro-batch's seconds by kind of op (gemm, attention, memory, recompute)."""
+def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], dict[str, float], float]:
+    """Forward and backward (recompute included) seconds per unit for one micro-batch, the
+    micro-batch's seconds by kind of op (gemm, attention, memory, recompute), and its seconds
+    were every kernel beside a collective (kernels.contended; the efficiency model: none)."""
     t, m = sc.train, sc.model
     if not uses_kernel_model(sc):
         rate = _flop_rate(sc)
         fwd = [arch.unit_forward_flop(m, u, t) / rate for u in sc.units]
         bwd = [(2 * arch.unit_forward_flop(m, u, t) + arch.unit_recompute_flop(m, u, t)) / rate
                for u in sc.units]
-        return fwd, bwd, {"flops at efficiency": sum(fwd) + sum(bwd)}
+        return fwd, bwd, {"flops at efficiency": sum(fwd) + sum(bwd)}, sum(fwd) + sum(bwd)
     D = sc.shard_degree(st.hsdp)
     base = _ops_key(sc)
     memo: dict = {}
-    fwd, bwd, kinds = [], [], {}
+    fwd, bwd, kinds, beside = [], [], {}, 0.0
     every_k = t.checkpointing == "every-k"
     custom = sc.custom_units is not None
     for u in sc.units:
@@ -95,19 +96,21 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
         key = (u.blocks, u.name if not u.blocks else "", u.first_block if every_k else 0, u.held,
                sc.padded_elems(u, D) if (st.fsdp and custom) else 0)
         if key not in memo:
-            f, b, k = _unit_op_seconds(sc, u, base)
+            f, b, k, c = _unit_op_seconds(sc, u, base)
             if st.fsdp:
                 cf, cb = unit_ops.fsdp_copies(sc, st, u, D, gather_dtype(sc, u))
                 k = dict(k)
                 k["memory"] = k.get("memory", 0.0) + K.total(cf) + K.total(cb)
                 f, b = f + K.total(cf), b + K.total(cb)
-            memo[key] = (f, b, k)
-        f, b, k = memo[key]
+                c += K.total_contended(cf + cb, sc.hw.gpu.kernels)
+            memo[key] = (f, b, k, c)
+        f, b, k, c = memo[key]
         fwd.append(f)
         bwd.append(b)
+        beside += c
         for name, v in k.items():
             kinds[name] = kinds.get(name, 0.0) + v
-    return fwd, bwd, kinds
+    return fwd, bwd, kinds, beside
 
 
 _OPS_CACHE = PinnedMemo()
@@ -118,19 +121,22 @@ def _ops_key(sc: Scenario) -> tuple:
     return (id(sc.hw.gpu), sc.model, sc.train, sc.assume.loss_fp32)
 
 
-def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[str, float]]:
-    """Forward, backward + recompute seconds of one unit's own kernels (no FSDP copies), cached
-    across strategies and searches: they depend only on the model, the training and the GPU."""
+def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[str, float], float]:
+    """Forward, backward + recompute seconds of one unit's own kernels (no FSDP copies), by
+    kind, and all of them beside a collective; cached across strategies and searches: they
+    depend only on the model, the training and the GPU."""
     key = base + (u.blocks, u.name if not u.blocks else "",
                   u.first_block if sc.train.checkpointing == "every-k" else 0)
 
-    def make() -> tuple[float, float, dict[str, float]]:
+    def make() -> tuple[float, float, dict[str, float], float]:
         f_ops = unit_ops.unit_ops(sc, u, False)
         b_ops = unit_ops.unit_ops(sc, u, True)
         r_ops, r_n = unit_ops.recompute_ops(sc, u)
         k = K.by_kind(f_ops + b_ops)
         k["recompute"] = r_n * K.total(r_ops)
-        return K.total(f_ops), K.total(b_ops) + k["recompute"], k
+        kern = sc.hw.gpu.kernels
+        beside = K.total_contended(f_ops + b_ops, kern) + r_n * K.total_contended(r_ops, kern)
+        return K.total(f_ops), K.total(b_ops) + k["recompute"], k, beside
     return _OPS_CACHE.get(key, sc.hw.gpu, make)
 
 
@@ -207,7 +213,7 @@ def optimizer_ops(sc: Scenario, st: Strategy) -> list[K.Op]:
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:
     sc = sc.for_strategy(st.fsdp)
     t, m = sc.train, sc.model
-    fwd, bwd, kinds = unit_seconds(sc, st)
+    fwd, bwd, kinds, beside = unit_seconds(sc, st)
     A = t.grad_accum
     mb_compute = sum(fwd) + sum(bwd)
     overlaps: list[UnitOverlap] = []
@@ -249,7 +255,10 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     if comm_total > 0:
         hidden *= 1 - copies / comm_total  # NCCL's share of what hides: the copies take no SMs
     k = sc.hw.gpu.kernels
-    contention = hidden * k.nccl_sm_fraction if (k is not None and uses_kernel_model(sc)) else 0.0
+    # compute beside a collective runs at mb_compute / beside of its pace: the hidden time's
+    # share of it is lost (kernels.contended: GEMMs by their waves over the SMs left)
+    slow = 1 - mb_compute / beside if beside > 0 else 0.0
+    contention = hidden * slow if (k is not None and uses_kernel_model(sc)) else 0.0
     opt_s = _optimizer_s(sc, st, mem)
     offload_s = 0.0
     if st.offload_optimizer:

@@ -14,6 +14,12 @@
   over the vocabulary, the embedding, FSDP2's copy-out and reduce-scatter copy-in) at achieved
   HBM bandwidth, bytes read + written as the eager kernels move them; never less than one
   kernel floor per kernel. torch.compile fuses each chain into one pass.
+- Beside a collective (contended_s): NCCL holds one SM per channel while it runs (the preset's
+  nccl_sm_fraction of the SMs), so a GEMM's tiles run in waves over the SMs left, each wave as
+  long as before (wave quantization with fewer SMs: a GEMM of exactly one full wave takes two;
+  NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
+  Degradation because of Tail Effect", an H100 GEMM of 132 blocks beside a 24-block
+  ncclAllGather, ~2x), and every other kernel runs at the SMs' share.
 Byte counts are derived in docs/formulas.md, section 6.
 """
 
@@ -34,6 +40,19 @@ class Op:
     flop: int
     bytes: int
     seconds: float
+    contended_s: float | None = None  # beside a collective; None: seconds x SMs / SMs left
+
+
+def taken_sms(k: KernelSpec) -> int:
+    """SMs a running collective holds: one per NCCL channel (the preset's fraction)."""
+    return min(k.sm_count - 1, round(k.nccl_sm_fraction * k.sm_count))
+
+
+def contended(op: Op, k: KernelSpec) -> float:
+    """The op's seconds while a collective holds taken_sms(k) of the SMs."""
+    if op.contended_s is not None:
+        return op.contended_s
+    return op.seconds * k.sm_count / (k.sm_count - taken_sms(k))
 
 
 def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
@@ -45,10 +64,12 @@ def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
     return gpu.flops(dtype) * frac
 
 
-def wave_efficiency(k: KernelSpec, M: int, N: int) -> float:
+def wave_efficiency(k: KernelSpec, M: int, N: int, taken: int = 0) -> float:
+    """tiles / (waves x SMs): the output tiles run in waves over the SMs not taken (by a
+    collective's kernels), each wave as long as on the whole GPU."""
     tm, tn = k.gemm_tile_m, k.gemm_tile_n
     tiles = math.ceil(M / tm) * math.ceil(N / tn)
-    waves = math.ceil(tiles / k.sm_count)
+    waves = math.ceil(tiles / (k.sm_count - taken))
     return tiles / (waves * k.sm_count)
 
 
@@ -60,9 +81,12 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
     flop = 2 * M * N * K
     b_in, b_out = DTYPE_BITS[dtype] // 8, DTYPE_BITS[out_dtype] // 8
     nbytes = (M * K + K * N) * b_in + M * N * b_out * (2 if accumulate else 1)
-    t = max(flop / (gemm_rate(gpu, k, dtype) * wave_efficiency(k, M, N)),
-            nbytes / k.hbm_achieved_bytes_per_s, k.kernel_floor_s)
-    return Op(name, "gemm", 1, flop, nbytes, t)
+    rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
+    t = max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm, k.kernel_floor_s)
+    left = k.sm_count - taken_sms(k)
+    beside = max(flop / (rate * wave_efficiency(k, M, N, taken_sms(k))),
+                 nbytes / hbm * k.sm_count / left, k.kernel_floor_s)
+    return Op(name, "gemm", 1, flop, nbytes, t, beside)
 
 
 def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, act: str,
@@ -77,7 +101,7 @@ def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, a
 def repeat(op: Op, n: int) -> Op:
     """One kernel run n times (a loop over chunks)."""
     return Op(op.name if n == 1 else f"{op.name} x{n}", op.kind, op.kernels * n, op.flop * n,
-              op.bytes * n, op.seconds * n)
+              op.bytes * n, op.seconds * n, None if op.contended_s is None else op.contended_s * n)
 
 
 def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int) -> Op:
@@ -199,6 +223,10 @@ def multi_tensor_launches(sizes: list[int], depth: int, scalar_list: bool = Fals
 
 def total(ops: list[Op]) -> float:
     return sum(o.seconds for o in ops)
+
+
+def total_contended(ops: list[Op], k: KernelSpec) -> float:
+    return sum(contended(o, k) for o in ops)
 
 
 def by_kind(ops: list[Op]) -> dict[str, float]:
