@@ -526,3 +526,21 @@ def test_fp32_attention_is_not_priced_at_bf16_tensor_core_rates():
     bf = K.attention(gpu, 4096, 4096, 4096, False, "flash2", 128, "bf16")
     fp = K.attention(gpu, 4096, 4096, 4096, False, "flash2", 128, "fp32")
     assert fp.seconds / bf.seconds == pytest.approx(989.4 / 67, rel=1e-6)
+
+
+def test_explain_shows_what_compute_loses_beside_a_collective():
+    """The share explain prints: NCCL's share of the SMs (16 of 132 on H100) or more where the
+    GEMMs are large (their waves), less where they are small (at 512 tokens most GEMMs have
+    fewer tiles than the 116 SMs left, and those are not slowed)."""
+    import re
+
+    from zplan.explain import explain_lines
+
+    def share(seq):
+        sc = scenario(model="llama-3.1-8b", gpus=8, micro_batch=1, seq_len=seq)
+        line = [x for x in explain_lines(sc, "zero3") if x.startswith("beside a collective")][0]
+        assert "16 of 132 SMs" in line
+        return float(re.search(r"([0-9.]+)% of the hidden", line).group(1)) / 100
+
+    assert 0 < share(512) < 16 / 132 - 0.01
+    assert 16 / 132 - 1e-3 <= share(8192) < 0.5

@@ -139,13 +139,19 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         out = [f"## 7. Compute from kernels (docs/formulas.md section 6): GEMM {K.gemm_rate(hw.gpu, k, t.precision.param) / 1e12:,.0f} "
                f"TFLOP/s x wave efficiency, {attn}, "
                f"HBM {k.hbm_achieved_bytes_per_s / 1e9:,.0f} GB/s, floor {k.kernel_floor_s * 1e6:g} us per kernel"]
+        both = []
         for phase, backward in (("forward", False), ("backward", True)):
             ops = unit_ops.unit_ops(sc, u, backward)
+            both += ops
             out.append(f"unit {u.name}, {phase}, one micro-batch of {t.seq_len * t.micro_batch} tokens:")
             for o in ops[:24]:
                 what = f"{o.flop / 1e9:,.1f} GFLOP" if o.flop else f"{o.bytes / 1e6:,.1f} MB"
                 out.append(f"  {o.name:32s} {o.kind:9s} {what:>14s} x{o.kernels:<3d} -> {fmt_s(o.seconds)}")
             out.append(f"  = {fmt_s(K.total(ops))}")
+        alone, beside = K.total(both), K.total_contended(both, k)
+        out.append(f"beside a collective (NCCL holding {K.taken_sms(k)} of {k.sm_count} SMs: GEMMs in waves "
+                   f"over the SMs left, other kernels at their share): {fmt_s(alone)} -> {fmt_s(beside)}, "
+                   f"{1 - alone / beside:.1%} of the hidden communication's time lost to compute")
         rec, n = unit_ops.recompute_ops(sc, u)
         if n:
             out.append(f"recompute ({t.checkpointing}): {n:g} x {fmt_s(K.total(rec))}")
