@@ -49,6 +49,7 @@ class Timing:
     mfu: float
     units: list[UnitOverlap]
     contention_s: float = 0.0  # compute slowed by NCCL kernels holding SMs beside it
+    contention_share: float = 0.0  # contention_s / the communication hidden under compute
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by kind of op
 
     def as_dict(self) -> dict:
@@ -255,10 +256,12 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     if comm_total > 0:
         hidden *= 1 - copies / comm_total  # NCCL's share of what hides: the copies take no SMs
     k = sc.hw.gpu.kernels
-    # compute beside a collective runs at mb_compute / beside of its pace: the hidden time's
-    # share of it is lost (kernels.contended: GEMMs by their waves over the SMs left)
-    slow = 1 - mb_compute / beside if beside > 0 else 0.0
-    contention = hidden * slow if (k is not None and uses_kernel_model(sc)) else 0.0
+    # compute beside a collective runs at mb_compute / beside of its pace (the micro-batch's mix
+    # of kernels, kernels.contended: GEMMs by their waves over the SMs left): that share of the
+    # hidden time is lost
+    kernels = k is not None and uses_kernel_model(sc)
+    slow = max(0.0, 1 - mb_compute / beside) if (kernels and beside > 0) else 0.0  # >= 0: rounding
+    contention = hidden * slow
     opt_s = _optimizer_s(sc, st, mem)
     offload_s = 0.0
     if st.offload_optimizer:
@@ -283,5 +286,6 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         mfu=flop / (step * peak),
         units=overlaps,
         contention_s=contention,
+        contention_share=slow,
         breakdown=breakdown,
     )

@@ -150,8 +150,9 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
             out.append(f"  = {fmt_s(K.total(ops))}")
         alone, beside = K.total(both), K.total_contended(both, k)
         out.append(f"beside a collective (NCCL holding {K.taken_sms(k)} of {k.sm_count} SMs: GEMMs in waves "
-                   f"over the SMs left, other kernels at their share): {fmt_s(alone)} -> {fmt_s(beside)}, "
-                   f"{1 - alone / beside:.1%} of the hidden communication's time lost to compute")
+                   f"over the SMs left, other kernels at {k.sm_count - K.taken_sms(k)}/{k.sm_count} of "
+                   f"their speed): this unit {fmt_s(alone)} -> {fmt_s(beside)}; over the step's kernels, "
+                   f"contention charges {r.timing.contention_share:.1%} of the communication hidden")
         rec, n = unit_ops.recompute_ops(sc, u)
         if n:
             out.append(f"recompute ({t.checkpointing}): {n:g} x {fmt_s(K.total(rec))}")

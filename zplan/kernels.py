@@ -19,7 +19,8 @@
   long as before (wave quantization with fewer SMs: a GEMM of exactly one full wave takes two;
   NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
   Degradation because of Tail Effect", an H100 GEMM of 132 blocks beside a 24-block
-  ncclAllGather, ~2x), and every other kernel runs at the SMs' share.
+  ncclAllGather, ~2x), and every other kernel at (SMs - taken) / SMs of its speed; a kernel at
+  its launch floor is not slowed.
 Byte counts are derived in docs/formulas.md, section 6.
 """
 
@@ -107,8 +108,9 @@ def repeat(op: Op, n: int) -> Op:
 def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int) -> Op:
     k = gpu.kernels
     assert k is not None
-    t = max(nbytes / k.hbm_achieved_bytes_per_s, kernels * k.kernel_floor_s)
-    return Op(name, "memory", kernels, 0, int(nbytes), t)
+    work, floor = nbytes / k.hbm_achieved_bytes_per_s, kernels * k.kernel_floor_s
+    beside = max(work * k.sm_count / (k.sm_count - taken_sms(k)), floor)  # a launch is no slower
+    return Op(name, "memory", kernels, 0, int(nbytes), max(work, floor), beside)
 
 
 def attention_flop(seq: int, hidden: int, tokens: int, causal: bool = True) -> int:
@@ -182,7 +184,8 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
     rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
     rate *= seq / (seq + k.attention_half_seq)
     t = max(flop / rate, k.kernel_floor_s)
-    return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t)
+    beside = max(flop / rate * k.sm_count / (k.sm_count - taken_sms(k)), k.kernel_floor_s)
+    return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t, beside)
 
 
 # torch's multi_tensor_apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh): each thread block
