@@ -141,6 +141,7 @@ class UnitComm:
     reduce_s: float  # reduce-scatter (+ HSDP replica all-reduce) of its gradients
     h2d_s: float  # offload: bringing its shard from host memory before the gather
     gathers_in_backward: bool
+    gathers_for_recompute: bool = False  # once more in backward, unprefetched (checkpoint around it)
 
 
 def _shapes(sc: Scenario, st: Strategy) -> tuple[int, int, int, int]:
@@ -166,7 +167,8 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
         if st.offload_params:
             store = p.master if sc.train.layout == "torch" else p.param
             h2d = nbytes(full // D, store) / sc.hw.gpu.host_link_bytes_per_s
-        out.append(UnitComm(u.name, full, ag, rs, h2d, regathered(sc, st, u)))
+        out.append(UnitComm(u.name, full, ag, rs, h2d, regathered(sc, st, u),
+                            gathers_for_recompute(sc, st, u)))
     return out
 
 
@@ -208,6 +210,17 @@ def regathered(sc: Scenario, st: Strategy, u) -> bool:
     stays gathered in between (policy.stays_gathered: FSDP1's kept root, torchtitan's kept head)."""
     return st.reshard_after_forward and not policy.stays_gathered(
         u.held, "head" in u.name, sc.train.embed_head_unit)
+
+
+def gathers_for_recompute(sc: Scenario, st: Strategy, u) -> bool:
+    """Whether a unit is gathered once more in backward, for its recompute: it holds a
+    checkpointed block and the checkpoint wraps it from outside, reentrant
+    (policy.regathers_for_recompute)."""
+    if not (u.blocks and policy.regathers_for_recompute(sc.train, st.fsdp, st.reshard_after_forward)):
+        return False
+    t = sc.train
+    wrapped = policy.checkpointed_blocks(sc.model.num_layers, t.checkpointing, t.checkpoint_every)
+    return any(wrapped[u.first_block: u.first_block + u.blocks])
 
 
 def gather_dtype(sc: Scenario, u) -> str:
@@ -281,6 +294,12 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             name = f"all-gather ({label}{', float8 linears' if dt == 'fp8' and dt != p.param else ''})"
             out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
                                   D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us)))
+    again = [u for u in units if gathers_for_recompute(sc, st, u)]
+    if again:  # one dtype: the float8 gathers are torchao's, the recipe with compile, not HF's
+        dt = gather_dtype(sc, again[0])
+        out.append(Collective("all-gather (backward, again after the recompute: checkpoint around the unit)",
+                              "all_gather", sum(sc.padded_elems(u, D) for u in again), dt, D, scope, A,
+                              sum(gather_seconds(sc, st, u, dt, D, g) for u in again)))
     out.append(Collective("reduce-scatter (gradients)", "reduce_scatter", gathered, p.reduce, D,
                           scope, rs_calls, sum(reduce_seconds(sc, st, u, D, g) for u in units)))
     if st.hsdp and R > 1:

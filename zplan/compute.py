@@ -183,9 +183,16 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
                 b_exp += red[0]
             if i == k - 1 and c.gathers_in_backward and not root_head:
                 b_exp += ag  # backward begins by re-gathering the last unit
+        if c.gathers_for_recompute:  # its recompute took the prefetched gather: this one is bare
+            b_exp += ag
         out.append(UnitOverlap(c.name, fwd[i], bwd[i], ag, red[i], f_exp, b_exp,
                                f_exp <= 1e-12, b_exp <= 1e-12))
     return out
+
+
+def _gathers(c: UnitComm) -> int:
+    """How many times a unit is gathered per micro-batch."""
+    return 1 + int(c.gathers_in_backward) + int(c.gathers_for_recompute)
 
 
 def _optimizer_s(sc: Scenario, st: Strategy, mem: Memory) -> float:
@@ -229,9 +236,8 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         exposed = exp_last + (A - 1) * exp_quiet
         for ov in (last, quiet):
             mult = 1 if ov is last else A - 1
-            comm_total += mult * sum(u.all_gather_s * (2 if c.gathers_in_backward else 1) + u.reduce_s
-                                     for u, c in zip(ov, comms))
-            copies += mult * sum(c.h2d_s * (2 if c.gathers_in_backward else 1) for c in comms)
+            comm_total += mult * sum(u.all_gather_s * _gathers(c) + u.reduce_s for u, c in zip(ov, comms))
+            copies += mult * sum(c.h2d_s * _gathers(c) for c in comms)
         whole = sum(c.seconds_per_call for c in colls if c.name == WHOLE_MATRIX)
         exposed += whole  # Muon's gathers in the optimizer step: beside nothing
         comm_total += whole

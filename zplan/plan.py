@@ -155,6 +155,9 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         return ("the trainer checkpoints with torch's non-reentrant checkpoint, which stops "
                 "recomputing once backward's tensors are rebuilt: plan again without "
                 "--no-checkpoint-early-stop, or export the plan")
+    if t.checkpoint_wraps_unit:
+        return ("the trainer checkpoints inside each sharded unit (one gather in backward): plan "
+                "again without --checkpoint-wraps-unit, or export the plan")
     if not t.flash_attention:
         return ("the trainer always runs fused attention (scaled_dot_product_attention), which keeps "
                 "no s x s scores: plan again with --flash")

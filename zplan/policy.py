@@ -149,3 +149,17 @@ def autocast_dtype(fsdp: bool, layout: str, param: str, master: str) -> str | No
     it is lower. FSDP2 casts the gathered weights (MixedPrecisionPolicy) and DeepSpeed keeps
     16-bit weights (the zero layout): no autocast."""
     return param if not fsdp and layout == "torch" and param != master else None
+
+
+def regathers_for_recompute(train, fsdp: bool, reshard_after_forward: bool) -> bool:
+    """Whether each checkpointed block's unit is gathered twice in backward (FSDP1 and FSDP2
+    alike): the checkpoint wraps the unit from outside (Hugging Face's
+    gradient_checkpointing_enable) and is reentrant, so its forward ran without grad and left no
+    pre-backward hook; in backward the recompute is an ordinary forward of the unit (it unshards,
+    or takes the unit the previous unit's pre-backward prefetched, and reshards after it), and the
+    pre-backward hooks its outputs register unshard it again, with nothing prefetched for it.
+    A non-reentrant checkpoint recomputes inside backward after the unit's pre-backward hook, which
+    FSDP's pre-forward then skips (FSDP1 `_pre_forward`, FSDP2 `FSDPState._pre_forward` at
+    TrainingState.PRE_BACKWARD): one gather, as with the checkpoint inside the unit."""
+    return (fsdp and reshard_after_forward and train.checkpoint_wraps_unit
+            and not train.checkpoint_early_stop and train.layout == "torch")

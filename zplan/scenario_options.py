@@ -43,6 +43,7 @@ class ScenarioOptions:
     checkpointing: str = "none"
     checkpoint_every: int = 2
     checkpoint_early_stop: bool = True
+    checkpoint_wraps_unit: bool = False  # the checkpoint outside the sharded unit (HF's)
     flash: bool = True
     attention_kernel: str = "flash2"
     optimizer: str = "adamw"
@@ -171,6 +172,13 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if not o.logits_kept and o.linear_loss != "none":
         raise UsageError(f"--no-logits-kept: --linear-loss {o.linear_loss} never makes the logits "
                          "whole: drop --no-logits-kept")
+    if o.checkpoint_wraps_unit and o.checkpointing in ("none", "attention"):
+        raise UsageError(f"--checkpoint-wraps-unit: --checkpointing {o.checkpointing} wraps no block: "
+                         "drop --checkpoint-wraps-unit, or checkpoint blocks (--checkpointing full)")
+    if layout == "zero" and o.checkpoint_wraps_unit:
+        raise UsageError("--checkpoint-wraps-unit is about FSDP's unshard around a checkpoint; DeepSpeed "
+                         "(the zero layout) gathers from module hooks wherever the checkpoint sits: "
+                         "plan FSDP (--layout torch), or drop --checkpoint-wraps-unit")
     if layout == "torch" and o.deepspeed_defaults:
         raise UsageError("--deepspeed-defaults is about DeepSpeed's config (the zero layout); FSDP "
                          "(--layout torch) has no such buckets: drop --deepspeed-defaults")
@@ -233,7 +241,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         train = TrainSpec(
             seq_len=seq, micro_batch=o.micro_batch, grad_accum=o.grad_accum,
             checkpointing=o.checkpointing, checkpoint_every=o.checkpoint_every,
-            checkpoint_early_stop=o.checkpoint_early_stop,
+            checkpoint_early_stop=o.checkpoint_early_stop, checkpoint_wraps_unit=o.checkpoint_wraps_unit,
             flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,

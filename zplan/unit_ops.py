@@ -21,7 +21,7 @@ from __future__ import annotations
 from . import kernels as K
 from . import policy
 from .arch import Unit
-from .comm import regathered
+from .comm import gathers_for_recompute, regathered
 from .scenario import Scenario
 from .strategies import Strategy
 from .units import DTYPE_BITS
@@ -289,7 +289,7 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
     gather = [K.memory(gpu, "all-gather copy-out", 2 * g * n, per_param)]
     if not (one and g == store):
         gather.insert(0, K.memory(gpu, "all-gather copy-in", (store + g) * n // D, per_param))
-    bwd = list(gather) if regathered(sc, st, u) else []
+    bwd = list(gather) * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))
     bwd.append(K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1))
     if one:
         bwd.append(K.memory(gpu, "reduce-scatter output copy (one rank)", 2 * r * n, 1))

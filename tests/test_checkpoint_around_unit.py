@@ -1,0 +1,74 @@
+"""A reentrant checkpoint around a sharded unit (Hugging Face's gradient_checkpointing_enable
+around FSDP-wrapped decoder layers): each checkpointed block is gathered once more in backward,
+with nothing to hide it (policy.regathers_for_recompute)."""
+
+import pytest
+
+from zplan.errors import UsageError
+from tests.helpers import est, scenario
+
+RUN = dict(model="llama-3.1-70b", gpus=32, seq_len=1024, layout="torch", checkpointing="full",
+           embed_head_unit="root-kept", reduce_dtype="bf16")
+
+
+def pair(**kw):
+    base = dict(RUN, **kw)
+    return est("zero3", **base), est("zero3", checkpoint_wraps_unit=True, **base)
+
+
+def test_each_checkpointed_block_is_gathered_again_and_it_is_exposed():
+    inside, around = pair(checkpoint_early_stop=False)
+    sc = scenario(**RUN)
+    blocks = [u for u in sc.units if u.blocks]
+    D = 32
+    # traffic: one more all-gather of every block unit (bf16), counted from the units themselves
+    extra = sum(sc.padded_elems(u, D) for u in blocks)
+    assert around.elements_per_step - inside.elements_per_step == extra
+    assert around.bytes_per_step - inside.bytes_per_step == 2 * extra
+    again = [c for c in around.collectives if "again after the recompute" in c.name]
+    assert len(again) == 1 and again[0].elements == extra and again[0].group_size == D
+    # time: each of those gathers is exposed whole (the same call as the unit's forward gather),
+    # less what the longer backward (FSDP2's copy-out of the gathered parameters, once more)
+    # now hides of the communication that ran beside it before
+    ag = sum({u.name: u.all_gather_s for u in inside.timing.units}[u.name] for u in blocks)
+    exposed = around.timing.exposed_comm_s - inside.timing.exposed_comm_s
+    more_compute = around.timing.compute_s - inside.timing.compute_s
+    assert 0 < more_compute < 0.3 * ag  # copy-in and copy-out: HBM passes, not the network
+    assert ag - more_compute - 1e-12 <= exposed <= ag + 1e-12
+    assert around.timing.step_s - inside.timing.step_s == pytest.approx(
+        exposed + more_compute + around.timing.contention_s - inside.timing.contention_s, rel=1e-9)
+    # memory: the gathered unit is freed after the recompute and gathered again: the same peak
+    assert around.memory.reserved_bytes == inside.memory.reserved_bytes
+
+
+def test_a_non_reentrant_checkpoint_gathers_once_wherever_it_sits():
+    """Non-reentrant: the recompute runs after the unit's pre-backward hook, whose unshard
+    FSDP's pre-forward then skips."""
+    inside, around = pair(checkpoint_early_stop=True)
+    assert around.timing.as_dict() == inside.timing.as_dict()
+    assert around.bytes_per_step == inside.bytes_per_step
+
+
+def test_every_k_regathers_only_the_wrapped_blocks():
+    inside, around = pair(checkpointing="every-k", checkpoint_every=4, checkpoint_early_stop=False)
+    sc = scenario(**dict(RUN, checkpointing="every-k", checkpoint_every=4))
+    wrapped = [u for u in sc.units if u.blocks and (u.first_block + 1) % 4 == 0]
+    assert len(wrapped) == 20
+    assert around.elements_per_step - inside.elements_per_step == sum(sc.padded_elems(u, 32) for u in wrapped)
+
+
+def test_no_unit_resharded_after_forward_no_second_gather():
+    a = est("zero3-noreshard", checkpoint_wraps_unit=True, checkpoint_early_stop=False,
+            **dict(RUN, gpus=32))
+    b = est("zero3-noreshard", checkpoint_early_stop=False, **dict(RUN, gpus=32))
+    assert a.bytes_per_step == b.bytes_per_step
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(layout="zero"), "--layout torch"),
+    (dict(checkpointing="none"), "wraps no block"),
+    (dict(checkpointing="attention"), "wraps no block"),
+])
+def test_where_it_means_nothing_it_is_refused(kw, needle):
+    with pytest.raises(UsageError, match=needle):
+        scenario(**dict(RUN, checkpoint_wraps_unit=True, **kw))
