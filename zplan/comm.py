@@ -295,7 +295,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
                                   D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us)))
     again = [u for u in units if gathers_for_recompute(sc, st, u)]
-    if again:  # one dtype: the float8 gathers are torchao's, the recipe with compile, not HF's
+    if again:  # block units all: one gather dtype
         dt = gather_dtype(sc, again[0])
         out.append(Collective("all-gather (backward, again after the recompute: checkpoint around the unit)",
                               "all_gather", sum(sc.padded_elems(u, D) for u in again), dt, D, scope, A,

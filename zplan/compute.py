@@ -78,7 +78,7 @@ def _flop_rate(sc: Scenario) -> float:
 def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], dict[str, float], float]:
     """Forward and backward (recompute included) seconds per unit for one micro-batch, the
     micro-batch's seconds by kind of op (gemm, attention, memory, recompute), and its seconds
-    were every kernel beside a collective (kernels.contended; the efficiency model: none)."""
+    if every kernel ran beside a collective (kernels.contended; the efficiency model: the same)."""
     t, m = sc.train, sc.model
     if not uses_kernel_model(sc):
         rate = _flop_rate(sc)
