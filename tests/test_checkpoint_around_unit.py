@@ -72,3 +72,22 @@ def test_no_unit_resharded_after_forward_no_second_gather():
 def test_where_it_means_nothing_it_is_refused(kw, needle):
     with pytest.raises(UsageError, match=needle):
         scenario(**dict(RUN, checkpoint_wraps_unit=True, **kw))
+
+
+def test_recommend_says_what_a_non_reentrant_checkpoint_would_save():
+    from zplan.recommend import search
+    sc = scenario(**dict(RUN, checkpoint_early_stop=False, checkpoint_wraps_unit=True))
+    rec = search(sc, 64, families=["zero3"])
+    note = [f for f in rec.flags if "use_reentrant" in f]
+    assert len(note) == 1
+    w = rec.winner
+    t = w.sc.train
+    alt = est("zero3", model=RUN["model"], gpus=32, seq_len=1024, layout="torch",
+              checkpointing=t.checkpointing, embed_head_unit="root-kept", reduce_dtype="bf16",
+              micro_batch=t.micro_batch, grad_accum=t.grad_accum, checkpoint_wraps_unit=True,
+              blocks_per_unit=t.blocks_per_unit, prefetch=t.prefetch)
+    from zplan.units import fmt_s
+    assert f"would take {fmt_s(w.step_s - alt.timing.step_s)} off each step" in note[0]
+    # where the checkpoint is non-reentrant already, nothing to say
+    plain = search(scenario(**dict(RUN, checkpoint_wraps_unit=True)), 64, families=["zero3"])
+    assert not [f for f in plain.flags if "use_reentrant" in f]

@@ -372,9 +372,27 @@ def _flags(base: Scenario, w: Candidate) -> list[str]:
             f"sharding: each update gathers its whole matrix, +{psi:,} elements "
             f"({fmt_bytes(psi * 2)} in bf16) of all-gather per step, and the fullest rank holds "
             f"more than 1/{n} of the state (greedy whole-parameter partition)")
+    reentrant = _reentrant_note(w)
+    if reentrant:
+        flags.append(reentrant)
     if base.hw.gpu.caveat:  # what the GPU preset's figures are known to miss (zplan calibrate)
         flags.append(f"{base.hw.gpu.name}: {base.hw.gpu.caveat}; measure yours with zplan calibrate")
     return flags
+
+
+def _reentrant_note(w: Candidate) -> str:
+    """Where the winner's checkpoint wraps its units reentrantly (each gathered again in backward,
+    unhidden: policy.regathers_for_recompute), what a non-reentrant one would save per step."""
+    st, t = effective(w.family, w.sc.train.layout), w.sc.train
+    if not policy.regathers_for_recompute(t, st.fsdp, st.reshard_after_forward):
+        return ""
+    alt = estimate_one(replace(w.sc, train=t.model_copy(update={"checkpoint_early_stop": True})), w.family)
+    if alt.timing is None or alt.timing.step_s >= w.step_s:
+        return ""
+    d = w.step_s - alt.timing.step_s
+    return (f"the reentrant checkpoint around each unit gathers it again in backward with nothing to "
+            f"hide it: a non-reentrant one (Hugging Face: gradient_checkpointing_kwargs="
+            f"{{'use_reentrant': False}}) would take {fmt_s(d)} off each step ({d / w.step_s:.0%})")
 
 
 def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict,
