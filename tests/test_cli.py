@@ -311,14 +311,13 @@ def test_slurm_name_whose_plan_name_is_too_long_names_the_flag(capsys, tmp_path,
 
 
 def test_deepspeed_layout_warns_that_eager_zero3_overlaps_less(capsys):
-    """The public set's eager DeepSpeed ZeRO-3 rows run 24-44% slower than overlap predicts (FSDP1
-    on the same nodes 51-66%); the zero layout's overlap assumption says so, the torch layout's
-    does not."""
+    """The public set's eager DeepSpeed ZeRO-3 rows run 18-37% slower than overlap predicts; the
+    zero layout's overlap assumption says so, the torch layout's does not."""
     zero = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json")[1])
     torch_ = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--layout", "torch",
                             "--json")[1])
     ddp = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--strategy", "ddp",
                          "--json")[1])
-    assert "24-44% (DeepSpeed) and 51-66% (FSDP1) slower" in zero["assumptions"]["overlap"]["meaning"]
+    assert "measured 18-37% slower than overlap predicts" in zero["assumptions"]["overlap"]["meaning"]
     assert "DeepSpeed" not in torch_["assumptions"]["overlap"]["meaning"]
     assert "DeepSpeed" not in ddp["assumptions"]["overlap"]["meaning"]  # no ZeRO-3 estimated

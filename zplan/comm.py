@@ -142,6 +142,7 @@ class UnitComm:
     h2d_s: float  # offload: bringing its shard from host memory before the gather
     gathers_in_backward: bool
     gathers_for_recompute: bool = False  # once more in backward, unprefetched (checkpoint around it)
+    backward_gather_s: float = 0.0  # its gathers in backward (the recompute's, where it is wrapped)
 
 
 def _shapes(sc: Scenario, st: Strategy) -> tuple[int, int, int, int]:
@@ -167,9 +168,30 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
         if st.offload_params:
             store = p.master if sc.train.layout == "torch" else p.param
             h2d = nbytes(full // D, store) / sc.hw.gpu.host_link_bytes_per_s
-        out.append(UnitComm(u.name, full, ag, rs, h2d, regathered(sc, st, u),
-                            gathers_for_recompute(sc, st, u)))
+        bag = backward_gather_seconds(sc, st, u, D, g) if _module_calls(sc, st) else \
+            (ag if regathered(sc, st, u) else 0.0)
+        out.append(UnitComm(u.name, full, ag, rs, h2d, bag > 0, gathers_for_recompute(sc, st, u), bag))
     return out
+
+
+def _ds_again(sc: Scenario) -> tuple[tuple[int, ...], ...]:
+    """Per unit, the parameters DeepSpeed's ZeRO-3 at its defaults gathers again in backward
+    (deepspeed.backward_gathers over the step's module trace)."""
+    from .deepspeed import backward_gathers
+
+    t = sc.train
+    wrapped = policy.checkpointed_blocks(sc.model.num_layers, t.checkpointing, t.checkpoint_every)
+    return backward_gathers(tuple(
+        (tuple(math.prod(s) for s in u.shapes),
+         bool(u.blocks) and any(wrapped[u.first_block: u.first_block + u.blocks]))
+        for u in sc.units))
+
+
+def backward_gather_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
+    """DeepSpeed at its defaults: one call per parameter gathered again in backward (_ds_again)."""
+    again = _ds_again(sc)[sc.units.index(u)]
+    dtype = gather_dtype(sc, u)
+    return sum(call_seconds(sc, "all_gather", nbytes(-(-n // D) * D, dtype), D, g) for n in again)
 
 
 def _module_calls(sc: Scenario, st: Strategy) -> bool:
@@ -283,7 +305,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         return out
     D, g, R, g_rep = _shapes(sc, st)
     units = sc.units
-    regather = [u for u in units if regathered(sc, st, u)]
+    regather = [u for u in units if regathered(sc, st, u)] if not _module_calls(sc, st) else []
     gathered = sum(sc.padded_elems(u, D) for u in units)
     scope = "intra-node" if D <= g else "inter-node"
     for label, group in (("forward", units), ("backward", regather)):
@@ -294,6 +316,12 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             name = f"all-gather ({label}{', float8 linears' if dt == 'fp8' and dt != p.param else ''})"
             out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
                                   D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us)))
+    if _module_calls(sc, st):  # DeepSpeed's defaults: what its release rule gathers again
+        back = _ds_again(sc)
+        elems = sum(-(-n // D) * D for a in back for n in a)
+        if elems:
+            out.append(Collective("all-gather (backward)", "all_gather", elems, p.param, D, scope, A,
+                                  sum(backward_gather_seconds(sc, st, u, D, g) for u in units)))
     again = [u for u in units if gathers_for_recompute(sc, st, u)]
     if again:  # block units all: one gather dtype
         dt = gather_dtype(sc, again[0])

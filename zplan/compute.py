@@ -156,6 +156,7 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
     ov = sc.assume.overlap and sc.train.prefetch
     root_head = sc.units[0].held and k > 1
     gather = [c.all_gather_s + c.h2d_s for c in comms]
+    again = [c.backward_gather_s + (c.h2d_s if c.gathers_in_backward else 0.0) for c in comms]
     red = [c.reduce_s if with_reduce else 0.0 for c in comms]
     out = []
     for i in range(k):
@@ -167,22 +168,22 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
         # backward (reverse order): beside my backward run the gather of unit i-1 and the
         # reduce-scatter of unit i+1; the last reduce-scatter (unit 0) has nothing to hide behind
         nxt = comms[i - 1] if i > 0 else None
-        bg = gather[i - 1] if (nxt and nxt.gathers_in_backward and not (root_head and i == 1)) else 0.0
+        bg = again[i - 1] if (nxt and nxt.gathers_in_backward and not (root_head and i == 1)) else 0.0
         if root_head and i == 0:
             # beside the head's backward: the last block's re-gather; beside the embedding's
             # (no time): the first block's reduce-scatter
             last = comms[k - 1]
-            hide = gather[k - 1] if last.gathers_in_backward else 0.0
+            hide = again[k - 1] if last.gathers_in_backward else 0.0
             b_exp = (max(0.0, hide - bwd[0]) if ov else hide) + red[1] + red[0]
             if c.gathers_in_backward:  # the root is gathered again before the head's backward
-                b_exp += ag
+                b_exp += again[i]
         else:
             busy = bg + (red[i + 1] if i + 1 < k else 0.0)
             b_exp = max(0.0, busy - bwd[i]) if ov else busy
             if i == 0:
                 b_exp += red[0]
             if i == k - 1 and c.gathers_in_backward and not root_head:
-                b_exp += ag  # backward begins by re-gathering the last unit
+                b_exp += again[i]  # backward begins by re-gathering the last unit
         if c.gathers_for_recompute:  # its recompute took the prefetched gather: this one is bare
             b_exp += ag
         out.append(UnitOverlap(c.name, fwd[i], bwd[i], ag, red[i], f_exp, b_exp,
@@ -236,7 +237,10 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         exposed = exp_last + (A - 1) * exp_quiet
         for ov in (last, quiet):
             mult = 1 if ov is last else A - 1
-            comm_total += mult * sum(u.all_gather_s * _gathers(c) + u.reduce_s for u, c in zip(ov, comms))
+            # u.all_gather_s: the gather with its host->GPU copy (offload-all); again in backward
+            comm_total += mult * sum(u.all_gather_s * (1 + c.gathers_for_recompute) + c.backward_gather_s
+                                     + c.h2d_s * c.gathers_in_backward + u.reduce_s
+                                     for u, c in zip(ov, comms))
             copies += mult * sum(c.h2d_s * _gathers(c) for c in comms)
         whole = sum(c.seconds_per_call for c in colls if c.name == WHOLE_MATRIX)
         exposed += whole  # Muon's gathers in the optimizer step: beside nothing

@@ -3,6 +3,8 @@
 v0.19.2. zplan's own export writes a unit for the buckets instead (export.deepspeed_config), so
 a plan it exports gathers and reduces unit by unit."""
 
+import functools
+
 PREFETCH_BUCKET_ELEMS = 50_000_000  # stage3_prefetch_bucket_size
 MAX_LIVE_ELEMS = 1_000_000_000  # stage3_max_live_parameters
 MAX_REUSE_DISTANCE_ELEMS = 1_000_000_000  # stage3_max_reuse_distance
@@ -19,3 +21,50 @@ ALLREDUCE_FALLBACK_ELEMS = 500_000_000
 def reduces_after_backward(strategy: str, layout: str) -> bool:
     """DeepSpeed's stage 0 (zplan's ddp in the zero layout): its all-reduce has nothing beside it."""
     return layout == "zero" and strategy == "ddp"
+
+
+@functools.lru_cache(maxsize=256)
+def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...]) -> tuple[tuple[int, ...], ...]:
+    """Per unit, the parameters (their element counts, in forward order) that ZeRO-3 at its
+    default settings gathers again in backward, for one micro-batch.
+
+    `units`: per unit in forward order, its parameters' element counts and whether a checkpoint
+    wraps it (its forward runs again in backward). DeepSpeed fetches a module's parameters when
+    its forward or backward hook fires, and after the module releases each one unless it is
+    persistent (<= stage3_param_persistence_threshold elements, never released) or used again
+    within the next stage3_max_reuse_distance elements of the step's module trace
+    (deepspeed/runtime/zero/partitioned_param_coordinator.py `__params_to_release`: modules are
+    walked from the next step on, each adding its parameters' elements, until the walk has
+    reached the distance). Modules are the parameters here (a Linear or a norm holds one). The
+    trace: every unit's forward; then, units in reverse, a wrapped unit's forward again (the
+    recompute) and each unit's backward, its modules in reverse. A 70B block (856M elements)
+    thus keeps its MLP weights from the recompute into backward and gathers its attention
+    weights again; an 8B block (218M) keeps all of them; the head, whose backward follows its
+    forward, is never gathered again."""
+    trace: list[tuple[int, int, int, bool]] = []  # (unit, parameter, elements, in backward)
+    for i, (params, _) in enumerate(units):
+        trace += [(i, j, n, False) for j, n in enumerate(params)]
+    for i in range(len(units) - 1, -1, -1):
+        params, wrapped = units[i]
+        if wrapped:
+            trace += [(i, j, n, True) for j, n in enumerate(params)]
+        trace += [(i, j, params[j], True) for j in range(len(params) - 1, -1, -1)]
+    live: set[tuple[int, int]] = set()
+    again: list[list[int]] = [[] for _ in units]
+    for k, (i, j, n, backward) in enumerate(trace):
+        if n <= PERSISTENCE_THRESHOLD_ELEMS:
+            continue
+        if (i, j) not in live:
+            live.add((i, j))
+            if backward:
+                again[i].append(n)
+        walked = 0
+        for i2, j2, n2, _ in trace[k + 1:]:
+            if walked >= MAX_REUSE_DISTANCE_ELEMS or (i2, j2) == (i, j):
+                break
+            walked += n2
+        else:
+            i2 = j2 = -1
+        if (i2, j2) != (i, j) or walked >= MAX_REUSE_DISTANCE_ELEMS:
+            live.discard((i, j))
+    return tuple(tuple(a) for a in again)

@@ -152,9 +152,9 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     zero3 = sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies)
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
-            "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: published runs on "
-            "32 H100 measured 24-44% (DeepSpeed) and 51-66% (FSDP1) slower than overlap predicts, "
-            "their communication adding nearly serially (docs/accuracy-notes.md 9aa)")
+            "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: DeepSpeed's published "
+            "runs on 32 H100 measured 18-37% slower than overlap predicts, their communication "
+            "adding nearly serially (docs/accuracy-notes.md 9aa, 9ac)")
     if zero3:
         out["zero_init"] = {
             "value": sc.train.zero_init, "flag": "--no-zero-init" if sc.train.zero_init else "--zero-init",
