@@ -168,15 +168,26 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
         # backward (reverse order): beside my backward run the gather of unit i-1 and the
         # reduce-scatter of unit i+1; the last reduce-scatter (unit 0) has nothing to hide behind
         nxt = comms[i - 1] if i > 0 else None
-        bg = again[i - 1] if (nxt and nxt.gathers_in_backward and not (root_head and i == 1)) else 0.0
+        prefetched = nxt and nxt.gathers_in_backward and not nxt.gathers_for_recompute
+        bg = again[i - 1] if (prefetched and not (root_head and i == 1)) else 0.0
         if root_head and i == 0:
             # beside the head's backward: the last block's re-gather; beside the embedding's
             # (no time): the first block's reduce-scatter
             last = comms[k - 1]
-            hide = again[k - 1] if last.gathers_in_backward else 0.0
+            hide = again[k - 1] if (last.gathers_in_backward and not last.gathers_for_recompute) else 0.0
             b_exp = (max(0.0, hide - bwd[0]) if ov else hide) + red[1] + red[0]
             if c.gathers_in_backward:  # the root is gathered again before the head's backward
                 b_exp += again[i]
+        elif c.gathers_for_recompute:
+            # FSDP1 prefetches in backward only a unit whose forward registered its pre-backward
+            # hook, and one under a reentrant checkpoint ran without grad: both of its backward
+            # gathers are issued on demand on the communicator, after the next unit's
+            # reduce-scatter. The recompute waits for the first with nothing beside it; the
+            # second runs beside the recompute's forward (policy.regathers_for_recompute)
+            b_exp = (red[i + 1] if i + 1 < k else 0.0) + ag + \
+                (max(0.0, again[i] - fwd[i]) if ov else again[i])
+            if i == 0:
+                b_exp += red[0]
         else:
             busy = bg + (red[i + 1] if i + 1 < k else 0.0)
             b_exp = max(0.0, busy - bwd[i]) if ov else busy
@@ -184,8 +195,6 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
                 b_exp += red[0]
             if i == k - 1 and c.gathers_in_backward and not root_head:
                 b_exp += again[i]  # backward begins by re-gathering the last unit
-        if c.gathers_for_recompute:  # its recompute took the prefetched gather: this one is bare
-            b_exp += ag
         out.append(UnitOverlap(c.name, fwd[i], bwd[i], ag, red[i], f_exp, b_exp,
                                f_exp <= 1e-12, b_exp <= 1e-12))
     return out

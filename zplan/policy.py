@@ -152,14 +152,18 @@ def autocast_dtype(fsdp: bool, layout: str, param: str, master: str) -> str | No
 
 
 def regathers_for_recompute(train, fsdp: bool, reshard_after_forward: bool) -> bool:
-    """Whether each checkpointed block's unit is gathered twice in backward (FSDP1 and FSDP2
-    alike): the checkpoint wraps the unit from outside (Hugging Face's
-    gradient_checkpointing_enable) and is reentrant, so its forward ran without grad and left no
-    pre-backward hook; in backward the recompute is an ordinary forward of the unit (it unshards,
-    or takes the unit the previous unit's pre-backward prefetched, and reshards after it), and the
-    pre-backward hooks its outputs register unshard it again, with nothing prefetched for it.
-    A non-reentrant checkpoint recomputes inside backward after the unit's pre-backward hook, which
-    FSDP's pre-forward then skips (FSDP1 `_pre_forward`, FSDP2 `FSDPState._pre_forward` at
-    TrainingState.PRE_BACKWARD): one gather, as with the checkpoint inside the unit."""
+    """Whether each checkpointed block's unit is gathered twice in backward, both unprefetched:
+    under FSDP1 (HF Trainer's and accelerate's FSDP) with the checkpoint wrapping the unit from
+    outside (Hugging Face's gradient_checkpointing_enable before transformers 4.52, whose
+    GradientCheckpointingLayer puts it inside) and reentrant. The checkpointed forward ran
+    without grad, so it registered no pre-backward hook (torch/distributed/fsdp/_runtime_utils.py
+    `_register_pre_backward_hooks` returns under no_grad) and backward prefetch skips the unit
+    (`_get_handle_to_prefetch` takes only handles that need a pre-backward unshard). In backward
+    the recompute is an ordinary forward of the unit: `_pre_forward_unshard` gathers it,
+    `_post_forward_reshard` frees it, and the pre-backward hook its outputs now register gathers
+    it again. A non-reentrant checkpoint recomputes after the unit's pre-backward hook, whose
+    unshard `_pre_forward` then skips (BACKWARD_PRE): one gather. FSDP2 on PyTorch 2.13 does not
+    reshard after a forward that runs inside backward (FSDPParamGroup.post_forward,
+    pytorch/pytorch#164009): one gather too; the option is for FSDP1."""
     return (fsdp and reshard_after_forward and train.checkpoint_wraps_unit
             and not train.checkpoint_early_stop and train.layout == "torch")

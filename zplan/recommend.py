@@ -390,9 +390,10 @@ def _reentrant_note(w: Candidate) -> str:
     if alt.timing is None or alt.timing.step_s >= w.step_s:
         return ""
     d = w.step_s - alt.timing.step_s
-    return (f"the reentrant checkpoint around each unit gathers it again in backward with nothing to "
-            f"hide it: a non-reentrant one (Hugging Face: gradient_checkpointing_kwargs="
-            f"{{'use_reentrant': False}}) would take {fmt_s(d)} off each step ({d / w.step_s:.0%})")
+    return (f"the reentrant checkpoint around each unit gathers it twice in backward, unprefetched: a "
+            f"non-reentrant one (Hugging Face: gradient_checkpointing_kwargs={{'use_reentrant': False}}) "
+            f"would take {fmt_s(d)} off each step ({d / w.step_s:.0%}; the recompute also stops "
+            f"before the block's last matmul)")
 
 
 def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict,

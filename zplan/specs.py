@@ -399,10 +399,10 @@ class TrainSpec(Spec):
         "rebuilt (non-reentrant torch.utils.checkpoint since PyTorch 2.1): a dense block's last "
         "matmul is not rerun; False: reentrant checkpoint or older PyTorch rerun the whole block")
     checkpoint_wraps_unit: bool = Field(
-        False, description="the checkpoint wraps each sharded unit's call from outside (Hugging "
-        "Face's gradient_checkpointing_enable around FSDP-wrapped decoder layers); with a reentrant "
-        "checkpoint the recompute gathers the unit and reshards it, and its backward gathers it "
-        "again, unprefetched (policy.regathers_for_recompute)")
+        False, description="FSDP1: the checkpoint wraps each sharded unit's call from outside "
+        "(Hugging Face's gradient_checkpointing_enable before transformers 4.52); with a reentrant "
+        "checkpoint the recompute gathers the unit and frees it, and its backward gathers it "
+        "again, neither prefetched (policy.regathers_for_recompute)")
     compile: bool = Field(False, description="torch.compile: elementwise work fused")
     compile_loss: bool = Field(False, description="the loss under torch.compile: the fp32 upcast, "
                                "log-softmax and NLL fused, no vocabulary-sized fp32 buffers "

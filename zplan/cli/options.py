@@ -30,7 +30,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "checkpointing": ((), "none | full | selective | attention | every-k"),
     "checkpoint_every": ((), "every-k: checkpoint one block in k"),
     "checkpoint_early_stop": ((), "Recomputation stops once backward's tensors are rebuilt (non-reentrant checkpoint, PyTorch >= 2.1; --no-checkpoint-early-stop: reentrant or older, the whole block reruns)"),
-    "checkpoint_wraps_unit": ((), "FSDP: the checkpoint wraps each sharded unit from outside, as Hugging Face's gradient_checkpointing_enable around FSDP-wrapped decoder layers; with a reentrant checkpoint (--no-checkpoint-early-stop, HF's default) each checkpointed block is gathered once more in backward, with nothing to hide it (default: the checkpoint inside the unit, as zplan's trainer and torchtitan)"),
+    "checkpoint_wraps_unit": ((), "FSDP1 (HF Trainer's or accelerate's FSDP): the checkpoint wraps each sharded unit from outside, as Hugging Face's gradient_checkpointing_enable did before transformers 4.52; with a reentrant checkpoint (--no-checkpoint-early-stop, HF's default) each checkpointed block is gathered twice in backward, neither prefetched (default: the checkpoint inside the unit, as zplan's trainer and torchtitan; FSDP2 on PyTorch 2.13 gathers once either way)"),
     "flash": ((), "Flash attention (no s^2 scores kept)"),
     "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2; zplan's trainer) | flash-triton (FlashAttention in Triton, e.g. llm-foundry attn_impl: triton) | flash3 (FlashAttention-3, Hopper) | flash4 (FlashAttention-4, Blackwell)"),
     "optimizer": ((), "adamw | sgd | adam8bit | muon"),
