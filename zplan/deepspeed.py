@@ -49,6 +49,17 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...]) -> tuple[t
         if wrapped:
             trace += [(i, j, n, True) for j, n in enumerate(params)]
         trace += [(i, j, params[j], True) for j in range(len(params) - 1, -1, -1)]
+    # the walk from step k reaches the parameter's next use at step m where the modules between
+    # hold fewer than the distance: prefix sums and each step's next use make it one subtraction
+    prefix = [0]
+    for _, _, n, _ in trace:
+        prefix.append(prefix[-1] + n)
+    nxt: list[int | None] = [None] * len(trace)
+    seen: dict[tuple[int, int], int] = {}
+    for k in range(len(trace) - 1, -1, -1):
+        key = trace[k][:2]
+        nxt[k] = seen.get(key)
+        seen[key] = k
     live: set[tuple[int, int]] = set()
     again: list[list[int]] = [[] for _ in units]
     for k, (i, j, n, backward) in enumerate(trace):
@@ -58,13 +69,7 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...]) -> tuple[t
             live.add((i, j))
             if backward:
                 again[i].append(n)
-        walked = 0
-        for i2, j2, n2, _ in trace[k + 1:]:
-            if walked >= MAX_REUSE_DISTANCE_ELEMS or (i2, j2) == (i, j):
-                break
-            walked += n2
-        else:
-            i2 = j2 = -1
-        if (i2, j2) != (i, j) or walked >= MAX_REUSE_DISTANCE_ELEMS:
+        m = nxt[k]
+        if m is None or prefix[m] - prefix[k + 1] >= MAX_REUSE_DISTANCE_ELEMS:
             live.discard((i, j))
     return tuple(tuple(a) for a in again)
