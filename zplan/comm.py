@@ -158,7 +158,8 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
     p = sc.train.precision
     D, g, R, g_rep = _shapes(sc, st)
     out = []
-    for u in sc.units:
+    ds_back = _ds_backward_seconds(sc, st, D, g) if _module_calls(sc, st) else None
+    for i, u in enumerate(sc.units):
         full = sc.padded_elems(u, D)
         ag = gather_seconds(sc, st, u, gather_dtype(sc, u), D, g)
         rs = reduce_seconds(sc, st, u, D, g)
@@ -168,10 +169,17 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
         if st.offload_params:
             store = p.master if sc.train.layout == "torch" else p.param
             h2d = nbytes(full // D, store) / sc.hw.gpu.host_link_bytes_per_s
-        bag = backward_gather_seconds(sc, st, u, D, g) if _module_calls(sc, st) else \
-            (ag if regathered(sc, st, u) else 0.0)
+        bag = ds_back[i] if ds_back is not None else (ag if regathered(sc, st, u) else 0.0)
         out.append(UnitComm(u.name, full, ag, rs, h2d, bag > 0, gathers_for_recompute(sc, st, u), bag))
     return out
+
+
+def _wrapped(sc: Scenario, u) -> bool:
+    """Whether a checkpoint wraps the unit (it holds a checkpointed block): its forward runs
+    again in backward."""
+    t = sc.train
+    wrapped = policy.checkpointed_blocks(sc.model.num_layers, t.checkpointing, t.checkpoint_every)
+    return bool(u.blocks) and any(wrapped[u.first_block: u.first_block + u.blocks])
 
 
 def _ds_again(sc: Scenario) -> tuple[tuple[int, ...], ...]:
@@ -179,19 +187,14 @@ def _ds_again(sc: Scenario) -> tuple[tuple[int, ...], ...]:
     (deepspeed.backward_gathers over the step's module trace)."""
     from .deepspeed import backward_gathers
 
-    t = sc.train
-    wrapped = policy.checkpointed_blocks(sc.model.num_layers, t.checkpointing, t.checkpoint_every)
-    return backward_gathers(tuple(
-        (tuple(math.prod(s) for s in u.shapes),
-         bool(u.blocks) and any(wrapped[u.first_block: u.first_block + u.blocks]))
-        for u in sc.units))
+    return backward_gathers(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u))
+                                  for u in sc.units))
 
 
-def backward_gather_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
-    """DeepSpeed at its defaults: one call per parameter gathered again in backward (_ds_again)."""
-    again = _ds_again(sc)[sc.units.index(u)]
-    dtype = gather_dtype(sc, u)
-    return sum(call_seconds(sc, "all_gather", nbytes(-(-n // D) * D, dtype), D, g) for n in again)
+def _ds_backward_seconds(sc: Scenario, st: Strategy, D: int, g: int) -> list[float]:
+    """DeepSpeed at its defaults, per unit: one call per parameter gathered again in backward."""
+    return [sum(call_seconds(sc, "all_gather", nbytes(-(-n // D) * D, gather_dtype(sc, u)), D, g)
+                for n in again) for u, again in zip(sc.units, _ds_again(sc))]
 
 
 def _module_calls(sc: Scenario, st: Strategy) -> bool:
@@ -238,11 +241,7 @@ def gathers_for_recompute(sc: Scenario, st: Strategy, u) -> bool:
     """Whether a unit is gathered once more in backward, for its recompute: it holds a
     checkpointed block and the checkpoint wraps it from outside, reentrant
     (policy.regathers_for_recompute)."""
-    if not (u.blocks and policy.regathers_for_recompute(sc.train, st.fsdp, st.reshard_after_forward)):
-        return False
-    t = sc.train
-    wrapped = policy.checkpointed_blocks(sc.model.num_layers, t.checkpointing, t.checkpoint_every)
-    return any(wrapped[u.first_block: u.first_block + u.blocks])
+    return policy.regathers_for_recompute(sc.train, st.fsdp, st.reshard_after_forward) and _wrapped(sc, u)
 
 
 def gather_dtype(sc: Scenario, u) -> str:
@@ -321,7 +320,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         elems = sum(-(-n // D) * D for a in back for n in a)
         if elems:
             out.append(Collective("all-gather (backward)", "all_gather", elems, p.param, D, scope, A,
-                                  sum(backward_gather_seconds(sc, st, u, D, g) for u in units)))
+                                  sum(_ds_backward_seconds(sc, st, D, g))))
     again = [u for u in units if gathers_for_recompute(sc, st, u)]
     if again:  # block units all: one gather dtype
         dt = gather_dtype(sc, again[0])

@@ -103,7 +103,7 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
                 k = dict(k)
                 k["memory"] = k.get("memory", 0.0) + K.total(cf) + K.total(cb)
                 f, b = f + K.total(cf), b + K.total(cb)
-                c += K.total_contended(cf + cb, sc.hw.gpu.kernels)
+                c += K.total_contended(cf + cb)
             memo[key] = (f, b, k, c)
         f, b, k, c = memo[key]
         fwd.append(f)
@@ -135,8 +135,7 @@ def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[s
         r_ops, r_n = unit_ops.recompute_ops(sc, u)
         k = K.by_kind(f_ops + b_ops)
         k["recompute"] = r_n * K.total(r_ops)
-        kern = sc.hw.gpu.kernels
-        beside = K.total_contended(f_ops + b_ops, kern) + r_n * K.total_contended(r_ops, kern)
+        beside = K.total_contended(f_ops + b_ops) + r_n * K.total_contended(r_ops)
         return K.total(f_ops), K.total(b_ops) + k["recompute"], k, beside
     return _OPS_CACHE.get(key, sc.hw.gpu, make)
 

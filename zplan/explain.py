@@ -148,7 +148,7 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
                 what = f"{o.flop / 1e9:,.1f} GFLOP" if o.flop else f"{o.bytes / 1e6:,.1f} MB"
                 out.append(f"  {o.name:32s} {o.kind:9s} {what:>14s} x{o.kernels:<3d} -> {fmt_s(o.seconds)}")
             out.append(f"  = {fmt_s(K.total(ops))}")
-        alone, beside = K.total(both), K.total_contended(both, k)
+        alone, beside = K.total(both), K.total_contended(both)
         out.append(f"beside a collective (NCCL holding {K.taken_sms(k)} of {k.sm_count} SMs: GEMMs in waves "
                    f"over the SMs left, other kernels at {k.sm_count - K.taken_sms(k)}/{k.sm_count} of "
                    f"their speed): this unit {fmt_s(alone)} -> {fmt_s(beside)}; over the step's kernels, "

@@ -41,7 +41,7 @@ class Op:
     flop: int
     bytes: int
     seconds: float
-    contended_s: float | None = None  # beside a collective; None: seconds x SMs / SMs left
+    contended_s: float  # the same while a collective holds taken_sms of the SMs
 
 
 def taken_sms(k: KernelSpec) -> int:
@@ -49,11 +49,9 @@ def taken_sms(k: KernelSpec) -> int:
     return min(k.sm_count - 1, round(k.nccl_sm_fraction * k.sm_count))
 
 
-def contended(op: Op, k: KernelSpec) -> float:
-    """The op's seconds while a collective holds taken_sms(k) of the SMs."""
-    if op.contended_s is not None:
-        return op.contended_s
-    return op.seconds * k.sm_count / (k.sm_count - taken_sms(k))
+def _slower(k: KernelSpec) -> float:
+    """How much longer work that scales with the SMs takes on those a collective leaves."""
+    return k.sm_count / (k.sm_count - taken_sms(k))
 
 
 def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
@@ -84,9 +82,8 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
     nbytes = (M * K + K * N) * b_in + M * N * b_out * (2 if accumulate else 1)
     rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
     t = max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm, k.kernel_floor_s)
-    left = k.sm_count - taken_sms(k)
     beside = max(flop / (rate * wave_efficiency(k, M, N, taken_sms(k))),
-                 nbytes / hbm * k.sm_count / left, k.kernel_floor_s)
+                 nbytes / hbm * _slower(k), k.kernel_floor_s)
     return Op(name, "gemm", 1, flop, nbytes, t, beside)
 
 
@@ -102,14 +99,14 @@ def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, a
 def repeat(op: Op, n: int) -> Op:
     """One kernel run n times (a loop over chunks)."""
     return Op(op.name if n == 1 else f"{op.name} x{n}", op.kind, op.kernels * n, op.flop * n,
-              op.bytes * n, op.seconds * n, None if op.contended_s is None else op.contended_s * n)
+              op.bytes * n, op.seconds * n, op.contended_s * n)
 
 
 def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int) -> Op:
     k = gpu.kernels
     assert k is not None
     work, floor = nbytes / k.hbm_achieved_bytes_per_s, kernels * k.kernel_floor_s
-    beside = max(work * k.sm_count / (k.sm_count - taken_sms(k)), floor)  # a launch is no slower
+    beside = max(work * _slower(k), floor)  # a launch is no slower
     return Op(name, "memory", kernels, 0, int(nbytes), max(work, floor), beside)
 
 
@@ -184,7 +181,7 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
     rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
     rate *= seq / (seq + k.attention_half_seq)
     t = max(flop / rate, k.kernel_floor_s)
-    beside = max(flop / rate * k.sm_count / (k.sm_count - taken_sms(k)), k.kernel_floor_s)
+    beside = max(flop / rate * _slower(k), k.kernel_floor_s)
     return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t, beside)
 
 
@@ -228,8 +225,8 @@ def total(ops: list[Op]) -> float:
     return sum(o.seconds for o in ops)
 
 
-def total_contended(ops: list[Op], k: KernelSpec) -> float:
-    return sum(contended(o, k) for o in ops)
+def total_contended(ops: list[Op]) -> float:
+    return sum(o.contended_s for o in ops)
 
 
 def by_kind(ops: list[Op]) -> dict[str, float]:
