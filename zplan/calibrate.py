@@ -175,26 +175,41 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _gemm_seconds(device, M: int, N: int, K: int, seconds: float) -> float:
+    """Seconds per bf16 (M, K) x (K, N) GEMM, run back to back (a sync every 5) for `seconds`."""
+    import torch
+
+    a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    b = torch.randn(K, N, device=device, dtype=torch.bfloat16)
+    a @ b
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(5):
+            a @ b
+        _sync(device)
+        n += 5
+    return (time.perf_counter() - t0) / n
+
+
 def gemm_rates(device, shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 4096),
                                (16384, 1024, 4096), (2048, 2048, 2048)), seconds: float = 2.0) -> dict:
     """Sustained bf16 FLOP/s per (M, N, K): each shape run back to back for `seconds`, so the
     GPU reaches its power-saturated clock (mamf-finder's MSMF, not a boost burst)."""
-    import torch
+    return {(M, N, K): 2 * M * N * K / _gemm_seconds(device, M, N, K, seconds) for M, N, K in shapes}
 
-    out = {}
-    for M, N, K in shapes:
-        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-        b = torch.randn(K, N, device=device, dtype=torch.bfloat16)
-        a @ b
-        _sync(device)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(5):
-                a @ b
-            _sync(device)
-            n += 5
-        out[(M, N, K)] = 2 * M * N * K * n / (time.perf_counter() - t0)
-    return out
+
+def gemm_fixed_s(device, m: int = 4096, n: int = 4096, ks=(1024, 2048, 4096, 8192),
+                 seconds: float = 0.5) -> float:
+    """GPU seconds one GEMM kernel takes beyond its FLOPs: the intercept of a least-squares line
+    t = L + 2mnK / R through the per-GEMM times of an (m, n, K) sweep, each run back to back.
+    The shapes keep every GEMM compute-bound and in whole waves, so only K, and the fixed time,
+    change (zplan/kernels.py, gemm)."""
+    xs = [2 * m * n * k for k in ks]
+    ts = [_gemm_seconds(device, m, n, k, seconds) for k in ks]
+    mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, mt - slope * mx)
 
 
 def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
@@ -252,9 +267,11 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
         "attention_half_seq": half,
         "hbm_achieved_bytes_per_s": float(f"{hbm:.4g}"),
         "kernel_floor_s": float(f"{kernel_floor_s(device):.3g}"),
+        "gemm_fixed_s": float(f"{gemm_fixed_s(device):.3g}"),
         "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
         "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
-                  f"at s=4096, head dim 128; 1 GiB copy; tiny-kernel loop",
+                  f"at s=4096, head dim 128; 1 GiB copy; tiny-kernel loop; GEMM time against K at "
+                  f"4096 x 4096 (intercept)",
     }
 
 

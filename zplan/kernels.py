@@ -2,9 +2,12 @@
 (or torch.compile) runs for it, each timed from the GPU preset's measured constants.
 
 - GEMM (M, N, K): max(2MNK / (achieved GEMM rate x wave efficiency), bytes / achieved HBM
-  bandwidth, kernel floor). The rate is a MAMF measurement (the best large GEMM); the wave
-  efficiency is tiles / (waves x SMs) for the output tiles of one thread block (NVIDIA, "Matrix
-  Multiplication Background User's Guide", wave quantization); skinny GEMMs turn memory-bound.
+  bandwidth) + the GPU's fixed time per GEMM kernel, never under the kernel floor. The rate is a
+  MAMF measurement (the best large GEMM); the wave efficiency is tiles / (waves x SMs) for the
+  output tiles of one thread block (NVIDIA, "Matrix Multiplication Background User's Guide",
+  wave quantization); skinny GEMMs turn memory-bound. The fixed time (pipeline fill, the last
+  wave's drain and epilogue: what a kernel takes beyond its FLOPs and bytes) is a preset
+  constant where a per-shape measurement exists (Hopper: XLA's measured matmul table), else 0.
   Backward of a linear is two GEMMs: dX (M, K, N) and dW (N, K, M).
 - Flash attention: forward 2·s·h FLOPs per token with the causal half skipped (4·s·h halved),
   backward 2.5x forward (FlashAttention-2: five matmuls to two), at the preset's FlashAttention
@@ -81,9 +84,10 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
     b_in, b_out = DTYPE_BITS[dtype] // 8, DTYPE_BITS[out_dtype] // 8
     nbytes = (M * K + K * N) * b_in + M * N * b_out * (2 if accumulate else 1)
     rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
-    t = max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm, k.kernel_floor_s)
-    beside = max(flop / (rate * wave_efficiency(k, M, N, taken_sms(k))),
-                 nbytes / hbm * _slower(k), k.kernel_floor_s)
+    fixed = k.gemm_fixed_s or 0.0
+    t = max(max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm) + fixed, k.kernel_floor_s)
+    beside = max(max(flop / (rate * wave_efficiency(k, M, N, taken_sms(k))),
+                     nbytes / hbm * _slower(k)) + fixed, k.kernel_floor_s)
     return Op(name, "gemm", 1, flop, nbytes, t, beside)
 
 

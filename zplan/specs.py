@@ -117,6 +117,10 @@ class KernelSpec(Spec):
     hbm_achieved_bytes_per_s: float = Field(gt=0, description="a large copy (STREAM-like)")
     kernel_floor_s: float = Field(ge=0, description="least time of one kernel as eager "
                                   "PyTorch issues it (launch and dispatch)")
+    gemm_fixed_s: float | None = Field(
+        None, ge=0, le=1e-3, description="GPU time of one GEMM kernel beyond its FLOPs and bytes "
+        "(pipeline fill, last wave, epilogue), from a per-shape measurement; None: not measured, "
+        "counted as 0 (the kernel floor still bounds a GEMM from below)")
     nccl_sm_fraction: float = Field(
         0.0, ge=0, lt=1, description="share of the SMs NCCL's kernels hold while they run "
         "(one block per channel): compute beside a collective runs this much slower")
