@@ -42,6 +42,7 @@ class Result:
     ignored: tuple[str, ...] = ()  # row facts zplan has no option for (compile, float8)
     error: str = ""  # the scenario could not be built: the one-line reason
     fits: bool | None = None  # zplan's verdict on the row's configuration (every row ran)
+    comm_share: float | None = None  # predicted collective seconds per step / compute seconds
 
     @property
     def tokens_err(self) -> float | None:
@@ -113,7 +114,22 @@ def predict(row: Row) -> Result:
     if est.memory is None or est.timing is None:
         return Result(row, ignored=ignored, error=est.unavailable or "no estimate")
     mem, compared = _memory_figure(est.memory, sc, row.memory_kind or "reserved")
-    return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored, fits=est.fits)
+    comm_s = sum(c.seconds_per_call * c.calls_per_step for c in est.collectives)
+    return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored, fits=est.fits,
+                  comm_share=comm_s / est.timing.compute_s)
+
+
+COMM_GROUP = "communication / compute (predicted)"
+COMM_BANDS = ((0.02, "00-02%"), (0.05, "02-05%"), (0.10, "05-10%"), (0.30, "10-30%"),
+              (1.00, "30-100%"))
+
+
+def comm_band(share: float | None) -> str:
+    """The band of a row's predicted communication per step against its compute: the rows
+    where more of the step is communication the model overlaps."""
+    if share is None:
+        return "-"
+    return next((label for top, label in COMM_BANDS if share < top), ">100%")
 
 
 def _memory_figure(memory, sc, kind: str) -> tuple[int, str]:
@@ -150,6 +166,7 @@ GROUPS = {
     "source": lambda r: r.row.source.name,
     "compile/float8": lambda r: r.row.flags,
     "checkpointing": lambda r: r.row.checkpointing,
+    COMM_GROUP: lambda r: comm_band(r.comm_share),
     "memory kind": lambda r: r.row.memory_kind or "-",
 }
 
@@ -159,7 +176,7 @@ def group_table(results: list[Result], metric: str) -> list[tuple[str, str, tupl
     scored = [r for r in results if r.row.expressible and not r.error]
     out = []
     for gname, key in GROUPS.items():
-        if metric == "tokens" and gname == "memory kind":
+        if (metric, gname) in (("tokens", "memory kind"), ("memory", COMM_GROUP)):
             continue
         values = sorted({key(r) for r in scored})
         for v in values:
