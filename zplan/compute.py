@@ -48,7 +48,7 @@ class Timing:
     tokens_per_s_per_gpu: float
     mfu: float
     units: list[UnitOverlap]
-    contention_s: float = 0.0  # compute slowed by NCCL kernels holding SMs beside it
+    contention_s: float = 0.0  # compute slowed by NCCL collectives beside it (SMs, HBM, power)
     contention_share: float = 0.0  # contention_s / the communication hidden under compute
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by kind of op
 
@@ -78,7 +78,7 @@ def _flop_rate(sc: Scenario) -> float:
 def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], dict[str, float], float]:
     """Forward and backward (recompute included) seconds per unit for one micro-batch, the
     micro-batch's seconds by kind of op (gemm, attention, memory, recompute), and its seconds
-    if every kernel ran beside a collective (kernels.contended; the efficiency model: the same)."""
+    if every kernel ran beside a collective (each Op's contended_s; the efficiency model: the same)."""
     t, m = sc.train, sc.model
     if not uses_kernel_model(sc):
         rate = _flop_rate(sc)
@@ -275,8 +275,8 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         hidden *= 1 - copies / comm_total  # NCCL's share of what hides: the copies take no SMs
     k = sc.hw.gpu.kernels
     # compute beside a collective runs at mb_compute / beside of its pace (the micro-batch's mix
-    # of kernels, kernels.contended: GEMMs by their waves over the SMs left): that share of the
-    # hidden time is lost
+    # of kernels, each Op's contended_s: GEMMs by their waves over the SMs left, every kernel at
+    # least the preset's measured collective_slowdown): that share of the hidden time is lost
     kernels = k is not None and uses_kernel_model(sc)
     slow = max(0.0, 1 - mb_compute / beside) if (kernels and beside > 0) else 0.0  # >= 0: rounding
     contention = hidden * slow

@@ -23,7 +23,11 @@
   NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
   Degradation because of Tail Effect", an H100 GEMM of 132 blocks beside a 24-block
   ncclAllGather, ~2x), and every other kernel at (SMs - taken) / SMs of its speed; a kernel at
-  its launch floor is not slowed.
+  its launch floor is not slowed. Where the preset has a kernel-level measurement of compute
+  beside a collective (collective_slowdown: NCCL's SMs, its HBM traffic and the power it draws
+  together), no kernel runs faster than that: a large GEMM beside an all-gather runs 1.43x
+  longer on H100 (pytorch/pytorch PR 172714's microbenchmark), 1.76x on A100 (NVIDIA/nccl
+  issue 1428's kernel durations), where the SMs' share alone says 1.14 and 1.17.
 Byte counts are derived in docs/formulas.md, section 6.
 """
 
@@ -57,6 +61,12 @@ def _slower(k: KernelSpec) -> float:
     return k.sm_count / (k.sm_count - taken_sms(k))
 
 
+def _measured(k: KernelSpec) -> float:
+    """How much longer compute takes beside a collective by a kernel-level measurement (its SMs,
+    HBM traffic and power together: collective_slowdown); 1 where the preset has none."""
+    return k.collective_slowdown or 1.0
+
+
 def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
     """Achieved FLOP/s of a large GEMM in dtype: the measured figure, else the dtype's peak
     scaled by the bf16 measurement's fraction of the bf16 peak."""
@@ -85,9 +95,10 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
     nbytes = (M * K + K * N) * b_in + M * N * b_out * (2 if accumulate else 1)
     rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
     fixed = k.gemm_fixed_s or 0.0
-    t = max(max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm) + fixed, k.kernel_floor_s)
+    core = max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm)
+    t = max(core + fixed, k.kernel_floor_s)
     beside = max(max(flop / (rate * wave_efficiency(k, M, N, taken_sms(k))),
-                     nbytes / hbm * _slower(k)) + fixed, k.kernel_floor_s)
+                     nbytes / hbm * _slower(k), core * _measured(k)) + fixed, k.kernel_floor_s)
     return Op(name, "gemm", 1, flop, nbytes, t, beside)
 
 
@@ -110,7 +121,7 @@ def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int) -> Op:
     k = gpu.kernels
     assert k is not None
     work, floor = nbytes / k.hbm_achieved_bytes_per_s, kernels * k.kernel_floor_s
-    beside = max(work * _slower(k), floor)  # a launch is no slower
+    beside = max(work * max(_slower(k), _measured(k)), floor)  # a launch is no slower
     return Op(name, "memory", kernels, 0, int(nbytes), max(work, floor), beside)
 
 
@@ -185,7 +196,7 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
     rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
     rate *= seq / (seq + k.attention_half_seq)
     t = max(flop / rate, k.kernel_floor_s)
-    beside = max(flop / rate * _slower(k), k.kernel_floor_s)
+    beside = max(flop / rate * max(_slower(k), _measured(k)), k.kernel_floor_s)
     return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t, beside)
 
 

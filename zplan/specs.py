@@ -124,6 +124,10 @@ class KernelSpec(Spec):
     nccl_sm_fraction: float = Field(
         0.0, ge=0, lt=1, description="share of the SMs NCCL's kernels hold while they run "
         "(one block per channel): compute beside a collective runs this much slower")
+    collective_slowdown: float | None = Field(
+        None, ge=1, le=4, description="how many times longer compute takes while an NCCL "
+        "collective runs beside it (SMs, HBM traffic, power), from a kernel-level measurement "
+        "of a GEMM of many waves; None: not measured, only the SMs NCCL's channels hold")
     source: str
 
 
