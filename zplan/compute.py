@@ -272,7 +272,8 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         comm_total += gathers
     hidden = max(0.0, comm_total - exposed) if sc.assume.overlap else 0.0
     if comm_total > 0:
-        hidden *= 1 - copies / comm_total  # NCCL's share of what hides: the copies take no SMs
+        hidden *= 1 - copies / comm_total  # NCCL's share of what hides: the copies run on copy
+        # engines, no SMs (their HBM traffic, which copy-engine all-gathers measure, is not charged)
     k = sc.hw.gpu.kernels
     # compute beside a collective runs at mb_compute / beside of its pace (the micro-batch's mix
     # of kernels, each Op's contended_s: GEMMs by their waves over the SMs left, every kernel at

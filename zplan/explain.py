@@ -150,8 +150,9 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
                 out.append(f"  {o.name:32s} {o.kind:9s} {what:>14s} x{o.kernels:<3d} -> {fmt_s(o.seconds)}")
             out.append(f"  = {fmt_s(K.total(ops))}")
         alone, beside = K.total(both), K.total_contended(both)
-        measured = (f"; every kernel at least {k.collective_slowdown:g}x as long, the measured slowdown "
-                    f"beside a collective" if k.collective_slowdown else "")
+        measured = (f"; kernels {k.collective_slowdown:g}x as long at least, the slowdown measured "
+                    f"beside a collective (launch floor and GEMMs' fixed time excepted)"
+                    if k.collective_slowdown else "")
         out.append(f"beside a collective (NCCL holding {K.taken_sms(k)} of {k.sm_count} SMs: GEMMs in waves "
                    f"over the SMs left, other kernels at {k.sm_count - K.taken_sms(k)}/{k.sm_count} of "
                    f"their speed{measured}): this unit {fmt_s(alone)} -> {fmt_s(beside)}; over the step's kernels, "

@@ -25,9 +25,12 @@
   ncclAllGather, ~2x), and every other kernel at (SMs - taken) / SMs of its speed; a kernel at
   its launch floor is not slowed. Where the preset has a kernel-level measurement of compute
   beside a collective (collective_slowdown: NCCL's SMs, its HBM traffic and the power it draws
-  together), no kernel runs faster than that: a large GEMM beside an all-gather runs 1.43x
-  longer on H100 (pytorch/pytorch PR 172714's microbenchmark), 1.76x on A100 (NVIDIA/nccl
-  issue 1428's kernel durations), where the SMs' share alone says 1.14 and 1.17.
+  together), a kernel's time beside it is at least that factor x its time alone (a GEMM's fixed
+  time and the launch floor excepted): a large GEMM beside an all-gather, 1.43x on H100 (inferred
+  from pytorch/pytorch PR 172714's measured sequential and overlapped times with zplan's own
+  times alone, which add up to the sequential within 0.9%; other splits of it give 1.3-1.6),
+  1.76x on A100 (NVIDIA/nccl issue 1428's kernel durations), where the SMs' share alone says
+  1.125 and 1.17.
 Byte counts are derived in docs/formulas.md, section 6.
 """
 
@@ -48,7 +51,7 @@ class Op:
     flop: int
     bytes: int
     seconds: float
-    contended_s: float  # the same while a collective holds taken_sms of the SMs
+    contended_s: float  # the same beside a collective: its SMs taken, or the measured slowdown
 
 
 def taken_sms(k: KernelSpec) -> int:
@@ -78,10 +81,16 @@ def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
 
 def wave_efficiency(k: KernelSpec, M: int, N: int, taken: int = 0) -> float:
     """tiles / (waves x SMs): the output tiles run in waves over the SMs not taken (by a
-    collective's kernels), each wave as long as on the whole GPU."""
+    collective's kernels), each wave as long as on the whole GPU. A GEMM of fewer tiles than
+    the GPU has SMs fills the SMs it has instead (the library picks smaller tiles or splits K:
+    XLA's measured table, where such shapes of 8 us and more run within 13% rms of the full
+    rate and the tile rule says up to 4x slower; docs/formulas.md section 6)."""
     tm, tn = k.gemm_tile_m, k.gemm_tile_n
     tiles = math.ceil(M / tm) * math.ceil(N / tn)
-    waves = math.ceil(tiles / (k.sm_count - taken))
+    free = k.sm_count - taken
+    if tiles < k.sm_count:
+        return free / k.sm_count
+    waves = math.ceil(tiles / free)
     return tiles / (waves * k.sm_count)
 
 
