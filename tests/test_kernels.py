@@ -524,6 +524,36 @@ def test_calibrate_fixed_time_is_the_intercept_of_its_sweep(monkeypatch):
         assert calibrate.gemm_fixed_s(None) == pytest.approx(L, abs=1e-12)
 
 
+def test_slowdown_beside_a_collective_solves_the_overlap_rule():
+    """calibrate's slowdown from three times: pytorch PR 172714's H100 benchmark read through
+    zplan's times alone (a GEMM of 1.631 ms, an all-gather of 1.302 ms, 2.02 ms together) is the
+    h100-sxm preset's 1.43; an overlap that cost nothing is 1; one that hid nothing is the cap;
+    a collective longer than the compute is outside the rule."""
+    from zplan import calibrate
+
+    assert calibrate.slowdown_beside(1.302e-3, 1.631e-3, 2.02e-3) == pytest.approx(1.43, abs=0.005)
+    assert calibrate.slowdown_beside(1.0, 2.0, 2.0) == 1.0
+    assert calibrate.slowdown_beside(1.0, 2.0, 3.2) == 4.0
+    assert calibrate.slowdown_beside(1.0, 2.0, 2.5) == pytest.approx(2.0)  # half the collective lost
+    assert calibrate.slowdown_beside(3.0, 2.0, 4.0) is None
+
+
+@pytest.mark.slow  # two gloo ranks in spawned processes
+def test_calibrate_times_compute_beside_a_collective_on_cpu_ranks():
+    """The measurement itself on 2 CPU ranks over gloo: the all-gather alone, GEMMs repeated to
+    about twice as long, and the two together, each finite; the slowdown is within the rule's
+    range (CPU ranks share cores with gloo's thread, so any value in it is possible)."""
+    from zplan import calibrate
+
+    ov = calibrate.collective_times(2, [1 << 20], reps=2, backend="gloo")["overlap"]
+    assert ov["nbytes"] == 1 << 20 and ov["gemms"] >= 1
+    for key in ("collective_s", "gemm_s", "overlapped_s"):
+        assert math.isfinite(ov[key]) and ov[key] > 0
+    assert ov["overlapped_s"] >= 0.5 * max(ov["gemm_s"], ov["collective_s"])
+    f = calibrate.slowdown_beside(ov["collective_s"], ov["gemm_s"], ov["overlapped_s"])
+    assert f is None or 1 <= f <= 4
+
+
 def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
     """The [kernels] table zplan calibrate writes on a GPU loads back as the model's input."""
     import torch

@@ -113,6 +113,9 @@ def test_calibrate_writes_usable_presets(run_zplan, tmp_path):
     d = json.loads(p.stdout)
     assert d["gpu"]["measured"] and d["gpu"]["device"] == "cpu"
     assert d["gpu"]["peak_flops"]["fp32"] > 1e9 and d["cluster"]["intra_node_busbw_bytes_per_s"] > 1e6
+    ov = d["link"]["overlap"]  # compute beside a collective, timed (written to a GPU preset only)
+    assert ov["gemms"] >= 1 and ov["overlapped_s"] > 0
+    assert ov["slowdown_beside"] is None or 1 <= ov["slowdown_beside"] <= 4
     e = run_zplan("estimate", "--presets", str(out), "--gpu", "calibrated", "--cluster", "calibrated",
                   "--model", "tiny", "--gpus", "2", "--seq-len", "128", "--json")
     assert e.returncode == 0, e.stderr

@@ -4,13 +4,15 @@ Measures, on the device the trainer would use (a GPU, or one CPU thread as a tor
 achievable matmul FLOP/s per dtype, memory bandwidth (a large copy), the node's CPU AdamW
 throughput on all its CPUs together (for offload), and the bus bandwidth of all-gather,
 reduce-scatter and all-reduce over message sizes (nccl-tests' definitions) between N local
-processes (NCCL on GPUs, gloo on CPUs). Writes
+processes (NCCL on GPUs, gloo on CPUs), and how much longer GEMMs take beside an all-gather
+(the kernel model's collective_slowdown; written on GPUs). Writes
 OUT/gpus/NAME.toml and OUT/clusters/NAME.toml; use them with --presets OUT --gpu NAME
 --cluster NAME. The GPU preset is marked `measured`, so the efficiency assumption defaults to 1.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -95,6 +97,53 @@ def adamw_params_per_s(n: int = 4_000_000, reps: int = 3, threads: int | None = 
     return n / t
 
 
+def _overlap_times(device, dist, full, part, reps: int) -> dict:
+    """One all-gather (`part` into `full`) alone, GEMMs alone, and the two issued together (the
+    all-gather asynchronous, on NCCL's stream or gloo's thread, the GEMMs on the current stream),
+    seconds. The GEMMs are repeated until they take about twice the all-gather, so that the
+    collective runs beside compute from start to end (collective_slowdown's rule)."""
+    import torch
+
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    m_s = _timeit(lambda: dist.all_gather_into_tensor(full, part), device, reps)
+    one = _timeit(lambda: a @ b, device, reps)
+    count = max(1, math.ceil(2 * m_s / one))
+
+    def gemms():
+        for _ in range(count):
+            a @ b
+
+    def both():
+        work = dist.all_gather_into_tensor(full, part, async_op=True)
+        gemms()
+        work.wait()
+
+    dist.barrier()
+    c_s = _timeit(gemms, device, reps)
+    dist.barrier()
+    t_s = _timeit(both, device, reps)
+    return {"collective_s": m_s, "gemm_s": c_s, "overlapped_s": t_s, "gemms": count, "n": n}
+
+
+def slowdown_beside(collective_s: float, gemm_s: float, overlapped_s: float) -> float | None:
+    """How many times longer compute runs beside a collective, from the three times of
+    _overlap_times: compute.timing's rule, T = C + M (1 - 1/f) for a collective hidden under
+    compute (C >= M), solved for f = M / (C + M - T); 1 where the overlap cost nothing, the
+    field's cap 4 where nothing overlapped, None where the collective outlasted the compute (the
+    rule does not apply)."""
+    if gemm_s < collective_s or collective_s <= 0:
+        return None
+    lost = overlapped_s - gemm_s
+    if lost <= 0:
+        return 1.0
+    if lost >= collective_s:
+        return 4.0
+    return min(4.0, collective_s / (collective_s - lost))
+
+
 def _collective_worker(rank, world, init, sizes, reps, backend, out):
     import torch
     import torch.distributed as dist
@@ -107,7 +156,7 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
     from .trainer.distributed import init_process_group_for
 
     init_process_group_for(device, init_method=init, rank=rank, world_size=world)
-    res = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}}
+    res = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}, "overlap": {}}
     try:
         for nbytes in sizes:
             n = max(world, nbytes // 4 // world * world)
@@ -124,6 +173,12 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
                 tt = torch.tensor([t], dtype=torch.float64)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                 res[name][n * 4] = float(tt)
+        # compute beside a collective, at the largest size (kernels.collective_slowdown)
+        ov = _overlap_times(device, dist, full, part, reps)
+        tt = torch.tensor([ov["collective_s"], ov["gemm_s"], ov["overlapped_s"]], dtype=torch.float64)
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+        res["overlap"] = dict(ov, collective_s=float(tt[0]), gemm_s=float(tt[1]), overlapped_s=float(tt[2]),
+                              nbytes=n * 4)
         if rank == 0:
             torch.save(res, out)
         dist.barrier()
@@ -158,6 +213,8 @@ def fit_link(times: dict, world: int) -> tuple[float, float, dict]:
     messages, and the per-step latency that the smallest message implies."""
     busbw: dict = {}
     for op, per in times.items():
+        if op == "overlap":
+            continue
         f = (2 if op == "all_reduce" else 1) * (world - 1) / world
         busbw[op] = {s: s / t * f for s, t in per.items()}
     big = max(times["all_gather"])

@@ -174,12 +174,15 @@ def calibrate(
     flops = cal.matmul_flops(device)
     hbm = cal.memory_bandwidth(device)
     adam = cal.adamw_params_per_s(n=16_000_000, threads=found.cpus)  # the node's CPUs together
-    link = {}
+    link, slowdown = {}, None
     if world > 1:
         times = cal.collective_times(world, sizes, backend="nccl" if cuda else "gloo")
         bw, alpha, busbw = cal.fit_link(times, world)
+        ov = times["overlap"]
+        slowdown = cal.slowdown_beside(ov["collective_s"], ov["gemm_s"], ov["overlapped_s"])
         link = {"busbw_bytes_per_s": bw, "latency_s": alpha,
-                "per_size": {op: {str(k): v for k, v in d.items()} for op, d in busbw.items()}}
+                "per_size": {op: {str(k): v for k, v in d.items()} for op, d in busbw.items()},
+                "overlap": dict(ov, slowdown_beside=slowdown)}
     else:
         bw, alpha = hbm, 0.0
     peak = {d: max(v.values()) for d, v in flops.items()}
@@ -196,6 +199,11 @@ def calibrate(
            "measured": True, "device": "gpu" if cuda else "cpu", "source": source}
     if cuda:  # the per-op kernel model's constants (zplan/kernels.py), measured here
         gpu["kernels"] = cal.kernel_constants(device)
+        if slowdown is not None:
+            ov = link["overlap"]
+            gpu["kernels"]["collective_slowdown"] = float(f"{slowdown:.3g}")
+            gpu["kernels"]["source"] += (f"; compute beside a collective: {ov['gemms']} GEMMs of {ov['n']}^3 "
+                                         f"beside an all-gather of {ov['nbytes'] / 2**20:g} MiB")
     cluster = {"name": name, "gpu": name, "gpus_per_node": int(world),
                "intra_node_busbw_bytes_per_s": float(f"{bw:.4g}"),
                "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),
@@ -213,6 +221,11 @@ def calibrate(
     print(f"memory bandwidth: {hbm / 1e9:,.1f} GB/s; CPU AdamW: {adam / 1e6:,.0f} M params/s on {found.cpus} CPUs")
     if link:
         print(f"collectives over {world} ranks: bus bandwidth {bw / 1e9:,.2f} GB/s, latency {alpha * 1e6:,.0f} us per step")
+        ov = link["overlap"]
+        how = (f"{slowdown:.2f}x as long" if slowdown is not None else
+               "not measured (the all-gather outlasted the GEMMs)")
+        print(f"compute beside a collective: GEMMs {ov['gemm_s'] * 1e3:,.2f} ms alone, all-gather "
+              f"{ov['collective_s'] * 1e3:,.2f} ms alone, {ov['overlapped_s'] * 1e3:,.2f} ms together: {how}")
     print(f"wrote {g} and {c}; use --presets {output} --gpu {name} --cluster {name}")
 
 
