@@ -7,7 +7,8 @@
   output tiles of one thread block (NVIDIA, "Matrix Multiplication Background User's Guide",
   wave quantization); skinny GEMMs turn memory-bound. The fixed time (pipeline fill, the last
   wave's drain and epilogue: what a kernel takes beyond its FLOPs and bytes) is a preset
-  constant where a per-shape measurement exists (Hopper: XLA's measured matmul table), else 0.
+  constant where a per-shape measurement exists (Hopper and Blackwell: XLA's measured matmul
+  table), else 0.
   Backward of a linear is two GEMMs: dX (M, K, N) and dW (N, K, M).
 - Flash attention: forward 2·s·h FLOPs per token with the causal half skipped (4·s·h halved),
   backward 2.5x forward (FlashAttention-2: five matmuls to two), at the preset's FlashAttention
