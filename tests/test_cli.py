@@ -335,3 +335,24 @@ def test_deepspeed_layout_warns_that_eager_zero3_overlaps_less(capsys):
     assert (lo, hi) == (round(100 * min(errs)), round(100 * max(errs)))
     assert "DeepSpeed" not in torch_["assumptions"]["overlap"]["meaning"]
     assert "DeepSpeed" not in ddp["assumptions"]["overlap"]["meaning"]  # no ZeRO-3 estimated
+
+
+def test_estimate_states_how_compute_runs_beside_a_collective(capsys):
+    """The assumption behind contention, from the GPU preset: its measured slowdown where it has
+    one (h100-sxm, a100-80gb), NCCL's share of the SMs where it has none (b200); none under
+    --efficiency, where no kernel is priced beside a collective."""
+    from zplan import presets
+    from zplan.kernels import taken_sms
+
+    def assumed(*extra):
+        out = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json", *extra)[1]
+        return json.loads(out)["assumptions"].get("compute_beside_collective")
+
+    for cluster, gpu in (("dgx-h100", "h100-sxm"), ("dgx-a100", "a100-80gb")):
+        want = presets.gpu(gpu).kernels.collective_slowdown
+        assert want is not None and assumed("--cluster", cluster)["value"] == want
+    k = presets.gpu("b200").kernels
+    b200 = assumed("--cluster", "dgx-b200")
+    assert k.collective_slowdown is None and b200["value"] == f"NCCL's {taken_sms(k)} of {k.sm_count} SMs"
+    assert "no measurement" in b200["meaning"]
+    assert assumed("--efficiency", "0.5") is None

@@ -146,6 +146,19 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         "cpu_adam_params_per_s": {"value": sc.hw.cluster.cpu_adam_params_per_s, "flag": "cluster preset",
                                   "meaning": "CPU optimizer throughput per node (offload)"},
     }
+    k = sc.hw.gpu.kernels
+    if k is not None and a.compute_efficiency is None:  # the kernel model prices contention
+        from .kernels import taken_sms
+        measured = k.collective_slowdown is not None
+        out["compute_beside_collective"] = {
+            "value": k.collective_slowdown if measured else
+            f"NCCL's {taken_sms(k)} of {k.sm_count} SMs",
+            "flag": "GPU preset [kernels] collective_slowdown (zplan calibrate measures it)",
+            "meaning": ("how many times longer compute runs while a collective runs beside it, "
+                        "measured (docs/formulas.md section 6)" if measured else
+                        "compute beside a collective runs on the SMs NCCL leaves; this GPU's preset "
+                        "has no measurement of its whole slowdown (docs/formulas.md section 6)")
+            + "; the step loses that share of the communication it hides"}
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}
