@@ -114,7 +114,7 @@ def predict(row: Row) -> Result:
     if est.memory is None or est.timing is None:
         return Result(row, ignored=ignored, error=est.unavailable or "no estimate")
     mem, compared = _memory_figure(est.memory, sc, row.memory_kind or "reserved")
-    comm_s = sum(c.seconds_per_call * c.calls_per_step for c in est.collectives)
+    comm_s = sum(c.seconds_per_step for c in est.collectives)
     return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored, fits=est.fits,
                   comm_share=comm_s / est.timing.compute_s)
 

@@ -54,6 +54,10 @@ class Collective:
         return self.group_size > 1 or self.op in ("h2d", "d2h")
 
     @property
+    def seconds_per_step(self) -> float:
+        return self.seconds_per_call * self.calls_per_step
+
+    @property
     def elements_per_step(self) -> int:
         if self.op in ("h2d", "d2h") or not self.moves:
             return 0

@@ -267,7 +267,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
             call = max(last_bucket, per - sum(bwd)) if (sc.assume.overlap and not after) else per
             exposed += c.calls_per_step * call
             comm_total += c.calls_per_step * per
-        gathers = sum(c.seconds_per_call * c.calls_per_step for c in colls if c.op == "all_gather")
+        gathers = sum(c.seconds_per_step for c in colls if c.op == "all_gather")
         exposed += gathers  # after the step, nothing beside them: exposed, and none of them hidden
         comm_total += gathers
     hidden = max(0.0, comm_total - exposed) if sc.assume.overlap else 0.0
@@ -287,7 +287,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         ranks = min(sc.n, sc.hw.cluster.gpus_per_node)
         shard = sum(sc.shard_elems(u, sc.shard_degree(st.hsdp)) for u in sc.units)
         offload_s = shard / (sc.hw.cluster.cpu_adam_params_per_s / ranks)
-        offload_s += sum(c.seconds_per_call * c.calls_per_step for c in colls
+        offload_s += sum(c.seconds_per_step for c in colls
                          if c.op in ("d2h",) or (c.op == "h2d" and not st.offload_params))
     step = A * mb_compute + exposed + opt_s + offload_s + contention
     tokens = t.micro_batch * t.seq_len * A
