@@ -84,6 +84,23 @@ def test_one_line_per_distinct_error_and_the_agreed_code(tmp_path, monkeypatch, 
     assert summarize({0: _failure(tmp_path, 9, exitcode=-9)}) == (["zplan: error: rank 0 killed by SIGKILL"], 137)
 
 
+def test_error_file_is_whole_or_absent(tmp_path, monkeypatch, capsys):
+    """torchrun's agent reads a failed rank's error file while it kills the others; a rank stopped
+    mid-write must not leave a half file (an empty one crashed the agent with a JSONDecodeError,
+    seen once in CI). The file is renamed into place whole: a write stopped before the rename
+    leaves no file and no temporary beside it, and the rank prints its line itself."""
+    import zplan.files
+
+    def stopped(*a):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(zplan.files.os, "replace", stopped)
+    f = _failure(tmp_path, 3, UsageError("the plan is for 4 ranks"), monkeypatch=monkeypatch)
+    assert list(tmp_path.iterdir()) == []
+    assert "rank 3: the plan is for 4 ranks" in capsys.readouterr().err
+    assert summarize({3: f}) == (["zplan: error: rank 3 exited with code 2"], 2)
+
+
 # ------------------------------------------------------------------ through torchrun (slow)
 
 def _make_plan(run_zplan, path, strategy):

@@ -72,13 +72,17 @@ def report(e: BaseException) -> int:
     rank = os.environ.get("RANK", "0")
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        try:
-            with open(path, "w") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": "",
-                                                                     "timestamp": str(int(time.time()))}},
-                           "zplan": {"line": line, "exit_code": code, "secondary": secondary,
-                                     "rank": int(rank), "time_s": time.time()}}, f)
-        except OSError:
+        from ..errors import ZplanError
+        from ..files import write_text
+
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": "",
+                                                             "timestamp": str(int(time.time()))}},
+                  "zplan": {"line": line, "exit_code": code, "secondary": secondary,
+                            "rank": int(rank), "time_s": time.time()}}
+        try:  # renamed into place whole: torchrun's agent, which kills the other ranks once one
+            # fails, reads the file of a rank killed mid-write (an empty file crashed it)
+            write_text(path, json.dumps(record), "error file")
+        except (OSError, ZplanError):
             path = None
     if not (path and os.environ.get("ZPLAN_LAUNCHER") == "1"):
         print(f"zplan trainer: error: rank {rank}: {line}", file=sys.stderr, flush=True)
