@@ -60,3 +60,56 @@ def test_fit_hint_counts_n_itself_when_the_strategies_left_zero3_out():
     assert fits(sc, "zero3") and not fits(sc, "ddp")
     hints = fit_hints(sc, estimate(sc, ["ddp"]))
     assert "zero3 fits on --gpus 32" not in hints and "zero3 fits on these GPUs (--strategy zero3)" in hints
+
+
+def test_tight_is_a_fit_within_recommends_headroom_of_the_limit(run_zplan):
+    """Llama 3.1 8B on 8 H100 at seq 4096: micro-batch 1 leaves ~40% free, micro-batch 2 fits with
+    ~6% free (tight: inside the memory model's 10% error, where the allocator's retries start),
+    micro-batch 3 does not fit. `tight` is exactly "fits, but not within recommend's headroom"."""
+    import json
+
+    from zplan.estimate import TIGHT_FREE_FRACTION, fits as fits_in
+
+    verdicts = {}
+    for mb in (1, 2, 3):
+        sc = build(ScenarioOptions(model="llama-3.1-8b", gpus="8", seq_len=4096, micro_batch=mb))
+        r = estimate_one(sc, "zero3")
+        cap = sc.hw.gpu.memory_bytes
+        usable = int(cap * (1 - TIGHT_FREE_FRACTION))
+        assert r.tight == (r.fits and not fits_in(sc, "zero3", usable))
+        assert r.tight == (r.fits and r.memory.total_bytes > cap - TIGHT_FREE_FRACTION * cap)
+        verdicts[mb] = "tight" if r.tight else ("yes" if r.fits else "no")
+    assert verdicts == {1: "yes", 2: "tight", 3: "no"}
+    args = ("estimate", "--model", "llama-3.1-8b", "--seq-len", "4096", "--strategy", "zero3")
+    p = run_zplan(*args, "--micro-batch", "2")
+    assert p.returncode == 0, p.stderr
+    row = [x for x in p.stdout.splitlines() if x.startswith("zero3 ")][0]
+    assert row.split()[-3] == "tight"  # ... total, fits, headroom ("5.25 GB")
+    assert "tight: zero3 fits with under 10% of the GPU free" in p.stdout
+    j = json.loads(run_zplan(*args, "--micro-batch", "2", "--json").stdout)
+    assert [s["tight"] for s in j["strategies"]] == [True]
+    j = json.loads(run_zplan(*args, "--micro-batch", "1", "--json").stdout)
+    assert [(s["fits"], s["tight"]) for s in j["strategies"]] == [(True, False)]
+
+
+def test_explain_says_tight(run_zplan):
+    p = run_zplan("explain", "--model", "llama-3.1-8b", "--seq-len", "4096", "--micro-batch", "2",
+                  "--strategy", "zero3")
+    assert p.returncode == 0, p.stderr
+    assert ": fits (tight: under 10% free" in p.stdout
+    p = run_zplan("explain", "--model", "llama-3.1-8b", "--seq-len", "4096", "--strategy", "zero3")
+    assert ": fits\n" in p.stdout
+
+
+def test_recommends_default_headroom_is_the_tight_fraction():
+    """One figure: what estimate calls tight is what recommend keeps free by default (the CLI's
+    defaults are literals so that `zplan --help` does not import the planner)."""
+    import inspect
+
+    from zplan import recommend
+    from zplan.cli import recommend_body, recommend_cmd
+    from zplan.estimate import TIGHT_FREE_FRACTION
+
+    assert inspect.signature(recommend.search).parameters["headroom"].default == TIGHT_FREE_FRACTION
+    assert inspect.signature(recommend_body.run).parameters["headroom"].default == TIGHT_FREE_FRACTION
+    assert inspect.signature(recommend_cmd.recommend).parameters["headroom"].default == TIGHT_FREE_FRACTION

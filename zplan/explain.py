@@ -12,7 +12,7 @@ from . import kernels as K
 from . import nccl
 from . import unit_ops
 from .compute import optimizer_ops, uses_kernel_model
-from .estimate import estimate_one
+from .estimate import TIGHT_FREE_FRACTION, estimate_one
 from .scenario import Scenario
 from .units import DTYPE_BITS, GB, fmt_s, nbytes
 
@@ -90,7 +90,9 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     out.append(f"peak at {mem.peak_event} ({mem.peak_phase}): allocated {_gb(mem.allocated_bytes)}, "
                f"reserved {_gb(mem.reserved_bytes)} ({how})")
     out.append(f"reserved + CUDA context {_gb(sc.assume.cuda_context_bytes)} = {_gb(mem.total_bytes)} of "
-               f"{_gb(hw.gpu.memory_bytes)}: {'fits' if r.fits else 'does NOT fit'}")
+               f"{_gb(hw.gpu.memory_bytes)}: {'fits' if r.fits else 'does NOT fit'}"
+               + (f" (tight: under {TIGHT_FREE_FRACTION:.0%} free, inside the memory model's error)"
+                  if r.tight else ""))
     out.append("")
     out.append("## 6. Communication per step, as NCCL runs it (zplan/nccl.py): per call t = latency + "
                "S(n-1)/(n busbw), twice the volume for all-reduce; FSDP one call per unit, DDP per bucket")

@@ -18,7 +18,7 @@ from functools import lru_cache
 from . import policy
 from .errors import PlanError, UsageError
 from .parse import check_choice
-from .estimate import StrategyEstimate, estimate_one, fits, unavailable_reason
+from .estimate import TIGHT_FREE_FRACTION, StrategyEstimate, estimate_one, fits, unavailable_reason
 from .memory import memory
 from .scenario import Scenario
 from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
@@ -144,7 +144,7 @@ def _variants(base: Scenario, family: str) -> list[Scenario]:
 
 
 def search(base: Scenario, global_batch: int, objective: str = "throughput",
-           headroom: float = 0.1, families: list[str] | None = None,
+           headroom: float = TIGHT_FREE_FRACTION, families: list[str] | None = None,
            alternatives: bool = True) -> Recommendation:
     """Search every configuration; raise PlanError with what would help when nothing fits.
     With `alternatives`, also under expandable segments where the plan assumes classic ones

@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 
-from ..estimate import StrategyEstimate
+from ..estimate import TIGHT_FREE_FRACTION, StrategyEstimate
 from ..scenario import Scenario
 from ..units import GiB, fmt_bytes, fmt_count, fmt_s
 from .textout import Out, TableSpec, escape
@@ -86,6 +86,8 @@ def header(console: Out, sc: Scenario, unit: str) -> None:
 
 
 def _fit(r: StrategyEstimate) -> str:
+    if r.tight:  # within estimate.TIGHT_FREE_FRACTION of the limit: a note below says what it means
+        return "[yellow]tight[/]"
     if r.fits:
         return "[green]yes[/]"
     return "[red]no (host)[/]" if r.headroom_bytes >= 0 and r.host_fits is False else "[red]no[/]"
@@ -211,6 +213,12 @@ def print_estimate(sc: Scenario, results: list[StrategyEstimate], assumed: dict,
     console = make_console()
     header(console, sc, unit)
     console.print(memory_table(results, sc, unit, wide))
+    tight = [r.name for r in results if r.tight]
+    if tight:
+        console.print(f"[yellow]tight[/]: {', '.join(tight)} {'fits' if len(tight) == 1 else 'fit'} with under "
+                      f"{TIGHT_FREE_FRACTION:.0%} of the GPU free, inside the memory model's error; "
+                      "near the limit the caching allocator frees its cache and retries, which "
+                      "slows steps (and the step time above does not include it)")
     bars(console, results, sc, unit)
     console.print(comm_table(results, sc, unit, wide))
     fsdp = [r for r in results if r.timing and r.timing.units]
