@@ -21,8 +21,9 @@ SCHEMA_VERSION = 1
 # num_alloc_retries; c10/cuda/CUDACachingAllocator.cpp), which slows steps by an amount no
 # kernel-level source gives; and 10% is the error the memory model is held to per row (issue 8),
 # so a prediction within it of the limit is not a promise. recommend keeps the same share free
-# (its default --headroom). On the public set the runs above 90% of the GPU measured 20-35% slower
-# than predicted (docs/accuracy-notes.md, finding 9): an observation, not a fitted figure.
+# (its default --headroom). On the public set some runs near the limit measured 16-37% slower than
+# predicted, others not (docs/accuracy-notes.md, findings 9 and 9ah): the flag says the model's
+# margin is gone, it does not predict the slowdown; an observation, not a fitted figure.
 TIGHT_FREE_FRACTION = 0.10
 
 

@@ -218,7 +218,7 @@ def print_estimate(sc: Scenario, results: list[StrategyEstimate], assumed: dict,
         console.print(f"[yellow]tight[/]: {', '.join(tight)} {'fits' if len(tight) == 1 else 'fit'} with under "
                       f"{TIGHT_FREE_FRACTION:.0%} of the GPU free, inside the memory model's error; "
                       "near the limit the caching allocator frees its cache and retries, which "
-                      "slows steps (and the step time above does not include it)")
+                      "slows steps (and the step time below does not include it)")
     bars(console, results, sc, unit)
     console.print(comm_table(results, sc, unit, wide))
     fsdp = [r for r in results if r.timing and r.timing.units]
