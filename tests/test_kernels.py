@@ -215,6 +215,68 @@ def test_composite_fp32_rmsnorm_moves_the_hand_counted_bytes():
     assert not any("RMSNorm" in n for n in compiled)
 
 
+LIGER = Path(__file__).resolve().parents[1] / "benchmarks/published/kernels/liger-norms.csv"
+
+
+def _eager_fractions() -> dict[tuple[str, str], list[float]]:
+    """Per (GPU, norm | rope): zplan's bytes for each measured kernel at the preset's copy rate,
+    over the measured time (Liger-Kernel's benchmark data). The bytes are zplan's own formulas:
+    unit_ops.norm_bytes (composite fp32 for transformers' LlamaRMSNorm, the fused kernel for
+    torch.nn.LayerNorm) and the block's RoPE row, 9 bytes per q/k element in bf16."""
+    from types import SimpleNamespace
+
+    copy = {"A100": presets.gpu("a100-80gb").kernels.hbm_achieved_bytes_per_s,
+            "H100": presets.gpu("h100-sxm").kernels.hbm_achieved_bytes_per_s}
+    out: dict[tuple[str, str], list[float]] = {}
+    with LIGER.open() as f:
+        for r in csv.DictReader(f):
+            g = "A100" if "A100" in r["gpu"] else "H100"
+            B = {"bf16": 2, "fp32": 4}[r["dtype"]]
+            M, W, t = int(r["rows"]), int(r["width"]), float(r["median_ms"]) * 1e-3
+            if "Norm" in r["kernel"]:
+                t_spec = SimpleNamespace(fused_norm="LayerNorm" in r["kernel"], compile=False)
+                nbytes, kind = unit_ops.norm_bytes(t_spec, B, r["mode"] == "backward")[0] * M * W, "norm"
+            else:  # q of width W and k of 8 heads of W / 32, over M tokens
+                nbytes, kind = 9 * (W + 8 * (W // 32)) * B * M, "rope"
+            out.setdefault((g, kind), []).append(nbytes / copy[g] / t)
+    return out
+
+
+def test_eager_norm_efficiency_is_the_median_of_the_measured_kernels():
+    """The presets' eager_norm_efficiency is the median fraction of the copy rate the measured
+    eager norms reach with zplan's byte counts: A100 0.66 (11 points), H100 0.67 (6); every
+    point between 0.6 and 0.75, where a copy would be 1. RoPE (A100 only) measures lower still."""
+    import statistics
+
+    fr = _eager_fractions()
+    assert len(fr[("A100", "norm")]) == 11 and len(fr[("H100", "norm")]) == 6
+    for g, preset in (("A100", "a100-80gb"), ("H100", "h100-sxm")):
+        assert presets.gpu(preset).kernels.eager_norm_efficiency == pytest.approx(
+            statistics.median(fr[(g, "norm")]), abs=0.005)
+        assert all(0.6 < x < 0.75 for x in fr[(g, "norm")])
+    assert max(fr[("A100", "rope")]) < presets.gpu("a100-80gb").kernels.eager_norm_efficiency
+    for same, ref in (("a100-40gb", "a100-80gb"), ("h200", "h100-sxm"), ("h100-hbm2e-500w", "h100-sxm")):
+        assert presets.gpu(same).kernels.eager_norm_efficiency == presets.gpu(ref).kernels.eager_norm_efficiency
+
+
+def test_eager_norms_and_rope_run_at_the_measured_share_of_the_copy_rate():
+    """On H100 the block's eager norms and RoPE take 1/0.67 of their bytes at the copy rate; the
+    residual adds and the activation stay at the copy rate; compiled, the fused norms too."""
+    kw = dict(model="llama-3.1-8b", gpus=8, cluster="dgx-h100", seq_len=4096, layout="torch")
+    sc = scenario(**kw)
+    k = sc.hw.gpu.kernels
+    ops = {o.name: o for o in unit_ops.unit_ops(sc, sc.units[1], backward=True)}
+    for name in ("RMSNorm", "RoPE"):
+        assert ops[name].seconds == pytest.approx(ops[name].bytes / (k.hbm_achieved_bytes_per_s * 0.67))
+    for name in ("SwiGLU", "residual + gradient sums"):
+        assert ops[name].seconds == pytest.approx(ops[name].bytes / k.hbm_achieved_bytes_per_s)
+    # the fused norm's backward: dx (read x, dy, write dx) and the weight gradient (x, dy again)
+    assert ops["RMSNorm"].bytes == 2 * 5 * 2 * 4096 * 4096
+    comp = scenario(**kw, compile=True)
+    fused = [o for o in unit_ops.unit_ops(comp, comp.units[1], backward=False) if "fused" in o.name]
+    assert fused and all(o.seconds == pytest.approx(o.bytes / k.hbm_achieved_bytes_per_s) for o in fused)
+
+
 def test_learned_positions_run_no_rope_kernels():
     sc = scenario(model="mpt-1b", gpus=8, cluster="dgx-h100", seq_len=2048, layout="torch")
     for backward in (False, True):

@@ -141,7 +141,10 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         fixed = f" + {k.gemm_fixed_s * 1e6:g} us each" if k.gemm_fixed_s else ""
         out = [f"## 7. Compute from kernels (docs/formulas.md section 6): GEMM {K.gemm_rate(hw.gpu, k, t.precision.param) / 1e12:,.0f} "
                f"TFLOP/s x wave efficiency{fixed}, {attn}, "
-               f"HBM {k.hbm_achieved_bytes_per_s / 1e9:,.0f} GB/s, floor {k.kernel_floor_s * 1e6:g} us per kernel"]
+               f"HBM {k.hbm_achieved_bytes_per_s / 1e9:,.0f} GB/s"
+               + (f" (eager norms and RoPE at {k.eager_norm_efficiency:.0%} of it, measured)"
+                  if k.eager_norm_efficiency else "")
+               + f", floor {k.kernel_floor_s * 1e6:g} us per kernel"]
         both = []
         for phase, backward in (("forward", False), ("backward", True)):
             ops = unit_ops.unit_ops(sc, u, backward)

@@ -121,16 +121,26 @@ def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, a
             gemm(gpu, f"{name} dW", n_out, n_in, T, dtype, "fp32" if dtype == "fp8" else act)]
 
 
+def eager_norm(gpu: GPUSpec) -> float:
+    """The share of the copy rate eager normalisation and RoPE kernels reach (KernelSpec
+    eager_norm_efficiency; 1 where not measured). Source: Liger-Kernel's benchmark data,
+    benchmarks/published/kernels/liger-norms.csv; docs/formulas.md section 6."""
+    k = gpu.kernels
+    return (k.eager_norm_efficiency if k is not None and k.eager_norm_efficiency else 1.0)
+
+
 def repeat(op: Op, n: int) -> Op:
     """One kernel run n times (a loop over chunks)."""
     return Op(op.name if n == 1 else f"{op.name} x{n}", op.kind, op.kernels * n, op.flop * n,
               op.bytes * n, op.seconds * n, op.contended_s * n)
 
 
-def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int) -> Op:
+def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int, efficiency: float = 1.0) -> Op:
+    """A memory-bound op: its bytes at the copy rate x `efficiency` (eager_norm below), at
+    least the launch floor per kernel."""
     k = gpu.kernels
     assert k is not None
-    work, floor = nbytes / k.hbm_achieved_bytes_per_s, kernels * k.kernel_floor_s
+    work, floor = nbytes / (k.hbm_achieved_bytes_per_s * efficiency), kernels * k.kernel_floor_s
     beside = max(work * max(_slower(k), _measured(k)), floor)  # a launch is no slower
     return Op(name, "memory", kernels, 0, int(nbytes), max(work, floor), beside)
 

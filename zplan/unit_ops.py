@@ -6,7 +6,7 @@ f the MLP width, V the vocabulary), eager first, then torch.compile's fused pass
   forward : RMSNorm 2hB x2 (composite fp32: (28+4B)h x2); RoPE on q and k 9(h+kv)B (mul x4,
             add/sub, stack over halves) or 2(h+kv)B fused, none with learned positions; the attention output transpose copy 2hB; SwiGLU silu + mul 5fB
             (3fB fused), GELU 2fB; two residual adds 6hB (fused into the norms: 8hB for both).
-  backward: RMSNorm 3hB x2 (composite: (76+8B)h x2); RoPE 9(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
+  backward: RMSNorm 5hB x2 (composite: (76+8B)h x2); RoPE 9(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
             GELU 3fB; residual and shared-input gradient sums 15hB (8hB + 6hB fused); with
             biases, each bias gradient reads the output gradient (width x B).
   loss    : logits to fp32, log_softmax, nll: 14V bytes forward, 22V backward (fused: 2V, 4V).
@@ -111,11 +111,13 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     biases = _bias_widths(m)
     if backward and biases:  # autograd's addmm backward: grad_bias = grad_out.sum(0), one kernel each
         rows.append(("bias gradients", sum(biases), len(biases)))
-    ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern)
+    eager = K.eager_norm(gpu)  # row reductions and broadcast tables: below the copy's pace
+    ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern,
+                     eager if n == "RoPE" else 1.0)
             for n, per, kern in rows if per]
     if not t.compile:
         per, kern = norm_bytes(t, S, backward)
-        ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern))
+        ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, eager))
     if casts:
         ops.append(K.memory(gpu, "autocast casts", (B + S) * cast_elems, casts))
     return ops
@@ -155,13 +157,15 @@ def _fused(t) -> bool:
 
 def norm_bytes(t, B: int, backward: bool) -> tuple[int, int]:
     """HBM bytes per element and kernels of one norm, eager. Fused kernel: read x, write y (2B)
-    forward; read x and dy, write dx (3B) backward. Composite fp32 (torchtitan's RMSNorm,
+    forward; backward, read x and dy, write dx, and the weight gradient's kernel reads x and dy
+    again (5B in 2 kernels: PyTorch's layer_norm_backward, aten/src/ATen/native/cuda/
+    layer_norm_kernel.cu, GammaBetaBackward; RMSNorm's fused kernel shares it). Composite fp32 (torchtitan's RMSNorm,
     F.rms_norm's fallback): x.float() B+4, pow 8, mean 4, mul by rsqrt 8, type_as 4+B, x weight
     2B = 28+4B forward in 6 kernels (+2 on the statistics); backward, autograd's reverse of each:
     weight mul 2B and its reduction 4B, type_as B+4, rsqrt mul 8 + 16 for its reduction, mean 4,
     pow (x^1, x 2, x grad) 28, sum of the two gradients 12, float 4+B = 76+8B in 15 kernels."""
     if _fused(t):
-        return (3 * B, 2) if backward else (2 * B, 1)
+        return (5 * B, 2) if backward else (2 * B, 1)
     return (76 + 8 * B, 15) if backward else (28 + 4 * B, 8)
 
 
@@ -171,7 +175,8 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     B, V, h = _b(act), m.vocab_size, m.hidden
     S = _b(t.precision.master) if t.autocast else B  # the residual stream's element
     per, kern = norm_bytes(t, S, backward)
-    ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern)]
+    ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern,
+                    1.0 if t.compile else K.eager_norm(gpu))]  # compiled: one generated kernel
     if t.autocast:  # the head's input (unless compiled) and weight, their gradients back in backward
         ops.append(K.memory(gpu, "autocast casts", (B + S) * ((0 if t.compile else T * h) + V * h),
                             1 if t.compile else 2))
