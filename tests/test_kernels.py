@@ -586,6 +586,27 @@ def test_calibrate_fixed_time_is_the_intercept_of_its_sweep(monkeypatch):
         assert calibrate.gemm_fixed_s(None) == pytest.approx(L, abs=1e-12)
 
 
+def test_calibrate_eager_norm_efficiency_is_bytes_over_time_at_the_copy_rate(monkeypatch):
+    """Given a norm that takes twice its bytes' time at the copy rate, the share is 0.5; a
+    faster-than-copy one (a CPU's caches) is capped at 1. On this CPU, measured for real, it lies
+    in (0, 1]."""
+    import torch
+
+    from zplan import calibrate
+
+    copy = 1e12
+    rows, width = 4096, 8192
+    nbytes = 7 * 4 * rows * width  # fp32: 2 bytes-per-element forward + 5 backward, x 4
+    monkeypatch.setattr(calibrate, "_norm_seconds", lambda d, r, w: 2 * nbytes / copy)
+    assert calibrate.eager_norm_efficiency(None, copy) == pytest.approx(0.5)
+    monkeypatch.setattr(calibrate, "_norm_seconds", lambda d, r, w: 0.5 * nbytes / copy)
+    assert calibrate.eager_norm_efficiency(None, copy) == 1.0
+    monkeypatch.undo()
+    cpu = torch.device("cpu")
+    hbm = calibrate.memory_bandwidth(cpu, nbytes=64 << 20, reps=2)
+    assert 0 < calibrate.eager_norm_efficiency(cpu, hbm, rows=256, width=1024) <= 1
+
+
 def test_slowdown_beside_a_collective_solves_the_overlap_rule():
     """calibrate's slowdown from three times: pytorch PR 172714's H100 benchmark read through
     zplan's times alone (a GEMM of 1.631 ms, an all-gather of 1.302 ms, 2.02 ms together) is the
@@ -629,7 +650,8 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
     assert rates[(128, 128, 128)] > 1e6 and 0 < floor < 0.01 and math.isfinite(fixed) and fixed >= 0
     k = {"gemm_flops": {"bf16": 5e14}, "sm_count": 132, "attention_forward_flops": 3e14,
          "attention_backward_flops": 2.5e14, "attention_half_seq": 300.0,
-         "hbm_achieved_bytes_per_s": 2.9e12, "kernel_floor_s": 5e-6, "gemm_fixed_s": 7.5e-6,
+         "hbm_achieved_bytes_per_s": 2.9e12, "eager_norm_efficiency": 0.671,
+         "kernel_floor_s": 5e-6, "gemm_fixed_s": 7.5e-6,
          "nccl_sm_fraction": 0.121,
          "source": 'zplan calibrate: "quoted" shapes 8192x8192x8192: 700'}
     gpu = {"name": "mine", "memory_bytes": 10**10, "peak_flops": {"fp32": 6e13, "bf16": 9e14},
@@ -641,7 +663,7 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
                                    "host_ram_bytes": 10, "source": "s"})
     spec = presets.gpu(str(g))
     assert spec.kernels.gemm_flops["bf16"] == 5e14 and spec.kernels.nccl_sm_fraction == 0.121
-    assert spec.kernels.gemm_fixed_s == 7.5e-6
+    assert spec.kernels.gemm_fixed_s == 7.5e-6 and spec.kernels.eager_norm_efficiency == 0.671
 
 
 def test_explain_header_prints_the_chosen_attention_kernels_rates():

@@ -292,6 +292,32 @@ def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 12
     return fwd_flop / t_f, 2.5 * fwd_flop / max(t_fb - t_f, 1e-9)
 
 
+def _norm_seconds(device, rows: int, width: int, reps: int = 10) -> float:
+    """Seconds of one eager torch.nn.functional.layer_norm forward and backward (fp32, with a
+    weight and a bias), the kernels Liger-Kernel's benchmark times (benchmarks/published/kernels/)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    w = torch.ones(width, device=device, requires_grad=True)
+    b = torch.zeros(width, device=device, requires_grad=True)
+    dy = torch.randn(rows, width, device=device)
+
+    def fb():
+        F.layer_norm(x, (width,), w, b).backward(dy)
+
+    return _timeit(fb, device, reps)
+
+
+def eager_norm_efficiency(device, copy_bytes_per_s: float, rows: int = 4096,
+                          width: int = 8192) -> float:
+    """The share of the copy rate an eager norm reaches: zplan's bytes for a fused norm's forward
+    and backward (2 + 5 per element, unit_ops.norm_bytes; fp32) over the measured time, at most 1
+    (a CPU's caches can beat its copy rate)."""
+    nbytes = (2 + 5) * 4 * rows * width
+    return min(1.0, nbytes / copy_bytes_per_s / _norm_seconds(device, rows, width))
+
+
 def kernel_floor_s(device, n: int = 2000) -> float:
     """Seconds per tiny kernel issued back to back from eager PyTorch (launch + dispatch)."""
     import torch
@@ -323,11 +349,13 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
         "attention_backward_flops": float(f"{bwd:.4g}"),
         "attention_half_seq": half,
         "hbm_achieved_bytes_per_s": float(f"{hbm:.4g}"),
+        "eager_norm_efficiency": round(eager_norm_efficiency(device, hbm), 3),
         "kernel_floor_s": float(f"{kernel_floor_s(device):.3g}"),
         "gemm_fixed_s": float(f"{gemm_fixed_s(device):.3g}"),
         "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
         "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
-                  f"at s=4096, head dim 128; 1 GiB copy; tiny-kernel loop; GEMM time against K at "
+                  f"at s=4096, head dim 128; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
+                  f"tiny-kernel loop; GEMM time against K at "
                   f"4096 x 4096 (intercept)",
     }
 
