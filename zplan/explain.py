@@ -142,7 +142,7 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         out = [f"## 7. Compute from kernels (docs/formulas.md section 6): GEMM {K.gemm_rate(hw.gpu, k, t.precision.param) / 1e12:,.0f} "
                f"TFLOP/s x wave efficiency{fixed}, {attn}, "
                f"HBM {k.hbm_achieved_bytes_per_s / 1e9:,.0f} GB/s"
-               + (f" (eager norms and RoPE at {k.eager_norm_efficiency:.0%} of it, measured)"
+               + (f" (fused eager norms at {k.eager_norm_efficiency:.0%} of it, measured)"
                   if k.eager_norm_efficiency else "")
                + f", floor {k.kernel_floor_s * 1e6:g} us per kernel"]
         both = []

@@ -122,7 +122,7 @@ def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, a
 
 
 def eager_norm(gpu: GPUSpec) -> float:
-    """The share of the copy rate eager normalisation and RoPE kernels reach (KernelSpec
+    """The share of the copy rate PyTorch's native fused norm kernels reach (KernelSpec
     eager_norm_efficiency; 1 where not measured). Source: Liger-Kernel's benchmark data,
     benchmarks/published/kernels/liger-norms.csv; docs/formulas.md section 6."""
     k = gpu.kernels

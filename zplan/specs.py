@@ -116,10 +116,9 @@ class KernelSpec(Spec):
         0.0, ge=0, description="sequence length at which attention reaches half its rate")
     hbm_achieved_bytes_per_s: float = Field(gt=0, description="a large copy (STREAM-like)")
     eager_norm_efficiency: float | None = Field(
-        None, gt=0, le=1, description="share of the copy rate PyTorch's eager normalisation "
-        "kernels reach (native LayerNorm and RMSNorm, the composite fp32 RMSNorm) and RoPE with its "
-        "broadcast tables: row reductions and broadcasts run below a copy's pace; from kernel-level "
-        "measurements; None: not measured, the copy rate")
+        None, gt=0, le=1, description="share of the copy rate PyTorch's native fused norm "
+        "kernels reach (layer_norm, rms_norm; forward and backward): row reductions run below a "
+        "copy's pace; from kernel-level measurements; None: not measured, the copy rate")
     kernel_floor_s: float = Field(ge=0, description="least time of one kernel as eager "
                                   "PyTorch issues it (launch and dispatch)")
     gemm_fixed_s: float | None = Field(

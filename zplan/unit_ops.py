@@ -111,13 +111,11 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     biases = _bias_widths(m)
     if backward and biases:  # autograd's addmm backward: grad_bias = grad_out.sum(0), one kernel each
         rows.append(("bias gradients", sum(biases), len(biases)))
-    eager = K.eager_norm(gpu)  # row reductions and broadcast tables: below the copy's pace
-    ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern,
-                     eager if n == "RoPE" else 1.0)
+    ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern)
             for n, per, kern in rows if per]
     if not t.compile:
         per, kern = norm_bytes(t, S, backward)
-        ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, eager))
+        ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t)))
     if casts:
         ops.append(K.memory(gpu, "autocast casts", (B + S) * cast_elems, casts))
     return ops
@@ -151,6 +149,13 @@ def _norm_name(m, t) -> str:
     return ("RMSNorm" if m.norm == "rmsnorm" else "LayerNorm") + ("" if _fused(t) else " (composite fp32)")
 
 
+def _norm_pace(gpu, t) -> float:
+    """The share of the copy rate a norm's kernels reach: PyTorch's native fused norm kernel
+    (layer_norm, rms_norm) at the preset's measured eager_norm_efficiency; a composite norm's
+    elementwise kernels and a compiled (generated) one at the copy rate (docs/formulas.md 6)."""
+    return K.eager_norm(gpu) if t.fused_norm and not t.compile else 1.0
+
+
 def _fused(t) -> bool:
     return t.fused_norm or t.compile  # torch.compile generates one kernel per norm
 
@@ -175,8 +180,7 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     B, V, h = _b(act), m.vocab_size, m.hidden
     S = _b(t.precision.master) if t.autocast else B  # the residual stream's element
     per, kern = norm_bytes(t, S, backward)
-    ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern,
-                    1.0 if t.compile else K.eager_norm(gpu))]  # compiled: one generated kernel
+    ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern, _norm_pace(gpu, t))]
     if t.autocast:  # the head's input (unless compiled) and weight, their gradients back in backward
         ops.append(K.memory(gpu, "autocast casts", (B + S) * ((0 if t.compile else T * h) + V * h),
                             1 if t.compile else 2))
