@@ -282,6 +282,30 @@ def test_composite_rmsnorm_bytes_are_what_its_aten_ops_move():
     assert _composite_rmsnorm_bytes(torch.float32) == pytest.approx((38, 114), abs=0.1)
 
 
+def test_rope_bytes_are_what_the_trainers_rope_moves():
+    """The block's RoPE row (9B per q/k element forward, 14B backward; B = 2)
+    is what the trainer's apply_rope moves, counted op by op: forward 18 per element, backward
+    28 (slice_backward zero-fills each strided half before adding it)."""
+    import torch
+
+    from zplan.trainer.model import _rope, apply_rope
+
+    b, s, heads, d = 2, 512, 8, 128
+    x = torch.randn(b, s, heads, d, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = _rope(s, d, "cpu", torch.bfloat16)
+    y = apply_rope(x, cos, sin)
+    dy = torch.randn_like(y)
+    n = x.numel()
+    fwd = _traced_bytes(apply_rope, x, cos, sin) / n
+    bwd = _traced_bytes(lambda: y.backward(dy)) / n
+    sc = scenario(model="llama-3.1-8b", gpus=8, cluster="dgx-h100", seq_len=4096, layout="torch")
+    per = {}
+    for backward in (False, True):
+        op = [o for o in unit_ops.unit_ops(sc, sc.units[1], backward) if o.name == "RoPE"][0]
+        per[backward] = op.bytes / ((sc.model.hidden + sc.model.kv_hidden) * 4096)
+    assert per[False] == pytest.approx(fwd, rel=0.02) and per[True] == pytest.approx(bwd, rel=0.02)
+
+
 def _spec(fused: bool):
     from types import SimpleNamespace
 

@@ -6,7 +6,7 @@ f the MLP width, V the vocabulary), eager first, then torch.compile's fused pass
   forward : RMSNorm 2hB x2 (composite fp32: (28+4B)h x2); RoPE on q and k 9(h+kv)B (mul x4,
             add/sub, stack over halves) or 2(h+kv)B fused, none with learned positions; the attention output transpose copy 2hB; SwiGLU silu + mul 5fB
             (3fB fused), GELU 2fB; two residual adds 6hB (fused into the norms: 8hB for both).
-  backward: RMSNorm 5hB x2 (composite: (76+8B)h x2); RoPE 9(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
+  backward: RMSNorm 5hB x2 (composite: (76+8B)h x2); RoPE 14(h+kv)B (2(h+kv)B fused); copy 2hB; SwiGLU 9fB (5fB fused),
             GELU 3fB; residual and shared-input gradient sums 15hB (8hB + 6hB fused); with
             biases, each bias gradient reads the output gradient (width x B).
   loss    : logits to fp32, log_softmax, nll: 14V bytes forward, 22V backward (fused: 2V, 4V).
@@ -102,7 +102,9 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
             rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (h + kv), 1), copy,
                     ("activation (fused)", (3 if swiglu else 2) * f, 1)]
     elif backward:
-        rows = [("RoPE", 9 * (h + kv), 14), copy, _activation_row(m, t, backward),
+        # RoPE's backward (autograd through apply_rope): four half-width muls, a neg, two adds,
+        # each strided half's slice_backward (zero fill, then the half), the halves' sum: 14 B
+        rows = [("RoPE", 14 * (h + kv), 12), copy, _activation_row(m, t, backward),
                 ("residual + gradient sums", 15 * h, 5)]
     else:
         rows = [("RoPE", 9 * (h + kv), 14), copy, _activation_row(m, t, backward), ("residual adds", 6 * h, 2)]
