@@ -306,6 +306,29 @@ def test_rope_bytes_are_what_the_trainers_rope_moves():
     assert per[False] == pytest.approx(fwd, rel=0.02) and per[True] == pytest.approx(bwd, rel=0.02)
 
 
+@pytest.mark.parametrize("mlp,per_fwd,per_bwd", [("swiglu", 5, 9), ("gelu", 2, 3)])
+def test_activation_bytes_are_what_the_trainers_mlp_moves(mlp, per_fwd, per_bwd):
+    """The activation row (SwiGLU: silu + mul, 5fB forward, 9fB backward; GELU 2fB, 3fB) is
+    what the trainer's activation moves (model.py: F.silu(w1 x) * w3 x, F.gelu(tanh)), counted op
+    by op."""
+    import torch
+    import torch.nn.functional as F
+
+    T, f = 256, 1024
+    a, b = (torch.randn(T, f, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    fn = (lambda a, b: F.silu(a) * b) if mlp == "swiglu" else (lambda a, b: F.gelu(a, approximate="tanh"))
+    y = fn(a, b)
+    dy = torch.randn_like(y)
+    assert _traced_bytes(fn, a, b) / (T * f) == pytest.approx(per_fwd * 2, rel=0.01)
+    assert _traced_bytes(lambda: y.backward(dy)) / (T * f) == pytest.approx(per_bwd * 2, rel=0.01)
+    model = "llama-3.1-8b" if mlp == "swiglu" else "mpt-7b"
+    sc = scenario(model=model, gpus=8, cluster="dgx-h100", seq_len=2048, layout="torch")
+    name = "SwiGLU" if mlp == "swiglu" else "GELU"
+    for backward, per in ((False, per_fwd), (True, per_bwd)):
+        op = [o for o in unit_ops.unit_ops(sc, sc.units[1], backward) if o.name == name][0]
+        assert op.bytes == per * 2 * sc.model.ffn_hidden * 2048
+
+
 def _spec(fused: bool):
     from types import SimpleNamespace
 
