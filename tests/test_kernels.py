@@ -422,8 +422,14 @@ def test_fused_eager_norms_run_at_the_measured_share_of_the_copy_rate():
     assert ops["RMSNorm (composite fp32)"].seconds == at(ops["RMSNorm (composite fp32)"])
     cc = scenario(**kw, compile=True)
     fused = [o for o in unit_ops.unit_ops(cc, cc.units[1], backward=False) if "fused" in o.name]
+    assert fused and all(o.seconds == at(o) for o in fused)
+    # compiled block by block, the final norm outside the blocks runs eager; compiled as a whole
+    # model, it is generated with the rest
     head = [o for o in unit_ops.unit_ops(cc, cc.units[-1], backward=False) if "norm" in o.name.lower()]
-    assert fused and head and all(o.seconds == at(o) for o in fused + head)
+    assert len(head) == 1 and head[0].seconds == at(head[0], 0.67)
+    whole = scenario(**kw, compile=True, compile_scope="model")
+    head = [o for o in unit_ops.unit_ops(whole, whole.units[-1], backward=False) if "norm" in o.name.lower()]
+    assert len(head) == 1 and head[0].seconds == at(head[0])
 
 
 def test_learned_positions_run_no_rope_kernels():

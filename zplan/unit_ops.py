@@ -181,8 +181,11 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     T, act = t.seq_len * t.micro_batch, t.precision.param
     B, V, h = _b(act), m.vocab_size, m.hidden
     S = _b(t.precision.master) if t.autocast else B  # the residual stream's element
-    per, kern = norm_bytes(t, S, backward)
-    ops = [K.memory(gpu, "final " + _norm_name(m, t), per * h * T, kern, _norm_pace(gpu, t))]
+    # compiled block by block (--compile-scope block, torchtitan's apply_compile), the final norm
+    # outside the blocks runs eager; torch.compile(model) generates it with the rest
+    tn = t if t.compile_scope == "model" else t.model_copy(update={"compile": False})
+    per, kern = norm_bytes(tn, S, backward)
+    ops = [K.memory(gpu, "final " + _norm_name(m, tn), per * h * T, kern, _norm_pace(gpu, tn))]
     if t.autocast:  # the head's input (unless compiled) and weight, their gradients back in backward
         ops.append(K.memory(gpu, "autocast casts", (B + S) * ((0 if t.compile else T * h) + V * h),
                             1 if t.compile else 2))
