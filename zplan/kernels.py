@@ -136,7 +136,7 @@ def repeat(op: Op, n: int) -> Op:
 
 
 def memory(gpu: GPUSpec, name: str, nbytes: int, kernels: int, efficiency: float = 1.0) -> Op:
-    """A memory-bound op: its bytes at the copy rate x `efficiency` (eager_norm below), at
+    """A memory-bound op: its bytes at the copy rate x `efficiency` (eager_norm above), at
     least the launch floor per kernel."""
     k = gpu.kernels
     assert k is not None
