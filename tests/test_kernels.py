@@ -743,9 +743,9 @@ def test_calibrate_fixed_time_is_the_intercept_of_its_sweep(monkeypatch):
 
 
 def test_calibrate_eager_norm_efficiency_is_bytes_over_time_at_the_copy_rate(monkeypatch):
-    """Given a norm that takes twice its bytes' time at the copy rate, the share is 0.5; a
-    faster-than-copy one (a CPU's caches) is capped at 1. On this CPU, measured for real, it lies
-    in (0, 1]."""
+    """Given a norm that takes twice its bytes' time at the copy rate (7 bytes per element, fp32,
+    counted here by hand), the share is 0.5; a faster-than-copy one (a CPU's caches) is capped at
+    1. On this CPU the norm it times runs, forward and backward, in a positive finite time."""
     import torch
 
     from zplan import calibrate
@@ -758,9 +758,8 @@ def test_calibrate_eager_norm_efficiency_is_bytes_over_time_at_the_copy_rate(mon
     monkeypatch.setattr(calibrate, "_norm_seconds", lambda d, r, w: 0.5 * nbytes / copy)
     assert calibrate.eager_norm_efficiency(None, copy) == 1.0
     monkeypatch.undo()
-    cpu = torch.device("cpu")
-    hbm = calibrate.memory_bandwidth(cpu, nbytes=64 << 20, reps=2)
-    assert 0 < calibrate.eager_norm_efficiency(cpu, hbm, rows=256, width=1024) <= 1
+    t = calibrate._norm_seconds(torch.device("cpu"), 256, 1024, reps=2)
+    assert math.isfinite(t) and t > 0
 
 
 def test_slowdown_beside_a_collective_solves_the_overlap_rule():

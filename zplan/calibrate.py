@@ -312,9 +312,15 @@ def _norm_seconds(device, rows: int, width: int, reps: int = 10) -> float:
 def eager_norm_efficiency(device, copy_bytes_per_s: float, rows: int = 4096,
                           width: int = 8192) -> float:
     """The share of the copy rate an eager norm reaches: zplan's bytes for a fused norm's forward
-    and backward (2 + 5 per element, unit_ops.norm_bytes; fp32) over the measured time, at most 1
-    (a CPU's caches can beat its copy rate)."""
-    nbytes = (2 + 5) * 4 * rows * width
+    and backward (unit_ops.norm_bytes; fp32) over the measured time, at most 1 (a CPU's caches
+    can beat its copy rate)."""
+    from types import SimpleNamespace
+
+    from .unit_ops import norm_bytes
+
+    fused = SimpleNamespace(fused_norm=True, compile=False)
+    per = norm_bytes(fused, 4, False)[0] + norm_bytes(fused, 4, True)[0]
+    nbytes = per * rows * width
     return min(1.0, nbytes / copy_bytes_per_s / _norm_seconds(device, rows, width))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from ..estimate import TIGHT_FREE_FRACTION
 from ..recommend import Recommendation
 from ..units import fmt_bytes, fmt_s
 from .render import add_columns, bar, make_console, new_table
@@ -21,8 +22,9 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
     console.print(f"[bold green]Recommended:[/] {w.label()}")
     console.print(f"  per GPU {fmt_bytes(m.total_bytes)} of {fmt_bytes(sc.hw.gpu.memory_bytes)} "
                   f"|{bar(m.as_dict(), sc.hw.gpu.memory_bytes)}|"
-                  + (" [yellow]tight[/] (under 10% free, by --headroom: inside the memory model's error, "
-                     "where the caching allocator's retries slow steps)" if w.result.tight else ""))
+                  + (f" [yellow]tight[/] (under {TIGHT_FREE_FRACTION:.0%} free, by --headroom: inside the "
+                     "memory model's error, where the caching allocator's retries slow steps)"
+                     if w.result.tight else ""))
     console.print(f"  step {fmt_s(t.step_s)} (compute {fmt_s(t.compute_s)}, exposed comm "
                   f"{fmt_s(t.exposed_comm_s)}, optimizer {fmt_s(t.optimizer_s)}, offload {fmt_s(t.offload_s)}, "
                   f"contention {fmt_s(t.contention_s)}); "
