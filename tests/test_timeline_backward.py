@@ -5,6 +5,8 @@ returns (zplan/trainer/loop.py), and FSDP2 reshards a unit's weights before its 
 
 from __future__ import annotations
 
+import pytest
+
 from zplan.memory import timeline
 from zplan.memory_timeline import activations
 from zplan.scenario_options import ScenarioOptions, build
@@ -32,3 +34,76 @@ def test_backward_of_a_block_holds_the_logits():
     ev = {e.label: e for e in timeline(sc, effective("zero3", "torch"))}["backward blocks.0"]
     own = acts.saved[0] + acts.saved[1] + acts.recompute[1] + acts.backward_temp[1]
     assert ev.live["activations"] - own == 2 * S * V  # the bf16 logits, still referenced
+
+
+# ------------------------------------------------- gloo's reduce-scatter clones its input
+
+TINY_BLOCK = 2 * 256 * 256 + 2 * 128 * 256 + 3 * 688 * 256 + 2 * 256  # tiny.toml: q, o, k, v, MLP, 2 norms
+
+
+def _cpu_events(gpu: str, cluster: str):
+    sc = build(ScenarioOptions(model="tiny", gpu=gpu, cluster=cluster, gpus="2", layout="torch",
+                               seq_len=64, micro_batch=2))
+    return {e.label: e for e in timeline(sc, effective("zero3", "torch"))}
+
+
+def test_cpu_ranks_hold_a_second_reduce_scatter_input_at_the_collective():
+    """On CPU ranks (gloo) a block's reduce-scatter holds its fp32 input twice, beside the
+    sharded output it writes into; on GPUs (NCCL) there is no such moment."""
+    cpu = _cpu_events("cpu", "cpu-local")
+    at, before = cpu["reduce-scatter blocks.1 (gloo's copy)"], cpu["reduce-scatter blocks.1"]
+    assert at.live["reduce_scatter"] == 2 * 4 * TINY_BLOCK  # fp32 reduce dtype, the whole unit
+    # the block's sharded gradient (fp32, half of it on 2 ranks) is allocated before the call
+    assert at.live["grads"] - before.live["grads"] == 4 * TINY_BLOCK // 2
+    assert not any("gloo" in k for k in _cpu_events("h100-sxm", "dgx-h100"))
+
+
+GLOO_PROBE = r'''
+import os, sys, torch, torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class Storages(TorchDispatchMode):
+    """The storages of the tensors ops return on the calling thread, as FSDPMemTracker counts
+    them: by storage, whatever view of it an op returns."""
+    def __init__(self, known):
+        super().__init__()
+        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.made = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else [out]):
+            st = o.untyped_storage() if isinstance(o, torch.Tensor) else None
+            if st is not None and st.data_ptr() not in self.seen:
+                self.seen.add(st.data_ptr())
+                self.made.append(st.nbytes())
+        return out
+
+dist.init_process_group("gloo")
+n = 1 << 16
+inp, out = torch.ones(2 * n), torch.empty(n)
+rec = Storages([inp, out])
+with rec:
+    dist.reduce_scatter_tensor(out, inp)
+assert torch.equal(out, torch.full((n,), 2.0))
+if dist.get_rank() == 0:
+    print("MADE", rec.made)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_gloo_reduce_scatter_allocates_a_copy_of_its_input(tmp_path):
+    """The fact gloo_reduce_scatter_copies_its_input rests on, held against torch itself: a
+    reduce_scatter_tensor over gloo makes one storage on the calling thread, the size of its input
+    (the clone it all-reduces; the chunk copied out is a view of it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(GLOO_PROBE)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, p.stderr[-3000:]
+    made = next(line for line in p.stdout.splitlines() if line.startswith("MADE"))
+    assert made == f"MADE [{4 * 2 * (1 << 16)}]", made

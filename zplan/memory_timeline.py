@@ -49,6 +49,16 @@ def tied_grads_summed_out_of_place(sc: Scenario) -> bool:
     return sc.model.tied_embeddings and sc.train.linear_loss == "none" and not sc.train.autocast
 
 
+def gloo_reduce_scatter_copies_its_input(sc: Scenario) -> bool:
+    """Whether FSDP2's reduce-scatter holds a second copy of its input while it runs: on CPU
+    ranks, whose collectives go over gloo. ProcessGroupGloo implements reduce_scatter_tensor as
+    an all-reduce of a clone of the input (`buffers.push_back(inputTensors[i].clone())` in
+    reduce_scatter_tensor_coalesced, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), made on
+    the calling thread and released once the chunk is copied out; NCCL reduces from the input
+    itself. Measured on 2 CPU ranks: tests/test_timeline_backward.py."""
+    return sc.hw.gpu.device == "cpu"
+
+
 class Event:
     """One moment of the step: its phase, a label, and the live bytes by kind (KINDS; a kind
     not named holds nothing)."""
@@ -186,6 +196,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     2.13 _fsdp_param_group.py), so it is counted with the gathered weights."""
     n = len(gathered)
     one_rank = one_rank_copy is not None
+    gloo_copy = gloo_reduce_scatter_copies_its_input(sc) and not one_rank
     prefetch = sc.train.prefetch and not one_rank
     held_b = sum(g for g, h in zip(gathered, held) if h)
     moving = [0 if h else g for g, h in zip(gathered, held)]
@@ -315,6 +326,15 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       unsharded_grads=accum_b + (0 if accum_b else unsharded_grad[j]) + (hold if j != head else 0),
                       reduce_scatter=reduce_in[j],
                       activations=before + acts.stream_bytes))
+        if gloo_copy and reduce_in[j]:
+            # gloo, at the collective: the unsharded gradients freed, the sharded output
+            # allocated, and the input cloned (gloo_reduce_scatter_copies_its_input)
+            ev.append(_ev("backward", f"reduce-scatter {name} (gloo's copy)", state=state_b,
+                          grads=grads_at(j + 1) + sharded_grad[j],
+                          gathered=gath - (gathered[j] if held[j] else moving[j]), all_gather=prv(j),
+                          unsharded_grads=accum_b + (hold if j != head else 0),
+                          reduce_scatter=2 * reduce_in[j],
+                          activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b))
     return ev
