@@ -42,7 +42,8 @@ def test_each_checkpointed_block_is_gathered_again_and_it_is_exposed():
     assert 0 < more_compute < 0.3 * ag  # FSDP2's copy-in and copy-out once more: HBM passes
     assert around.timing.contention_s <= inside.timing.contention_s  # less hides
     assert around.timing.step_s - inside.timing.step_s == pytest.approx(
-        exposed + more_compute + around.timing.contention_s - inside.timing.contention_s, rel=1e-9)
+        exposed + more_compute + around.timing.contention_s - inside.timing.contention_s
+        + around.timing.slowest_rank_s - inside.timing.slowest_rank_s, rel=1e-9)
     # memory: the gathered unit is freed after the recompute and gathered again: the same peak
     assert around.memory.reserved_bytes == inside.memory.reserved_bytes
 

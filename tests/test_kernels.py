@@ -599,7 +599,7 @@ def test_contention_charges_the_sm_share_of_hidden_communication():
     t = r.timing
     assert t.contention_s > 0
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.optimizer_s
-                                     + t.offload_s + t.contention_s, rel=1e-12)
+                                     + t.offload_s + t.contention_s + t.slowest_rank_s, rel=1e-12)
     hidden = sum(c.seconds_per_call * c.calls_per_step for c in r.collectives) - t.exposed_comm_s
     assert t.contention_s == pytest.approx(t.contention_share * hidden, rel=1e-9)
     # large GEMMs (4096 tokens): at least NCCL's 16 of 132 SMs' share
@@ -999,3 +999,80 @@ def test_explain_shows_what_compute_loses_beside_a_collective(tmp_path):
     assert share(8192, sms_only) == pytest.approx(16 / 132, abs=2e-3)
     for seq in (512, 8192):
         assert 1 - 1 / 1.43 - 0.04 <= share(seq) < 0.5
+
+
+# ----------------------------------------------------------- the slowest rank paces the step
+
+def test_expected_max_of_normals_matches_order_statistics():
+    """Textbook values: E[max of 2] = 1/sqrt(pi), of 3 = 3/(2 sqrt(pi)); of 8, 1.42360 and of
+    100, 2.50759 (Harter's 1961 tables of expected normal order statistics)."""
+    from zplan.kernels import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-6)
+    assert expected_max_normal(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), abs=1e-6)
+    assert expected_max_normal(8) == pytest.approx(1.42360, abs=1e-5)
+    assert expected_max_normal(100) == pytest.approx(2.50759, abs=1e-5)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _perlmutter_jobs():
+    path = ROOT / "benchmarks" / "published" / "kernels" / "perlmutter-a100-gemm.csv"
+    rows = list(csv.DictReader(path.open()))
+    times = [float(r["Time"]) for r in rows]
+    return [times[i:i + 64] for i in range(0, len(times), 64)]
+
+
+def test_rank_speed_spread_is_perlmutters_measured_gemm_spread():
+    """The A100 presets' rank_speed_spread is the standard deviation of each GPU's GEMM time over
+    its job's median, recomputed from the transcribed data (50 jobs of 64 GPUs); every other
+    preset that has one says it assumes A100's."""
+    import statistics
+
+    jobs = _perlmutter_jobs()
+    assert len(jobs) == 50 and all(len(j) == 64 for j in jobs)
+    rel = [t / statistics.median(j) for j in jobs for t in j]
+    # a lasting property of the device: the same GPU in two jobs (560 of them) correlates
+    rows = list(csv.DictReader((ROOT / "benchmarks/published/kernels/perlmutter-a100-gemm.csv").open()))
+    seen: dict = {}
+    for i, r in enumerate(rows):
+        seen.setdefault((r["Node"], r["GPU"]), []).append(rel[i] - 1)
+    twice = [v[:2] for v in seen.values() if len(v) > 1]
+    assert len(twice) == 560 and statistics.correlation(*zip(*twice)) > 0.9
+    for name in ("a100-40gb", "a100-80gb"):
+        assert presets.gpu(name).kernels.rank_speed_spread == pytest.approx(statistics.pstdev(rel), abs=5e-5)
+    for f in sorted((ROOT / "presets" / "gpus").glob("*.toml")):
+        text = f.read_text()
+        if "rank_speed_spread" in text and not f.stem.startswith("a100"):
+            assert "ASSUMED" in text and presets.gpu(f.stem).kernels.rank_speed_spread == presets.gpu("a100-40gb").kernels.rank_speed_spread
+
+
+def test_slowest_of_64_ranks_against_the_measured_jobs():
+    """The normal model's slowest of 64 against each measured job's slowest GPU (time over the
+    job's median): within half a point of the median job's."""
+    import statistics
+
+    from zplan.kernels import slowest_rank_factor
+
+    lag = statistics.median(max(j) / statistics.median(j) - 1 for j in _perlmutter_jobs())
+    assert slowest_rank_factor(presets.gpu("a100-40gb").kernels, 64) - 1 == pytest.approx(lag, abs=0.005)
+    assert slowest_rank_factor(presets.gpu("a100-40gb").kernels, 1) == 1.0
+    assert slowest_rank_factor(None, 64) == 1.0
+
+
+def test_step_waits_for_the_slowest_rank():
+    """The step's compute, optimizer and contention grow by σ E[max of N]; one GPU waits for
+    nobody; a preset without a spread is unchanged."""
+    from zplan.kernels import slowest_rank_factor
+
+    for n in ("1", "64"):
+        sc = scenario(model="llama-3.1-8b", gpu="h100-sxm", cluster="dgx-h100", gpus=n, seq_len=4096, micro_batch=1)
+        tm = est("zero3", model="llama-3.1-8b", gpu="h100-sxm", cluster="dgx-h100", gpus=n, seq_len=4096,
+                 micro_batch=1).timing
+        f = slowest_rank_factor(sc.hw.gpu.kernels, sc.n)
+        base = tm.compute_s + tm.optimizer_s + tm.contention_s
+        assert tm.slowest_rank_s == pytest.approx(base * (f - 1), rel=1e-12)
+        assert tm.step_s == pytest.approx(base + tm.exposed_comm_s + tm.offload_s + tm.slowest_rank_s, rel=1e-12)
+        assert (tm.slowest_rank_s > 0) == (n == "64")

@@ -51,6 +51,7 @@ class Timing:
     contention_s: float = 0.0  # compute slowed by NCCL collectives beside it (SMs, HBM, power)
     contention_share: float = 0.0  # contention_s / the communication hidden under compute
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by kind of op
+    slowest_rank_s: float = 0.0  # the slowest rank's compute beyond the median GPU's
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -289,12 +290,17 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         offload_s = shard / (sc.hw.cluster.cpu_adam_params_per_s / ranks)
         offload_s += sum(c.seconds_per_step for c in colls
                          if c.op in ("d2h",) or (c.op == "h2d" and not st.offload_params))
-    step = A * mb_compute + exposed + opt_s + offload_s + contention
+    # the slowest rank's compute over the median GPU's (kernels.slowest_rank_factor)
+    slowest = (A * mb_compute + opt_s + contention) * (
+        K.slowest_rank_factor(k, sc.n) - 1) if kernels else 0.0
+    step = A * mb_compute + exposed + opt_s + offload_s + contention + slowest
     tokens = t.micro_batch * t.seq_len * A
     flop = arch.model_flop_per_token(m, t.seq_len) * tokens
     peak = sc.hw.gpu.flops(t.precision.param)
     breakdown = {name: A * v for name, v in kinds.items()}
     breakdown.update(optimizer=opt_s, contention=contention)
+    if kernels:
+        breakdown["slowest_rank"] = slowest
     return Timing(
         compute_s=A * mb_compute,
         exposed_comm_s=exposed,
@@ -307,4 +313,5 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         contention_s=contention,
         contention_share=slow,
         breakdown=breakdown,
+        slowest_rank_s=slowest,
     )

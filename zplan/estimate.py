@@ -178,6 +178,14 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         "compute beside a collective runs on the SMs NCCL leaves; this GPU's preset "
                         "has no measurement of its whole slowdown (docs/formulas.md section 6)")
             + "; the step loses that share of the communication it hides"}
+        if k.rank_speed_spread and sc.n > 1:
+            from .kernels import slowest_rank_factor
+            out["slowest_rank"] = {
+                "value": k.rank_speed_spread, "flag": "GPU preset [kernels] rank_speed_spread",
+                "meaning": f"GPU speeds spread this much (one standard deviation) around the median; the "
+                           f"slowest of {sc.n} ranks paces every step: "
+                           f"{slowest_rank_factor(k, sc.n) - 1:+.1%} (A100: measured on 3,200 Perlmutter "
+                           "GPUs; other presets assume A100's; docs/formulas.md section 6)"}
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}
@@ -185,7 +193,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
             "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: DeepSpeed's published "
-            "runs on 32 H100 measured 13-25% slower than overlap predicts, their communication "
+            "runs on 32 H100 measured 11-22% slower than overlap predicts, their communication "
             "adding nearly serially (docs/accuracy-notes.md 9aa, 9ac, 9af)")
     if zero3:
         out["zero_init"] = {

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .specs import GPUSpec, KernelSpec
 from .units import DTYPE_BITS
@@ -269,3 +270,32 @@ def by_kind(ops: list[Op]) -> dict[str, float]:
     for o in ops:
         out[o.kind] = out.get(o.kind, 0.0) + o.seconds
     return out
+
+
+@lru_cache(maxsize=256)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normal draws]: the integral of x n φ(x) Φ(x)^(n-1) over
+    x, by the midpoint rule on [-9, 9] in steps of 1/256 (abs. error < 1e-6 for n up to 10^6;
+    n = 2: 1/√π = 0.5642, n = 8: 1.4236, textbook order-statistics values, tests/test_kernels.py).
+    0 for one draw."""
+    if n <= 1:
+        return 0.0
+    h, total = 1 / 256, 0.0
+    for i in range(-9 * 256, 9 * 256):
+        x = (i + 0.5) * h
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * cdf ** (n - 1) * h
+    return total
+
+
+def slowest_rank_factor(k: KernelSpec | None, ranks: int) -> float:
+    """How much longer the slowest of `ranks` GPUs takes over the median GPU's compute, which
+    the kernel model prices: 1 + σ E[max of n standard normals], σ the preset's
+    rank_speed_spread. A synchronous step (every FSDP unit's collective, every DDP bucket) waits
+    for its slowest rank, and a GPU's speed is a lasting property of the device (the same GPU
+    measured in two jobs correlates at r = 0.95 on Perlmutter's A100s:
+    benchmarks/published/kernels/README.md), so the slowest rank paces every step. 1 where the
+    preset has no spread or the run has one rank (docs/formulas.md section 6)."""
+    if k is None or not k.rank_speed_spread or ranks <= 1:
+        return 1.0
+    return 1 + k.rank_speed_spread * expected_max_normal(ranks)

@@ -132,6 +132,10 @@ class KernelSpec(Spec):
         None, ge=1, le=4, description="how many times longer compute takes while an NCCL "
         "collective runs beside it (SMs, HBM traffic, power), from a kernel-level measurement "
         "of a GEMM of many waves; None: not measured, only the SMs NCCL's channels hold")
+    rank_speed_spread: float | None = Field(
+        None, ge=0, le=0.1, description="standard deviation of one GPU's compute speed across "
+        "GPUs of this model, as a fraction of the median (manufacturing and power management): "
+        "a synchronous step waits for the slowest rank; None: every rank at the median")
     source: str
 
 

@@ -27,7 +27,7 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
                      if w.result.tight else ""))
     console.print(f"  step {fmt_s(t.step_s)} (compute {fmt_s(t.compute_s)}, exposed comm "
                   f"{fmt_s(t.exposed_comm_s)}, optimizer {fmt_s(t.optimizer_s)}, offload {fmt_s(t.offload_s)}, "
-                  f"contention {fmt_s(t.contention_s)}); "
+                  f"contention {fmt_s(t.contention_s)}, slowest rank {fmt_s(t.slowest_rank_s)}); "
                   f"{t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU {t.mfu:.1%}")
     if t.units:
         hidden = sum(u.forward_hidden for u in t.units[1:])
