@@ -805,7 +805,7 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
          "attention_backward_flops": 2.5e14, "attention_half_seq": 300.0,
          "hbm_achieved_bytes_per_s": 2.9e12, "eager_norm_efficiency": 0.671,
          "kernel_floor_s": 5e-6, "gemm_fixed_s": 7.5e-6,
-         "nccl_sm_fraction": 0.121,
+         "nccl_sm_fraction": 0.121, "rank_speed_spread": 0.0123,
          "source": 'zplan calibrate: "quoted" shapes 8192x8192x8192: 700'}
     gpu = {"name": "mine", "memory_bytes": 10**10, "peak_flops": {"fp32": 6e13, "bf16": 9e14},
            "hbm_bytes_per_s": 3e12, "host_link_bytes_per_s": 5e10, "measured": True,
@@ -817,6 +817,16 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
     spec = presets.gpu(str(g))
     assert spec.kernels.gemm_flops["bf16"] == 5e14 and spec.kernels.nccl_sm_fraction == 0.121
     assert spec.kernels.gemm_fixed_s == 7.5e-6 and spec.kernels.eager_norm_efficiency == 0.671
+    assert spec.kernels.rank_speed_spread == 0.0123
+
+
+def test_calibrated_spread_is_the_ranks_standard_deviation_over_their_median():
+    from zplan.calibrate import rank_speed_spread
+
+    assert rank_speed_spread([2.0, 2.0, 2.0, 2.0]) == 0.0
+    # times 0.99, 1, 1, 1.01 of the median: deviations -0.01, 0, 0, +0.01 -> sqrt(0.0002 / 4)
+    assert rank_speed_spread([0.99, 1.0, 1.0, 1.01]) == pytest.approx(math.sqrt(0.0002 / 4), rel=1e-9)
+    assert rank_speed_spread([1.0, 1.1, 0.9]) is None  # under 4 ranks
 
 
 def test_explain_header_prints_the_chosen_attention_kernels_rates():

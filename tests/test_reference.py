@@ -116,6 +116,8 @@ def test_calibrate_writes_usable_presets(run_zplan, tmp_path):
     ov = d["link"]["overlap"]  # compute beside a collective, timed (written to a GPU preset only)
     assert ov["gemms"] >= 1 and ov["overlapped_s"] > 0
     assert ov["slowdown_beside"] is None or 1 <= ov["slowdown_beside"] <= 4
+    per = d["link"]["gemm_per_rank_s"]  # one GEMM on each rank at once; no spread from 2 ranks
+    assert len(per) == 2 and min(per) > 0 and d["link"]["rank_speed_spread"] is None
     e = run_zplan("estimate", "--presets", str(out), "--gpu", "calibrated", "--cluster", "calibrated",
                   "--model", "tiny", "--gpus", "2", "--seq-len", "128", "--json")
     assert e.returncode == 0, e.stderr

@@ -179,12 +179,31 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         res["overlap"] = dict(ov, collective_s=float(tt[0]), gemm_s=float(tt[1]), overlapped_s=float(tt[2]),
                               nbytes=n * 4)
+        # each rank's GEMM, all ranks at once as in a training step (kernels.slowest_rank_factor)
+        dist.barrier()
+        per = torch.zeros(world, dtype=torch.float64)
+        per[rank] = _gemm_seconds(device, *((8192,) * 3 if device.type == "cuda" else (256,) * 3), 1.0)
+        dist.all_reduce(per)
+        res["gemm_per_rank_s"] = per.tolist()
         if rank == 0:
             torch.save(res, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     os._exit(0)  # as zplan.reference.selfcheck: skip gloo's teardown, which can abort
+
+
+def rank_speed_spread(per_rank_s: list[float]) -> float | None:
+    """The standard deviation of the ranks' GEMM times over their median (the preset's
+    rank_speed_spread, as measured on Perlmutter: benchmarks/published/kernels/README.md), from
+    one GEMM timed on every rank at once; None under 4 ranks, too few to say anything of a
+    spread (with 8 the estimate itself is uncertain by about a quarter)."""
+    import statistics
+
+    if len(per_rank_s) < 4 or min(per_rank_s) <= 0:
+        return None
+    med = statistics.median(per_rank_s)
+    return statistics.pstdev([t / med for t in per_rank_s])
 
 
 def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str = "gloo") -> dict:
@@ -212,9 +231,8 @@ def fit_link(times: dict, world: int) -> tuple[float, float, dict]:
     """Bus bandwidth (nccl-tests: algbw x (n-1)/n, x 2(n-1)/n for all-reduce) at the largest
     messages, and the per-step latency that the smallest message implies."""
     busbw: dict = {}
-    for op, per in times.items():
-        if op == "overlap":
-            continue
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        per = times[op]
         f = (2 if op == "all_reduce" else 1) * (world - 1) / world
         busbw[op] = {s: s / t * f for s, t in per.items()}
     big = max(times["all_gather"])

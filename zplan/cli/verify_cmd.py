@@ -182,7 +182,8 @@ def calibrate(
         slowdown = cal.slowdown_beside(ov["collective_s"], ov["gemm_s"], ov["overlapped_s"])
         link = {"busbw_bytes_per_s": bw, "latency_s": alpha,
                 "per_size": {op: {str(k): v for k, v in d.items()} for op, d in busbw.items()},
-                "overlap": dict(ov, slowdown_beside=slowdown)}
+                "overlap": dict(ov, slowdown_beside=slowdown), "gemm_per_rank_s": times["gemm_per_rank_s"],
+                "rank_speed_spread": cal.rank_speed_spread(times["gemm_per_rank_s"])}
     else:
         bw, alpha = hbm, 0.0
     peak = {d: max(v.values()) for d, v in flops.items()}
@@ -204,6 +205,10 @@ def calibrate(
             gpu["kernels"]["collective_slowdown"] = float(f"{slowdown:.3g}")
             gpu["kernels"]["source"] += (f"; compute beside a collective: {ov['gemms']} GEMMs of {ov['n']}^3 "
                                          f"beside an all-gather of {ov['nbytes'] / 2**20:g} MiB")
+        spread = cal.rank_speed_spread(times["gemm_per_rank_s"]) if world > 1 else None
+        if spread is not None:
+            gpu["kernels"]["rank_speed_spread"] = float(f"{spread:.3g}")
+            gpu["kernels"]["source"] += f"; GPU speed spread: one 8192^3 GEMM on each of {world} GPUs at once"
     cluster = {"name": name, "gpu": name, "gpus_per_node": int(world),
                "intra_node_busbw_bytes_per_s": float(f"{bw:.4g}"),
                "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),
@@ -226,6 +231,11 @@ def calibrate(
                "not measured (the all-gather outlasted the GEMMs)")
         print(f"compute beside a collective: GEMMs {ov['gemm_s'] * 1e3:,.2f} ms alone, all-gather "
               f"{ov['collective_s'] * 1e3:,.2f} ms alone, {ov['overlapped_s'] * 1e3:,.2f} ms together: {how}")
+        per, spread = link["gemm_per_rank_s"], link["rank_speed_spread"]
+        print(f"one GEMM on each rank at once: {min(per) * 1e3:,.2f}-{max(per) * 1e3:,.2f} ms; spread "
+              + (f"{spread:.2%} (one standard deviation over the median)" if spread is not None
+                 else f"not estimated from {len(per)} ranks (4 or more)")
+              + ("" if cuda else "; CPU ranks share cores, so this is not a device's spread"))
     print(f"wrote {g} and {c}; use --presets {output} --gpu {name} --cluster {name}")
 
 
