@@ -1086,3 +1086,22 @@ def test_step_waits_for_the_slowest_rank():
         assert tm.slowest_rank_s == pytest.approx(base * (f - 1), rel=1e-12)
         assert tm.step_s == pytest.approx(base + tm.exposed_comm_s + tm.offload_s + tm.slowest_rank_s, rel=1e-12)
         assert (tm.slowest_rank_s > 0) == (n == "64")
+
+
+def test_slowest_rank_is_shown_where_the_step_is(capsys):
+    """explain derives it, the JSON carries it, the assumptions name the preset field."""
+    import json
+
+    from tests.helpers import cli
+    from zplan.explain import explain_lines
+    from zplan.kernels import expected_max_normal
+
+    kw = dict(model="llama-3.1-8b", gpu="a100-80gb", cluster="dgx-a100", gpus="64")
+    text = "\n".join(explain_lines(scenario(**kw), "zero3"))
+    assert "slowest of 64 ranks: GPU speeds spread 1.05%" in text
+    assert f"{expected_max_normal(64):.2f} standard deviations slower" in text
+    out = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--cluster",
+                         "dgx-a100", "--gpus", "64", "--strategy", "zero3", "--json").stdout)
+    t = out["strategies"][0]["time"]
+    assert t["slowest_rank_s"] > 0 and t["breakdown"]["slowest_rank"] == t["slowest_rank_s"]
+    assert out["assumptions"]["slowest_rank"]["value"] == 0.0105

@@ -41,9 +41,9 @@ def test_backward_of_a_block_holds_the_logits():
 TINY_BLOCK = 2 * 256 * 256 + 2 * 128 * 256 + 3 * 688 * 256 + 2 * 256  # tiny.toml: q, o, k, v, MLP, 2 norms
 
 
-def _cpu_events(gpu: str, cluster: str):
+def _cpu_events(gpu: str, cluster: str, **kw):
     sc = build(ScenarioOptions(model="tiny", gpu=gpu, cluster=cluster, gpus="2", layout="torch",
-                               seq_len=64, micro_batch=2))
+                               seq_len=64, micro_batch=2, **kw))
     return {e.label: e for e in timeline(sc, effective("zero3", "torch"))}
 
 
@@ -56,6 +56,15 @@ def test_cpu_ranks_hold_a_second_reduce_scatter_input_at_the_collective():
     # the block's sharded gradient (fp32, half of it on 2 ranks) is allocated before the call
     assert at.live["grads"] - before.live["grads"] == 4 * TINY_BLOCK // 2
     assert not any("gloo" in k for k in _cpu_events("h100-sxm", "dgx-h100"))
+
+
+def test_gloo_copy_after_an_accumulated_gradient_is_dropped():
+    """Reducing only on the last micro-batch, the unit's accumulated gradient (fp32, the reduce
+    dtype) is copied in and dropped before the collective (post_backward, then foreach_reduce's
+    clear): the gloo event holds the other units' accumulated gradients only."""
+    ev = _cpu_events("cpu", "cpu-local", grad_accum=2, reduce_last_only=True)
+    at, before = ev["reduce-scatter blocks.1 (gloo's copy)"], ev["reduce-scatter blocks.1"]
+    assert before.live["unsharded_grads"] - at.live["unsharded_grads"] == 4 * TINY_BLOCK
 
 
 GLOO_PROBE = r'''

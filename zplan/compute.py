@@ -51,7 +51,7 @@ class Timing:
     contention_s: float = 0.0  # compute slowed by NCCL collectives beside it (SMs, HBM, power)
     contention_share: float = 0.0  # contention_s / the communication hidden under compute
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by kind of op
-    slowest_rank_s: float = 0.0  # the slowest rank's compute beyond the median GPU's
+    slowest_rank_s: float = 0.0  # the slowest rank's compute, optimizer, contention beyond the median GPU's
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -233,7 +233,13 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     t, m = sc.train, sc.model
     fwd, bwd, kinds, beside = unit_seconds(sc, st)
     A = t.grad_accum
-    mb_compute = sum(fwd) + sum(bwd)
+    mb_compute = sum(fwd) + sum(bwd)  # the median GPU's
+    k = sc.hw.gpu.kernels
+    kernels = k is not None and uses_kernel_model(sc)
+    # the slowest rank paces the step (kernels.slowest_rank_factor): the overlap of each unit's
+    # collectives is with its compute, whose extra time hides what communication it can
+    f = K.slowest_rank_factor(k, sc.n) if kernels else 1.0
+    fwd, bwd = [x * f for x in fwd], [x * f for x in bwd]
     overlaps: list[UnitOverlap] = []
     comm_total = 0.0  # seconds of collectives that run beside compute, per step
     copies = 0.0  # of which host->GPU copies (offload-all): copy engines, no SMs taken
@@ -275,11 +281,9 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     if comm_total > 0:
         hidden *= 1 - copies / comm_total  # NCCL's share of what hides: the copies run on copy
         # engines, no SMs (their HBM traffic, which copy-engine all-gathers measure, is not charged)
-    k = sc.hw.gpu.kernels
     # compute beside a collective runs at mb_compute / beside of its pace (the micro-batch's mix
     # of kernels, each Op's contended_s: GEMMs by their waves over the SMs left, every kernel at
     # least the preset's measured collective_slowdown): that share of the hidden time is lost
-    kernels = k is not None and uses_kernel_model(sc)
     slow = max(0.0, 1 - mb_compute / beside) if (kernels and beside > 0) else 0.0  # >= 0: rounding
     contention = hidden * slow
     opt_s = _optimizer_s(sc, st, mem)
@@ -290,9 +294,9 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         offload_s = shard / (sc.hw.cluster.cpu_adam_params_per_s / ranks)
         offload_s += sum(c.seconds_per_step for c in colls
                          if c.op in ("d2h",) or (c.op == "h2d" and not st.offload_params))
-    # the slowest rank's compute over the median GPU's (kernels.slowest_rank_factor)
-    slowest = (A * mb_compute + opt_s + contention) * (
-        K.slowest_rank_factor(k, sc.n) - 1) if kernels else 0.0
+    # the slowest rank's compute, optimizer step and contention beyond the median GPU's (the
+    # exposed communication above is already what its slower compute leaves exposed)
+    slowest = (A * mb_compute + opt_s + contention) * (f - 1)
     step = A * mb_compute + exposed + opt_s + offload_s + contention + slowest
     tokens = t.micro_batch * t.seq_len * A
     flop = arch.model_flop_per_token(m, t.seq_len) * tokens

@@ -184,8 +184,8 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                 "value": k.rank_speed_spread, "flag": "GPU preset [kernels] rank_speed_spread",
                 "meaning": f"GPU speeds spread this much (one standard deviation) around the median; the "
                            f"slowest of {sc.n} ranks paces every step: "
-                           f"{slowest_rank_factor(k, sc.n) - 1:+.1%} (A100: measured on 3,200 Perlmutter "
-                           "GPUs; other presets assume A100's; docs/formulas.md section 6)"}
+                           f"{slowest_rank_factor(k, sc.n) - 1:+.1%} (the GPU preset's comment names its "
+                           "source; docs/formulas.md section 6)"}
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}
@@ -193,7 +193,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
             "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: DeepSpeed's published "
-            "runs on 32 H100 measured 11-22% slower than overlap predicts, their communication "
+            "runs on 32 H100 measured 12-22% slower than overlap predicts, their communication "
             "adding nearly serially (docs/accuracy-notes.md 9aa, 9ac, 9af)")
     if zero3:
         out["zero_init"] = {

@@ -112,8 +112,9 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     if tm.slowest_rank_s:
         out.append(f"slowest of {sc.n} ranks: GPU speeds spread {k.rank_speed_spread:.2%} (one standard "
                    f"deviation) around the median GPU; the slowest is {K.expected_max_normal(sc.n):.2f} "
-                   f"of them behind (the expected maximum of {sc.n} normal draws) and paces every step: "
-                   f"compute + optimizer + contention x {K.slowest_rank_factor(k, sc.n) - 1:.2%}")
+                   f"standard deviations slower (the expected maximum of {sc.n} normal draws) and paces "
+                   f"every step: (compute + optimizer + contention) x {K.slowest_rank_factor(k, sc.n) - 1:.2%}, "
+                   f"its slower compute also in the overlap above")
     out.append(f"step = {t.grad_accum} x compute + exposed comm + optimizer + offload + contention + slowest rank = "
                f"{fmt_s(tm.compute_s)} + {fmt_s(tm.exposed_comm_s)} + {fmt_s(tm.optimizer_s)} + "
                f"{fmt_s(tm.offload_s)} + {fmt_s(tm.contention_s)} + {fmt_s(tm.slowest_rank_s)} = {fmt_s(tm.step_s)}")

@@ -184,7 +184,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 held: list[bool], unsharded_grad: list[int], first_grad: list[int],
                 reduce_in: list[int],
                 sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int,
-                one_rank_copy: list[int] | None = None) -> list[Event]:
+                one_rank_copy: list[int] | None = None,
+                reduce_out: list[int] | None = None) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
 
     `one_rank_copy` given: a shard group of one rank, where FSDP2 issues no all-gather and
@@ -196,7 +197,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     2.13 _fsdp_param_group.py), so it is counted with the gathered weights."""
     n = len(gathered)
     one_rank = one_rank_copy is not None
-    gloo_copy = gloo_reduce_scatter_copies_its_input(sc) and not one_rank
+    gloo_copy = gloo_reduce_scatter_copies_its_input(sc) and not one_rank and reduce_out is not None
     prefetch = sc.train.prefetch and not one_rank
     held_b = sum(g for g, h in zip(gathered, held) if h)
     moving = [0 if h else g for g, h in zip(gathered, held)]
@@ -327,12 +328,14 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       reduce_scatter=reduce_in[j],
                       activations=before + acts.stream_bytes))
         if gloo_copy and reduce_in[j]:
-            # gloo, at the collective: the unsharded gradients freed, the sharded output
-            # allocated, and the input cloned (gloo_reduce_scatter_copies_its_input)
+            # gloo, at the collective: the unit's unsharded (or accumulated) gradients freed
+            # (foreach_reduce clears them after the copy-in; post_backward drops an accumulated
+            # one first), its output in the reduce dtype allocated, and the input cloned
+            # (gloo_reduce_scatter_copies_its_input)
             ev.append(_ev("backward", f"reduce-scatter {name} (gloo's copy)", state=state_b,
-                          grads=grads_at(j + 1) + sharded_grad[j],
+                          grads=grads_at(j + 1) + reduce_out[j],
                           gathered=gath - (gathered[j] if held[j] else moving[j]), all_gather=prv(j),
-                          unsharded_grads=accum_b + (hold if j != head else 0),
+                          unsharded_grads=max(0, accum_b - reduce_in[j]) + (hold if j != head else 0),
                           reduce_scatter=2 * reduce_in[j],
                           activations=before + acts.stream_bytes))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],

@@ -355,7 +355,6 @@ def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
         "optimizer step": a.optimizer_s - b.optimizer_s,
         "offload (CPU optimizer and PCIe)": a.offload_s - b.offload_s,
         "contention (NCCL kernels holding SMs beside compute)": a.contention_s - b.contention_s,
-        "waiting for the slowest of more ranks": a.slowest_rank_s - b.slowest_rank_s,
     }
     what, d = max(deltas.items(), key=lambda kv: kv[1])
     pct = (c.step_s / w.step_s - 1) * 100
