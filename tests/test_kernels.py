@@ -1086,8 +1086,8 @@ def test_slowest_of_64_ranks_against_the_measured_jobs():
 
 
 def test_step_waits_for_the_slowest_rank():
-    """The step's compute, optimizer and contention grow by σ E[max of N]; one GPU waits for
-    nobody; a preset without a spread is unchanged."""
+    """The step's compute, optimizer and contention grow by σ E[max of N], and the step is the
+    sum of its parts; one GPU waits for nobody."""
     from zplan.kernels import slowest_rank_factor
 
     for n in ("1", "64"):

@@ -1,7 +1,8 @@
-"""Two facts of the step's backward in the memory timeline (memory_timeline.fsdp_events), each
+"""Facts of the step's backward in the memory timeline (memory_timeline.fsdp_events), each
 against bytes counted by hand: the step keeps its logits referenced until `loss.backward()`
-returns (zplan/trainer/loop.py), and FSDP2 reshards a unit's weights before its reduce-scatter
-(FSDPParamGroup.post_backward)."""
+returns (zplan/trainer/loop.py), FSDP2 reshards a unit's weights before its reduce-scatter
+(FSDPParamGroup.post_backward), and on CPU ranks gloo's reduce-scatter clones its input (held
+against torch itself)."""
 
 from __future__ import annotations
 
