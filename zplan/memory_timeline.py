@@ -319,25 +319,23 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # copy-in, unsharded_grads.clear(), then reduce_output). The unit's own weights, the
         # held root's too, are resharded just before (FSDPParamGroup.post_backward:
         # reshard_after_backward, True by default, then foreach_reduce)
-        ev.append(_ev("backward", f"reduce-scatter {name}", state=state_b,
-                      grads=grads_at(j + 1),
-                      gathered=gath - (gathered[j] if held[j] else moving[j]), all_gather=prv(j),
+        at_reduce = dict(state=state_b, gathered=gath - (gathered[j] if held[j] else moving[j]),
+                         all_gather=prv(j), activations=before + acts.stream_bytes)
+        others = hold if j != head else 0  # the held head's gradient, waiting for the root's reduce
+        ev.append(_ev("backward", f"reduce-scatter {name}", grads=grads_at(j + 1),
                       # accumulating (reduce skipped before), the unit's new gradients were added
                       # into its accumulated ones (accum_b), which are what is copied in
-                      unsharded_grads=accum_b + (0 if accum_b else unsharded_grad[j]) + (hold if j != head else 0),
-                      reduce_scatter=reduce_in[j],
-                      activations=before + acts.stream_bytes))
+                      unsharded_grads=accum_b + (0 if accum_b else unsharded_grad[j]) + others,
+                      reduce_scatter=reduce_in[j], **at_reduce))
         if gloo_copy and reduce_in[j]:
             # gloo, at the collective: the unit's unsharded (or accumulated) gradients freed
             # (foreach_reduce clears them after the copy-in; post_backward drops an accumulated
             # one first), its output in the reduce dtype allocated, and the input cloned
             # (gloo_reduce_scatter_copies_its_input)
-            ev.append(_ev("backward", f"reduce-scatter {name} (gloo's copy)", state=state_b,
+            ev.append(_ev("backward", f"reduce-scatter {name} (gloo's copy)",
                           grads=grads_at(j + 1) + reduce_out[j],
-                          gathered=gath - (gathered[j] if held[j] else moving[j]), all_gather=prv(j),
-                          unsharded_grads=max(0, accum_b - reduce_in[j]) + (hold if j != head else 0),
-                          reduce_scatter=2 * reduce_in[j],
-                          activations=before + acts.stream_bytes))
+                          unsharded_grads=max(0, accum_b - reduce_in[j]) + others,
+                          reduce_scatter=2 * reduce_in[j], **at_reduce))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b))
     return ev

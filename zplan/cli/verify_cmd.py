@@ -205,7 +205,7 @@ def calibrate(
             gpu["kernels"]["collective_slowdown"] = float(f"{slowdown:.3g}")
             gpu["kernels"]["source"] += (f"; compute beside a collective: {ov['gemms']} GEMMs of {ov['n']}^3 "
                                          f"beside an all-gather of {ov['nbytes'] / 2**20:g} MiB")
-        spread = cal.rank_speed_spread(times["gemm_per_rank_s"]) if world > 1 else None
+        spread = link.get("rank_speed_spread")
         if spread is not None:
             gpu["kernels"]["rank_speed_spread"] = float(f"{spread:.3g}")
             gpu["kernels"]["source"] += f"; GPU speed spread: one 8192^3 GEMM on each of {world} GPUs at once"
