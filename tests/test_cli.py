@@ -54,6 +54,7 @@ def test_one_strategy(run_zplan):
     (["--params", "-5e9"], "must be a positive count"),
     (["--params", "1e30"], "absurdly large"),
     (["--params", "nan"], "--params 'nan'"),
+    (["--gpus", "1,6"], "commas may only group thousands"),  # a typo, not 16
     (["--model", "llama-3.1-7b"], "did you mean"),
     (["--gpu", "h100"], "did you mean"),
     (["--gpus", "64", "--shard-size", "7"], "--shard-size 7 does not divide --gpus 64"),
@@ -356,3 +357,22 @@ def test_estimate_states_how_compute_runs_beside_a_collective(capsys):
     assert k.collective_slowdown is None and b200["value"] == f"NCCL's {taken_sms(k)} of {k.sm_count} SMs"
     assert "no measurement" in b200["meaning"]
     assert assumed("--efficiency", "0.5") is None
+
+
+@pytest.mark.parametrize("text,expected", [("3,033,344", 3033344), ("1,000", 1000), ("70B", 70 * 10**9),
+                                           ("7.5b", 7_500_000_000), ("1_000", 1000), ("1,200.5k", 1_200_500)])
+def test_counts_read_as_typed(text, expected):
+    """Counts as people type them: suffixes, exponents, and commas that group thousands."""
+    from zplan.parse import parse_count
+
+    assert parse_count(text, "--params") == expected
+
+
+@pytest.mark.parametrize("text", ["1,2", "12,34", "1,0000", ",100", "1,000,00"])
+def test_a_misplaced_comma_is_refused_not_dropped(text):
+    """'1,2' read as 12 would plan for a number the user did not type."""
+    from zplan.errors import UsageError
+    from zplan.parse import parse_count
+
+    with pytest.raises(UsageError, match="commas may only group thousands"):
+        parse_count(text, "--gpus")
