@@ -141,6 +141,21 @@ def test_frozen_copy_equality_hash_pickle():
     assert Outer.model_validate(a) is a
 
 
+def test_a_cached_hash_follows_the_fields():
+    """A record's hash is computed once (recommend hashes records as cache keys): a copy with
+    another field value hashes as a freshly validated record with it does, never as the
+    original; equal records hash equal; the cached value is not pickled (a str's hash differs
+    between processes)."""
+    a = Inner(kind="b", rate=2.0)
+    first = hash(a)
+    assert hash(a) == first == hash(Inner(kind="b", rate=2.0))
+    b = a.model_copy(update={"rate": 3.0})
+    assert hash(b) == hash(Inner(kind="b", rate=3.0)) and b != a
+    assert a.model_copy() == a and hash(a.model_copy()) == first
+    state = a.__getstate__()
+    assert set(state) == {"kind", "rate"} and pickle.loads(pickle.dumps(a)) == a
+
+
 class Checked(Record):
     allow_inf_nan = False
     str_max_length = 5

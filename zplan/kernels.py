@@ -275,13 +275,14 @@ def by_kind(ops: list[Op]) -> dict[str, float]:
 @lru_cache(maxsize=256)
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normal draws]: the integral of x n φ(x) Φ(x)^(n-1) over
-    x, by the midpoint rule on [-9, 9] in steps of 1/256 (abs. error < 1e-6 for n up to 10^6;
-    n = 2: 1/√π = 0.5642, n = 8: 1.4236, textbook order-statistics values, tests/test_kernels.py).
-    0 for one draw."""
+    x, by the midpoint rule on [-9, 9] in steps of 1/32: for a smooth integrand that vanishes at
+    both ends the rule converges geometrically (within 1e-10 of steps of 1/256 for n up to 10^6,
+    tests/test_kernels.py; n = 2: 1/√π = 0.5642, n = 8: 1.4236, textbook order-statistics
+    values), in 0.5 ms where 1/256 took 11 of the estimate's 300. 0 for one draw."""
     if n <= 1:
         return 0.0
-    h, total = 1 / 256, 0.0
-    for i in range(-9 * 256, 9 * 256):
+    h, total = 1 / 32, 0.0
+    for i in range(-9 * 32, 9 * 32):
         x = (i + 0.5) * h
         cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
         total += x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * cdf ** (n - 1) * h

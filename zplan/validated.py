@@ -57,6 +57,7 @@ class Field:
         return self.default is _MISSING
 
 
+_HASH = "__zplan_hash__"  # where a record keeps its hash once computed (not a field)
 _BOUNDS = ("gt", "ge", "lt", "le", "min_length", "max_length", "pattern")
 
 
@@ -484,12 +485,29 @@ class Record:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
+        if other is self:
+            return True
         d, e = self.__dict__, other.__dict__  # fields only: a cached property is not one
+        h, g = d.get(_HASH), e.get(_HASH)
+        if h is not None and g is not None and h != g:
+            return False
         return all(d[k] == e[k] for k in type(self).model_fields)
 
     def __hash__(self) -> int:
+        # A record is frozen, so its hash is computed once: records nest (a scenario's hardware
+        # holds its GPU, which holds its kernels), and recommend hashes them as cache keys
+        # thousands of times per search. model_copy and pickling drop the cached value.
         d = self.__dict__
-        return hash((type(self), *(d[k] for k in type(self).model_fields)))
+        h = d.get(_HASH)
+        if h is None:
+            h = d[_HASH] = hash((type(self), *(d[k] for k in type(self).model_fields)))
+        return h
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and copied without the cached hash (a str's hash differs between processes)."""
+        state = dict(self.__dict__)
+        state.pop(_HASH, None)
+        return state
 
     def __repr__(self) -> str:
         d = self.__dict__
@@ -504,6 +522,7 @@ class Record:
         out = object.__new__(cls)
         out.__dict__.update(self.__dict__)
         out.__dict__.update(update or {})
+        out.__dict__.pop(_HASH, None)  # the copy's fields may differ: its hash is its own
         return out
 
     def model_dump(self) -> dict[str, Any]:
