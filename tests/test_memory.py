@@ -296,6 +296,53 @@ def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
     assert kept == activation_memory.block_saved_bytes(m, t, mode)
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_a_checkpointed_blocks_first_forward_against_pytorch_memtracker(mlp):
+    """A fully checkpointed block's forward runs without keeping its intermediates: PyTorch's
+    MemTracker's peak over it, less what was allocated before (its input, the weights), is
+    forward_transient_bytes (the MLP's working set: SwiGLU's product, silu(w1), w3's output, the
+    MLP's normed input and the residual sum)."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zplan.trainer.model import Transformer
+    from zplan.trainer.parallel import apply_checkpointing
+
+    m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
+                  vocab_size=64, mlp=mlp)
+    model = Transformer(m).to(torch.bfloat16)
+    apply_checkpointing(model, "full", 2)
+    block = model.layers[0]
+    s, b = 128, 2
+    x = torch.randn(b, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+    mt = MemTracker()
+    mt.track_external(block, x)
+    with mt:
+        before = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
+        mt.reset_mod_stats()
+        block(x)
+        peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
+    t = TrainSpec(seq_len=s, micro_batch=b, fused_norm=False, checkpointing="full")
+    transient, largest = activation_memory.forward_transient_bytes(m, t)
+    assert peak - before == transient
+    assert largest == 2 * s * b * m.ffn_hidden  # the MLP's hidden in bf16
+    # kept for backward, not transient, where no block is checkpointed
+    assert activation_memory.forward_transient_bytes(m, t.model_copy(update={"checkpointing": "none"})) == (0, 0)
+
+
+def test_the_forwards_freed_blocks_the_loss_cannot_use():
+    """forward_residue_bytes: with classic segments the forward's freed blocks stay reserved
+    beside a loss whose tensors are all larger; a loss tensor that fits one takes it; with
+    expandable segments the loss extends the one segment instead."""
+    from zplan import allocator
+
+    mib = 1 << 20
+    assert allocator.forward_residue_bytes(1000 * mib, 344 * mib, [2000 * mib, 1000 * mib], False) == 1000 * mib
+    assert allocator.forward_residue_bytes(1000 * mib, 344 * mib, [2000 * mib, 128 * mib], False) == 872 * mib
+    assert allocator.forward_residue_bytes(1000 * mib, 344 * mib, [2000 * mib], True) == 0
+    assert allocator.forward_residue_bytes(0, 0, [2000 * mib], False) == 0
+
+
 def _block_kept_bytes(mode: str, mlp: str, linear=None):
     """What one block of the trainer's model keeps after forward (MemTracker on CPU), with its
     input counted as the block keeps it (`block_saved_bytes`' convention); `linear` replaces each

@@ -53,6 +53,29 @@ def largest_block_tensor_bytes(m: ModelSpec, train: TrainSpec) -> int:
     return sb * max(B * mlp, S * m.hidden, B * probs)
 
 
+def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
+    """A fully checkpointed block's first forward (run without keeping its intermediates): its
+    working set at its largest, besides its input, and the largest tensor in it, bytes. The MLP
+    holds the most: at SwiGLU's product, the product, silu(w1) and w3's output (the three
+    MLP-wide tensors alive once w1's output is gone), the MLP's normed input (still referenced)
+    and the attention's residual sum (the block's output is made from it); GELU: its input and
+    output. With classic segments each of these tensors (>= 10 MiB) takes a segment of its own,
+    reused block after block, and is free but cached when the loss begins (allocator.py); the
+    attention's working set (q, k, v, RoPE's copies) is taken to be smaller than the MLP's.
+    (0, 0) where no block is fully checkpointed: then these tensors are kept for backward and
+    counted there."""
+    if train.checkpointing == "every-k":
+        full = any(policy.checkpointed_blocks(m.num_layers, "every-k", train.checkpoint_every))
+    else:
+        full = train.checkpointing == "full"
+    if not full:
+        return 0, 0
+    sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
+    k = m.experts_per_token if m.num_experts else 1
+    wide = (2 if m.mlp == "gelu" else 3) * k * B * sb * m.ffn_hidden
+    return wide + (S + B) * sb * m.hidden, max(k * B * sb * m.ffn_hidden, S * sb * m.hidden)
+
+
 def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     """Gradients of activations alive at once inside one block's backward, at its largest: in
     the MLP, the gradient of the down projection's input and the two it splits into (SwiGLU's

@@ -23,7 +23,8 @@ loss freed, takes fresh memory too, as does, at the end of backward, the reduce-
 the unit reduced last where it is a root holding embedding and head (4 GiB in fp32 for Llama 3.1
 8B). The loss's tensors, the head unit's and the end of backward's (HeadTail) run through the
 allocator simulation on top of everything else the default stream holds then (assumed packed),
-and the default stream reserves at least that. Elsewhere the model assumes
+and beside the blocks a fully checkpointed forward has left cached, too small for the loss's
+tensors (forward_residue_bytes), and the default stream reserves at least that. Elsewhere the model assumes
 cached blocks are reused fully: a lower bound (docs/reserved-matrix.md holds it against the
 allocator replayed over every tensor of traced steps).
 `--fragmentation F` replaces all this with the flat assumption reserved = (1 + F) x allocated.
@@ -211,14 +212,32 @@ def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
     sim.malloc("last reduce-scatter input", head.last_reduce_in_bytes)
 
 
-def default_stream_floor(start: Event | None, loss_bytes: int, loss_reserved: int) -> int:
+def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int], expandable: bool) -> int:
+    """The forward's freed working set still cached when the loss begins, which the loss cannot
+    use: a fully checkpointed block's first forward (activation_memory.forward_transient_bytes,
+    `transient` bytes, its largest tensor `largest`) leaves each of its tensors' blocks free in
+    segments of their own, block after block, and the loss's vocabulary-sized tensors are
+    larger than any of them, so new segments are reserved beside them. The tensors the loss and
+    the head around it allocate (`loss_tensors`, loss_reserved_bytes's requests) that do fit
+    such a block take it instead. With expandable segments the freed blocks sit in the stream's
+    one segment and the loss extends it: none. Held against the caching allocator replayed over
+    traced steps (docs/reserved-matrix.md: Llama 2 7B at 16,384 tokens per micro-batch, full
+    checkpointing: 1.36 GiB of such blocks free when the loss began; this gives 1.26)."""
+    if expandable or transient <= 0:
+        return 0
+    return max(0, transient - sum(b for b in loss_tensors if 0 < b <= largest))
+
+
+def default_stream_floor(start: Event | None, loss_bytes: int, loss_reserved: int,
+                         forward_residue: int = 0) -> int:
     """The default stream's reserve through the loss: what it holds besides the loss's tensors
     when the loss begins (`start`, the "loss forward" event, less the loss's own `loss_bytes`),
-    and the loss's own reserve on top (0 where no event is the loss's)."""
+    the forward's cached blocks the loss cannot use (forward_residue_bytes), and the loss's own
+    reserve on top (0 where no event is the loss's)."""
     if start is None or not loss_reserved:
         return 0
     held = sum(b for k, b in start.live.items() if STREAM[k] == "default") - loss_bytes
-    return max(held, 0) + loss_reserved
+    return max(held, 0) + forward_residue + loss_reserved
 
 
 def reserved_bytes(events: list[Event], assume: Assumptions, default_floor: int = 0) -> int:

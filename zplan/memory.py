@@ -471,6 +471,24 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
         accumulating=accum_grad_bytes(sc, st) > 0)
 
 
+def _forward_residue(sc: Scenario, logits_elems: int, head: allocator.HeadTail | None) -> int:
+    """allocator.forward_residue_bytes for this scenario: the loss's requests are its own
+    tensors (activation_memory.loss_steps) and the head's input gradient, an activation made in
+    the head's backward; the head's weights and weight gradients are parameter-sized and take
+    the blocks the unsharded parameters left (an exact fit, which best fit prefers). None where
+    the loss is a linear one (its chunks fit the freed blocks)."""
+    if logits_elems <= 0:
+        return 0
+    transient, largest = activation_memory.forward_transient_bytes(sc.model, sc.train)
+    if not transient:
+        return 0
+    loss = [per * logits_elems for _, op, _, per in activation_memory.loss_steps(sc.train, sc.assume.loss_fp32)
+            if op == "+"]
+    if head is not None:
+        loss.append(head.input_grad_bytes)
+    return allocator.forward_residue_bytes(transient, largest, loss, sc.assume.expandable_segments)
+
+
 @dataclass(frozen=True)
 class _Allocation:
     """What memory() reads from a step's events: the peak event, each stream's own peak, and the
@@ -506,9 +524,11 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     acts = mt.activations(sc)
     loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
     start = alloc.loss_start
+    head = _head_tail(sc, st, ms, start)
     loss_reserved = _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32,
-                                   sc.assume.expandable_segments, _head_tail(sc, st, ms, start))
-    floor = allocator.default_stream_floor(start, loss_b, loss_reserved)
+                                   sc.assume.expandable_segments, head)
+    floor = allocator.default_stream_floor(start, loss_b, loss_reserved,
+                                           _forward_residue(sc, acts.logits_elems, head))
     reserved = allocator.reserved_from_peaks(allocated, dict(alloc.stream_peaks), sc.assume, floor)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
