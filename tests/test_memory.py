@@ -296,12 +296,12 @@ def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
     assert kept == activation_memory.block_saved_bytes(m, t, mode)
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
-def test_a_checkpointed_blocks_first_forward_against_pytorch_memtracker(mlp):
-    """A fully checkpointed block's forward runs without keeping its intermediates: PyTorch's
-    MemTracker's peak over it, less what was allocated before (its input, the weights), is
-    forward_transient_bytes (the MLP's working set: SwiGLU's product, silu(w1), w3's output, the
-    MLP's normed input and the residual sum)."""
+@pytest.mark.parametrize("mode,mlp", [("full", "swiglu"), ("full", "gelu"), ("selective", "swiglu"),
+                                      ("selective", "gelu")])
+def test_a_checkpointed_blocks_first_forward_against_pytorch_memtracker(mode, mlp):
+    """What a checkpointed block's forward frees by its end, at most: PyTorch's MemTracker's peak
+    over it less what is left after it (the block's output and what it keeps for backward) is
+    forward_transient_bytes."""
     torch = pytest.importorskip("torch")
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -311,22 +311,23 @@ def test_a_checkpointed_blocks_first_forward_against_pytorch_memtracker(mlp):
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
                   vocab_size=64, mlp=mlp)
     model = Transformer(m).to(torch.bfloat16)
-    apply_checkpointing(model, "full", 2)
+    apply_checkpointing(model, mode, 2)
     block = model.layers[0]
     s, b = 128, 2
     x = torch.randn(b, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
     mt = MemTracker()
     mt.track_external(block, x)
     with mt:
-        before = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
         mt.reset_mod_stats()
-        block(x)
+        out = block(x)  # held: the block's output is the next block's input
         peak = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
-    t = TrainSpec(seq_len=s, micro_batch=b, fused_norm=False, checkpointing="full")
-    transient, largest = activation_memory.forward_transient_bytes(m, t)
-    assert peak - before == transient
+        after = next(iter(mt.get_tracker_snapshot("current").values()))["Total"]
+    del out
+    t = TrainSpec(seq_len=s, micro_batch=b, fused_norm=False, checkpointing=mode)
+    freed, largest = activation_memory.forward_transient_bytes(m, t)
+    assert peak - after == freed
     assert largest == 2 * s * b * m.ffn_hidden  # the MLP's hidden in bf16
-    # kept for backward, not transient, where no block is checkpointed
+    # kept for backward, not freed, where no block is checkpointed
     assert activation_memory.forward_transient_bytes(m, t.model_copy(update={"checkpointing": "none"})) == (0, 0)
 
 

@@ -54,26 +54,34 @@ def largest_block_tensor_bytes(m: ModelSpec, train: TrainSpec) -> int:
 
 
 def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
-    """A fully checkpointed block's first forward (run without keeping its intermediates): its
-    working set at its largest, besides its input, and the largest tensor in it, bytes. The MLP
-    holds the most: at SwiGLU's product, the product, silu(w1) and w3's output (the three
-    MLP-wide tensors alive once w1's output is gone), the MLP's normed input (still referenced)
-    and the attention's residual sum (the block's output is made from it); GELU: its input and
-    output. With classic segments each of these tensors (>= 10 MiB) takes a segment of its own,
-    reused block after block, and is free but cached when the loss begins (allocator.py); the
-    attention's working set (q, k, v, RoPE's copies) is taken to be smaller than the MLP's.
-    (0, 0) where no block is fully checkpointed: then these tensors are kept for backward and
-    counted there."""
+    """What a checkpointed block's first forward frees by its end, at most, and the largest
+    tensor among it, bytes: the working set at its peak (in the MLP) less what the block keeps.
+    Fully checkpointed (no intermediate kept): SwiGLU's product, silu(w1) and w3's output (the
+    three MLP-wide tensors alive once w1's output is gone) and the MLP's normed input; GELU: its
+    input and output and the normed input. Selective (the policy keeps w1's output,
+    policy.selective_saved_matmuls): SwiGLU's three others; GELU's output, the normed input and
+    the residual sum. Equal to PyTorch's MemTracker over the trainer's block (peak less what is
+    left after it, tests/test_memory.py). With classic segments each of these tensors (>= 10 MiB)
+    has a segment of its own, reused block after block, and is free but cached when the loss
+    begins (allocator.forward_residue_bytes). (0, 0) where no block is checkpointed this way (a
+    block without recomputation keeps its intermediates for backward) and for compiled blocks
+    under selective checkpointing, whose unsaved tensors inductor's fused kernels decide (not
+    derived; compiled full checkpointing is taken as eager's: the three MLP-wide tensors are
+    w1's and w3's outputs and their fused product there)."""
     if train.checkpointing == "every-k":
-        full = any(policy.checkpointed_blocks(m.num_layers, "every-k", train.checkpoint_every))
+        mode = "full" if any(policy.checkpointed_blocks(m.num_layers, "every-k", train.checkpoint_every)) else "none"
     else:
-        full = train.checkpointing == "full"
-    if not full:
-        return 0, 0
+        mode = train.checkpointing
+    if mode not in ("full", "selective") or (mode == "selective" and train.compile):
+        return 0, 0  # compiled, silu(w1) * w3 is one kernel and the unsaved outputs differ: not derived
     sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
     k = m.experts_per_token if m.num_experts else 1
-    wide = (2 if m.mlp == "gelu" else 3) * k * B * sb * m.ffn_hidden
-    return wide + (S + B) * sb * m.hidden, max(k * B * sb * m.ffn_hidden, S * sb * m.hidden)
+    wide = k * B * sb * m.ffn_hidden
+    if mode == "full":
+        freed = (2 if m.mlp == "gelu" else 3) * wide + B * sb * m.hidden
+    else:
+        freed = wide + (B + S) * sb * m.hidden if m.mlp == "gelu" else 3 * wide
+    return freed, wide
 
 
 def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:

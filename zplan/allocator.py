@@ -23,7 +23,7 @@ loss freed, takes fresh memory too, as does, at the end of backward, the reduce-
 the unit reduced last where it is a root holding embedding and head (4 GiB in fp32 for Llama 3.1
 8B). The loss's tensors, the head unit's and the end of backward's (HeadTail) run through the
 allocator simulation on top of everything else the default stream holds then (assumed packed),
-and beside the blocks a fully checkpointed forward has left cached, too small for the loss's
+and beside the blocks a checkpointed forward has left cached, too small for the loss's
 tensors (forward_residue_bytes), and the default stream reserves at least that. Elsewhere the model assumes
 cached blocks are reused fully: a lower bound (docs/reserved-matrix.md holds it against the
 allocator replayed over every tensor of traced steps).
@@ -214,15 +214,15 @@ def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
 
 def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int], expandable: bool) -> int:
     """The forward's freed working set still cached when the loss begins, which the loss cannot
-    use: a fully checkpointed block's first forward (activation_memory.forward_transient_bytes,
-    `transient` bytes, its largest tensor `largest`) leaves each of its tensors' blocks free in
+    use: a checkpointed block's first forward (activation_memory.forward_transient_bytes,
+    `transient` bytes freed, its largest tensor `largest`) leaves each of those tensors' blocks free in
     segments of their own, block after block, and the loss's vocabulary-sized tensors are
     larger than any of them, so new segments are reserved beside them. The tensors the loss and
     the head around it allocate (`loss_tensors`, loss_reserved_bytes's requests) that do fit
     such a block take it instead. With expandable segments the freed blocks sit in the stream's
     one segment and the loss extends it: none. Held against the caching allocator replayed over
-    traced steps (docs/reserved-matrix.md: Llama 2 7B at 16,384 tokens per micro-batch, full
-    checkpointing: 1.36 GiB of such blocks free when the loss began; this gives 1.26)."""
+    traced steps (docs/reserved-matrix.md; Llama 2 7B at 16,384 tokens per micro-batch, full
+    checkpointing: 1.36 GiB of such blocks free when the loss began, where this gives 1.13)."""
     if expandable or transient <= 0:
         return 0
     return max(0, transient - sum(b for b in loss_tensors if 0 < b <= largest))
