@@ -75,13 +75,17 @@ def main(argv=None) -> int:
              "The logits kept: the trainer's loop (held until backward returns, the embedding and head "
              "their own units); dropped: torchtitan's (`del pred` before backward, the root unit "
              "kept gathered). error = (planned - simulated) / simulated: the planner prices each "
-             "stream's peak and the holes the loss, the head unit and the end of backward leave "
-             "(the last unit's reduce-scatter input: a held root's, embedding and head in fp32, "
-             "fits no freed block; docs/formulas.md section 3). Classic segments: the rest is holes "
-             "the replay finds elsewhere, between the blocks' activations and in 20 MiB segments "
-             "shared by tensors of 1-10 MiB. Expandable: the planner assumes the freed "
-             "activations are not at the segment's free end, and reads above the replay where "
-             "they partly are.", "",
+             "stream's peak (the all-gather stream's outputs simulated in FSDP2's order), the holes "
+             "the loss, the head unit and the end of backward leave (the last unit's reduce-scatter "
+             "input: a held root's, embedding and head in fp32, fits no freed block) and the "
+             "blocks a checkpointed forward leaves too small for the loss (docs/formulas.md "
+             "section 3). Classic segments: the rest is holes the replay finds elsewhere, between "
+             "the blocks' activations and in 20 MiB segments shared by tensors of 1-10 MiB; where "
+             "the planner reads above the replay (Llama 3.1 8B at 2048 with separate embedding "
+             "and head units), its default stream is about 380 MiB over the replay's, not yet "
+             "separated (the loss and the end of backward are simulated from nothing cached). "
+             "Expandable: the planner assumes the freed activations are not at the segment's free "
+             "end, and reads above the replay where they partly are.", "",
              summary("classic") + "; " + summary("expandable") + ".", "",
              *HEADER, *rows, ""]
     print("\n".join(lines))

@@ -281,3 +281,44 @@ def test_a_linear_loss_runs_beside_the_last_all_gather_output(tmp_path):
     path.write_text(SMALL)
     cell = fake_trace.fake_cell(str(path), 4, 1024, 2, "none", "zero3", linear_loss="chunked")
     assert abs(cell.error) < 0.01, cell
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("embed_head_unit", ["separate", "root-kept"])
+@pytest.mark.parametrize("expandable", [False, True])
+def test_the_all_gather_streams_reserve_is_the_replays(tmp_path, monkeypatch, embed_head_unit, expandable):
+    """The all-gather outputs FSDP2 allocates in a traced step (the tracker's "All Gather"
+    storages, in order), run alone through the caching allocator, reserve exactly what the
+    planner's all_gather_stream_reserved does for the same plan: units of different sizes
+    (embedding, blocks, head) each find or miss a freed block as in the run."""
+    pytest.importorskip("torch")
+    from zplan.caching_allocator import CachingAllocator
+    from zplan.memory import _all_gather_reserved, model_state
+    from zplan.scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
+    from zplan.strategies import effective
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    captured = _capture_allocations(monkeypatch, fake_trace)
+    kept = embed_head_unit == "separate"
+    fake_trace.fake_cell(str(path), 4, 256, 2, "none", "zero3", logits_kept=kept,
+                         embed_head_unit=embed_head_unit, reserved=True)
+    sim, held = CachingAllocator(expandable), {}
+    steps = 0
+    for n, (op, winfo, now) in enumerate(captured[0]):
+        if id(winfo) in held:
+            sim.free(held.pop(id(winfo)))
+        kind = str(getattr(winfo.reftype, "value", winfo.reftype))
+        if op in ("ADD", "SIZE") and now > 0 and fake_trace.TRACKER_KIND.get(kind) == "all_gather":
+            sim.malloc(n, now, "all-gather")
+            held[id(winfo)] = n
+            steps += 1
+    assert steps > 0
+    sc = build(cpu_ranks(model=str(path), gpu=None, cluster=DEFAULT_CLUSTER, gpus="4", seq_len=256,
+                         micro_batch=2, fused_norm=False, checkpointing="none", optimizer_kernels="single",
+                         embed_head_unit=embed_head_unit, logits_kept=kept, fragmentation=None,
+                         expandable_segments=expandable))
+    st = effective("zero3", "torch")
+    fsdp = sc.for_strategy(True)
+    assert _all_gather_reserved(fsdp, st, model_state(fsdp, st)) == sim.peak_reserved_bytes

@@ -228,6 +228,36 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
     return max(0, transient - sum(b for b in loss_tensors if 0 < b <= largest))
 
 
+def all_gather_stream_reserved(forward: list[int], backward: list[int], expandable: bool) -> int:
+    """What FSDP2's all-gather stream reserves over a step, its all-gather outputs run through
+    CachingAllocator in the order FSDP2 makes and frees them (torch 2.13 _fsdp_param_group.py):
+    in forward each unit's output (`forward`, bytes in forward order, 0 for none) is allocated
+    before the previous unit's is freed, at this unit's copy-out (wait_for_unshard keeps it in
+    the all-gather state to overlap the copy-out with the next all-gather: two alive), the last
+    one when forward ends; in backward a unit gathered again (`backward`, in backward order) is
+    freed at its own copy-out, before its pre-backward prefetches the next. The stream's peak of
+    live bytes packed (stream_peaks) undercounts where the units differ in size: a block's
+    output takes part of the embedding unit's freed block, and a head unit larger than any
+    free block (by its norm's 16 KiB beside the embedding's) takes a segment of its own: three
+    segments (embedding, block, head) where two outputs are ever alive. A unit gathered once
+    more for its recompute (FSDP1's reentrant wrap) is freed before the next: not modelled."""
+    sim = CachingAllocator(expandable)
+    prev = None
+    for i, b in enumerate(forward):
+        if b > 0:
+            sim.malloc(("forward", i), b, "all-gather")
+            if prev is not None:
+                sim.free(prev)
+            prev = ("forward", i)
+    if prev is not None:
+        sim.free(prev)
+    for j, b in enumerate(backward):
+        if b > 0:
+            sim.malloc(("backward", j), b, "all-gather")
+            sim.free(("backward", j))
+    return sim.peak_reserved_bytes
+
+
 def default_stream_floor(start: Event | None, loss_bytes: int, loss_reserved: int,
                          forward_residue: int = 0) -> int:
     """The default stream's reserve through the loss: what it holds besides the loss's tensors
@@ -248,11 +278,16 @@ def reserved_bytes(events: list[Event], assume: Assumptions, default_floor: int 
 
 
 def reserved_from_peaks(allocated: int, per_stream: dict[str, int], assume: Assumptions,
-                        default_floor: int = 0) -> int:
+                        default_floor: int = 0, all_gather: int = 0) -> int:
     """reserved_bytes from the step's peak of live bytes and each stream's own peak
-    (stream_peaks), or a flat --fragmentation over the allocated peak where one is given."""
+    (stream_peaks), the default stream's at least `default_floor` and the all-gather stream's at
+    least `all_gather` (all_gather_stream_reserved, already in whole segments), or a flat
+    --fragmentation over the allocated peak where one is given."""
     if assume.fragmentation is not None:
         return allocated + int(assume.fragmentation * allocated)
     per = {**per_stream, "default": max(per_stream.get("default", 0), default_floor)}
     expandable = assume.expandable_segments
-    return max(allocated, sum(segment_bytes(b, expandable) if b else 0 for b in per.values()))
+    segments = {s: segment_bytes(b, expandable) if b else 0 for s, b in per.items()}
+    if "all-gather" in segments:
+        segments["all-gather"] = max(segments["all-gather"], all_gather)
+    return max(allocated, sum(segments.values()))

@@ -152,10 +152,11 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         "fragmentation": {"value": a.fragmentation if a.fragmentation is not None else "allocator model",
                           "flag": "--fragmentation",
                           "meaning": "reserved over allocated: the CUDA caching allocator, each stream's "
-                                     "peak packed and the holes the loss and the head leave (the allocator "
-                                     "replayed over traced steps reserved 2-18% more with classic segments, "
-                                     "1-11% with expandable ones, docs/reserved-matrix.md), or a flat "
-                                     "fraction if given"},
+                                     "peak packed, the all-gather stream simulated, the holes the loss and "
+                                     "the head leave and the blocks a checkpointed forward leaves (against "
+                                     "the allocator replayed over traced steps: 3.0% below to 1.5% above "
+                                     "with classic segments, 0.5-3.9% below with expandable ones, "
+                                     "docs/reserved-matrix.md), or a flat fraction if given"},
         "expandable_segments": {"value": a.expandable_segments, "flag": "--expandable-segments",
                                 "meaning": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run"},
         "ddp_bucket_bytes": {"value": a.ddp_bucket_bytes, "flag": "--bucket-mib",

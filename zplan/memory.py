@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import activation_memory, allocator, arch, policy
-from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets
+from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
 from . import memory_timeline as mt
 from .memory_timeline import Event
 from .scenario import Scenario, SegmentFreeMemo
@@ -471,6 +471,23 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
         accumulating=accum_grad_bytes(sc, st) > 0)
 
 
+def _all_gather_reserved(sc: Scenario, st: Strategy, ms: ModelState) -> int:
+    """allocator.all_gather_stream_reserved for FSDP2 (torch layout, more than one rank): each
+    unit's all-gather output in forward, and in backward those gathered again (comm.regathered,
+    which the traffic reads too); 0 elsewhere (no all-gather stream)."""
+    D = sc.shard_degree(st.hsdp)
+    if sc.train.layout != "torch" or not st.fsdp or D == 1:
+        return 0
+    out = [nbytes(x * D, gather_dtype(sc, u)) for x, u in zip(ms.unit_shards, sc.units)]
+    back = [b if regathered(sc, st, u) else 0 for b, u in zip(out, sc.units)][::-1]
+    return _ag_reserved(tuple(out), tuple(back), sc.assume.expandable_segments)
+
+
+@lru_cache(maxsize=1024)
+def _ag_reserved(forward: tuple[int, ...], backward: tuple[int, ...], expandable: bool) -> int:
+    return allocator.all_gather_stream_reserved(list(forward), list(backward), expandable)
+
+
 def _forward_residue(sc: Scenario, logits_elems: int, head: allocator.HeadTail | None) -> int:
     """allocator.forward_residue_bytes for this scenario: the loss's requests are its own
     tensors (activation_memory.loss_steps) and the head's input gradient, an activation made in
@@ -529,7 +546,8 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
                                    sc.assume.expandable_segments, head)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved,
                                            _forward_residue(sc, acts.logits_elems, head))
-    reserved = allocator.reserved_from_peaks(allocated, dict(alloc.stream_peaks), sc.assume, floor)
+    reserved = allocator.reserved_from_peaks(allocated, dict(alloc.stream_peaks), sc.assume, floor,
+                                             _all_gather_reserved(sc, st, ms))
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)
