@@ -224,6 +224,26 @@ def test_a_held_roots_reduce_scatter_input_is_priced_against_the_replay(tmp_path
     assert 0.9 * simulated <= planned <= simulated, (planned, simulated)
 
 
+def _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit: str, **options):
+    """The 2-block model traced at 4 ranks, seq 256 x 2, no checkpointing (its recorded
+    allocations, one replay's worth) and the same configuration planned: (allocations, the
+    scenario FSDP2 strategies are priced on, zero3)."""
+    from zplan.scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
+    from zplan.strategies import effective
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    captured = _capture_allocations(monkeypatch, fake_trace)
+    kept = embed_head_unit == "separate"
+    fake_trace.fake_cell(str(path), 4, 256, 2, "none", "zero3", logits_kept=kept,
+                         embed_head_unit=embed_head_unit, reserved=True)
+    sc = build(cpu_ranks(model=str(path), gpu=None, cluster=DEFAULT_CLUSTER, gpus="4", seq_len=256,
+                         micro_batch=2, fused_norm=False, checkpointing="none", optimizer_kernels="single",
+                         embed_head_unit=embed_head_unit, logits_kept=kept, **options))
+    return captured[0], sc.for_strategy(True), effective("zero3", "torch")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("embed_head_unit", ["separate", "root-kept"])
 def test_each_streams_allocated_peak_is_fsdp2s(tmp_path, monkeypatch, embed_head_unit):
@@ -238,18 +258,11 @@ def test_each_streams_allocated_peak_is_fsdp2s(tmp_path, monkeypatch, embed_head
     from zplan import allocator
     from zplan.memory import model_state, timeline
     from zplan.memory_timeline import STREAM
-    from zplan.scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
-    from zplan.strategies import effective
     from zplan.trainer import fake_trace
 
-    path = tmp_path / "small.toml"
-    path.write_text(SMALL)
-    captured = _capture_allocations(monkeypatch, fake_trace)
-    kept = embed_head_unit == "separate"
-    fake_trace.fake_cell(str(path), 4, 256, 2, "none", "zero3", logits_kept=kept,
-                         embed_head_unit=embed_head_unit, reserved=True)
+    allocations, fsdp, st = _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit)
     live, traced, held = defaultdict(int), defaultdict(int), {}
-    for op, winfo, now in captured[0]:
+    for op, winfo, now in allocations:
         if id(winfo) in held:
             stream, b = held.pop(id(winfo))
             live[stream] -= b
@@ -258,11 +271,6 @@ def test_each_streams_allocated_peak_is_fsdp2s(tmp_path, monkeypatch, embed_head
             held[id(winfo)] = (STREAM[kind], now)
             live[STREAM[kind]] += now
             traced[STREAM[kind]] = max(traced[STREAM[kind]], live[STREAM[kind]])
-    sc = build(cpu_ranks(model=str(path), gpu=None, cluster=DEFAULT_CLUSTER, gpus="4", seq_len=256,
-                         micro_batch=2, fused_norm=False, checkpointing="none", optimizer_kernels="single",
-                         embed_head_unit=embed_head_unit, logits_kept=kept))
-    st = effective("zero3", "torch")
-    fsdp = sc.for_strategy(True)
     planned = allocator.stream_peaks(timeline(fsdp, st, model_state(fsdp, st)))
     assert planned["all-gather"] == traced["all-gather"] and planned["reduce-scatter"] == traced["reduce-scatter"]
     assert planned["default"] == pytest.approx(traced["default"], rel=1e-3)
@@ -294,31 +302,17 @@ def test_the_all_gather_streams_reserve_is_the_replays(tmp_path, monkeypatch, em
     pytest.importorskip("torch")
     from zplan.caching_allocator import CachingAllocator
     from zplan.memory import _all_gather_reserved, model_state
-    from zplan.scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
-    from zplan.strategies import effective
     from zplan.trainer import fake_trace
 
-    path = tmp_path / "small.toml"
-    path.write_text(SMALL)
-    captured = _capture_allocations(monkeypatch, fake_trace)
-    kept = embed_head_unit == "separate"
-    fake_trace.fake_cell(str(path), 4, 256, 2, "none", "zero3", logits_kept=kept,
-                         embed_head_unit=embed_head_unit, reserved=True)
+    allocations, fsdp, st = _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit,
+                                                      fragmentation=None, expandable_segments=expandable)
     sim, held = CachingAllocator(expandable), {}
-    steps = 0
-    for n, (op, winfo, now) in enumerate(captured[0]):
+    for n, (op, winfo, now) in enumerate(allocations):
         if id(winfo) in held:
             sim.free(held.pop(id(winfo)))
         kind = str(getattr(winfo.reftype, "value", winfo.reftype))
         if op in ("ADD", "SIZE") and now > 0 and fake_trace.TRACKER_KIND.get(kind) == "all_gather":
             sim.malloc(n, now, "all-gather")
             held[id(winfo)] = n
-            steps += 1
-    assert steps > 0
-    sc = build(cpu_ranks(model=str(path), gpu=None, cluster=DEFAULT_CLUSTER, gpus="4", seq_len=256,
-                         micro_batch=2, fused_norm=False, checkpointing="none", optimizer_kernels="single",
-                         embed_head_unit=embed_head_unit, logits_kept=kept, fragmentation=None,
-                         expandable_segments=expandable))
-    st = effective("zero3", "torch")
-    fsdp = sc.for_strategy(True)
+    assert sim.peak_reserved_bytes > 0
     assert _all_gather_reserved(fsdp, st, model_state(fsdp, st)) == sim.peak_reserved_bytes
