@@ -149,3 +149,24 @@ def test_recommend_under_a_smaller_headroom_says_its_pick_is_tight(run_zplan):
     assert "tight (under 10% free, by --headroom" in text
     w = json.loads(run_zplan(*args, "--json").stdout)["winner"]
     assert w["fits"] and not w["tight"]
+
+
+def test_a_fit_that_needs_the_allocator_to_release_free_segments_is_tight_and_not_recommended():
+    """Llama 3.1 405B at seq 8192 on 1024 H100 (zero3, torch layout, full checkpointing): the
+    reserve (88.6 GB with the CUDA context) exceeds the GPU, but 5.5 GB of it are segments wholly
+    free at the peak (a checkpointed forward's freed blocks, all-gather segments beyond the
+    stream's packed peak), which the allocator releases and retries before failing. estimate:
+    fits, tight, headroom below zero; within recommend's capacity (even the whole GPU as usable)
+    the whole reserve must fit: not."""
+    sc = build(ScenarioOptions(model="llama-3.1-405b", gpus="1024", seq_len=8192, checkpointing="full",
+                               layout="torch"))
+    r = estimate_one(sc, "zero3")
+    gpu = sc.hw.gpu.memory_bytes
+    m = r.memory
+    assert m.total_bytes > gpu >= m.total_bytes - m.releasable_bytes and m.releasable_bytes > 0
+    assert r.fits and r.tight and r.headroom_bytes == gpu - m.total_bytes < 0
+    assert fits(sc, "zero3") and not fits(sc, "zero3", gpu)
+    # expandable segments: the forward's freed blocks are the one segment's, which the loss extends
+    exp = build(ScenarioOptions(model="llama-3.1-405b", gpus="1024", seq_len=8192, checkpointing="full",
+                                layout="torch", expandable_segments=True))
+    assert estimate_one(exp, "zero3").memory.releasable_bytes < m.releasable_bytes

@@ -120,12 +120,20 @@ def _traffic_and_time(sc: Scenario, st: Strategy, mem: Memory) -> tuple[list[Col
 
 def _fits(sc: Scenario, mem: Memory, usable_bytes: int | None = None) -> tuple[bool, bool | None]:
     """Whether `mem` fits one GPU (or `usable_bytes` of it: recommend's headroom) and the host
-    (None: nothing on the host), and the host part."""
+    (None: nothing on the host), and the host part. Whether it runs at all (the whole GPU) is
+    judged on the reserve less its segments wholly free at the peak (Memory.releasable_bytes): on
+    a failed cudaMalloc PyTorch's caching allocator releases its free cached segments and retries
+    (release_cached_blocks), so those cost time near the limit, not the run, and such a fit is
+    tight (headroom below zero). Within recommend's headroom the whole reserve must fit: a run
+    that releases and re-reserves segments every step is slower than planned."""
     host_fits = None
     if mem.host_bytes_per_node:
         host_fits = mem.host_bytes_per_node <= sc.hw.cluster.host_ram_bytes
-    cap = sc.hw.gpu.memory_bytes if usable_bytes is None else usable_bytes
-    return mem.total_bytes <= cap and host_fits is not False, host_fits
+    if usable_bytes is None:
+        need, cap = mem.total_bytes - mem.releasable_bytes, sc.hw.gpu.memory_bytes
+    else:
+        need, cap = mem.total_bytes, usable_bytes
+    return need <= cap and host_fits is not False, host_fits
 
 
 def fits(sc: Scenario, name: str, usable_bytes: int | None = None) -> bool:
@@ -154,7 +162,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                           "meaning": "reserved over allocated: the CUDA caching allocator, each stream's "
                                      "peak packed, the all-gather stream simulated, the holes the loss and "
                                      "the head leave and the blocks a checkpointed forward leaves (against "
-                                     "the allocator replayed over traced steps: 3.0% below to 1.5% above "
+                                     "the allocator replayed over traced steps: 2.9% below to 1.6% above "
                                      "with classic segments, 0.5-3.9% below with expandable ones, "
                                      "docs/reserved-matrix.md), or a flat fraction if given"},
         "expandable_segments": {"value": a.expandable_segments, "flag": "--expandable-segments",
@@ -236,10 +244,13 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
 
 def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     """What would make a model that fits nowhere fit: more GPUs, checkpointing, a smaller batch."""
-    best = min((r for r in results if r.memory), key=lambda r: r.memory.total_bytes, default=None)
+    def needs(r: StrategyEstimate) -> int:  # what _fits holds against the whole GPU
+        return r.memory.total_bytes - r.memory.releasable_bytes
+
+    best = min((r for r in results if r.memory), key=needs, default=None)
     hints = []
     if best is not None:
-        need = best.memory.total_bytes - sc.hw.gpu.memory_bytes
+        need = needs(best) - sc.hw.gpu.memory_bytes
         hints.append(f"{best.name} needs {need / GB:.1f} GB more per GPU")
     full = sc.train.model_copy(update={"checkpointing": "full"})
     ckpt_fits = sc.train.checkpointing != "full" and any(

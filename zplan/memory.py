@@ -44,6 +44,10 @@ class Memory:
     peak_event: str
     host_bytes_per_rank: int
     host_bytes_per_node: int
+    # of reserved_bytes, what sits in segments wholly free at the peak (a checkpointed forward's
+    # freed blocks, all-gather segments beyond the stream's packed peak): the caching allocator
+    # releases them and retries before failing an allocation, so "fits" does not count them
+    releasable_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The byte figures (the plan file's per_gpu); the peak's phase and event are apart."""
@@ -488,12 +492,12 @@ def _ag_reserved(forward: tuple[int, ...], backward: tuple[int, ...], expandable
     return allocator.all_gather_stream_reserved(list(forward), list(backward), expandable)
 
 
-def _forward_residue(sc: Scenario, logits_elems: int, head: allocator.HeadTail | None) -> int:
+def _forward_residue(sc: Scenario, logits_elems: int) -> int:
     """allocator.forward_residue_bytes for this scenario: the loss's requests are its own
-    tensors (activation_memory.loss_steps) and the head's input gradient, an activation made in
-    the head's backward; the head's weights and weight gradients are parameter-sized and take
-    the blocks the unsharded parameters left (an exact fit, which best fit prefers). None where
-    the loss is a linear one (its chunks fit the freed blocks)."""
+    tensors (activation_memory.loss_steps); the head's around it are not: the loss simulation
+    already places them, the input gradient in a block the loss freed, the weights and weight
+    gradients in the blocks the unsharded parameters left. None where the loss is a linear one
+    (its chunks fit the freed blocks)."""
     if logits_elems <= 0:
         return 0
     transient, largest = activation_memory.forward_transient_bytes(sc.model, sc.train)
@@ -501,8 +505,6 @@ def _forward_residue(sc: Scenario, logits_elems: int, head: allocator.HeadTail |
         return 0
     loss = [per * logits_elems for _, op, _, per in activation_memory.loss_steps(sc.train, sc.assume.loss_fp32)
             if op == "+"]
-    if head is not None:
-        loss.append(head.input_grad_bytes)
     return allocator.forward_residue_bytes(transient, largest, loss, sc.assume.expandable_segments)
 
 
@@ -544,10 +546,16 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     head = _head_tail(sc, st, ms, start)
     loss_reserved = _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32,
                                    sc.assume.expandable_segments, head)
-    floor = allocator.default_stream_floor(start, loss_b, loss_reserved,
-                                           _forward_residue(sc, acts.logits_elems, head))
-    reserved = allocator.reserved_from_peaks(allocated, dict(alloc.stream_peaks), sc.assume, floor,
+    residue = _forward_residue(sc, acts.logits_elems)
+    floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
+    peaks = dict(alloc.stream_peaks)
+    reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
                                              _all_gather_reserved(sc, st, ms))
+    # what of it sits in segments wholly free at the peak: the forward's freed blocks and the
+    # all-gather stream's segments beyond its packed peak; the allocator releases those and
+    # retries before it fails a cudaMalloc (slower, no out-of-memory)
+    packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume,
+                                           allocator.default_stream_floor(start, loss_b, loss_reserved))
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)
@@ -568,6 +576,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         allocated_bytes=allocated,
         reserved_bytes=reserved,
         total_bytes=reserved + sc.assume.cuda_context_bytes,
+        releasable_bytes=max(0, reserved - packed),
         peak_phase=top.phase,
         peak_event=top.label,
         host_bytes_per_rank=ms.host_bytes,
