@@ -329,6 +329,9 @@ def test_a_checkpointed_blocks_first_forward_against_pytorch_memtracker(mode, ml
     assert largest == 2 * s * b * m.ffn_hidden  # the MLP's hidden in bf16
     # kept for backward, not freed, where no block is checkpointed
     assert activation_memory.forward_transient_bytes(m, t.model_copy(update={"checkpointing": "none"})) == (0, 0)
+    if mode == "selective" and mlp == "swiglu":  # Liger's fused SwiGLU never makes silu(w1)
+        fused = t.model_copy(update={"fused_swiglu": True})
+        assert activation_memory.forward_transient_bytes(m, fused)[0] == freed - largest
 
 
 def test_the_forwards_freed_blocks_the_loss_cannot_use():
@@ -342,6 +345,8 @@ def test_the_forwards_freed_blocks_the_loss_cannot_use():
     assert allocator.forward_residue_bytes(1000 * mib, 344 * mib, [2000 * mib, 128 * mib], False) == 872 * mib
     assert allocator.forward_residue_bytes(1000 * mib, 344 * mib, [2000 * mib], True) == 0
     assert allocator.forward_residue_bytes(0, 0, [2000 * mib], False) == 0
+    # tensors under 10 MiB share 20 MiB segments, which later requests reuse: none kept aside
+    assert allocator.forward_residue_bytes(30 * mib, 9 * mib, [2000 * mib], False) == 0
 
 
 def _block_kept_bytes(mode: str, mlp: str, linear=None):

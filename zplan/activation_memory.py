@@ -79,8 +79,10 @@ def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
     wide = k * B * sb * m.ffn_hidden
     if mode == "full":
         freed = (2 if m.mlp == "gelu" else 3) * wide + B * sb * m.hidden
-    else:
-        freed = wide + (B + S) * sb * m.hidden if m.mlp == "gelu" else 3 * wide
+    elif m.mlp == "gelu":
+        freed = wide + (B + S) * sb * m.hidden
+    else:  # Liger's fused SwiGLU never makes silu(w1): two
+        freed = (2 if train.fused_swiglu else 3) * wide
     return freed, wide
 
 

@@ -24,9 +24,10 @@ the unit reduced last where it is a root holding embedding and head (4 GiB in fp
 8B). The loss's tensors, the head unit's and the end of backward's (HeadTail) run through the
 allocator simulation on top of everything else the default stream holds then (assumed packed),
 and beside the blocks a checkpointed forward has left cached, too small for the loss's
-tensors (forward_residue_bytes), and the default stream reserves at least that. Elsewhere the model assumes
-cached blocks are reused fully: a lower bound (docs/reserved-matrix.md holds it against the
-allocator replayed over every tensor of traced steps).
+tensors (forward_residue_bytes), and the default stream reserves at least that; the all-gather
+stream is simulated whole (all_gather_stream_reserved). Elsewhere the model assumes cached
+blocks are reused fully (docs/reserved-matrix.md holds it against the allocator replayed over
+every tensor of traced steps: from 2.9% below to 1.6% above with classic segments).
 `--fragmentation F` replaces all this with the flat assumption reserved = (1 + F) x allocated.
 """
 
@@ -35,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activation_memory import loss_steps
-from .caching_allocator import (LARGE_SEGMENT_BYTES, SMALL_BYTES, CachingAllocator, allocation_size,
-                                round_size)
+from .caching_allocator import (LARGE_SEGMENT_BYTES, MIN_LARGE_ALLOC_BYTES, SMALL_BYTES, CachingAllocator,
+                                allocation_size, round_size)
 from .memory_timeline import STREAM, Event
 from .specs import Assumptions, TrainSpec
 
@@ -223,8 +224,8 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
     one segment and the loss extends it: none. Held against the caching allocator replayed over
     traced steps (docs/reserved-matrix.md; Llama 2 7B at 16,384 tokens per micro-batch, full
     checkpointing: 1.36 GiB of such blocks free when the loss began, where this gives 1.13)."""
-    if expandable or transient <= 0:
-        return 0
+    if expandable or transient <= 0 or largest < MIN_LARGE_ALLOC_BYTES:
+        return 0  # tensors under 10 MiB share 20 MiB segments, which later requests reuse
     return max(0, transient - sum(b for b in loss_tensors if 0 < b <= largest))
 
 
@@ -239,8 +240,12 @@ def all_gather_stream_reserved(forward: list[int], backward: list[int], expandab
     live bytes packed (stream_peaks) undercounts where the units differ in size: a block's
     output takes part of the embedding unit's freed block, and a head unit larger than any
     free block (by its norm's 16 KiB beside the embedding's) takes a segment of its own: three
-    segments (embedding, block, head) where two outputs are ever alive. A unit gathered once
-    more for its recompute (FSDP1's reentrant wrap) is freed before the next: not modelled."""
+    segments (embedding, block, head) where two outputs are ever alive. Not modelled: a unit
+    gathered once more for its recompute (FSDP1's reentrant wrap, freed before the next); the
+    all-gather input FSDP2 copies a unit's shards into under mixed precision (one shard in the
+    param dtype, on the same stream, freed after the collective: _fsdp_collectives.py); FSDP1's
+    flat parameters (the configurations named after it, root-kept and a checkpoint around the
+    unit, are priced in FSDP2's order)."""
     sim = CachingAllocator(expandable)
     prev = None
     for i, b in enumerate(forward):

@@ -483,7 +483,10 @@ def _all_gather_reserved(sc: Scenario, st: Strategy, ms: ModelState) -> int:
     if sc.train.layout != "torch" or not st.fsdp or D == 1:
         return 0
     out = [nbytes(x * D, gather_dtype(sc, u)) for x, u in zip(ms.unit_shards, sc.units)]
-    back = [b if regathered(sc, st, u) else 0 for b, u in zip(out, sc.units)][::-1]
+    again = [b if regathered(sc, st, u) else 0 for b, u in zip(out, sc.units)]
+    # backward: the held root first (its pre-backward hook sits on the model's output), then
+    # the other units in reverse
+    back = [b for b, u in zip(again, sc.units) if u.held] + [b for b, u in zip(again, sc.units) if not u.held][::-1]
     return _ag_reserved(tuple(out), tuple(back), sc.assume.expandable_segments)
 
 

@@ -494,9 +494,10 @@ class Record:
         return all(d[k] == e[k] for k in type(self).model_fields)
 
     def __hash__(self) -> int:
-        # A record is frozen, so its hash is computed once: records nest (a scenario's hardware
-        # holds its GPU, which holds its kernels), and recommend hashes them as cache keys
-        # thousands of times per search. model_copy and pickling drop the cached value.
+        # A record is frozen, so its hash is computed once: recommend hashes its training and
+        # model specs (with their nested precision records) as cache keys tens of thousands of
+        # times per search. model_copy and pickling drop the cached value. (A record with a
+        # dict field, as a GPU's kernel table, is unhashable, as under pydantic.)
         d = self.__dict__
         h = d.get(_HASH)
         if h is None:
