@@ -218,9 +218,9 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
     use: a checkpointed block's first forward (activation_memory.forward_transient_bytes,
     `transient` bytes freed, its largest tensor `largest`) leaves each of those tensors' blocks free in
     segments of their own, block after block, and the loss's vocabulary-sized tensors are
-    larger than any of them, so new segments are reserved beside them. The tensors the loss and
-    the head around it allocate (`loss_tensors`, loss_reserved_bytes's requests) that do fit
-    such a block take it instead. With expandable segments the freed blocks sit in the stream's
+    larger than any of them, so new segments are reserved beside them. The loss's own tensors
+    (`loss_tensors`) that do fit such a block take it instead; the head's around the loss are
+    placed by loss_reserved_bytes already. With expandable segments the freed blocks sit in the stream's
     one segment and the loss extends it: none. Held against the caching allocator replayed over
     traced steps (docs/reserved-matrix.md; Llama 2 7B at 16,384 tokens per micro-batch, full
     checkpointing: 1.36 GiB of such blocks free when the loss began, where this gives 1.13)."""
