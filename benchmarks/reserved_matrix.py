@@ -82,8 +82,8 @@ def main(argv=None) -> int:
              "section 3). Classic segments: the rest is holes the replay finds elsewhere, between "
              "the blocks' activations and in 20 MiB segments shared by tensors of 1-10 MiB; where "
              "the planner reads above the replay (Llama 3.1 8B at 2048 with separate embedding "
-             "and head units), its default stream is about 380 MiB over the replay's, not yet "
-             "separated (the loss and the end of backward are simulated from nothing cached). "
+             "and head units), its default stream is over the replay's, not yet separated (the "
+             "loss and the end of backward are simulated from nothing cached). "
              "Expandable: the planner assumes the freed activations are not at the segment's free "
              "end, and reads above the replay where they partly are.", "",
              summary("classic") + "; " + summary("expandable") + ".", "",
