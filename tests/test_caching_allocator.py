@@ -119,8 +119,10 @@ def test_the_planner_reserves_the_loss_hole_on_the_default_stream():
     reserves its holdings at the loss and the 14E the loss's tensors take, 2E (3.9 GiB) above its
     allocated peak; with the logits kept, no hole. With classic segments, beside them, the blocks
     selective checkpointing's forward freed (SwiGLU's three unkept MLP-wide tensors, each
-    s·b·f·2 bytes), which the loss's tensors do not fit; none of it counts towards "fits" (wholly
-    free segments, which the allocator releases before failing)."""
+    s·b·f·2 bytes), which the loss's tensors do not fit. Neither the forward's blocks nor the
+    dropped logits' own segment (log_softmax's input gradient, 4E, does not fit its 2E) counts
+    towards "fits": they are segments wholly free when the reserve peaks, which the allocator
+    releases before failing."""
     from zplan.estimate import estimate_one
 
     E = 2 * 8192 * 128256
@@ -139,13 +141,14 @@ def test_the_planner_reserves_the_loss_hole_on_the_default_stream():
         assert m.peak_phase == "loss"
         others = sum(allocator.segment_bytes(b) for s, b in per.items() if s != "default" and b)
         assert m.reserved_bytes - others == pytest.approx(per["default"] + hole, abs=8 * MiB)
-        assert m.releasable_bytes == pytest.approx(forward, abs=8 * MiB)
+        assert m.releasable_bytes == pytest.approx(forward + (0 if kept else 2 * E), abs=8 * MiB)
 
 
 def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_path):
     """The trainer's own loss (trainer/micro_batch.forward_loss on bf16 logits) under PyTorch's
     MemTracker, every storage's allocation and release in order: the vocabulary-sized ones, in
-    logits, are activation_memory.loss_steps, logits dropped or kept."""
+    logits, are activation_memory.loss_steps, logits dropped or kept, from the head's dtype or
+    upcast by the model (`logits_fp32`)."""
     torch = pytest.importorskip("torch")
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -158,8 +161,9 @@ def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_p
     path.write_text('name = "vocab-heavy"\nnum_layers = 1\nhidden = 64\nffn_hidden = 128\n'
                     'num_heads = 4\nnum_kv_heads = 2\nvocab_size = 8192\nmax_seq_len = 64\n'
                     'source = "test"\n')
-    for kept in (False, True):
-        sc = build(cpu_ranks(model=str(path), gpus="1", seq_len=64, micro_batch=2, logits_kept=kept))
+    for kept, fp32 in ((False, False), (True, False), (False, True), (True, True)):
+        sc = build(cpu_ranks(model=str(path), gpus="1", seq_len=64, micro_batch=2, logits_kept=kept,
+                             logits_fp32=fp32))
         E = 2 * 64 * 8192
         torch.manual_seed(0)
         model = Transformer(presets.model(str(path))).to(torch.bfloat16)
@@ -451,3 +455,29 @@ def test_a_linear_losss_weight_gradient_is_not_counted_among_the_freed_activatio
     assert kept == 128256 * 4096 * 2 and seen[0].held_root
     assert seen[0].freed_block_bytes == start.live["activations"] - kept
     assert m.reserved_bytes > m.allocated_bytes
+
+
+def test_the_segments_wholly_free_at_the_reserves_peak_are_releasable():
+    """CUDACachingAllocator.cpp's release_cached_blocks hands back to the driver the segments
+    with no block in use, then retries the cudaMalloc that failed: at the peak those are what a
+    run near the GPU's limit does without. A segment with one block in use is not releasable;
+    expandable segments are not counted (their pages unmap piecewise)."""
+    sim = CachingAllocator(track_releasable=True)
+    sim.malloc("a", 100 * MiB)
+    sim.malloc("b", 50 * MiB)
+    sim.malloc("c", 60 * MiB)
+    sim.free("b")  # a wholly free 50 MiB segment
+    sim.malloc("d", 40 * MiB)  # fits b's segment: split, so no longer wholly free
+    sim.free("c")  # 60 MiB wholly free
+    sim.malloc("e", 200 * MiB)  # a new segment, the peak: 410 MiB reserved
+    assert sim.peak_reserved_bytes == 410 * MiB
+    assert sim.releasable_at_peak_bytes == 60 * MiB
+    sim.free("e")
+    sim.malloc("f", 150 * MiB)  # fits e's segment: no new peak, the figure stands
+    assert sim.releasable_at_peak_bytes == 60 * MiB
+    assert CachingAllocator().releasable_at_peak_bytes == 0
+    ex = CachingAllocator(expandable_segments=True, track_releasable=True)
+    ex.malloc("a", 100 * MiB)
+    ex.free("a")
+    ex.malloc("b", 300 * MiB)
+    assert ex.releasable_at_peak_bytes == 0

@@ -64,6 +64,8 @@ def test_one_strategy(run_zplan):
     (["--no-such-flag"], "No such option"),
     (["--model", "llama-3.1-8b", "--eager-loss"], "--eager-loss goes with --compile"),
     (["--model", "llama-3.1-8b", "--compile-scope", "model"], "--compile-scope model goes with --compile"),
+    (["--model", "llama-3.1-8b", "--logits-fp32", "--linear-loss", "chunked"], "drop --logits-fp32"),
+    (["--model", "llama-3.1-8b", "--logits-fp32", "--no-loss-fp32"], "drop --no-loss-fp32"),
 ])
 def test_bad_input_is_one_line_exit_2(run_zplan, args, needle):
     p = run_zplan("estimate", *args)

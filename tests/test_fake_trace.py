@@ -316,3 +316,25 @@ def test_the_all_gather_streams_reserve_is_the_replays(tmp_path, monkeypatch, em
             held[id(winfo)] = n
     assert sim.peak_reserved_bytes > 0
     assert _all_gather_reserved(fsdp, st, model_state(fsdp, st)) == sim.peak_reserved_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kept", [True, False])
+def test_fp32_logits_from_the_model_are_priced_against_the_tracker(tmp_path, kept):
+    """A model that returns fp32 logits (TrainSpec.logits_fp32, torchtitan's
+    `self.output(h).float()`) traced by FSDPMemTracker at seq 1024 x 2, where the loss's
+    backward is the step's peak: the planner agrees within 1% and in phase, and both see the
+    peak move by the same bytes from the bf16-logits run (kept: 2 B per logit more, the fp32
+    logits where the bf16 ones stood; dropped: none, 12 B either way)."""
+    pytest.importorskip("torch")
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    cells = {fp32: fake_trace.fake_cell(str(path), 4, 1024, 2, "none", "zero3", logits_kept=kept,
+                                        logits_fp32=fp32) for fp32 in (False, True)}
+    for cell in cells.values():
+        assert abs(cell.error) < 0.01 and cell.predicted_phase == cell.traced_phase == "loss", cell
+    traced = cells[True].traced_bytes - cells[False].traced_bytes
+    planned = cells[True].predicted_bytes - cells[False].predicted_bytes
+    assert traced == planned == (2 * 2 * 1024 * 32000 if kept else 0)

@@ -201,6 +201,29 @@ def test_loss_backward_holds_fourteen_bytes_per_bf16_logit():
     assert activation_memory.loss_bytes_per_logit(fp32) == {"forward": 8, "backward": 16}  # .float() is a no-op
 
 
+def test_fp32_logits_from_the_model_hold_two_bytes_more_where_kept():
+    """The model's own upcast (`logits_fp32`): the loss gets fp32 logits, so its forward holds
+    them and log_softmax's output (8 B; the head's bf16 output, 2 B, is freed once cast) and a
+    loop that keeps them keeps 4 B where it kept 2; dropped, backward is unchanged (12 B). A
+    fused or compiled loss saves the fp32 logits and writes their fp32 gradient, which the
+    model's copy casts back (4 + 4 + 2 B). The order itself is held against MemTracker in
+    tests/test_caching_allocator.py, the step's peak in tests/test_fake_trace.py."""
+    t = TrainSpec(logits_fp32=True)
+    assert activation_memory.loss_bytes_per_logit(t) == {"forward": 8, "backward": 16}
+    dropped = t.model_copy(update={"logits_kept": False})
+    assert activation_memory.loss_bytes_per_logit(dropped) == {"forward": 8, "backward": 12}
+    assert activation_memory.loss_bytes_per_logit(dropped.model_copy(update={"logits_fp32": False})) == \
+        {"forward": 10, "backward": 12}
+    fused = t.model_copy(update={"fused_loss": True})
+    assert activation_memory.loss_bytes_per_logit(fused) == {"forward": 6, "backward": 10}
+    assert activation_memory.kept_logit_bytes(t) == 4 and activation_memory.kept_logit_bytes(TrainSpec()) == 2
+    fp32_params = TrainSpec(logits_fp32=True, precision={"param": "fp32"})  # nothing to upcast
+    assert activation_memory.loss_steps(fp32_params) == activation_memory.loss_steps(
+        fp32_params.model_copy(update={"logits_fp32": False}))
+    with pytest.raises(ValueError, match="never makes the logits whole"):
+        TrainSpec(logits_fp32=True, linear_loss="chunked")
+
+
 def _traced_loss_peak_bytes(T: int, V: int, upcast: bool, keep: bool = True) -> int:
     """PyTorch's MemTracker's peak over the loss and its backward, bf16 logits of (T, V)."""
     torch = pytest.importorskip("torch")

@@ -257,6 +257,8 @@ def loss_steps(train: TrainSpec, loss_fp32: bool = True) -> tuple[tuple[str, str
     flash-attn's xentropy (v1.0.9 csrc/xentropy/xentropy_kernel.cu: fp32 per-row losses and
     log-sum-exp, the logits saved, `gI = at::empty_like(logits)` in backward unless in place)."""
     B = act_dtype_bytes(train)
+    if train.logits_fp32 and B != 4:
+        return _model_upcast_loss_steps(train, B)
     if train.loss_fused:
         return (("forward", "+", "logits", B), ("backward", "+", "logits grad", B))
     L = 4 if loss_fp32 else B
@@ -276,13 +278,42 @@ def loss_steps(train: TrainSpec, loss_fp32: bool = True) -> tuple[tuple[str, str
     return tuple(steps)
 
 
+def _model_upcast_loss_steps(train: TrainSpec, B: int) -> tuple[tuple[str, str, str, int], ...]:
+    """`loss_steps` where the model returns fp32 logits (`TrainSpec.logits_fp32`, torchtitan's
+    `self.output(h).float()`): the head's output in the param dtype, its fp32 copy -- the logits
+    the loss gets and the loop keeps -- and the head's output freed at once (the copy's backward
+    saves nothing). Eager: the loss's own `.float()` is a no-op, log_softmax saves its fp32
+    output, the backward is the upcast's (the input gradient cast back to B bytes by the model's
+    copy). Compiled or fused: the kernel saves the fp32 logits and writes their fp32 gradient,
+    which the model's copy casts back."""
+    steps = [("forward", "+", "head output", B), ("forward", "+", "logits", 4),
+             ("forward", "-", "head output", B)]
+    if train.loss_fused:
+        return tuple(steps + [("backward", "+", "fp32 logits grad", 4), ("backward", "+", "logits grad", B),
+                              ("backward", "-", "fp32 logits grad", 4)])
+    steps.append(("forward", "+", "log_softmax", 4))
+    if train.logits_dropped:
+        steps.append(("forward", "-", "logits", 4))
+    return tuple(steps + [("backward", "+", "nll grad", 4), ("backward", "+", "log_softmax grad", 4),
+                          ("backward", "-", "nll grad", 4), ("backward", "-", "log_softmax", 4),
+                          ("backward", "+", "logits grad", B), ("backward", "-", "log_softmax grad", 4)])
+
+
+def kept_logit_bytes(train: TrainSpec) -> int:
+    """Bytes per logit of the logits a loop keeps (and a compiled or fused loss saves): the
+    head's dtype, 4 where the model returns them in fp32 (`TrainSpec.logits_fp32`)."""
+    return 4 if train.logits_fp32 else act_dtype_bytes(train)
+
+
 def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, int]:
     """Bytes per logit alive in the loss at its largest, forward and backward: the running sum
     of `loss_steps`, which it is derived from. Eager, forward: the logits, their fp32 copy and
     log_softmax's output; backward: the logits (unless dropped), log_softmax's saved output,
     nll_loss's gradient and log_softmax's input gradient: 2 + 4 + 4 + 4 = 14 B for bf16 logits
     upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16; 12 B and 6 B where
-    the loop drops the logits first. Compiled or fused: B forward, 2B backward."""
+    the loop drops the logits first. Compiled or fused: B forward, 2B backward. Where the model
+    returns fp32 logits (`logits_fp32`): eager 8 B forward (the fp32 logits and log_softmax's
+    output), 16 B backward kept and 12 B dropped; compiled or fused B+4 forward, 10 B backward."""
     live, peak = 0, {"forward": 0, "backward": 0}
     for phase, op, _, b in loss_steps(train, loss_fp32):
         live += b if op == "+" else -b

@@ -111,9 +111,25 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
     gradients while the logits' gradient is alive, then that gradient freed, the weights freed
     (reshard after backward) and the reduce-scatter input allocated before the unsharded
     gradients are released (_fsdp_collectives.foreach_reduce: copy-in, then clear)."""
+    return _loss_simulated(logits_elems, train, loss_fp32, expandable, head)[0]
+
+
+def loss_releasable_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
+                          head: HeadTail | None = None) -> int:
+    """Of loss_reserved_bytes, what sits in segments wholly free when the reserve peaks: a
+    block the loss freed that none of its later tensors fits (under a model's fp32 logits, the
+    head's 16-bit output, freed once cast), the head's weights resharded. PyTorch's allocator
+    hands such segments back to the driver and retries before it fails a cudaMalloc
+    (CUDACachingAllocator.cpp release_cached_blocks); classic segments only."""
+    return _loss_simulated(logits_elems, train, loss_fp32, expandable, head)[1]
+
+
+def _loss_simulated(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
+                    head: HeadTail | None) -> tuple[int, int]:
+    """(reserved, releasable at the reserve's peak) of loss_reserved_bytes' simulation."""
     if logits_elems <= 0 and not (head and head.last_reduce_in_bytes):
-        return 0
-    sim = CachingAllocator(expandable)
+        return 0, 0
+    sim = CachingAllocator(expandable, track_releasable=True)
     blocks_bytes = 0
     if head and head.freed_block_bytes:
         # the blocks' activations, alive through the loss; their bytes are counted with
@@ -122,16 +138,17 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
         sim.malloc("blocks' activations", head.freed_block_bytes)
         blocks_bytes = round_size(head.freed_block_bytes)
     if logits_elems <= 0:
-        return _linear_loss_backward(sim, head) - blocks_bytes
+        return _linear_loss_backward(sim, head) - blocks_bytes, sim.releasable_at_peak_bytes
     w = head.weights_bytes if head else 0
     if w:
         sim.malloc("head weights", w)
     live = []
-    for _, op, name, per_logit in loss_steps(train, loss_fp32):
+    steps = loss_steps(train, loss_fp32)
+    for _, op, name, per_logit in steps:
         if op == "+":
             sim.malloc(name, per_logit * logits_elems)
             live.append(name)
-            if name == "logits" and w:  # the head's forward made them: it reshards
+            if name == steps[0][2] and w:  # the head's forward made them: it reshards
                 sim.free("head weights")
         else:
             sim.free(name)
@@ -147,7 +164,7 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
                 sim.malloc(name, b)
         sim.free(live[-1])  # the logits' gradient, consumed by the head's backward
         _head_reduce(sim, head)
-    return sim.peak_reserved_bytes - blocks_bytes
+    return sim.peak_reserved_bytes - blocks_bytes, sim.releasable_at_peak_bytes
 
 
 def _head_reduce(sim: CachingAllocator, head: HeadTail) -> None:

@@ -95,8 +95,12 @@ class CachingAllocator:
     """malloc(key, nbytes, stream) and free(key) in program order; `reserved_bytes`,
     `allocated_bytes` and their peaks (bytes) follow the allocator's own statistics."""
 
-    def __init__(self, expandable_segments: bool = False):
+    def __init__(self, expandable_segments: bool = False, track_releasable: bool = False):
         self.expandable = expandable_segments
+        # at each new reserved peak, the bytes of classic segments wholly free then: what
+        # release_cached_blocks hands back to the driver before it retries a failed cudaMalloc
+        self.track_releasable = track_releasable and not expandable_segments
+        self.releasable_at_peak_bytes = 0
         self._pools: dict[tuple[str, bool], _Pool] = {}
         self._segments: dict[tuple[str, bool], _Segment] = {}
         self._live: dict[object, tuple[_Block, _Pool, bool]] = {}
@@ -196,4 +200,9 @@ class CachingAllocator:
 
     def _grow(self, n: int) -> None:
         self.reserved_bytes += n
-        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        if self.reserved_bytes > self.peak_reserved_bytes:
+            self.peak_reserved_bytes = self.reserved_bytes
+            if self.track_releasable:
+                self.releasable_at_peak_bytes = sum(
+                    b.size for pool in self._pools.values() for b in pool.blocks.values()
+                    if b.prev is None and b.next is None)

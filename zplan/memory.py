@@ -427,6 +427,12 @@ def _loss_reserved(logits_elems: int, train, loss_fp32: bool, expandable: bool,
     return allocator.loss_reserved_bytes(logits_elems, train, loss_fp32, expandable, head)
 
 
+@lru_cache(maxsize=256)
+def _loss_releasable(logits_elems: int, train, loss_fp32: bool, expandable: bool,
+                     head: allocator.HeadTail | None) -> int:
+    return allocator.loss_releasable_bytes(logits_elems, train, loss_fp32, expandable, head)
+
+
 def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
                start: Event | None = None) -> allocator.HeadTail | None:
     """The head unit's tensors around the loss (allocator.HeadTail) under FSDP2, from the sizes
@@ -554,11 +560,14 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     peaks = dict(alloc.stream_peaks)
     reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
                                              _all_gather_reserved(sc, st, ms))
-    # what of it sits in segments wholly free at the peak: the forward's freed blocks and the
-    # all-gather stream's segments beyond its packed peak; the allocator releases those and
-    # retries before it fails a cudaMalloc (slower, no out-of-memory)
+    # what of it sits in segments wholly free at the peak: the forward's freed blocks, the
+    # loss's blocks none of its later tensors fits, and the all-gather stream's segments beyond
+    # its packed peak; the allocator releases those and retries before it fails a cudaMalloc
+    # (slower, no out-of-memory)
+    loss_packed = loss_reserved - _loss_releasable(acts.logits_elems, sc.train, sc.assume.loss_fp32,
+                                                   sc.assume.expandable_segments, head)
     packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume,
-                                           allocator.default_stream_floor(start, loss_b, loss_reserved))
+                                           allocator.default_stream_floor(start, loss_b, loss_packed))
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)

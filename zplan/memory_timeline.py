@@ -88,6 +88,7 @@ class Activations:
     loss_per_logit: dict[str, int]
     linear_loss: dict[str, int]  # a linear loss's bytes by phase (activation_memory.linear_loss_bytes)
     act_bytes: int  # bytes per activation element (the param dtype)
+    kept_logit_bytes: int  # bytes per logit the loop keeps (activation_memory.kept_logit_bytes)
     stream_bytes: int  # one hidden-state tensor (s·b·h) in the residual stream's dtype
 
 
@@ -126,7 +127,8 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     linear = activation_memory.linear_loss_bytes(m, t)
     logits = 0 if t.linear_loss != "none" else t.seq_len * t.micro_batch * m.vocab_size
     return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
-                       activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B, S * sbh)
+                       activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B,
+                       activation_memory.kept_logit_bytes(t), S * sbh)
 
 
 @dataclass(frozen=True)
@@ -216,9 +218,9 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                               unsharded_grad, first_grad, reduce_in, sharded_grad)))
     head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
     root_head = held[head]  # the head sits in the held root (tied, or embed_head_unit root)
-    logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
+    logits_b = acts.logits_elems * acts.act_bytes  # the head's output, and the logits' gradient
     # the logits stay referenced until backward ends, unless the loop drops them first
-    logits_ref = 0 if sc.train.logits_unreferenced else logits_b
+    logits_ref = 0 if sc.train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
     # with accumulation and a reduce every micro-batch, the later micro-batches find every
     # sharded gradient allocated (the reduce-scatter output is added into it)
     later = sc.train.grad_accum > 1 and not accum_b
@@ -365,7 +367,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     kept_upto = [0, *accumulate(casts.kept)]
     kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
     made = {**kw, "gathered": static_b + sum(casts.made)}
-    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.act_bytes, **made)]
+    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.kept_logit_bytes, **made)]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
                       + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase],
@@ -383,8 +385,9 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     held = [min(cap, after[j + 1] - after[g.stop]) if (g := graph_of[j]) else 0 for j in range(n)]
     ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp,
                               casts.kept, casts.recomputed)))
-    logits_b = acts.logits_elems * acts.act_bytes  # the logits, and their gradient
-    logits_ref = 0 if sc.train.logits_unreferenced else logits_b  # referenced until backward ends
+    logits_b = acts.logits_elems * acts.act_bytes  # the logits' gradient
+    # the logits, referenced until backward ends
+    logits_ref = 0 if sc.train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
     # eager where the tied root is in no compiled graph (per-block compile leaves it eager)
     wait = tied_head_grad_wait(sc) if graph_of[0] is None else (0, 0)
     for j in reversed(ends):

@@ -69,6 +69,7 @@ class ScenarioOptions:
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
+    logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
     float8: bool = False
     float8_recipe: str = "tensorwise"  # with float8: tensorwise | te-delayed (TrainSpec.float8_recipe)
     float8_all_gather: bool = True
@@ -172,6 +173,12 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if not o.logits_kept and o.linear_loss != "none":
         raise UsageError(f"--no-logits-kept: --linear-loss {o.linear_loss} never makes the logits "
                          "whole: drop --no-logits-kept")
+    if o.logits_fp32 and o.linear_loss != "none":
+        raise UsageError(f"--logits-fp32: --linear-loss {o.linear_loss} never makes the logits "
+                         "whole: drop --logits-fp32")
+    if o.logits_fp32 and not o.loss_fp32:
+        raise UsageError("--logits-fp32: a model that returns fp32 logits gives the loss fp32 "
+                         "logits: drop --no-loss-fp32")
     if o.checkpoint_wraps_unit and o.checkpointing in ("none", "attention"):
         raise UsageError(f"--checkpoint-wraps-unit: --checkpointing {o.checkpointing} wraps no block: "
                          "drop --checkpoint-wraps-unit, or checkpoint blocks (--checkpointing full)")
@@ -246,7 +253,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

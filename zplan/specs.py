@@ -378,6 +378,12 @@ class TrainSpec(Spec):
         True, description="the training loop holds the logits until backward returns (zplan's "
         "trainer, a loop that keeps a Hugging Face output beside its loss); False: it drops them "
         "before backward (torchtitan's `del pred`; HF Trainer's compute_loss returns the loss alone)")
+    logits_fp32: bool = Field(
+        False, description="the model returns its logits in fp32, upcast after the head "
+        "(torchtitan's Transformer, `self.output(h).float()` until e10cb94, October 2024; Hugging Face "
+        "transformers' ...ForCausalLM before 4.45, `logits = logits.float()`): the loss gets fp32 "
+        "logits and a loop that keeps them keeps them in fp32; False: the head's dtype, the loss "
+        "upcasts its own copy")
     deepspeed_defaults: bool = Field(
         False, description="zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their "
         "defaults (each submodule's parameters gathered as it runs, 5e7 elements prefetched, "
@@ -470,6 +476,8 @@ class TrainSpec(Spec):
                              "DeepSpeed (the zero layout) gathers module by module")
         if not self.logits_kept and self.linear_loss != "none":
             raise ValueError(f"logits_kept false: linear_loss {self.linear_loss} never makes the logits whole")
+        if self.logits_fp32 and self.linear_loss != "none":
+            raise ValueError(f"logits_fp32: linear_loss {self.linear_loss} never makes the logits whole")
         if self.layout == "zero" and not self.reduce_every_microbatch:
             # engine.py no_sync asserts not zero_optimization_partition_gradients(); stages 0-1
             # reduce at the accumulation boundary anyway

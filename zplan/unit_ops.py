@@ -192,7 +192,10 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     if t.linear_loss != "none":
         return ops + _linear_loss(sc, backward)
     ops += K.linear(gpu, "output", T, V, h, act, act, backward)
-    if t.loss_fused:  # one fused kernel each way, bf16 in and out (activation_memory.loss_bytes_per_logit)
+    if t.loss_fused and t.logits_fp32 and B != 4:
+        # the model's upcast (B+4 per logit each way, its own kernel), the fused kernel over fp32
+        per, kern = ((8 + 4 + B) * V, 2) if backward else ((B + 4 + 4) * V, 2)
+    elif t.loss_fused:  # one fused kernel each way, bf16 in and out (activation_memory.loss_bytes_per_logit)
         per, kern = (2 * B * V, 1) if backward else (B * V, 1)
     elif sc.assume.loss_fp32 and B != 4:
         per, kern = (22 * V, 4) if backward else (14 * V, 3)

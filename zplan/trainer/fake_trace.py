@@ -167,16 +167,18 @@ def planned_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpo
 
 def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpointing: str,
               strategy: str, linear_loss: str = "none", embed_head_unit: str = "separate",
-              logits_kept: bool = True, grad_accum: int = 1, reserved: bool = False) -> FakeCell:
-    """Plan one configuration (`planned_cell`) and trace it. With `reserved`, also the reserved
-    bytes, planned (the caching-allocator model) and simulated over RESERVE_STEPS traced steps."""
+              logits_kept: bool = True, grad_accum: int = 1, reserved: bool = False,
+              **options) -> FakeCell:
+    """Plan one configuration (`planned_cell`, `options` further ScenarioOptions) and trace it.
+    With `reserved`, also the reserved bytes, planned (the caching-allocator model) and simulated
+    over RESERVE_STEPS traced steps."""
     import time
 
     from ..plan import make_plan
 
     args = (model, world, seq_len, micro_batch, checkpointing, strategy, linear_loss,
             embed_head_unit, logits_kept, grad_accum)
-    sc, r = planned_cell(*args)
+    sc, r = planned_cell(*args, **options)
     t0 = time.perf_counter()
     peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r),
                       steps=RESERVE_STEPS if reserved else 1, reserved=reserved)
@@ -184,7 +186,8 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
     both = None
     if reserved:
         simulated = peak.pop("reserved")
-        both = {name: (planned_cell(*args, fragmentation=None, expandable_segments=name == "expandable")[1]
+        both = {name: (planned_cell(*args, **options, fragmentation=None,
+                                    expandable_segments=name == "expandable")[1]
                        .memory.reserved_bytes, simulated[name])
                 for name in ("classic", "expandable")}
     accum = f" A={grad_accum}" if grad_accum > 1 else ""

@@ -25,7 +25,8 @@ def micro_batch_context(p: Parallelized, sync: bool, device_type: str) -> contex
 def forward_loss(p: Parallelized, train, x: torch.Tensor, y: torch.Tensor,
                  sync: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The micro-batch's loss divided by the accumulation steps, and the logits that stay
-    referenced until its backward ends, as the planner prices the loss (memory_timeline.py):
+    referenced until its backward ends, as the planner prices the loss (memory_timeline.py;
+    fp32 where the plan's model returns fp32 logits, `TrainSpec.logits_fp32`):
     None where the plan drops them (`TrainSpec.logits_kept` false: torchtitan's `del pred`) or
     never makes them whole (the chunked linear loss computes the loss in the head). `sync`
     says whether this micro-batch's backward reduces gradients."""
@@ -34,5 +35,7 @@ def forward_loss(p: Parallelized, train, x: torch.Tensor, y: torch.Tensor,
         if train.linear_loss == "chunked":
             return p.model(x, y) / A, None
         logits = p.model(x)
+        if train.logits_fp32:  # the model's own upcast (torchtitan's `self.output(h).float()`)
+            logits = logits.float()
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
     return loss, (logits if train.logits_kept else None)
