@@ -73,7 +73,7 @@ SCENARIO = {
 SWITCHES = ["--reduce-last-only", "--no-flash", "--no-prefetch", "--fused-norm", "--no-fused-norm",
             "--no-overlap", "--compile", "--eager-loss", "--float8", "--no-loss-fp32",
             "--no-checkpoint-early-stop", "--fused-loss", "--fused-swiglu", "--no-grad-clip", "--no-float8-all-gather",
-            "--no-norm-output-fp32", "--logits-fp32"]
+            "--no-norm-output-fp32", "--logits-fp32", "--last-block-kept"]
 OWN = {
     "estimate": {"--strategy": choice_or_hostile(STRATEGIES), "--unit": choice_or_hostile(["GB", "GiB"])},
     "recommend": {"--global-batch": number(["8", "64", "1e13", "1000000", "7"]),

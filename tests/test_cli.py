@@ -66,6 +66,7 @@ def test_one_strategy(run_zplan):
     (["--model", "llama-3.1-8b", "--compile-scope", "model"], "--compile-scope model goes with --compile"),
     (["--model", "llama-3.1-8b", "--logits-fp32", "--linear-loss", "chunked"], "drop --logits-fp32"),
     (["--model", "llama-3.1-8b", "--logits-fp32", "--no-loss-fp32"], "drop --no-loss-fp32"),
+    (["--model", "llama-3.1-8b", "--last-block-kept"], "--last-block-kept is how FSDP reshards"),
 ])
 def test_bad_input_is_one_line_exit_2(run_zplan, args, needle):
     p = run_zplan("estimate", *args)

@@ -224,10 +224,25 @@ def test_a_held_roots_reduce_scatter_input_is_priced_against_the_replay(tmp_path
     assert 0.9 * simulated <= planned <= simulated, (planned, simulated)
 
 
-def _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit: str, **options):
+def _count_all_gathers(monkeypatch, fake_trace) -> list:
+    """One entry per all-gather FSDP2 issues (its per-unit foreach_all_gather), while tracing."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    calls, real = [], _fsdp_param_group.foreach_all_gather
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_fsdp_param_group, "foreach_all_gather", counted)
+    return calls
+
+
+def _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit: str, last_block_kept: bool = False,
+                              **options):
     """The 2-block model traced at 4 ranks, seq 256 x 2, no checkpointing (its recorded
     allocations, one replay's worth) and the same configuration planned: (allocations, the
-    scenario FSDP2 strategies are priced on, zero3)."""
+    scenario FSDP2 strategies are priced on, zero3). `options` are the planner's alone."""
     from zplan.scenario_options import DEFAULT_CLUSTER, build, cpu_ranks
     from zplan.strategies import effective
     from zplan.trainer import fake_trace
@@ -237,10 +252,11 @@ def _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit: str, **opt
     captured = _capture_allocations(monkeypatch, fake_trace)
     kept = embed_head_unit == "separate"
     fake_trace.fake_cell(str(path), 4, 256, 2, "none", "zero3", logits_kept=kept,
-                         embed_head_unit=embed_head_unit, reserved=True)
+                         embed_head_unit=embed_head_unit, reserved=True, last_block_kept=last_block_kept)
     sc = build(cpu_ranks(model=str(path), gpu=None, cluster=DEFAULT_CLUSTER, gpus="4", seq_len=256,
                          micro_batch=2, fused_norm=False, checkpointing="none", optimizer_kernels="single",
-                         embed_head_unit=embed_head_unit, logits_kept=kept, **options))
+                         embed_head_unit=embed_head_unit, logits_kept=kept,
+                         last_block_kept=last_block_kept, **options))
     return captured[0], sc.for_strategy(True), effective("zero3", "torch")
 
 
@@ -294,17 +310,20 @@ def test_a_linear_loss_runs_beside_the_last_all_gather_output(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("embed_head_unit", ["separate", "root-kept"])
 @pytest.mark.parametrize("expandable", [False, True])
-def test_the_all_gather_streams_reserve_is_the_replays(tmp_path, monkeypatch, embed_head_unit, expandable):
+@pytest.mark.parametrize("last_block_kept", [False, True])
+def test_the_all_gather_streams_reserve_is_the_replays(tmp_path, monkeypatch, embed_head_unit, expandable,
+                                                      last_block_kept):
     """The all-gather outputs FSDP2 allocates in a traced step (the tracker's "All Gather"
     storages, in order), run alone through the caching allocator, reserve exactly what the
     planner's all_gather_stream_reserved does for the same plan: units of different sizes
-    (embedding, blocks, head) each find or miss a freed block as in the run."""
+    (embedding, blocks, head) each find or miss a freed block as in the run; with the last
+    block kept gathered after forward (`last_block_kept`), one gather fewer in backward."""
     pytest.importorskip("torch")
     from zplan.caching_allocator import CachingAllocator
     from zplan.memory import _all_gather_reserved, model_state
     from zplan.trainer import fake_trace
 
-    allocations, fsdp, st = _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit,
+    allocations, fsdp, st = _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit, last_block_kept,
                                                       fragmentation=None, expandable_segments=expandable)
     sim, held = CachingAllocator(expandable), {}
     for n, (op, winfo, now) in enumerate(allocations):
@@ -338,3 +357,39 @@ def test_fp32_logits_from_the_model_are_priced_against_the_tracker(tmp_path, kep
     traced = cells[True].traced_bytes - cells[False].traced_bytes
     planned = cells[True].predicted_bytes - cells[False].predicted_bytes
     assert traced == planned == (2 * 2 * 1024 * 32000 if kept else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("embed_head_unit", ["separate", "root-kept"])
+def test_a_last_block_kept_gathered_is_priced_against_the_tracker(tmp_path, monkeypatch, embed_head_unit):
+    """The trainer keeps the last block's unit gathered from its forward to its backward where
+    the plan says so (`last_block_kept`, torchtitan's 2024 policy): FSDPMemTracker's peak, at
+    the loss, grows by what the planner adds (the block's unsharded weights), the planner within
+    0.1% of the trace and in phase both ways; the traced step issues one all-gather fewer, as
+    the traffic model says (comm.regathered)."""
+    pytest.importorskip("torch")
+    from zplan import comm
+    from zplan.strategies import effective
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL)
+    kept = embed_head_unit == "separate"
+    gathers = _count_all_gathers(monkeypatch, fake_trace)
+    cells = {}
+    for last in (False, True):
+        gathers.clear()
+        cells[last] = fake_trace.fake_cell(str(path), 4, 1024, 2, "none", "zero3", logits_kept=kept,
+                                           embed_head_unit=embed_head_unit, last_block_kept=last)
+        cells[last, "gathers"] = len(gathers)
+        sc, _ = fake_trace.planned_cell(str(path), 4, 1024, 2, "none", "zero3", logits_kept=kept,
+                                        embed_head_unit=embed_head_unit, last_block_kept=last)
+        fsdp, st = sc.for_strategy(True), effective("zero3", "torch")
+        cells[last, "planned"] = len(sc.units) + sum(comm.regathered(fsdp, st, u) for u in fsdp.units)
+    for last in (False, True):
+        c = cells[last]
+        assert abs(c.error) < 0.001 and c.predicted_phase == c.traced_phase == "loss", c
+        assert cells[last, "gathers"] == cells[last, "planned"]
+    assert cells[True, "gathers"] == cells[False, "gathers"] - 1
+    block = cells[True].traced_bytes - cells[False].traced_bytes
+    assert block > 0 and block == cells[True].predicted_bytes - cells[False].predicted_bytes

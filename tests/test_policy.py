@@ -278,3 +278,22 @@ def test_selective_policy_answers_the_recompute_as_the_forward(mlp):
     assert saved == [n for n in names if n in set(policy.selective_saved_matmuls(mlp))]
     assert 0 < len(saved) < len(names)
     assert choose(SimpleNamespace(is_recompute=False), torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_the_kept_last_block_is_the_unit_holding_the_models_last_block():
+    """`last_block_kept` keeps the unit that holds the model's last block, whatever the
+    grouping, and nothing where the plan does not ask (torchtitan's 2024 rule,
+    `int(layer_id) < len(model.layers) - 1`)."""
+    from zplan import policy
+    from zplan.specs import TrainSpec
+
+    t = TrainSpec(layout="torch", last_block_kept=True)
+    assert policy.holds_kept_last_block(t, 31, 1, 32)
+    assert not policy.holds_kept_last_block(t, 30, 1, 32)
+    assert policy.holds_kept_last_block(t, 28, 4, 32)  # blocks 28-31 in one unit
+    assert not policy.holds_kept_last_block(t, 0, 0, 32)  # embeddings, head: no blocks
+    assert not policy.holds_kept_last_block(TrainSpec(layout="torch"), 31, 1, 32)
+    assert policy.stays_gathered(False, False, "separate", kept_last_block=True)
+    assert not policy.stays_gathered(False, False, "separate")
+    with pytest.raises(ValueError, match="gathers module by module"):
+        TrainSpec(layout="zero", last_block_kept=True)

@@ -236,9 +236,9 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
 
 def regathered(sc: Scenario, st: Strategy, u) -> bool:
     """Whether a unit is all-gathered again for its backward: resharded after forward, unless it
-    stays gathered in between (policy.stays_gathered: FSDP1's kept root, torchtitan's kept head)."""
-    return st.reshard_after_forward and not policy.stays_gathered(
-        u.held, "head" in u.name, sc.train.embed_head_unit)
+    stays gathered in between (policy.stays_gathered: FSDP1's kept root, torchtitan's kept head
+    or last block)."""
+    return st.reshard_after_forward and not policy.unit_stays_gathered(u, sc.train, sc.model.num_layers)
 
 
 def gathers_for_recompute(sc: Scenario, st: Strategy, u) -> bool:

@@ -457,7 +457,8 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
     pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
 
     def regathered(unit, head: bool) -> bool:
-        return st.reshard_after_forward and not policy.stays_gathered(unit.held, head, t.embed_head_unit)
+        last = policy.holds_kept_last_block(t, unit.first_block, unit.blocks, sc.model.num_layers)
+        return st.reshard_after_forward and not policy.stays_gathered(unit.held, head, t.embed_head_unit, last)
 
     freed = activation_memory.largest_block_tensor_bytes(sc.model, t)
     if sc.assume.expandable_segments and start is not None:

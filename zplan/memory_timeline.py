@@ -209,8 +209,13 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         lambda i: gathered[i] if held[i] else moving[i])
     copy_in = (lambda i: one_rank_copy[i]) if one_rank else (lambda i: 0)  # noqa: E731
     nxt = lambda i: moving[i + 1] if prefetch and i + 1 < n else 0  # noqa: E731
+    # the last block's unit where the plan keeps it gathered after forward (TrainSpec.last_block_kept):
+    # its unsharded weights stay allocated from its forward to its backward, which gathers nothing
+    L = next((k for k, u in enumerate(sc.units) if reshard and not held[k] and policy.holds_kept_last_block(
+        sc.train, u.first_block, u.blocks, sc.model.num_layers)), None)
+    kept_last = (lambda i: moving[L] if L is not None and i > L else 0)  # noqa: E731
     # backward prefetch all-gathers the previous unit, unless it stayed gathered (no reshard)
-    prv = lambda j: moving[j - 1] if prefetch and reshard and j > 0 else 0  # noqa: E731
+    prv = lambda j: moving[j - 1] if prefetch and reshard and j > 0 and j - 1 != L else 0  # noqa: E731
     saved_upto = [0, *accumulate(acts.saved)]  # saved_upto[i]: kept by units < i
     moving_upto = [0, *accumulate(moving)]
     grads_upto = [0, *accumulate(sharded_grad)]
@@ -240,13 +245,13 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         if i == n - 1 and not root_head:
             act += logits_b  # the head's output
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b, grads=all_grads,
-                      gathered=held_b + kept + moving[i] + copy_in(i),
+                      gathered=held_b + kept + kept_last(i) + moving[i] + copy_in(i),
                       all_gather=unshard(i) + nxt(i),
                       unsharded_grads=accum_b, activations=act))
         if not prefetch and not one_rank and i + 1 < n:
             nxt_kept = kept + (moving[i] if not reshard else 0)
             ev.append(_ev("forward", f"all-gather {sc.units[i + 1].name}", state=state_b,
-                          grads=all_grads, gathered=held_b + nxt_kept,
+                          grads=all_grads, gathered=held_b + nxt_kept + kept_last(i + 1),
                           all_gather=unshard(i) + unshard(i + 1),
                           unsharded_grads=accum_b, activations=act))
     # the root (held) reshards after its forward too when resharding (the trainer passes
@@ -255,8 +260,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     # loss runs inside the head's forward (and the root's): the head unit is still gathered, and
     # its pre-backward (a hook on the loss itself) gathers it again before the loss's backward
     # units that stay gathered from their forward to their backward (policy.stays_gathered)
-    kept_at_loss = [policy.stays_gathered(u.held, "head" in u.name, sc.train.embed_head_unit)
-                    for u in sc.units]
+    kept_at_loss = [policy.unit_stays_gathered(u, sc.train, sc.model.num_layers) for u in sc.units]
     at_loss = (sum(g for g, k in zip(gathered, kept_at_loss) if k) if reshard
                else held_b + moving_upto[n])
     linear = sc.train.linear_loss != "none"
@@ -292,19 +296,19 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         if reshard and not kept_at_loss[head]:
             # the root's pre-backward (a hook on its output) gathers it again: copy-out
             ev.append(_ev("backward", f"gather {root} again", state=state_b, grads=all_grads,
-                          gathered=held_b + copy_in(head), all_gather=unshard(head),
+                          gathered=held_b + kept_last(n) + copy_in(head), all_gather=unshard(head),
                           unsharded_grads=accum_b, activations=loss_grad))
         # the head's backward inside the root, before the last block's: its input gradient and
         # its new weight gradient; FSDP2's implicit backward prefetch has the last block's
         # all-gather out (the root is not in the trainer's explicit prefetch chain)
         ev.append(_ev("backward", f"backward head (in {root})", state=state_b, grads=all_grads,
-                      gathered=held_b + (0 if reshard else moving_upto[n]),
-                      all_gather=moving[n - 1] if prefetch and reshard else 0,
+                      gathered=held_b + (0 if reshard else moving_upto[n]) + kept_last(n),
+                      all_gather=moving[n - 1] if prefetch and reshard and L != n - 1 else 0,
                       unsharded_grads=accum_b + first_grad[head],
                       activations=loss_grad + acts.backward_temp[head]))
     for j in reversed(ends):
         name = sc.units[j].name
-        gath = held_b + moving[j] + (0 if reshard else moving_upto[j])
+        gath = held_b + moving[j] + (0 if reshard else moving_upto[j]) + kept_last(j)
         before = saved_upto[j] + logits_ref
         act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
         if j == n - 1 and not root_head:

@@ -59,14 +59,30 @@ def head_unit_reshards(embed_head_unit: str) -> bool:
     return embed_head_unit != "head-kept"
 
 
-def stays_gathered(held: bool, head: bool, embed_head_unit: str) -> bool:
+def stays_gathered(held: bool, head: bool, embed_head_unit: str, kept_last_block: bool = False) -> bool:
     """Whether a unit, with reshard_after_forward on, stays gathered from its forward to its
     backward instead of being gathered again: the held root where it does not reshard
-    (`root_reshards`), a norm + head unit of its own where it does not (`head_unit_reshards`).
+    (`root_reshards`), a norm + head unit of its own where it does not (`head_unit_reshards`),
+    the last block's unit where the plan keeps it (`kept_last_block`: `holds_kept_last_block`).
     The memory timeline (at the loss) and the traffic (comm.regathered) both read it."""
     if held:
         return not root_reshards(embed_head_unit)
-    return head and not head_unit_reshards(embed_head_unit)
+    return kept_last_block or (head and not head_unit_reshards(embed_head_unit))
+
+
+def holds_kept_last_block(train, first_block: int, blocks: int, num_layers: int) -> bool:
+    """Whether a unit of blocks [first_block, first_block + blocks) is the one the plan keeps
+    gathered after forward (`TrainSpec.last_block_kept`, torchtitan's
+    `reshard_after_forward = int(layer_id) < len(model.layers) - 1` of 2024-03..2025-07): the
+    unit holding the model's last block. The planner (`unit_stays_gathered`) and the trainer
+    (parallel.py) both ask it."""
+    return train.last_block_kept and blocks > 0 and first_block + blocks == num_layers
+
+
+def unit_stays_gathered(u, train, num_layers: int) -> bool:
+    """`stays_gathered` for one of the planner's units (arch.Unit)."""
+    return stays_gathered(u.held, "head" in u.name, train.embed_head_unit,
+                          holds_kept_last_block(train, u.first_block, u.blocks, num_layers))
 
 
 def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, ...]:

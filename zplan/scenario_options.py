@@ -70,6 +70,7 @@ class ScenarioOptions:
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
+    last_block_kept: bool = False  # FSDP keeps the last block gathered after forward (TrainSpec)
     float8: bool = False
     float8_recipe: str = "tensorwise"  # with float8: tensorwise | te-delayed (TrainSpec.float8_recipe)
     float8_all_gather: bool = True
@@ -173,6 +174,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if not o.logits_kept and o.linear_loss != "none":
         raise UsageError(f"--no-logits-kept: --linear-loss {o.linear_loss} never makes the logits "
                          "whole: drop --no-logits-kept")
+    if layout == "zero" and o.last_block_kept:
+        raise UsageError("--last-block-kept is how FSDP reshards its units; DeepSpeed (the zero "
+                         "layout) gathers module by module: plan FSDP (--layout torch), or drop "
+                         "--last-block-kept")
     if o.logits_fp32 and o.linear_loss != "none":
         raise UsageError(f"--logits-fp32: --linear-loss {o.linear_loss} never makes the logits "
                          "whole: drop --logits-fp32")
@@ -253,7 +258,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

@@ -412,6 +412,11 @@ class TrainSpec(Spec):
         "backward: FSDP1, e.g. HF Trainer / accelerate / Composer, and FSDP2 before PyTorch 2.8, "
         "e.g. torchtitan until 2025-07). Tied embeddings are always in the root")
     reshard_after_forward: bool = True
+    last_block_kept: bool = Field(
+        False, description="FSDP: the unit of the last block stays gathered from its forward to "
+        "its backward (reshard_after_forward=False on it alone, since backward would gather it "
+        "again at once: torchtitan from PR #165, 2024-03, until 83e6941, 2025-07); False: it "
+        "reshards like every block")
     prefetch: bool = True
     reduce_every_microbatch: bool = Field(
         True, description="reduce-scatter on every micro-batch (False: only the last; holds grads)"
@@ -476,6 +481,9 @@ class TrainSpec(Spec):
                              "DeepSpeed (the zero layout) gathers module by module")
         if not self.logits_kept and self.linear_loss != "none":
             raise ValueError(f"logits_kept false: linear_loss {self.linear_loss} never makes the logits whole")
+        if self.layout == "zero" and self.last_block_kept:
+            raise ValueError("last_block_kept is how FSDP reshards its units; DeepSpeed (the zero "
+                             "layout) gathers module by module")
         if self.logits_fp32 and self.linear_loss != "none":
             raise ValueError(f"logits_fp32: linear_loss {self.linear_loss} never makes the logits whole")
         if self.layout == "zero" and not self.reduce_every_microbatch:

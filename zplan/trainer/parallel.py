@@ -130,7 +130,19 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device,
     apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
     if plan.strategy in ("ddp", "zero1"):
         return replicate(model, plan, device)
-    return shard_units(model, unit_groups(model, t), plan, device, deterministic, mesh)
+    groups = unit_groups(model, t)
+    return shard_units(model, groups, plan, device, deterministic, mesh, kept_last_block_group(model, groups, t))
+
+
+def kept_last_block_group(model: nn.Module, groups: list[list[nn.Module]], t) -> int | None:
+    """The index in `groups` of the unit the plan keeps gathered after forward for holding the
+    last block (policy.holds_kept_last_block, which the planner asks too), or None."""
+    index = {id(b): k for k, b in enumerate(model.layers)}
+    for i, group in enumerate(groups):
+        blocks = [index[id(m)] for m in group if id(m) in index]
+        if blocks and policy.holds_kept_last_block(t, min(blocks), len(blocks), len(model.layers)):
+            return i
+    return None
 
 
 def unit_groups(model: nn.Module, t) -> list[list[nn.Module]]:
@@ -174,9 +186,12 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
 
 
 def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
-                device: torch.device, deterministic: bool = False, mesh=None) -> Parallelized:
+                device: torch.device, deterministic: bool = False, mesh=None,
+                kept_last: int | None = None) -> Parallelized:
     """fully_shard each group of modules (one all-gather each), then the root; one
-    MixedPrecisionPolicy; explicit prefetch along the order given; parameters left empty."""
+    MixedPrecisionPolicy; explicit prefetch along the order given; parameters left empty.
+    `kept_last`: the group holding the last block, kept gathered after forward where the plan
+    says so (`TrainSpec.last_block_kept`; required then)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     t = plan.train
@@ -191,8 +206,13 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
     # torchtitan's default (head-kept): norm + head, sharded last of the groups, kept after forward
     head_kept = (t.reshard_after_forward and not policy.head_unit_reshards(t.embed_head_unit)
                  and bool(groups) and groups[-1][-1] is getattr(model, "output", None))
+    if t.last_block_kept and t.reshard_after_forward and kept_last is None:
+        raise ValueError("the plan keeps the last block gathered after forward (last_block_kept), "
+                         "and which of these units holds it is not known: plan again without "
+                         "--last-block-kept, or shard with zplan's trainer")
     for i, group in enumerate(groups):
-        kw = {"reshard_after_forward": False} if head_kept and i == len(groups) - 1 else {}
+        keep = (head_kept and i == len(groups) - 1) or (t.last_block_kept and i == kept_last)
+        kw = {"reshard_after_forward": False} if keep else {}
         shard(group if len(group) > 1 else group[0], **kw)
         units.append(group[0])  # the FSDP state lives on the first module of a group
     # the root: whatever is left (tied embeddings and head, or the plan's embed_head_unit root);
