@@ -198,13 +198,15 @@ def test_reserved_flags_go_with_fake(capsys):
     from tests.helpers import cli
 
     for flags in (["--reserved"], ["--expandable-segments"], ["--no-logits-kept"],
-                  ["--embed-head-unit", "root-kept"]):
+                  ["--embed-head-unit", "root-kept"], ["--logits-fp32"], ["--last-block-kept"]):
         r = cli(capsys, "verify", *flags)
         assert r.returncode == 2 and "--fake" in r.stderr and "Traceback" not in r.stderr
     r = cli(capsys, "verify", "--fake", "--expandable-segments")
     assert r.returncode == 2 and "--reserved" in r.stderr
     r = cli(capsys, "verify", "--fake", "--embed-head-unit", "rooot")
     assert r.returncode == 2 and "rooot" in r.stderr and "Traceback" not in r.stderr
+    r = cli(capsys, "verify", "--fake", "--logits-fp32", "--linear-loss", "chunked")
+    assert r.returncode == 2 and "drop --logits-fp32" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_expandable_segments_is_an_assumption_anyone_can_change(capsys):
@@ -461,7 +463,8 @@ def test_the_segments_wholly_free_at_the_reserves_peak_are_releasable():
     """CUDACachingAllocator.cpp's release_cached_blocks hands back to the driver the segments
     with no block in use, then retries the cudaMalloc that failed: at the peak those are what a
     run near the GPU's limit does without. A segment with one block in use is not releasable;
-    expandable segments are not counted (their pages unmap piecewise)."""
+    expandable segments are not counted (PyTorch unmaps their free pages too; counting none is
+    the conservative side)."""
     sim = CachingAllocator(track_releasable=True)
     sim.malloc("a", 100 * MiB)
     sim.malloc("b", 50 * MiB)

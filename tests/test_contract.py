@@ -135,6 +135,11 @@ def test_trainer_accepts_the_dtypes_it_applies():
     assert trainer_refusal(plan_for("ddp", param_dtype="bf16")) is None
     # a user's script computes its own loss: planning it in bf16 is the user's to say
     assert trainer_refusal(plan_for("zero3", loss_fp32=False), builtin_model=False) is None
+    # the built-in model knows its last block; a script's units do not say which holds it
+    kept = plan_for("zero3", last_block_kept=True)
+    assert trainer_refusal(kept) is None
+    assert "--last-block-kept" in trainer_refusal(kept, builtin_model=False)
+    assert trainer_refusal(plan_for("zero3-noreshard", last_block_kept=True), builtin_model=False) is None
 
 
 def _recommend(run_zplan, tmp_path, *args, name="plan.json"):

@@ -171,6 +171,7 @@ def test_accelerate_reads_the_plans_values(tmp_path, monkeypatch, strategy):
     ("zero3", dict(reduce_dtype="bf16", blocks_per_unit=2, embed_head_unit="head-kept"), "--blocks-per-unit 1"),
     ("zero3", dict(reduce_dtype="bf16"), "embed_head_unit separate: plan again with --embed-head-unit head-kept"),
     ("hsdp", dict(reduce_dtype="bf16", embed_head_unit="root"), "embed_head_unit root"),
+    ("zero3", dict(reduce_dtype="bf16", embed_head_unit="head-kept", last_block_kept=True), "without --last-block-kept"),
 ])
 def test_accelerate_refuses_what_its_config_cannot_say(strategy, kw, needle):
     with pytest.raises(UsageError, match=needle):

@@ -305,6 +305,11 @@ def test_a_linear_loss_runs_beside_the_last_all_gather_output(tmp_path):
     path.write_text(SMALL)
     cell = fake_trace.fake_cell(str(path), 4, 1024, 2, "none", "zero3", linear_loss="chunked")
     assert abs(cell.error) < 0.01, cell
+    # the last block kept gathered after forward (`last_block_kept`) is there too, as planned
+    kept = fake_trace.fake_cell(str(path), 4, 1024, 2, "none", "zero3", linear_loss="chunked",
+                                last_block_kept=True)
+    assert abs(kept.error) < 0.01 and kept.predicted_phase == cell.predicted_phase, kept
+    assert kept.traced_bytes - cell.traced_bytes == kept.predicted_bytes - cell.predicted_bytes > 0
 
 
 @pytest.mark.slow

@@ -206,7 +206,8 @@ def test_fp32_logits_from_the_model_hold_two_bytes_more_where_kept():
     them and log_softmax's output (8 B; the head's bf16 output, 2 B, is freed once cast) and a
     loop that keeps them keeps 4 B where it kept 2; dropped, backward is unchanged (12 B). A
     fused or compiled loss saves the fp32 logits and writes their fp32 gradient, which the
-    model's copy casts back (4 + 4 + 2 B). The order itself is held against MemTracker in
+    model's copy casts back (4 + 4 + 2 B; 8 B dropped, the saved logits freed as the kernel's
+    backward returns: a custom autograd Function under MemTracker shows it). The order itself is held against MemTracker in
     tests/test_caching_allocator.py, the step's peak in tests/test_fake_trace.py."""
     t = TrainSpec(logits_fp32=True)
     assert activation_memory.loss_bytes_per_logit(t) == {"forward": 8, "backward": 16}
@@ -216,6 +217,9 @@ def test_fp32_logits_from_the_model_hold_two_bytes_more_where_kept():
         {"forward": 10, "backward": 12}
     fused = t.model_copy(update={"fused_loss": True})
     assert activation_memory.loss_bytes_per_logit(fused) == {"forward": 6, "backward": 10}
+    # dropped: the kernel frees its saved fp32 logits before the cast back (max(4 + 4, 4 + 2))
+    fused_dropped = fused.model_copy(update={"logits_kept": False})
+    assert activation_memory.loss_bytes_per_logit(fused_dropped) == {"forward": 6, "backward": 8}
     assert activation_memory.kept_logit_bytes(t) == 4 and activation_memory.kept_logit_bytes(TrainSpec()) == 2
     fp32_params = TrainSpec(logits_fp32=True, precision={"param": "fp32"})  # nothing to upcast
     assert activation_memory.loss_steps(fp32_params) == activation_memory.loss_steps(
@@ -257,6 +261,47 @@ def test_loss_peak_against_pytorch_memtracker(upcast, keep, per_logit):
     assert per == per_logit
     expected = T * V * (2 + per["backward"])  # + the leaf x
     assert abs(total - expected) <= 0.01 * expected, (total, expected)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("keep", [True, False])
+def test_fp32_logits_from_the_model_against_pytorch_memtracker(fused, keep):
+    """The model's own upcast (`logits_fp32`) under MemTracker on real CPU tensors: the head's
+    bf16 output cast by `.float()` (whose backward saves nothing), then the eager cross-entropy,
+    or a fused kernel (an autograd Function that saves its fp32 input and writes a new gradient
+    of it, as flash-attn's xentropy does) -- kept by the loop or dropped before backward. The
+    backward peak is loss_bytes_per_logit's: eager 16 / 12 B, fused 10 / 8 B per logit (where
+    dropped, autograd frees the kernel's saved logits before the copy casts the gradient back)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits):
+            ctx.save_for_backward(logits)
+            return logits.new_zeros(())
+
+        @staticmethod
+        def backward(ctx, g):
+            (logits,) = ctx.saved_tensors
+            return torch.empty_like(logits)
+
+    T, V = 256, 1000
+    x = torch.randn(T, V, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, V, (T,))
+    mt = MemTracker()
+    mt.track_external(x)
+    with mt:
+        logits = (x * 1.0).float()  # the head's bf16 output, upcast by the model
+        loss = Fused.apply(logits) if fused else F.cross_entropy(logits, y)
+        if not keep:
+            del logits
+        loss.backward()
+    total = next(iter(mt.get_tracker_snapshot("peak").values()))["Total"]
+    per = activation_memory.loss_bytes_per_logit(TrainSpec(logits_fp32=True, logits_kept=keep, fused_loss=fused))
+    expected = T * V * (2 + max(per.values()))  # + the leaf x and its gradient's
+    assert abs(total - expected) <= 0.01 * expected, (total, expected, per)
 
 
 @pytest.mark.slow  # torch.compile of the loss: ~20 s of inductor codegen on CPU

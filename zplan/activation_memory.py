@@ -285,12 +285,15 @@ def _model_upcast_loss_steps(train: TrainSpec, B: int) -> tuple[tuple[str, str, 
     saves nothing). Eager: the loss's own `.float()` is a no-op, log_softmax saves its fp32
     output, the backward is the upcast's (the input gradient cast back to B bytes by the model's
     copy). Compiled or fused: the kernel saves the fp32 logits and writes their fp32 gradient,
-    which the model's copy casts back."""
+    which the model's copy casts back -- after the kernel's saved logits are freed, where the
+    loop holds none."""
     steps = [("forward", "+", "head output", B), ("forward", "+", "logits", 4),
              ("forward", "-", "head output", B)]
     if train.loss_fused:
-        return tuple(steps + [("backward", "+", "fp32 logits grad", 4), ("backward", "+", "logits grad", B),
-                              ("backward", "-", "fp32 logits grad", 4)])
+        steps.append(("backward", "+", "fp32 logits grad", 4))
+        if train.logits_unreferenced:  # the kernel's saved logits go when its backward returns,
+            steps.append(("backward", "-", "logits", 4))  # before the model's copy casts back
+        return tuple(steps + [("backward", "+", "logits grad", B), ("backward", "-", "fp32 logits grad", 4)])
     steps.append(("forward", "+", "log_softmax", 4))
     if train.logits_dropped:
         steps.append(("forward", "-", "logits", 4))
@@ -313,7 +316,8 @@ def loss_bytes_per_logit(train: TrainSpec, loss_fp32: bool = True) -> dict[str, 
     upcast (what PyTorch's FSDPMemTracker shows), 2 + 2 + 2 + 2 = 8 B in bf16; 12 B and 6 B where
     the loop drops the logits first. Compiled or fused: B forward, 2B backward. Where the model
     returns fp32 logits (`logits_fp32`): eager 8 B forward (the fp32 logits and log_softmax's
-    output), 16 B backward kept and 12 B dropped; compiled or fused B+4 forward, 10 B backward."""
+    output), 16 B backward kept and 12 B dropped; compiled or fused B+4 forward, 4+4+B backward
+    kept and 8 B dropped."""
     live, peak = 0, {"forward": 0, "backward": 0}
     for phase, op, _, b in loss_steps(train, loss_fp32):
         live += b if op == "+" else -b

@@ -8,8 +8,10 @@ try_allocate_expandable_block, map_block):
 
 - a request is rounded up to 512 B (round_size); one of at most 1 MiB is served from the small
   pool, a larger one from the large pool; blocks are cached per (stream, pool) and never go back
-  to the driver during training (release only on an allocation failure or empty_cache, neither
-  modelled: reserved memory is assumed unbounded);
+  to the driver during training (release only on an allocation failure or empty_cache: not
+  simulated, reserved memory is assumed unbounded; with `track_releasable` the classic segments
+  wholly free at each new reserved peak are recorded, what release_cached_blocks would hand back
+  there -- the later cudaMallocs a release would cause are not re-simulated);
 - best fit: the cached block of the request's stream and pool with the smallest size >= the
   request, the lowest address on a tie (BlockComparatorSize);
 - classic segments: where no cached block fits, cudaMalloc 2 MiB (request <= 1 MiB), 20 MiB

@@ -155,6 +155,9 @@ def _accelerate_refusal(plan: Plan) -> str | None:
                     f"plan again with --blocks-per-unit 1")
         if not t.prefetch:
             return "FSDP2 under accelerate always prefetches the next unit: plan again with --prefetch"
+        if t.last_block_kept:
+            return ("accelerate's FSDP2 reshards every block after forward; the plan keeps the last "
+                    "one gathered: plan again without --last-block-kept")
         if not plan.model.tied_embeddings and t.embed_head_unit != "head-kept":
             return (f"accelerate's FSDP2 shards the embeddings and the final norm + head as units of "
                     f"their own and keeps the head's gathered after forward (accelerate PR 4015, "

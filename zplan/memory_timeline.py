@@ -265,7 +265,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                else held_b + moving_upto[n])
     linear = sc.train.linear_loss != "none"
     if linear:
-        at_loss = held_b + (moving[head] if reshard else moving_upto[n])
+        at_loss = held_b + kept_last(n) + (moving[head] if reshard else moving_upto[n])
     # Where the head sits in the held root (tied embeddings, or TrainSpec.embed_head_unit root),
     # its weight gradient, made in the head's backward (a linear loss hands it over in the loss's
     # backward), stays unsharded until the root's reduce-scatter at the end of backward: FSDP

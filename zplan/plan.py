@@ -162,6 +162,10 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         return ("the trainer always runs fused attention (scaled_dot_product_attention), which keeps "
                 "no s x s scores: plan again with --flash")
     if not builtin_model:  # the script computes its own loss
+        if t.last_block_kept and plan.strategy not in NO_RESHARD:
+            return ("the plan keeps the last block gathered after forward (--last-block-kept), and "
+                    "which of your script's units holds it is not known to zplan.trainer.api: plan "
+                    "again without --last-block-kept, or run the built-in model")
         return None
     if t.attention_kernel != "flash2":
         return (f"the trainer's attention is PyTorch's scaled_dot_product_attention (flash2), not "

@@ -380,10 +380,10 @@ class TrainSpec(Spec):
         "before backward (torchtitan's `del pred`; HF Trainer's compute_loss returns the loss alone)")
     logits_fp32: bool = Field(
         False, description="the model returns its logits in fp32, upcast after the head "
-        "(torchtitan's Transformer, `self.output(h).float()` until e10cb94, October 2024; Hugging Face "
-        "transformers' ...ForCausalLM before 4.45, `logits = logits.float()`): the loss gets fp32 "
-        "logits and a loop that keeps them keeps them in fp32; False: the head's dtype, the loss "
-        "upcasts its own copy")
+        "(torchtitan's Transformer, `self.output(h).float()` until e10cb94, October 2024): the loss "
+        "gets fp32 logits and a loop that keeps them keeps them in fp32; False: the head's dtype, "
+        "the loss upcasts its own copy. Hugging Face transformers' ...ForCausalLM before 4.45 "
+        "upcast too but computed the loss inside the model on a shifted copy, which is not priced")
     deepspeed_defaults: bool = Field(
         False, description="zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their "
         "defaults (each submodule's parameters gathered as it runs, 5e7 elements prefetched, "

@@ -54,7 +54,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "optimizer_kernels": ((), "How AdamW's step runs: fused (one kernel: AdamW(fused=True), DeepSpeed's FusedAdam) | foreach (torch's multi-tensor ops, AdamW's default on CUDA) | single (a loop over parameters: foreach=False, Composer's DecoupledAdamW)"),
     "grad_clip": ((), "Gradients are clipped by their global norm every step (--no-grad-clip: no clipping)"),
     "last_block_kept": ((), "FSDP: the last block's unit stays gathered from its forward to its backward, which gathers nothing (reshard_after_forward=False on it alone: torchtitan from 2024-03 until 2025-07)"),
-    "logits_fp32": ((), "The model returns fp32 logits, upcast after the head (torchtitan's model until October 2024, Hugging Face transformers' ...ForCausalLM before 4.45): the loop and the loss hold them in fp32 (default: the head's dtype, the loss upcasts a copy)"),
+    "logits_fp32": ((), "The model returns fp32 logits, upcast after the head (torchtitan's model until October 2024): the loop and the loss hold them in fp32 (default: the head's dtype, the loss upcasts a copy)"),
     "fused_loss": ((), "The loss is a fused cross-entropy kernel (flash-attn's, e.g. llm-foundry's default): logits kept, their gradient in their dtype"),
     "linear_loss": ((), "The head's matmul and the loss together, chunk by chunk, logits never kept whole: none | chunked (zplan's trainer, torch ops) | liger (Liger-Kernel's fused linear cross-entropy)"),
     "fused_swiglu": ((), "SwiGLU as one kernel that saves its two inputs and recomputes silu in backward (Liger-Kernel's)"),

@@ -71,6 +71,8 @@ def verify(
     expandable_segments: Annotated[bool, typer.Option(help="--fake --reserved: the allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")] = False,
     logits_kept: Annotated[bool, typer.Option(help="--fake: the loop holds the logits until backward returns (--no-logits-kept: dropped first, as torchtitan's `del pred`)")] = True,
     embed_head_unit: Annotated[str, typer.Option(help="--fake: where embedding and head sit: separate | head-kept | root | root-kept (torchtitan 2024: root-kept)")] = "separate",
+    logits_fp32: Annotated[bool, typer.Option(help="--fake: the model returns fp32 logits (torchtitan until 2024-10)")] = False,
+    last_block_kept: Annotated[bool, typer.Option(help="--fake: the last block stays gathered from its forward to its backward (torchtitan 2024-03..2025-07)")] = False,
 ) -> None:
     """Short real trainings, predicted against measured; exit 1 past tolerance.
 
@@ -82,12 +84,14 @@ def verify(
     if fake:
         return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance,
                             checkpointing or ["none"], linear_loss, reserved, expandable_segments,
-                            logits_kept, embed_head_unit)
+                            logits_kept, embed_head_unit, logits_fp32=logits_fp32,
+                            last_block_kept=last_block_kept)
     if linear_loss != "none":
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
-    if reserved or expandable_segments or not logits_kept or embed_head_unit != "separate":
-        raise UsageError("--reserved, --expandable-segments, --no-logits-kept and --embed-head-unit go "
-                         "with --fake: add --fake")
+    if (reserved or expandable_segments or not logits_kept or embed_head_unit != "separate"
+            or logits_fp32 or last_block_kept):
+        raise UsageError("--reserved, --expandable-segments, --no-logits-kept, --embed-head-unit, "
+                         "--logits-fp32 and --last-block-kept go with --fake: add --fake")
     import tempfile
     from pathlib import Path
 
@@ -242,11 +246,12 @@ def calibrate(
 def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float,
                  modes: list[str], linear_loss: str = "none", reserved: bool = False,
                  expandable: bool = False, logits_kept: bool = True,
-                 embed_head_unit: str = "separate") -> None:
+                 embed_head_unit: str = "separate", **options) -> None:
     """One traced step per strategy at real scale, against the planner (torch layout): the
     allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase;
     with `reserved`, the planner's reserved bytes against the caching allocator simulated over
-    the traced steps' tensors (printed, not judged: the planner packs all but the loss's)."""
+    the traced steps' tensors (printed, not judged: the planner packs all but the loss's).
+    `options`: further ScenarioOptions the trainer runs too (logits_fp32, last_block_kept)."""
     from ..specs import CHECKPOINTING
     from typing import get_args
 
@@ -267,7 +272,8 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
         raise UsageError("--expandable-segments goes with --reserved: add --reserved")
     for name, mode in ((n, md) for n in names for md in modes):
         c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss,
-                      embed_head_unit=embed_head_unit, logits_kept=logits_kept, reserved=reserved)
+                      embed_head_unit=embed_head_unit, logits_kept=logits_kept, reserved=reserved,
+                      **options)
         label = f"{name} ckpt={mode}"
         cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
         print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "

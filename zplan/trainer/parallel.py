@@ -209,7 +209,7 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
     if t.last_block_kept and t.reshard_after_forward and kept_last is None:
         raise ValueError("the plan keeps the last block gathered after forward (last_block_kept), "
                          "and which of these units holds it is not known: plan again without "
-                         "--last-block-kept, or shard with zplan's trainer")
+                         "--last-block-kept, or run the built-in model")
     for i, group in enumerate(groups):
         keep = (head_kept and i == len(groups) - 1) or (t.last_block_kept and i == kept_last)
         kw = {"reshard_after_forward": False} if keep else {}
