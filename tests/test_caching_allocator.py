@@ -424,12 +424,12 @@ def test_the_planner_prices_the_end_of_backward_where_freed_activations_do_not_h
                          embed_head_unit="root-kept", logits_kept=False, checkpointing=checkpointing,
                          fragmentation=None, expandable_segments=expandable))
     st = effective("zero3", "torch")
-    mem._loss_reserved.cache_clear()
+    mem._loss_reserve.cache_clear()
     with_end = mem.memory(sc, st).reserved_bytes
     monkeypatch.setattr(allocator, "_backward_end", lambda sim, head: None)
-    mem._loss_reserved.cache_clear()
+    mem._loss_reserve.cache_clear()
     without = mem.memory(sc, st).reserved_bytes
-    mem._loss_reserved.cache_clear()
+    mem._loss_reserve.cache_clear()
     assert (with_end > without + (1 << 30)) if adds else with_end == without
 
 
@@ -446,11 +446,11 @@ def test_a_linear_losss_weight_gradient_is_not_counted_among_the_freed_activatio
                          linear_loss="chunked", checkpointing="full", fragmentation=None, expandable_segments=True))
     st = effective("zero3", "torch")
     seen = []
-    real = allocator.loss_reserved_bytes
-    monkeypatch.setattr(allocator, "loss_reserved_bytes", lambda *a: seen.append(a[-1]) or real(*a))
-    mem._loss_reserved.cache_clear()
+    real = allocator.loss_reserve
+    monkeypatch.setattr(allocator, "loss_reserve", lambda *a: seen.append(a[-1]) or real(*a))
+    mem._loss_reserve.cache_clear()
     m = mem.memory(sc, st)
-    mem._loss_reserved.cache_clear()
+    mem._loss_reserve.cache_clear()
     fsdp = sc.for_strategy(True)
     start = next(e for e in mem.timeline(fsdp, st) if e.label == "loss forward")
     kept = activations(fsdp).linear_loss["kept"]

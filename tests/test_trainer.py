@@ -106,6 +106,24 @@ def test_the_head_unit_stays_gathered_as_the_plan_says(run_zplan, tmp_path):
     assert sep - kept == accum * (256 * 256 + 256)
 
 
+def test_the_last_block_stays_gathered_as_the_plan_says(run_zplan, tmp_path):
+    """torchtitan's 2024 policy (--last-block-kept): the trainer keeps the last block's unit
+    gathered from its forward to its backward, so it is not gathered again. The measured traffic
+    equals the prediction and is one tiny block's elements (q, o 256 x 256; k, v 256 x 128; three
+    256 x 688 MLP weights; two 256-element norms) per micro-batch below separate's. That run
+    also has the model return fp32 logits (--logits-fp32), which the trainer applies."""
+    got = {}
+    for name, flags in (("separate", ()), ("kept", ("--last-block-kept", "--logits-fp32"))):
+        plan = make_plan(run_zplan, tmp_path / f"{name}.json", "zero3", 2, 4, "bf16", *flags)
+        assert plan["train"]["last_block_kept"] == (name == "kept") == plan["train"]["logits_fp32"]
+        rep, _ = launch(run_zplan, tmp_path / f"{name}.json", tmp_path / name, 2)
+        assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]
+        got[name] = (rep["measured"]["elements_per_step"], plan["train"]["grad_accum"])
+    (sep, accum), (kept, _) = got["separate"], got["kept"]
+    block = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 688 + 2 * 256
+    assert sep - kept == accum * block
+
+
 def weights_init(name, shape):
     from zplan.trainer.model import full_init
     return full_init(name, shape, 0, 4)

@@ -111,7 +111,7 @@ def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, ex
     gradients while the logits' gradient is alive, then that gradient freed, the weights freed
     (reshard after backward) and the reduce-scatter input allocated before the unsharded
     gradients are released (_fsdp_collectives.foreach_reduce: copy-in, then clear)."""
-    return _loss_simulated(logits_elems, train, loss_fp32, expandable, head)[0]
+    return loss_reserve(logits_elems, train, loss_fp32, expandable, head)[0]
 
 
 def loss_releasable_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
@@ -121,12 +121,12 @@ def loss_releasable_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, 
     head's 16-bit output, freed once cast), the head's weights resharded. PyTorch's allocator
     hands such segments back to the driver and retries before it fails a cudaMalloc
     (CUDACachingAllocator.cpp release_cached_blocks); classic segments only."""
-    return _loss_simulated(logits_elems, train, loss_fp32, expandable, head)[1]
+    return loss_reserve(logits_elems, train, loss_fp32, expandable, head)[1]
 
 
-def _loss_simulated(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
-                    head: HeadTail | None) -> tuple[int, int]:
-    """(reserved, releasable at the reserve's peak) of loss_reserved_bytes' simulation."""
+def loss_reserve(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
+                 head: HeadTail | None = None) -> tuple[int, int]:
+    """(loss_reserved_bytes, loss_releasable_bytes) from one simulation."""
     if logits_elems <= 0 and not (head and head.last_reduce_in_bytes):
         return 0, 0
     sim = CachingAllocator(expandable, track_releasable=True)

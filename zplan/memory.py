@@ -422,15 +422,10 @@ def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]
 
 
 @lru_cache(maxsize=256)
-def _loss_reserved(logits_elems: int, train, loss_fp32: bool, expandable: bool,
-                   head: allocator.HeadTail | None) -> int:
-    return allocator.loss_reserved_bytes(logits_elems, train, loss_fp32, expandable, head)
-
-
-@lru_cache(maxsize=256)
-def _loss_releasable(logits_elems: int, train, loss_fp32: bool, expandable: bool,
-                     head: allocator.HeadTail | None) -> int:
-    return allocator.loss_releasable_bytes(logits_elems, train, loss_fp32, expandable, head)
+def _loss_reserve(logits_elems: int, train, loss_fp32: bool, expandable: bool,
+                  head: allocator.HeadTail | None) -> tuple[int, int]:
+    """(allocator.loss_reserved_bytes, allocator.loss_releasable_bytes): one simulation."""
+    return allocator.loss_reserve(logits_elems, train, loss_fp32, expandable, head)
 
 
 def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
@@ -554,8 +549,8 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
     start = alloc.loss_start
     head = _head_tail(sc, st, ms, start)
-    loss_reserved = _loss_reserved(acts.logits_elems, sc.train, sc.assume.loss_fp32,
-                                   sc.assume.expandable_segments, head)
+    loss_reserved, loss_releasable = _loss_reserve(acts.logits_elems, sc.train, sc.assume.loss_fp32,
+                                                   sc.assume.expandable_segments, head)
     residue = _forward_residue(sc, acts.logits_elems)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
     peaks = dict(alloc.stream_peaks)
@@ -565,8 +560,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     # loss's blocks none of its later tensors fits, and the all-gather stream's segments beyond
     # its packed peak; the allocator releases those and retries before it fails a cudaMalloc
     # (slower, no out-of-memory)
-    loss_packed = loss_reserved - _loss_releasable(acts.logits_elems, sc.train, sc.assume.loss_fp32,
-                                                   sc.assume.expandable_segments, head)
+    loss_packed = loss_reserved - loss_releasable
     packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume,
                                            allocator.default_stream_floor(start, loss_b, loss_packed))
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
