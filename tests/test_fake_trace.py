@@ -398,3 +398,54 @@ def test_a_last_block_kept_gathered_is_priced_against_the_tracker(tmp_path, monk
     assert cells[True, "gathers"] == cells[False, "gathers"] - 1
     block = cells[True].traced_bytes - cells[False].traced_bytes
     assert block > 0 and block == cells[True].predicted_bytes - cells[False].predicted_bytes
+
+
+@pytest.mark.parametrize("tracker", ["none", "zplan"])
+def test_a_units_gradients_are_freed_before_its_reduce_scatter_output(monkeypatch, tracker):
+    """FSDP2's foreach_reduce copies a unit's unsharded gradients into the reduce-scatter input
+    and clears its list, which frees them (its docstring: the list owns the references), before
+    it allocates the output. A plain FSDP2 run on one gloo rank does so for every unit, weak
+    references show; under zplan's tracker too (torch's FSDPMemTracker held each group's last
+    gradient in a loop variable through post_backward: fake_tracker.py)."""
+    torch = pytest.importorskip("torch")
+    import weakref
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as C
+
+    refs, alive_at_output = [], []
+    copy_in, allocate = C.foreach_reduce_scatter_copy_in, C.DefaultReduceScatter.allocate
+
+    def recording_copy_in(grads, *a, **k):
+        refs[:] = [weakref.ref(g) for g in grads]
+        return copy_in(grads, *a, **k)
+
+    def recording_allocate(self, size, **kw):
+        if refs:  # the input comes before the copy-in, the output after it
+            alive_at_output.append([r() is not None for r in refs])
+            refs.clear()
+        return allocate(self, size, **kw)
+
+    monkeypatch.setattr(C, "foreach_reduce_scatter_copy_in", recording_copy_in)
+    monkeypatch.setattr(C.DefaultReduceScatter, "allocate", recording_allocate)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.Linear(64, 1000))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for sub in model:
+            fully_shard(sub, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        optim = torch.optim.AdamW(model.parameters())
+        x = torch.randint(0, 1000, (2, 16))
+        if tracker == "zplan":
+            from zplan.trainer.fake_tracker import tracker_class
+
+            with tracker_class()(model, optim):
+                model(x).float().sum().backward()
+        else:
+            model(x).float().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert len(alive_at_output) == 3 and not any(any(a) for a in alive_at_output), alive_at_output

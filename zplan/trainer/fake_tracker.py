@@ -15,6 +15,12 @@ torch 2.13 source it works around:
 - Where asked (`allocations` a list), every storage's allocation, release and resize is recorded
   in order (`TraceTracker._update_snap`), for the caching-allocator simulation
   (fake_trace.simulated_reserved).
+- A unit's unsharded gradients are released when FSDP2's reduce clears them
+  (`TraceTracker._fsdp_param_group_post_backward`): the tracker's wrapper of
+  FSDPParamGroup.post_backward kept the group's last gradient in a loop variable while
+  post_backward ran, so foreach_reduce's `unsharded_grads.clear()` did not free it and the
+  reduce-scatter output was allocated beside it (a whole unit for an embedding of its own). A
+  plain FSDP2 run frees it there (tests/test_fake_trace.py holds both with weak references).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from copy import deepcopy
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 
 def phase(tracker) -> str:
@@ -87,6 +93,7 @@ def _private_names_present(states, fsdp_state_module) -> bool:
 def tracker_class():
     """FSDPMemTracker with the adjustments above (a class made on first use: torch is imported
     lazily)."""
+    from torch.distributed._tools import fsdp2_mem_tracker as fmt
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
     from torch.distributed.fsdp import FSDPModule
@@ -153,5 +160,32 @@ def tracker_class():
                 group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
             for buffer in self._root_mod.buffers():
                 self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig_post_backward):
+            """FSDPMemTracker._fsdp_param_group_post_backward (torch 2.13), the unsharded
+            gradients labelled in a call of their own so that no frame holds one while
+            post_backward runs; the snapshots and the sharded gradients as torch's. Another
+            torch's tracker, without the names it uses, keeps its own."""
+            if not all(hasattr(fmt, n) for n in ("_FSDPModState", "_FSDPState")) or \
+                    not hasattr(self, "memory_tracking"):
+                return super()._fsdp_param_group_post_backward(fsdp_mod, orig_post_backward)
+
+            def label(kind, grads_of, **kw) -> None:
+                group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+                for fsdp_param in (group.fsdp_params if group else ()):
+                    if (g := grads_of(fsdp_param)) is not None:
+                        self._update_and_maybe_create_winfos(g, kind, **kw)
+
+            @wraps(orig_post_backward)
+            def inner(*args, **kwargs) -> None:
+                label(_FSDPRefType.UNSHARDED_GRAD, lambda p: p._unsharded_param.grad, update_existing=True)
+                snaps = self.memory_tracking[fsdp_mod].snapshots
+                snaps.setdefault(fmt._FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
+                self._fsdp_state = fmt._FSDPState.POST_BW
+                orig_post_backward(*args, **kwargs)
+                label(_FSDPRefType.SHARDED_GRAD, lambda p: p.sharded_param.grad)
+                snaps.setdefault(fmt._FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
+
+            return inner
 
     return TraceTracker
