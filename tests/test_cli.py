@@ -379,3 +379,17 @@ def test_a_misplaced_comma_is_refused_not_dropped(text):
 
     with pytest.raises(UsageError, match="commas may only group thousands"):
         parse_count(text, "--gpus")
+
+
+def test_the_header_names_the_runs_departures_from_zplans_trainer(run_zplan):
+    """How the run holds its loop, loss and units, where it departs from zplan's trainer, is one
+    header line in the user's own flags; a plain plan prints none."""
+    p = run_zplan("estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--layout", "torch",
+                  "--embed-head-unit", "root-kept", "--no-logits-kept", "--logits-fp32",
+                  "--last-block-kept", "--expandable-segments")
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    assert ("as run: --embed-head-unit root-kept --no-logits-kept --logits-fp32 --last-block-kept "
+            "--expandable-segments") in text
+    plain = run_zplan("estimate", "--model", "llama-3.1-8b", "--gpus", "8")
+    assert plain.returncode == 0 and "as run:" not in plain.stdout

@@ -82,7 +82,40 @@ def header(console: Out, sc: Scenario, unit: str) -> None:
         f"checkpointing {t.checkpointing}; layout {t.layout}; params {t.precision.param}, "
         f"reduce {t.precision.reduce}, master {t.precision.master}, {t.optimizer}"
     )
+    facts = run_facts(sc)
+    if facts:
+        console.print(f"as run: {escape(' '.join(facts))}")
     console.print(f"[dim]Sizes in {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes).[/]")
+
+
+# how the run holds its loop, loss and units where it departs from zplan's trainer: (field, flag
+# when set, flag when cleared); the header names them so the figures say what they assume
+_RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", None, "--no-logits-kept"),
+              ("logits_fp32", "--logits-fp32", None), ("last_block_kept", "--last-block-kept", None),
+              ("linear_loss", "--linear-loss", None), ("fused_loss", "--fused-loss", None),
+              ("fused_swiglu", "--fused-swiglu", None), ("attention_kernel", "--attention-kernel", None),
+              ("optimizer_kernels", "--optimizer-kernels", None), ("compile", "--compile", None),
+              ("compile_scope", "--compile-scope", None), ("float8", "--float8", None))
+
+
+def run_facts(sc: Scenario) -> list[str]:
+    """The flags of the run's loop, loss and units that differ from TrainSpec's defaults (zplan's
+    trainer), and expandable segments, as the user would pass them."""
+    from ..specs import TrainSpec
+
+    t, default = sc.train, TrainSpec()
+    out = []
+    for field, on, off in _RUN_FACTS:
+        v = getattr(t, field)
+        if v == getattr(default, field):
+            continue
+        if isinstance(v, bool):
+            out.append(on if v else off)
+        else:
+            out.append(f"{on} {v}")
+    if sc.assume.expandable_segments:
+        out.append("--expandable-segments")
+    return [f for f in out if f]
 
 
 def _fit(r: StrategyEstimate) -> str:
