@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from . import activation_memory, allocator, arch, policy
+from . import activation_memory, allocator, arch
 from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
 from . import memory_timeline as mt
 from .memory_timeline import Event
@@ -45,7 +45,8 @@ class Memory:
     host_bytes_per_rank: int
     host_bytes_per_node: int
     # of reserved_bytes, what sits in segments wholly free at the peak (a checkpointed forward's
-    # freed blocks, all-gather segments beyond the stream's packed peak): the caching allocator
+    # freed blocks, the loss's blocks none of its later tensors fits, all-gather segments beyond
+    # the stream's packed peak): the caching allocator
     # releases them and retries before failing an allocation, so "fits" does not count them
     releasable_bytes: int = 0
 
@@ -432,7 +433,7 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
                start: Event | None = None) -> allocator.HeadTail | None:
     """The head unit's tensors around the loss (allocator.HeadTail) under FSDP2, from the sizes
     timeline's events use: its gathered weights where it is gathered again for backward
-    (policy.stays_gathered), its unsharded gradients in the param dtype, its input gradient, and
+    (comm.regathered), its unsharded gradients in the param dtype, its input gradient, and
     its reduce-scatter input in the reduce dtype unless it is the held root (whose head gradient
     is the head weight's alone in the head's backward, as the timeline's: the embedding's comes
     at the end of backward). The blocks' activations freed by the end of backward: their
@@ -450,25 +451,20 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
     padded, last = ms.unit_shards[i] * degree, ms.unit_shards[0] * degree
     largest = _largest_params(sc, 1)
     pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
-
-    def regathered(unit, head: bool) -> bool:
-        last = policy.holds_kept_last_block(t, unit.first_block, unit.blocks, sc.model.num_layers)
-        return st.reshard_after_forward and not policy.stays_gathered(unit.held, head, t.embed_head_unit, last)
-
     freed = activation_memory.largest_block_tensor_bytes(sc.model, t)
     if sc.assume.expandable_segments and start is not None:
         acts = mt.activations(sc)
         loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
         freed = max(start.live.get("activations", 0) - loss_b - acts.linear_loss["kept"], 0)
     return allocator.HeadTail(
-        weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regathered(u, True) else 0,
+        weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regathered(sc, st, u) else 0,
         grad_bytes=(largest[i] if u.held else padded) * pb // 8,
         input_grad_bytes=t.seq_len * t.micro_batch * sc.model.hidden * activation_memory.act_dtype_bytes(t),
         reduce_in_bytes=0 if u.held else padded * rb // 8,
         # the unit reduced last: its weights where gathered again (not the head's own unit),
         # the embedding weight's gradient (a held root's other gradients exist already), the
         # whole unit's reduce-scatter input
-        last_weights_bytes=nbytes(last, gather_dtype(sc, first)) if i and regathered(first, False) else 0,
+        last_weights_bytes=nbytes(last, gather_dtype(sc, first)) if i and regathered(sc, st, first) else 0,
         last_grad_bytes=(largest[0] if first.held else last) * pb // 8,
         last_reduce_in_bytes=last * rb // 8,
         freed_block_bytes=freed,
