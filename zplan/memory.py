@@ -265,7 +265,11 @@ def setup_events(sc: Scenario, st: Strategy) -> list[Event]:
     at once is the whole model, Psi x param bytes (checked at DeepSpeed v0.16.6 and v0.19.2). The
     caching allocator keeps those blocks and torch.cuda.max_memory_* keep the peak unless reset,
     so it is the run's peak wherever the step needs less; and where the model does not fit one
-    GPU whole, the run fails here. ZeRO-1/2 keep the whole model on the GPU anyway."""
+    GPU whole, the run fails here. The blocks themselves do not stay cached: the optimizer's
+    defragment (zero/utils.py) empties the cache before the step, except under offload_param
+    (offload-all), where they stay (not modelled). ZeRO-1/2 keep the whole model
+    on the GPU anyway; from v0.19.0 they keep its per-parameter blocks cached too, which is not
+    modelled (docs/accuracy-notes.md 9ap)."""
     t = sc.train
     if t.layout != "zero" or t.zero_init or not st.params_sharded:
         return []

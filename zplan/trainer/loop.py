@@ -21,7 +21,7 @@ from .model import Transformer, init_weights_
 from .run_setup import inject_fault
 from .micro_batch import forward_loss
 from .parallel import Parallelized, build_optimizer, device_for, parallelize
-from .report import build_report, compare_lines, progress_bar, step_log_line, write_report
+from .report import MIN_TRACKED_STEPS, build_report, compare_lines, progress_bar, step_log_line, write_report
 
 __all__ = ["RunConfig", "Trainer", "compare_lines", "write_report"]
 
@@ -196,7 +196,7 @@ class Trainer:
         # traffic is counted on step 3 when there is one (DDP rebuilds its buckets after step 1,
         # with broadcasts); the memory tracker takes the last two steps, after that one
         at = min(start + 2, last)
-        track = cfg.measure_memory and last - 1 > at
+        track = cfg.measure_memory and last - start + 1 >= MIN_TRACKED_STEPS  # i.e. last - 1 > at
         tracker = _memory_tracker(self.par, self.optim, self.device) if track else None
         losses, norms, marks, timed = [], [], [], []
         on_the_way: list = []  # the progress bar's losses being copied to the host (CUDA)
@@ -277,7 +277,8 @@ class Trainer:
     def _peak_memory(self, tracker) -> dict[str, int | None]:
         """Peak bytes over ranks (the maximum): allocated, and on a GPU reserved (the caching
         allocator's segments, which is what the device lends). A CPU rank's figure is the
-        tracker's, which counts tensors (no allocator, no context)."""
+        tracker's, which counts tensors (no allocator, no context); where no tracker ran (a run
+        too short to track: every rank decides alike) nothing was measured: None, not 0."""
         reserved = None
         if self.device.type == "cuda":
             local, reserved = device_peak_memory(self.device)
@@ -287,7 +288,7 @@ class Trainer:
             for v in snap.values():
                 self.memory_by_category = {str(getattr(k, "value", k)): int(b) for k, b in v.items()}
         else:
-            local = 0
+            return {"allocated": None, "reserved": None}
         t = torch.tensor([local, reserved or 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return {"allocated": int(t[0]), "reserved": int(t[1]) if reserved is not None else None}

@@ -14,6 +14,9 @@ from ..units import relative_error
 
 GIB = 2**30
 MIB = 2**20
+# a CPU rank's memory tracker takes the last two steps, after the step whose traffic is counted
+# (the third): a run of fewer steps measures no peak (loop.Trainer.run)
+MIN_TRACKED_STEPS = 5
 
 
 def tokens_per_step(plan) -> int:
@@ -159,6 +162,9 @@ def compare_lines(report: dict) -> list[str]:
         ps = fmt(pv) if pv is not None else "-"
         err = f"{relative_error(pv, mv):+.1%}" if (mv and pv) else ""
         out.append(f"{label:24s} {ps:>20s} {ms:>20s} {err:>8s}")
+    if m.get("peak_memory_bytes") is None and report.get("device") == "cpu":
+        out.append(f"peak allocated: not measured (a CPU rank's tracker runs on the last two steps "
+                   f"of a run of at least {MIN_TRACKED_STEPS} steps: --steps)")
     if reserved.endswith("*"):
         out.append("* predicted reserved is the plan's total, CUDA context included (no reserved prediction)")
     out += [f"warning: {w}" for w in report.get("warnings", [])]

@@ -1,0 +1,30 @@
+"""The run report's predicted-against-measured lines (zplan/trainer/report.py compare_lines)."""
+
+from zplan.trainer.report import MIN_TRACKED_STEPS, compare_lines
+
+
+def _report(measured_peak, device="cpu"):
+    return {"device": device, "warnings": [],
+            "measured": {"peak_memory_bytes": measured_peak, "peak_reserved_bytes": None,
+                         "step_s": 0.5, "elements_per_step": 1000},
+            "predicted": {"peak_memory_bytes": 3 * 2**20, "peak_reserved_bytes": None,
+                          "step_s": 0.4, "elements_per_step": 1000}}
+
+
+def _row(lines, label):
+    return next(ln for ln in lines if ln.startswith(label)).split()
+
+
+def test_a_peak_not_measured_reads_as_a_dash_and_says_why():
+    lines = compare_lines(_report(None))
+    row = _row(lines, "peak allocated per rank")
+    assert row[-1] == "-" and row[-3:-1] == ["3.0", "MiB"]  # no error column without a measurement
+    assert any(ln.startswith("peak allocated: not measured") and f"at least {MIN_TRACKED_STEPS} steps" in ln
+               for ln in lines)
+
+
+def test_a_measured_peak_has_its_error_and_no_note():
+    lines = compare_lines(_report(4 * 2**20))
+    assert _row(lines, "peak allocated per rank")[-1] == "-25.0%"  # (3 - 4) / 4
+    assert not any("not measured" in ln for ln in lines)
+    assert _row(lines, "step time")[-1] == "-20.0%"  # (400 - 500) / 500
