@@ -10,6 +10,13 @@ kernel's own temporaries, record_stream's delayed reuse). Writes docs/reserved-m
 
     python benchmarks/reserved_matrix.py                    # the default cells (about 6 minutes)
     python benchmarks/reserved_matrix.py --models llama-3.2-1b --seqs 2048
+    # torchtitan PR #165's eager FSDP2 runs (docs/accuracy-notes.md 9aq), not the default cells:
+    python benchmarks/reserved_matrix.py --models llama-2-7b --seqs 2048 --batches 8 \
+        --modes full selective --logits kept --option embed_head_unit=root-kept \
+        --option logits_fp32=true --option last_block_kept=true --no-write
+
+--option KEY=VALUE passes a ScenarioOptions field to every cell (VALUE read as JSON where it
+parses, else as text); an embed_head_unit given so replaces the cells' own choice.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import platform
 import sys
 import time
+import json
 from datetime import date
 from pathlib import Path
 
@@ -37,8 +45,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1])
     ap.add_argument("--modes", nargs="+", default=["none", "selective", "full"])
     ap.add_argument("--strategy", default="zero3")
+    ap.add_argument("--logits", choices=("both", "kept", "dropped"), default="both")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a ScenarioOptions field for every cell (repeatable)")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
+    options = dict(_option(o) for o in a.option)
+    logits = {"both": (True, False), "kept": (True,), "dropped": (False,)}[a.logits]
     import torch
 
     from zplan.trainer.fake_trace import fake_cell
@@ -49,9 +62,10 @@ def main(argv=None) -> int:
         for seq in a.seqs:
             for b in a.batches:
                 for mode in a.modes:
-                    for kept in (True, False):
+                    for kept in logits:
+                        units = {"embed_head_unit": "separate" if kept else "root-kept", **options}
                         c = fake_cell(model, a.world, seq, b, mode, a.strategy, logits_kept=kept,
-                                      embed_head_unit="separate" if kept else "root-kept", reserved=True)
+                                      reserved=True, **units)
                         out = []
                         for name in ("classic", "expandable"):
                             p, t = c.reserved_by_allocator[name]
@@ -94,6 +108,17 @@ def main(argv=None) -> int:
 
         write_text(DOC, "\n".join(lines), "docs/reserved-matrix.md")
     return 0
+
+
+def _option(text: str) -> tuple[str, object]:
+    """KEY=VALUE, VALUE as JSON where it parses (true, 8, "x"), else as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--option {text!r}: expected KEY=VALUE, e.g. --option logits_fp32=true")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def _torch_version() -> str:
