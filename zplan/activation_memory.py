@@ -86,6 +86,66 @@ def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
     return freed, wide
 
 
+def _norm_steps(tag: str, train: TrainSpec, sbh: int, B: int) -> list[tuple[str, str, int]]:
+    """An RMSNorm's forward, tensor by tensor (no grad kept: a checkpointed block's first run).
+    Fused (one kernel): its output. Composite, output in fp32 (F.rms_norm's decomposition, which
+    the trainer runs on CPU): x.float(), its square (freed by the mean), x * rsqrt, times the
+    weight in fp32, then the cast back. Composite, cast back before the weight (torchtitan's
+    `self._norm(x.float()).type_as(x) * self.weight`): x.float(), its square, x * rsqrt, the cast,
+    the product. The statistics (4 B per token) come from the small pool and are left out."""
+    if train.fused_norm:
+        return [("+", tag, B * sbh)]
+    x32 = 4 * sbh
+    if train.norm_output_fp32:
+        return [("+", tag + ".f", x32), ("+", tag + ".sq", x32), ("-", tag + ".sq", 0), ("+", tag + ".n", x32),
+                ("+", tag + ".w", x32), ("-", tag + ".n", 0), ("-", tag + ".f", 0), ("+", tag, B * sbh),
+                ("-", tag + ".w", 0)]
+    return [("+", tag + ".f", x32), ("+", tag + ".sq", x32), ("-", tag + ".sq", 0), ("+", tag + ".n", x32),
+            ("-", tag + ".f", 0), ("+", tag + ".c", B * sbh), ("-", tag + ".n", 0), ("+", tag, B * sbh),
+            ("-", tag + ".c", 0)]
+
+
+def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str, int], ...] | None:
+    """One checkpointed block's first forward, tensor by tensor, in the order the trainer's block
+    (trainer/model.py) makes and frees them: ("+", name, bytes) allocates, ("-", name, 0) frees;
+    the block's input stays (the checkpoint saved it) and its output is the last tensor made.
+    Under selective checkpointing the outputs the policy saves (policy.selective_saved_matmuls and
+    the attention kernel's output and logsumexp) are never freed. Read off PyTorch's
+    FSDPMemTracker over a traced step (benchmarks/reserved_matrix.py; tests/test_forward_holes.py
+    holds their peak to MemTracker's and their simulation to the traced storages'). None where the block's order is
+    not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
+    projection, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
+    without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
+    other than full or selective."""
+    mode = train.checkpointing
+    if (mode not in ("full", "selective") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
+            or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
+            or train.te_float8 or train.fused_swiglu or train.autocast):
+        return None
+    sb, B = train.seq_len * train.micro_batch, act_dtype_bytes(train)
+    H, KV, F = B * sb * m.hidden, B * sb * m.kv_hidden, B * sb * m.ffn_hidden
+    kept = set()
+    if mode == "selective":
+        kept = set(policy.selective_saved_matmuls(m.mlp))
+        kept |= {"attn", "lse"} if policy.SELECTIVE_SAVES_ATTENTION else set()
+    steps = _norm_steps("norm1", train, sb * m.hidden, B)
+    steps += [("+", "wq", H), ("+", "wk", KV), ("+", "wv", KV)]
+    # RoPE's rotated q and k (trainer/model.py apply_rope); its half-size temporaries, made and
+    # freed in turn, move no simulated figure (the reserved matrix's cells and PR #165's, checked)
+    steps += [("+", "q", H), ("+", "k", KV)]
+    steps += [("-", "wk", 0), ("-", "wq", 0), ("+", "attn", H), ("+", "lse", 4 * m.num_heads * sb),
+              ("-", "lse", 0), ("+", "wo", H), ("-", "q", 0), ("-", "k", 0), ("-", "wv", 0),
+              ("-", "attn", 0), ("-", "norm1", 0), ("+", "h", H), ("-", "wo", 0)]
+    steps += _norm_steps("norm2", train, sb * m.hidden, B)
+    if m.mlp == "swiglu":
+        steps += [("+", "w1", F), ("+", "silu", F), ("-", "w1", 0), ("+", "w3", F), ("+", "mul", F),
+                  ("-", "silu", 0), ("-", "w3", 0), ("+", "w2", H), ("-", "mul", 0)]
+    else:
+        steps += [("+", "w1", F), ("+", "gelu", F), ("-", "w1", 0), ("+", "w2", H), ("-", "gelu", 0)]
+    steps += [("-", "norm2", 0), ("+", "out", H), ("-", "w2", 0), ("-", "h", 0)]
+    return tuple(st for st in steps if not (st[0] == "-" and st[1] in kept))
+
+
 def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     """Gradients of activations alive at once inside one block's backward, at its largest: in
     the MLP, the gradient of the down projection's input and the two it splits into (SwiGLU's

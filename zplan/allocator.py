@@ -24,10 +24,12 @@ the unit reduced last where it is a root holding embedding and head (4 GiB in fp
 8B). The loss's tensors, the head unit's and the end of backward's (HeadTail) run through the
 allocator simulation on top of everything else the default stream holds then (assumed packed),
 and beside the blocks a checkpointed forward has left cached, too small for the loss's
-tensors (forward_residue_bytes), and the default stream reserves at least that; the all-gather
+tensors (forward_holes: the forward simulated tensor by tensor, what its blocks keep leaving
+holes in the blocks they freed; forward_residue_bytes), and the default stream reserves at
+least that; the all-gather
 stream is simulated whole (all_gather_stream_reserved). Elsewhere the model assumes cached
 blocks are reused fully (docs/reserved-matrix.md holds it against the allocator replayed over
-every tensor of traced steps: from 2.9% below to 1.6% above with classic segments).
+every tensor of traced steps: from 1.9% below to 3.5% above with classic segments, mean -0.1%).
 `--fragmentation F` replaces all this with the flat assumption reserved = (1 + F) x allocated.
 """
 
@@ -244,6 +246,50 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
     if expandable or transient <= 0 or largest < MIN_LARGE_ALLOC_BYTES:
         return 0  # tensors under 10 MiB share 20 MiB segments, which later requests reuse
     return max(0, transient - sum(b for b in loss_tensors if 0 < b <= largest))
+
+
+def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
+                  unit_params: tuple[tuple[int, ...], ...], reshard: tuple[bool, ...],
+                  blocks_per_unit: tuple[int, ...], freed_first: int = 0) -> tuple[int, int, int]:
+    """The default stream's free cached bytes when a checkpointed forward ends, its largest free
+    block, and of those bytes the segments wholly free (the last block's working set; a hole
+    is the rest of a segment a kept tensor holds): the block units' forward run through
+    CachingAllocator (classic segments), every block of it (the holes' increments do not repeat
+    regularly enough to extrapolate: a unit kept gathered, a last unit of fewer blocks, weights
+    kept by reshard_after_forward=False). First a block of `freed_first` bytes freed (the
+    embedding unit's gathered weight, where it is a unit of its own that reshards) and the first
+    block's input (`input_bytes`, kept). Each unit gathers its weights at its start
+    (`unit_params`, bytes per parameter: FSDP2 copies each into a storage of its own on the
+    default stream; empty where nothing is gathered then), runs its blocks' steps
+    (activation_memory.forward_tensor_steps: each block keeps its input and what the policy
+    saves), and frees the weights as it ends where `reshard` says so. A kept tensor taking the
+    front of a freed larger block leaves a remainder the next block's larger tensors do not fit:
+    holes that grow unit after unit (docs/formulas.md section 3)."""
+    index = {name: i for i, (op, name, _) in enumerate(steps) if op == "+"}
+    plan = [(op == "+", index[name], b) for op, name, b in steps]
+    width = len(steps) + 1
+    sim = CachingAllocator()
+    if freed_first:
+        sim.malloc(-2, freed_first)
+    sim.malloc(-1, input_bytes)
+    if freed_first:
+        sim.free(-2)
+    block = 0
+    for u, (params, drop, n) in enumerate(zip(unit_params, reshard, blocks_per_unit)):
+        for j, b in enumerate(params):
+            sim.malloc(("param", u, j), b)
+        for _ in range(n):
+            base = block * width
+            for alloc, i, b in plan:
+                if alloc:
+                    sim.malloc(base + i, b)
+                else:
+                    sim.free(base + i)
+            block += 1
+        if drop:
+            for j in range(len(params)):
+                sim.free(("param", u, j))
+    return sim.reserved_bytes - sim.allocated_bytes, sim.largest_free_block(), sim.wholly_free_bytes()
 
 
 def all_gather_stream_reserved(forward: list[int], backward: list[int], expandable: bool) -> int:

@@ -113,7 +113,9 @@ class CachingAllocator:
     def malloc(self, key: object, nbytes: int, stream: str = "default") -> None:
         size = round_size(int(nbytes))
         small = size <= SMALL_BYTES
-        pool = self._pools.setdefault((stream, small), _Pool())
+        pool = self._pools.get((stream, small))
+        if pool is None:
+            pool = self._pools[(stream, small)] = _Pool()
         b = self._best_fit(pool, size)
         if b is not None:
             pool.remove(b)
@@ -132,7 +134,13 @@ class CachingAllocator:
         b.free = False
         self._live[key] = (b, pool, small)
         self.allocated_bytes += b.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+
+    def largest_free_block(self, stream: str = "default") -> int:
+        """The largest cached free block of the stream's large pool (0 if none)."""
+        pool = self._pools.get((stream, False))
+        return pool.keys[-1][0] if pool is not None and pool.keys else 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._live
@@ -205,6 +213,10 @@ class CachingAllocator:
         if self.reserved_bytes > self.peak_reserved_bytes:
             self.peak_reserved_bytes = self.reserved_bytes
             if self.track_releasable:
-                self.releasable_at_peak_bytes = sum(
-                    b.size for pool in self._pools.values() for b in pool.blocks.values()
-                    if b.prev is None and b.next is None)
+                self.releasable_at_peak_bytes = self.wholly_free_bytes()
+
+    def wholly_free_bytes(self) -> int:
+        """The classic segments wholly free now (one free block, no neighbour): what
+        release_cached_blocks would hand back to the driver."""
+        return sum(b.size for pool in self._pools.values() for b in pool.blocks.values()
+                   if b.prev is None and b.next is None)

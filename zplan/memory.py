@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from . import activation_memory, allocator, arch
+from . import activation_memory, allocator, arch, policy
 from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
 from . import memory_timeline as mt
 from .memory_timeline import Event
@@ -497,20 +497,61 @@ def _ag_reserved(forward: tuple[int, ...], backward: tuple[int, ...], expandable
     return allocator.all_gather_stream_reserved(list(forward), list(backward), expandable)
 
 
-def _forward_residue(sc: Scenario, logits_elems: int) -> int:
+def _forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
+    """allocator.forward_holes for this scenario and strategy (classic segments, a block order
+    activation_memory.forward_tensor_steps derives): FSDP2 (torch layout) gathers each block
+    unit's weights into per-parameter storages on the default stream and frees them at its
+    reshard after forward (not where the unit stays gathered: policy.unit_stays_gathered), as
+    it does an embedding unit of its own, freed before the first block. DDP and ZeRO-1 gather
+    nothing; DeepSpeed's gathered window is counted apart (deepspeed_default_buffers). None
+    where the block's order is not derived, with expandable segments, and under a flat
+    --fragmentation (which replaces the allocator model)."""
+    t, m = sc.train, sc.model
+    steps = activation_memory.forward_tensor_steps(m, t)
+    if steps is None or sc.assume.expandable_segments or sc.assume.fragmentation is not None:
+        return None
+    units = [u for u in sc.units if u.blocks]
+    pb = DTYPE_BITS[t.precision.param] // 8
+    gathers = st.fsdp and t.layout == "torch"
+    params = tuple(tuple(math.prod(shape) * pb for shape in u.shapes) if gathers else () for u in units)
+    reshard = tuple(gathers and st.reshard_after_forward and not policy.unit_stays_gathered(u, t, m.num_layers)
+                    for u in units)
+    first = sc.units[0]
+    embed = first.numel * pb if gathers and st.reshard_after_forward and not (first.blocks or first.held) else 0
+    input_b = activation_memory.stream_dtype_bytes(t) * t.seq_len * t.micro_batch * m.hidden
+    return _holes(steps, input_b, params, reshard, tuple(u.blocks for u in units), embed)
+
+
+@lru_cache(maxsize=256)
+def _holes(steps, input_b: int, params, reshard, blocks, embed: int) -> tuple[int, int, int]:
+    return allocator.forward_holes(steps, input_b, params, reshard, blocks, embed)
+
+
+def _forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int, int]:
     """allocator.forward_residue_bytes for this scenario: the loss's requests are its own
     tensors (activation_memory.loss_steps); the head's around it are not: the loss simulation
     already places them, the input gradient in a block the loss freed, the weights and weight
     gradients in the blocks the unsharded parameters left. None where the loss is a linear one
-    (its chunks fit the freed blocks)."""
+    (its chunks fit the freed blocks). What the forward leaves cached is simulated tensor by
+    tensor where the block's order is derived (_forward_holes), else one block's freed working
+    set (activation_memory.forward_transient_bytes). Returns (the residue, the part of it in
+    segments wholly free, which the allocator releases before it fails a cudaMalloc): a hole
+    shares its segment with a kept tensor and is not released; one block's freed working set is
+    its own segments."""
     if logits_elems <= 0:
-        return 0
-    transient, largest = activation_memory.forward_transient_bytes(sc.model, sc.train)
+        return 0, 0
+    holes = _forward_holes(sc, st)
+    if holes is None:
+        transient, largest = activation_memory.forward_transient_bytes(sc.model, sc.train)
+        whole = transient
+    else:
+        transient, largest, whole = holes
     if not transient:
-        return 0
+        return 0, 0
     loss = [per * logits_elems for _, op, _, per in activation_memory.loss_steps(sc.train, sc.assume.loss_fp32)
             if op == "+"]
-    return allocator.forward_residue_bytes(transient, largest, loss, sc.assume.expandable_segments)
+    residue = allocator.forward_residue_bytes(transient, largest, loss, sc.assume.expandable_segments)
+    return residue, min(whole, residue)
 
 
 @dataclass(frozen=True)
@@ -551,18 +592,19 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     head = _head_tail(sc, st, ms, start)
     loss_reserved, loss_releasable = _loss_reserve(acts.logits_elems, sc.train, sc.assume.loss_fp32,
                                                    sc.assume.expandable_segments, head)
-    residue = _forward_residue(sc, acts.logits_elems)
+    residue, residue_releasable = _forward_residue(sc, st, acts.logits_elems)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
     peaks = dict(alloc.stream_peaks)
     reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
                                              _all_gather_reserved(sc, st, ms))
-    # what of it sits in segments wholly free at the peak: the forward's freed blocks, the
+    # what of it sits in segments wholly free at the peak: the forward's freed blocks (not the
+    # holes beside what it kept), the
     # loss's blocks none of its later tensors fits, and the all-gather stream's segments beyond
     # its packed peak; the allocator releases those and retries before it fails a cudaMalloc
     # (slower, no out-of-memory)
     loss_packed = loss_reserved - loss_releasable
-    packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume,
-                                           allocator.default_stream_floor(start, loss_b, loss_packed))
+    packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
+        start, loss_b, loss_packed, residue - residue_releasable))
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)
