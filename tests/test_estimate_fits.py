@@ -153,9 +153,10 @@ def test_recommend_under_a_smaller_headroom_says_its_pick_is_tight(run_zplan):
 
 def test_a_fit_that_needs_the_allocator_to_release_free_segments_is_tight_and_not_recommended():
     """Llama 3.1 405B at seq 8192 on 1024 H100 (zero3, torch layout, full checkpointing): the
-    reserve (88.6 GB with the CUDA context) exceeds the GPU, but 5.5 GB of it are segments wholly
-    free at the peak (a checkpointed forward's freed blocks, all-gather segments beyond the
-    stream's packed peak), which the allocator releases and retries before failing. estimate:
+    reserve (98.9 GB with the CUDA context) exceeds the GPU, but 15.7 GB of it are segments wholly
+    free at the peak (the last checkpointed block's freed working set and its unit's freed
+    weights, all-gather segments beyond the stream's packed peak), which the allocator releases
+    and retries before failing. estimate:
     fits, tight, headroom below zero; within recommend's capacity (even the whole GPU as usable)
     the whole reserve must fit: not."""
     sc = build(ScenarioOptions(model="llama-3.1-405b", gpus="1024", seq_len=8192, checkpointing="full",

@@ -91,8 +91,10 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                f"reserved {_gb(mem.reserved_bytes)} ({how})")
     if mem.releasable_bytes:
         out.append(f"of the reserve, {_gb(mem.releasable_bytes)} sits in segments wholly free at the peak "
-                   "(a checkpointed forward's freed blocks, the loss's blocks no later tensor of "
-                   "it fits, all-gather segments beyond the stream's peak): the allocator "
+                   "(the last checkpointed block's freed working set and weights, not the "
+                   "holes beside what the blocks keep; the loss's blocks no later tensor of it "
+                   "fits; all-gather "
+                   "segments beyond the stream's peak): the allocator "
                    "releases them and retries before failing, so the fit counts the rest")
     out.append(f"reserved + CUDA context {_gb(sc.assume.cuda_context_bytes)} = {_gb(mem.total_bytes)} of "
                f"{_gb(hw.gpu.memory_bytes)}: {'fits' if r.fits else 'does NOT fit'}"

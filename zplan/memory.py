@@ -44,8 +44,9 @@ class Memory:
     peak_event: str
     host_bytes_per_rank: int
     host_bytes_per_node: int
-    # of reserved_bytes, what sits in segments wholly free at the peak (a checkpointed forward's
-    # freed blocks, the loss's blocks none of its later tensors fits, all-gather segments beyond
+    # of reserved_bytes, what sits in segments wholly free at the peak (a checkpointed block's
+    # freed working set, not the holes beside what the blocks keep; the loss's blocks none of its
+    # later tensors fits; all-gather segments beyond
     # the stream's packed peak): the caching allocator
     # releases them and retries before failing an allocation, so "fits" does not count them
     releasable_bytes: int = 0
