@@ -531,8 +531,9 @@ def _holes(steps, input_b: int, params, reshard, blocks, embed: int) -> tuple[in
 def _forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int, int]:
     """allocator.forward_residue_bytes for this scenario: the loss's requests are its own
     tensors (activation_memory.loss_steps); the head's around it are not: the loss simulation
-    already places them, the input gradient in a block the loss freed, the weights and weight
-    gradients in the blocks the unsharded parameters left. None where the loss is a linear one
+    places them already (the input gradient in a block the loss freed; the weights and their
+    gradients, vocabulary-sized, fit no block a block unit's weights left). None where the loss
+    is a linear one
     (its chunks fit the freed blocks). What the forward leaves cached is simulated tensor by
     tensor where the block's order is derived (_forward_holes), else one block's freed working
     set (activation_memory.forward_transient_bytes). Returns (the residue, the part of it in
