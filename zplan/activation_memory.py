@@ -111,9 +111,10 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     the block's input stays (the checkpoint saved it) and its output is the last tensor made.
     Under selective checkpointing the outputs the policy saves (policy.selective_saved_matmuls and
     the attention kernel's output and logsumexp) are never freed. Read off PyTorch's
-    FSDPMemTracker over a traced step (benchmarks/reserved_matrix.py; tests/test_forward_holes.py
-    holds their peak to MemTracker's and their simulation to the traced storages'). None where the block's order is
-    not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
+    FSDPMemTracker over a traced step (benchmarks/reserved_matrix.py); tests/test_forward_holes.py
+    holds them to the trainer's Block traced storage by storage, their peak to MemTracker's, and
+    their simulation to the allocator replayed over a traced step. None where the block's order
+    is not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
     projection, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
     without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
     other than full or selective."""
