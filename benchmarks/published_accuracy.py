@@ -88,10 +88,8 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
             # torchao's tensorwise recipe; float8 all-gather where the row says so, and where it
             # is not stated zplan's default (on)
             o = replace(o, float8=True)
-        elif row.float8 == "te-delayed":
-            o = replace(o, float8=True, float8_recipe="te-delayed")
-        else:
-            ignored.append("float8")  # rowwise scaling: no kernel-level rate to price it
+        else:  # torchao's rowwise recipes, TransformerEngine's delayed scaling
+            o = replace(o, float8=True, float8_recipe=row.float8)
     return o, tuple(ignored)
 
 

@@ -68,7 +68,7 @@ SCENARIO = {
     "--linear-loss": choice_or_hostile(["none", "chunked", "liger"]),
     "--compile-scope": choice_or_hostile(["block", "model"]),
     "--optimizer-kernels": choice_or_hostile(["fused", "foreach", "single"]),
-    "--float8-recipe": choice_or_hostile(["tensorwise", "te-delayed"]),
+    "--float8-recipe": choice_or_hostile(["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]),
 }
 SWITCHES = ["--reduce-last-only", "--no-flash", "--no-prefetch", "--fused-norm", "--no-fused-norm",
             "--no-overlap", "--compile", "--eager-loss", "--float8", "--no-loss-fp32",

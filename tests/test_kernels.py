@@ -587,7 +587,7 @@ def test_fused_qkv_casts_its_input_once():
     (dict(float8=True, float8_recipe="te-delayed", checkpointing="selective"), "does not model"),
     (dict(float8=True, float8_recipe="te-delayed", compile=True), "does not model"),
     (dict(float8=True, float8_recipe="te-delayed", float8_all_gather=False), "always gathers"),
-    (dict(float8=True, float8_recipe="rowwise"), "not one of"),
+    (dict(float8=True, float8_recipe="blockwise"), "not one of"),
 ])
 def test_float8_recipe_options_are_checked(kw, needle):
     with pytest.raises(UsageError, match=needle):

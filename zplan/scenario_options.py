@@ -230,6 +230,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if not o.float8 and (o.float8_recipe != "tensorwise" or not o.float8_all_gather):
         flag = f"--float8-recipe {o.float8_recipe}" if o.float8_recipe != "tensorwise" else "--no-float8-all-gather"
         raise UsageError(f"{flag} goes with --float8: add --float8, or drop {flag.split()[0]}")
+    if o.float8 and o.float8_recipe.startswith("rowwise") and not o.float8_all_gather:
+        raise UsageError(f"--no-float8-all-gather: --float8-recipe {o.float8_recipe} gathers in the "
+                         "param dtype already (torchao's float8 all-gather is tensorwise's): drop it")
     if o.float8 and o.float8_recipe == "te-delayed":
         if not o.float8_all_gather:
             raise UsageError("--no-float8-all-gather is torchao's switch; TransformerEngine "

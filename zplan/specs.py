@@ -20,7 +20,7 @@ Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
 AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
-Float8Recipe = Literal["tensorwise", "te-delayed"]
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]
 LinearLoss = Literal["none", "chunked", "liger"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
@@ -457,7 +457,10 @@ class TrainSpec(Spec):
                          "all-gather of their weights (torchao)")
     float8_recipe: Float8Recipe = Field(
         "tensorwise", description="with float8: tensorwise (torchao's dynamic tensorwise scaling: "
-        "an amax pass, then the cast) or te-delayed (TransformerEngine's delayed scaling, the "
+        "an amax pass, then the cast), rowwise (torchao's rowwise recipe: a scale per row of each "
+        "operand along the GEMM's reduction axis, so backward casts again; weights gathered in the "
+        "param dtype), rowwise-gw-hp (torchao's rowwise_with_gw_hp: as rowwise, with the weight "
+        "gradient's GEMM in 16 bits) or te-delayed (TransformerEngine's delayed scaling, the "
         "cast and its transpose in one kernel from the previous amax; its linears keep their "
         "inputs and weights in float8 for backward; FSDP gathers the weights in the param dtype)")
     float8_all_gather: bool = Field(True, description="tensorwise float8: FSDP gathers the block "

@@ -64,11 +64,20 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
                     m.qkv_fused and name in ("wk", "wv")) and not t.compile
                 cast_elems += o * i + (T * i if from_stream else 0)
                 casts += 1 + from_stream
-            ops += K.linear(gpu, name, T, o, i, lin, act, backward)
+            if backward and t.float8 and not t.te_float8:
+                # torchao: dW written in the weight's dtype; rowwise-gw-hp runs it in 16 bits
+                dw = act if t.float8_recipe == "rowwise-gw-hp" else lin
+                ops += [K.linear(gpu, name, T, o, i, lin, act, True)[0],
+                        K.gemm(gpu, f"{name} dW", o, i, T, dw, act)]
+            else:
+                ops += K.linear(gpu, name, T, o, i, lin, act, backward)
             # a fused q/k/v linear casts its input once (charged on wq)
             T_in = 0 if m.qkv_fused and name in ("wk", "wv") else T
             if t.te_float8:
                 ops.append(float8_te_casts(gpu, name, T_in, T, o, i, B, backward, m.qkv_fused))
+            elif t.float8 and t.float8_recipe != "tensorwise":
+                ops += float8_rowwise_casts(gpu, name, T_in, T, o, i, backward,
+                                            t.float8_recipe == "rowwise-gw-hp", m.qkv_fused)
             elif t.float8:  # tensorwise scaling: amax + cast of the input (or grad), 5 B/element
                 ops.append(K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i)
                                     + 3 * o * i, 3))
@@ -331,6 +340,37 @@ def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, b
     if backward:
         return K.memory(gpu, f"{name} float8 cast+transpose", per * T * o, 0 if part else 1)
     return K.memory(gpu, f"{name} float8 cast+transpose", per * (T_in * i + o * i), 0 if part else 2)
+
+
+def float8_rowwise_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, backward: bool,
+                        gw_hp: bool, qkv_fused: bool = False) -> Ops:
+    """torchao's rowwise recipes (torchao/float8/config.py Float8LinearConfig.from_recipe_name,
+    float8_linear.py matmul_with_hp_or_float8_args, float8_ops.py addmm_float8_unwrapped; the
+    same at ao 890e0ac8, the H100 table's version, and 0.18.0). The linear saves its 16-bit
+    input and weight, so every float8 operand is cast from them where a GEMM needs it, scaled
+    along the GEMM's reduction axis: forward the input (T x i) and the weight (o x i); backward
+    `rowwise` casts the output gradient twice (along each axis: for dX and for dW), the weight
+    and the input again; `rowwise-gw-hp` casts the output gradient once and the weight
+    (tensorwise) and runs dW in 16 bits. Backward GEMMs run without fast accumulation, so
+    torchao calls the tensorwise cuBLAS kernel with unit scales and multiplies the output by the
+    outer product of the two scale vectors afterwards (`output *= post_inverse_scale`): dX's
+    (T x i) and, for `rowwise`, dW's (o x i) output read and written once more. Priced in the
+    compiled form, as zplan prices tensorwise: a cast is an amax reduction and a cast pass over
+    the 16-bit tensor, 2 + 2 + 1 = 5 bytes per element in 2 kernels; the rescale 2 + 2 bytes per
+    output element in 1 kernel. Eager, torchao's casts run six aten kernels each (abs, amax, the
+    fp32 copy, mul, clamp, the float8 copy: 33 bytes per element) plus layout copies of the
+    transposed float8 operands: not priced (docs/formulas.md section 6). `T_in`: the input's
+    tokens this linear casts (0 for k and v of a fused q/k/v linear, which share wq's input,
+    its cast and its dX; their weight and gradient bytes are charged here without a launch)."""
+    part = qkv_fused and name in ("wk", "wv")
+    k = 0 if part else 1
+    if not backward:
+        return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T_in * i + o * i), 4 * k)]
+    if gw_hp:
+        return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T * o + o * i), 4 * k),
+                K.memory(gpu, f"{name} dX rescale", 4 * T_in * i, k)]
+    return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (2 * T * o + o * i + T_in * i), 8 * k),
+            K.memory(gpu, f"{name} dX, dW rescale", 4 * (T_in * i + o * i), 2 * k)]
 
 
 def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | None = None) -> Ops:

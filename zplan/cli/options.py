@@ -59,7 +59,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "linear_loss": ((), "The head's matmul and the loss together, chunk by chunk, logits never kept whole: none | chunked (zplan's trainer, torch ops) | liger (Liger-Kernel's fused linear cross-entropy)"),
     "fused_swiglu": ((), "SwiGLU as one kernel that saves its two inputs and recomputes silu in backward (Liger-Kernel's)"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),
-    "float8_recipe": ((), "With --float8: tensorwise (torchao's dynamic scaling) | te-delayed (TransformerEngine's delayed scaling: float8 kept for backward, weights gathered in the param dtype)"),
+    "float8_recipe": ((), "With --float8: tensorwise (torchao's dynamic scaling) | rowwise (torchao's rowwise scaling: more casts, weights gathered in the param dtype) | rowwise-gw-hp (rowwise, the weight gradient in 16 bits) | te-delayed (TransformerEngine's delayed scaling: float8 kept for backward, weights gathered in the param dtype)"),
     "float8_all_gather": ((), "With --float8 (tensorwise): FSDP gathers block weights in float8 (--no-float8-all-gather: in the param dtype)"),
     "shard_size": ((), "HSDP shard group size (default: one node)"),
     "efficiency": ((), "Assume one achieved fraction of peak FLOP/s for all work instead of the per-op kernel model (presets without kernel figures: 0.7; 1 when calibrated)"),
