@@ -1,0 +1,91 @@
+"""Hugging Face config.json files as users pass them (--model path/config.json), held against
+Hugging Face's own model built from the same file on the meta device: zplan's parameter count
+must be transformers' count exactly, or the file must be refused in one line naming the field."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from zplan import arch, presets
+from zplan.errors import UsageError
+
+# The fields of the published config.json files (Hugging Face hub, each model's main branch).
+LLAMA_31_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "vocab_size": 128256, "tie_word_embeddings": False, "hidden_act": "silu",
+               "max_position_embeddings": 131072, "head_dim": 128}
+MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+                "tie_word_embeddings": False, "hidden_act": "silu", "max_position_embeddings": 32768}
+GEMMA_2B = {"model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384,
+            "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 256000, "hidden_act": "gelu",
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192}
+QWEN15_MOE = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+              "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+              "num_experts": 60, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+              "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+              "decoder_sparse_step": 1, "mlp_only_layers": []}
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+                 "decoder_sparse_step": 1, "mlp_only_layers": []}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+               "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+               "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
+               "first_k_dense_replace": 3, "vocab_size": 129280}
+
+
+def _write(tmp_path, cfg: dict):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+def _transformers_count(path) -> int:
+    pytest.importorskip("transformers")
+    import torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers import AutoConfig, AutoModelForCausalLM
+        cfg = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_31_8B, MIXTRAL_8X7B, GEMMA_2B], ids=["llama", "mixtral", "gemma"])
+def test_param_count_is_transformers_own(tmp_path, cfg):
+    p = _write(tmp_path, cfg)
+    assert arch.param_count(presets.model(str(p))) == _transformers_count(p)
+
+
+def test_gemma_mlp_is_gated_and_its_embeddings_tied(tmp_path):
+    m = presets.model(str(_write(tmp_path, GEMMA_2B)))
+    assert m.mlp == "swiglu" and m.tied_embeddings
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (QWEN15_MOE, "field 'shared_expert_intermediate_size': shared experts"),
+    (QWEN3_30B_A3B, "RMSNorm on q and k"),
+    (DEEPSEEK_V3, "multi-head latent attention"),
+    ({**QWEN15_MOE, "model_type": "custom", "shared_expert_intermediate_size": 0,
+      "decoder_sparse_step": 2}, "dense MLP layers among the MoE ones"),
+    ({**LLAMA_31_8B, "head_dim": 96}, "field 'head_dim' is 96"),
+], ids=["shared-experts", "qk-norm", "mla", "dense-layers", "head-dim"])
+def test_blocks_zplan_does_not_model_are_refused(tmp_path, cfg, needle):
+    with pytest.raises(UsageError, match=needle):
+        presets.model(str(_write(tmp_path, cfg)))
+
+
+def test_experts_take_moe_intermediate_size(tmp_path):
+    """Qwen's MoE configs name the experts' width apart from the dense width (intermediate_size)."""
+    cfg = {**QWEN15_MOE, "model_type": "custom_moe", "shared_expert_intermediate_size": 0}
+    m = presets.model(str(_write(tmp_path, cfg)))
+    assert (m.ffn_hidden, m.num_experts, m.experts_per_token) == (1408, 60, 4)
