@@ -25,6 +25,12 @@ GEMMA_2B = {"model_type": "gemma", "hidden_size": 2048, "intermediate_size": 163
             "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
             "head_dim": 256, "vocab_size": 256000, "hidden_act": "gelu",
             "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192}
+GEMMA_7B = {**GEMMA_2B, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 16}  # heads of 256 on a hidden of 3072
+MISTRAL_NEMO = {"model_type": "mistral", "hidden_size": 5120, "intermediate_size": 14336,
+                "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 131072, "tie_word_embeddings": False,
+                "hidden_act": "silu", "max_position_embeddings": 1024000}
 QWEN15_MOE = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
               "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
               "num_experts": 60, "num_experts_per_tok": 4, "num_hidden_layers": 24,
@@ -60,7 +66,8 @@ def _transformers_count(path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("cfg", [LLAMA_31_8B, MIXTRAL_8X7B, GEMMA_2B], ids=["llama", "mixtral", "gemma"])
+@pytest.mark.parametrize("cfg", [LLAMA_31_8B, MIXTRAL_8X7B, GEMMA_2B, GEMMA_7B, MISTRAL_NEMO],
+                         ids=["llama", "mixtral", "gemma-2b", "gemma-7b", "mistral-nemo"])
 def test_param_count_is_transformers_own(tmp_path, cfg):
     p = _write(tmp_path, cfg)
     assert arch.param_count(presets.model(str(p))) == _transformers_count(p)
@@ -77,8 +84,7 @@ def test_gemma_mlp_is_gated_and_its_embeddings_tied(tmp_path):
     (DEEPSEEK_V3, "multi-head latent attention"),
     ({**QWEN15_MOE, "model_type": "custom", "shared_expert_intermediate_size": 0,
       "decoder_sparse_step": 2}, "dense MLP layers among the MoE ones"),
-    ({**LLAMA_31_8B, "head_dim": 96}, "field 'head_dim' is 96"),
-], ids=["shared-experts", "qk-norm", "mla", "dense-layers", "head-dim"])
+], ids=["shared-experts", "qk-norm", "mla", "dense-layers"])
 def test_blocks_zplan_does_not_model_are_refused(tmp_path, cfg, needle):
     with pytest.raises(UsageError, match=needle):
         presets.model(str(_write(tmp_path, cfg)))
@@ -89,3 +95,16 @@ def test_experts_take_moe_intermediate_size(tmp_path):
     cfg = {**QWEN15_MOE, "model_type": "custom_moe", "shared_expert_intermediate_size": 0}
     m = presets.model(str(_write(tmp_path, cfg)))
     assert (m.ffn_hidden, m.num_experts, m.experts_per_token) == (1408, 60, 4)
+
+
+def test_heads_wider_than_hidden_over_heads_size_q_and_the_output_projection(tmp_path):
+    """Mistral NeMo: 32 heads of 128 on a hidden of 5120, so q and the attention output are
+    4096 wide; the trainer's block builds the same shapes arch.block_shapes counts."""
+    torch = pytest.importorskip("torch")
+    from zplan.trainer.model import Block
+
+    m = presets.model(str(_write(tmp_path, MISTRAL_NEMO)))
+    assert (m.head_dim, m.q_hidden, m.kv_hidden) == (128, 4096, 1024)
+    with torch.device("meta"):
+        block = Block(m)
+    assert sorted(tuple(p.shape) for p in block.parameters()) == sorted(arch.block_shapes(m))

@@ -356,10 +356,14 @@ def test_compiled_loss_buffers_against_inductors_generated_code():
     assert compiled["backward"] == 2 + bwd_alloc  # the kept logits + what backward allocates
 
 
-@pytest.mark.parametrize("mode,mlp", [("none", "swiglu"), ("selective", "swiglu"), ("full", "swiglu"),
-                                      ("none", "gelu"), ("selective", "gelu")])
-def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp):
-    m, kept = _block_kept_bytes(mode, mlp)
+@pytest.mark.parametrize("mode,mlp,head_dim", [
+    ("none", "swiglu", None), ("selective", "swiglu", None), ("full", "swiglu", None),
+    ("none", "gelu", None), ("selective", "gelu", None),
+    ("none", "swiglu", 96), ("selective", "swiglu", 96), ("selective", "gelu", 48)])
+def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp, head_dim):
+    """head_dim: 4 heads of 96 (or 48) on a hidden of 256, q and the attention output 384
+    (192) wide (Qwen3-32B's and Mistral NeMo's shape of block)."""
+    m, kept = _block_kept_bytes(mode, mlp, head_dim=head_dim)
     t = TrainSpec(seq_len=128, fused_norm=False)  # CPU: the composite RMSNorm
     assert kept == activation_memory.block_saved_bytes(m, t, mode)
 
@@ -417,10 +421,11 @@ def test_the_forwards_freed_blocks_the_loss_cannot_use():
     assert allocator.forward_residue_bytes(30 * mib, 9 * mib, [2000 * mib], False) == 0
 
 
-def _block_kept_bytes(mode: str, mlp: str, linear=None):
+def _block_kept_bytes(mode: str, mlp: str, linear=None, head_dim=None):
     """What one block of the trainer's model keeps after forward (MemTracker on CPU), with its
     input counted as the block keeps it (`block_saved_bytes`' convention); `linear` replaces each
-    nn.Linear (a module class built from the Linear)."""
+    nn.Linear (a module class built from the Linear); `head_dim` sets heads wider than hidden /
+    heads (ModelSpec.attention_head_dim)."""
     torch = pytest.importorskip("torch")
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -428,7 +433,7 @@ def _block_kept_bytes(mode: str, mlp: str, linear=None):
     from zplan.trainer.parallel import apply_checkpointing
 
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
-                  vocab_size=64, mlp=mlp)
+                  vocab_size=64, mlp=mlp, attention_head_dim=head_dim)
     model = Transformer(m).to(torch.bfloat16)
     if linear is not None:
         from tests.helpers import replace_linears

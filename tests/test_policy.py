@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import replace_linears
 
 
-def _tiny_blocks(mlp, mode, layers=2, linear=None):
+def _tiny_blocks(mlp, mode, layers=2, linear=None, head_dim=None):
     import torch
     from torch import nn
 
@@ -15,7 +15,7 @@ def _tiny_blocks(mlp, mode, layers=2, linear=None):
     from zplan.trainer.model import Block
     from zplan.trainer.parallel import apply_checkpointing
 
-    m = preset("tiny").model_copy(update={"mlp": mlp, "num_layers": layers})
+    m = preset("tiny").model_copy(update={"mlp": mlp, "num_layers": layers, "attention_head_dim": head_dim})
 
     class Blocks(nn.Module):  # what apply_checkpointing needs of the trainer's Transformer
         def __init__(self):
@@ -30,7 +30,7 @@ def _tiny_blocks(mlp, mode, layers=2, linear=None):
     return m, net
 
 
-def _backward_flop(mlp, mode, layers, seq, mb, early_stop, linear=None):
+def _backward_flop(mlp, mode, layers, seq, mb, early_stop, linear=None, head_dim=None):
     """FlopCounterMode over the backward of `layers` tiny blocks (SDPA's math backend, so that the
     attention matmuls are counted: the CPU flash kernel has no FLOP formula)."""
     import torch
@@ -38,7 +38,7 @@ def _backward_flop(mlp, mode, layers, seq, mb, early_stop, linear=None):
     from torch.utils.checkpoint import set_checkpoint_early_stop
     from torch.utils.flop_counter import FlopCounterMode
 
-    m, net = _tiny_blocks(mlp, mode, layers=layers, linear=linear)
+    m, net = _tiny_blocks(mlp, mode, layers=layers, linear=linear, head_dim=head_dim)
     x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
     with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(early_stop):
         y = x
@@ -297,3 +297,38 @@ def test_the_kept_last_block_is_the_unit_holding_the_models_last_block():
     assert not policy.stays_gathered(False, False, "separate")
     with pytest.raises(ValueError, match="gathers module by module"):
         TrainSpec(layout="zero", last_block_kept=True)
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_heads_wider_than_hidden_over_heads_flops_against_flopcountermode(mode):
+    """Heads set wider than hidden / heads (ModelSpec.attention_head_dim; Qwen3-32B, Mistral
+    NeMo): the planner's forward FLOPs of a block (q and o projections num_heads x head_dim
+    wide, attention 4·s·q per token) and its recompute FLOPs under full checkpointing, against
+    FlopCounterMode over the trainer's blocks (SDPA's math backend)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zplan import arch
+    from zplan.specs import TrainSpec
+
+    seq, mb, wide = 64, 2, 3 * preset_head_dim()
+    m, net = _tiny_blocks("swiglu", mode, layers=1, head_dim=wide)
+    assert m.q_hidden != m.hidden
+    x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        net.layers[0](x)
+    train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing=mode)
+    unit = [u for u in arch.units(m, 1) if u.blocks][0]
+    assert arch.unit_forward_flop(m, unit, train) == fc.get_total_flops()
+    if mode == "full":
+        _, flop = _backward_flop("swiglu", "full", 2, seq, mb, True, head_dim=wide)
+        _, flop_none = _backward_flop("swiglu", "none", 2, seq, mb, True, head_dim=wide)
+        units = [u for u in arch.units(m.model_copy(update={"num_layers": 2}), 1) if u.blocks]
+        assert sum(arch.unit_recompute_flop(m, u, train) for u in units) == flop - flop_none
+
+
+def preset_head_dim() -> int:
+    from zplan.presets import model as preset
+
+    return preset("tiny").head_dim

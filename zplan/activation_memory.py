@@ -125,16 +125,17 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
         return None
     sb, B = train.seq_len * train.micro_batch, act_dtype_bytes(train)
     H, KV, F = B * sb * m.hidden, B * sb * m.kv_hidden, B * sb * m.ffn_hidden
+    Q = B * sb * m.q_hidden  # q and the attention output (H unless the heads are set wider)
     kept = set()
     if mode == "selective":
         kept = set(policy.selective_saved_matmuls(m.mlp))
         kept |= {"attn", "lse"} if policy.SELECTIVE_SAVES_ATTENTION else set()
     steps = _norm_steps("norm1", train, sb * m.hidden, B)
-    steps += [("+", "wq", H), ("+", "wk", KV), ("+", "wv", KV)]
+    steps += [("+", "wq", Q), ("+", "wk", KV), ("+", "wv", KV)]
     # RoPE's rotated q and k (trainer/model.py apply_rope); its half-size temporaries, made and
     # freed in turn, move no simulated figure (the reserved matrix's cells and PR #165's, checked)
-    steps += [("+", "q", H), ("+", "k", KV)]
-    steps += [("-", "wk", 0), ("-", "wq", 0), ("+", "attn", H), ("+", "lse", 4 * m.num_heads * sb),
+    steps += [("+", "q", Q), ("+", "k", KV)]
+    steps += [("-", "wk", 0), ("-", "wq", 0), ("+", "attn", Q), ("+", "lse", 4 * m.num_heads * sb),
               ("-", "lse", 0), ("+", "wo", H), ("-", "q", 0), ("-", "k", 0), ("-", "wv", 0),
               ("-", "attn", 0), ("-", "norm1", 0), ("+", "h", H), ("-", "wo", 0)]
     steps += _norm_steps("norm2", train, sb * m.hidden, B)
@@ -169,7 +170,7 @@ def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     if not train.fused_swiglu:  # the down projection's input, freed before the branches are made
         temp -= k * (1 if train.te_float8 else B) * sb * m.ffn_hidden
     if train.te_float8:  # the widest linear's output gradient cast to float8 and transposed
-        temp += 2 * sb * max(m.ffn_hidden, m.hidden + 2 * m.kv_hidden if m.qkv_fused else m.hidden)
+        temp += 2 * sb * max(m.ffn_hidden, m.q_hidden + 2 * m.kv_hidden if m.qkv_fused else max(m.hidden, m.q_hidden))
     return temp
 
 
@@ -202,7 +203,7 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     dropout, 16-bit); these terms reduce to exactly that and generalise it.
     """
     s, b, h, f, a = train.seq_len, train.micro_batch, m.hidden, m.ffn_hidden, m.num_heads
-    kv, B, S = m.kv_hidden, act_dtype_bytes(train), stream_dtype_bytes(train)
+    q, kv, B, S = m.q_hidden, m.kv_hidden, act_dtype_bytes(train), stream_dtype_bytes(train)
     sb = s * b
     stats = 8 * sb if m.norm == "layernorm" else 4 * sb  # fp32 mean/rstd saved by each norm
     t: dict[str, int] = {
@@ -210,18 +211,18 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         # the norms read the residual stream: under autocast in the master dtype
         "norm_inputs": 2 * ((S if train.compile else norm_saved_per_token(train, S)) * sb * h + stats),
         "qkv_input": B * sb * h,
-        "q_k_v": B * sb * (h + 2 * kv),
+        "q_k_v": B * sb * (q + 2 * kv),
         # a flash kernel's output is (b, s, h, d) in memory (SDPA's flash allocates it like q,
         # which RoPE leaves (b, s, h, d) in HF, torchtitan and the trainer): the projection keeps
         # a (b, s, h·d) view of what the kernel saved (HF's `reshape(...).contiguous()` and
         # torchtitan's `.contiguous()` are no-ops); the math path's output is copied first
-        "attn_out_proj_input": 0 if train.attention_out_view else B * sb * h,
+        "attn_out_proj_input": 0 if train.attention_out_view else B * sb * q,
         "mlp_input": B * sb * h,
     }
     if train.flash_attention:
         # the flash kernel saves its output and logsumexp, and RoPE's mul saves cos and sin
         t["attn_logsumexp"] = 4 * a * sb
-        t["attn_output"] = B * sb * h
+        t["attn_output"] = B * sb * q
         if not train.compile:  # compiled, the tables are recomputed in backward
             t["rope_tables"] = B * s * m.head_dim
     else:
@@ -263,13 +264,13 @@ def _te_float8_saves(t: dict[str, int], m: ModelSpec, sb: int, B: int) -> None:
     fuses them), the output projection's, the MLP's input (SwiGLU's w1 and w3: two) and the down
     projection's input (the last MLP term). Held against MemTracker on the trainer's block with
     every linear keeping what TransformerEngine's keeps (tests/test_memory.py)."""
-    h, f, kv = m.hidden, m.ffn_hidden, m.kv_hidden
+    h, q, f, kv = m.hidden, m.q_hidden, m.ffn_hidden, m.kv_hidden
     t["qkv_input"] = (1 if m.qkv_fused else 3) * sb * h
-    t["attn_out_proj_input"] = sb * h
+    t["attn_out_proj_input"] = sb * q
     t["mlp_input"] = (2 if m.mlp == "swiglu" else 1) * sb * h
     t["mlp_hidden"] -= (B - 1) * sb * f
     mlp_weights = (3 if m.mlp == "swiglu" else 2) * h * f
-    t["float8_weight_transposes"] = h * (h + 2 * kv) + h * h + mlp_weights
+    t["float8_weight_transposes"] = h * (q + 2 * kv) + h * q + mlp_weights
 
 
 @lru_cache(maxsize=4096)
@@ -290,7 +291,7 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
         # matmuls and of the attention kernel; pointwise ops are recomputed.
         saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp)))
         if policy.SELECTIVE_SAVES_ATTENTION:
-            saved += B * sb * h + (4 * m.num_heads * sb if train.flash_attention else 0)
+            saved += B * sb * m.q_hidden + (4 * m.num_heads * sb if train.flash_attention else 0)
         return saved
     raise ValueError(mode)
 

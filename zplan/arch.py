@@ -50,13 +50,13 @@ def _mlp(m: ModelSpec) -> list[Shape]:
 
 def block_shapes(m: ModelSpec) -> list[Shape]:
     """Parameter shapes of one transformer block, as torch Linear weights (out, in)."""
-    h, kv = m.hidden, m.kv_hidden
+    h, q, kv = m.hidden, m.q_hidden, m.kv_hidden
     if m.qkv_fused:  # one q/k/v weight (MPT's Wqkv): the same elements in one tensor
-        shapes: list[Shape] = _norm(m) + [(h + 2 * kv, h), (h, h)]
-        shapes += [(h + 2 * kv,)] if m.qkv_bias else []
+        shapes: list[Shape] = _norm(m) + [(q + 2 * kv, h), (h, q)]
+        shapes += [(q + 2 * kv,)] if m.qkv_bias else []
     else:
-        shapes = _norm(m) + [(h, h), (kv, h), (kv, h), (h, h)]
-        shapes += [(h,), (kv,), (kv,)] if m.qkv_bias else []
+        shapes = _norm(m) + [(q, h), (kv, h), (kv, h), (h, q)]
+        shapes += [(q,), (kv,), (kv,)] if m.qkv_bias else []
     if m.linear_bias:
         shapes += [(h,)]
     shapes += _norm(m)
@@ -69,8 +69,8 @@ def block_shapes(m: ModelSpec) -> list[Shape]:
 
 
 def _blockmatmul_params(m: ModelSpec) -> int:
-    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
-    attn = 2 * h * h + 2 * kv * h
+    h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
+    attn = 2 * q * h + 2 * kv * h
     mlp = (3 if m.mlp == "swiglu" else 2) * h * f
     if m.num_experts:
         return attn + m.num_experts * h + m.experts_per_token * mlp
@@ -162,17 +162,17 @@ def synthetic(params: int, unit_params: int | None = None) -> ModelSpec:
 
 def matmul_widths(m: ModelSpec, names) -> list[int]:
     """Output width per token of each named block matmul (MoE: the k active experts' share)."""
-    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
     k = m.experts_per_token if m.num_experts else 1
-    width = {"wq": h, "wk": kv, "wv": kv, "wo": h, "w1": k * f, "w3": k * f, "w2": k * h}
+    width = {"wq": q, "wk": kv, "wv": kv, "wo": h, "w1": k * f, "w3": k * f, "w2": k * h}
     return [width[n] for n in names]
 
 
 def matmul_params(m: ModelSpec, names) -> int:
     """Weights of the named block matmuls that one token meets (MoE: k active experts)."""
-    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
     k = m.experts_per_token if m.num_experts else 1
-    size = {"wq": h * h, "wk": kv * h, "wv": kv * h, "wo": h * h, "w1": k * h * f,
+    size = {"wq": q * h, "wk": kv * h, "wv": kv * h, "wo": h * q, "w1": k * h * f,
             "w3": k * h * f, "w2": k * h * f}
     return sum(size[n] for n in names)
 
@@ -182,10 +182,10 @@ def matmul_params(m: ModelSpec, names) -> int:
 
 def unit_forward_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     """Forward FLOPs of one unit for one micro-batch: 2 per matmul weight per token, plus
-    attention's QK^T and AV, 4·s·h per token per layer (PaLM appendix B; causal masking not
-    subtracted, as PaLM's MFU does)."""
+    attention's QK^T and AV, 4·s·q per token per layer, q = heads x head_dim (h unless the
+    heads are set wider; PaLM appendix B; causal masking not subtracted, as PaLM's MFU does)."""
     T = train.seq_len * train.micro_batch
-    return 2 * u.matmul_params * T + u.blocks * 4 * train.seq_len * m.hidden * T
+    return 2 * u.matmul_params * T + u.blocks * 4 * train.seq_len * m.q_hidden * T
 
 
 def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
@@ -197,7 +197,7 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     if u.blocks == 0 or mode == "none":
         return 0
     if mode == "attention":
-        return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.hidden * T
+        return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.q_hidden * T
     # the matmuls not kept run again (zplan/policy.py recomputed_matmuls); full and every-k rerun
     # attention (its output feeds wo), selective keeps it
     names = policy.recomputed_matmuls(m.mlp, mode, policy.early_stop_applies(train), bool(m.num_experts))
@@ -208,7 +208,7 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     per_block = 2 * (block_mm * matmul_params(m, names) // matmul_params(m, policy.BLOCK_MATMULS[m.mlp])) * T
     if mode == "selective":
         return per_block * u.blocks
-    per_block += 2 * router_params * T + 4 * train.seq_len * m.hidden * T
+    per_block += 2 * router_params * T + 4 * train.seq_len * m.q_hidden * T
     if mode == "full":
         return per_block * u.blocks
     wrapped = policy.checkpointed_blocks(m.num_layers, mode, train.checkpoint_every)  # every-k
@@ -216,8 +216,8 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
 
 
 def model_flop_per_token(m: ModelSpec, seq_len: int) -> int:
-    """6·N_matmul + 12·L·h·s per token: the MFU numerator (PaLM appendix B)."""
+    """6·N_matmul + 12·L·q·s per token, q = heads x head_dim: the MFU numerator (PaLM appendix B)."""
     mm = m.num_layers * _blockmatmul_params(m) + m.vocab_size * m.hidden
     if m.total_params is not None:
         mm = m.total_params
-    return 6 * mm + 12 * m.num_layers * m.hidden * seq_len
+    return 6 * mm + 12 * m.num_layers * m.q_hidden * seq_len

@@ -201,6 +201,9 @@ def hf_config_to_model(cfg: object, path: Path) -> dict:
         # c_attn, query_key_value, Wqkv, qkv_proj: one q/k/v linear
         "qkv_fused": model_type in ("gpt2", "gpt_neox", "mpt", "falcon", "bloom", "gpt_bigcode", "phi3", "dbrx"),
         "num_experts": num_experts,
+        # heads wider or narrower than hidden / heads (Qwen3-32B, Gemma 7B, Mistral NeMo)
+        "attention_head_dim": (head_dim if (head_dim := get("head_dim", default=0)) and head_dim * heads != hidden
+                               else None),
         "experts_per_token": get("num_experts_per_tok", default=0),
         "source": f"Hugging Face config.json at {str(path)[-1000:]}",
     }
@@ -235,10 +238,6 @@ def _refuse_unmodelled_blocks(cfg: dict, path: Path, model_type: str, hidden: in
     if get("first_k_dense_replace", default=0) or get("decoder_sparse_step", default=1) != 1 or cfg.get("mlp_only_layers"):
         raise UsageError(f"model config {path}: dense MLP layers among the MoE ones (first_k_dense_replace, "
                          f"decoder_sparse_step, mlp_only_layers) are not modelled; {fix}")
-    head_dim = get("head_dim", default=0)
-    if head_dim and head_dim * heads != hidden:
-        raise UsageError(f"model config {path}: field 'head_dim' is {head_dim}, so q is {head_dim * heads} "
-                         f"wide where hidden_size is {hidden}: not modelled; {fix}")
 
 
 def _json_type(v: object) -> str:

@@ -251,6 +251,10 @@ class ModelSpec(Spec):
     qkv_fused: bool = Field(False, description="q, k and v are one linear (MPT's Wqkv, GPT-2's "
                             "c_attn): float8 linears cast, and TransformerEngine keeps, its input once")
     dropout: bool = False
+    attention_head_dim: int | None = Field(
+        None, gt=0, le=2**14, description="each head's width where it is not hidden / num_heads "
+        "(config.json's head_dim: Qwen3-32B's 64 heads of 128 on a hidden of 5120); q and the "
+        "attention output are num_heads x head_dim wide. None: hidden / num_heads")
     num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="0 for a dense model")
     experts_per_token: int = Field(0, ge=0, le=MAX_EXPERTS)
     total_params: int | None = Field(
@@ -261,8 +265,11 @@ class ModelSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
-        if self.hidden % self.num_heads:
-            raise ValueError(f"hidden {self.hidden} is not a multiple of num_heads {self.num_heads}")
+        if self.attention_head_dim is None and self.hidden % self.num_heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of num_heads {self.num_heads}; "
+                             "set attention_head_dim if the heads are not hidden / num_heads wide")
+        if self.q_hidden > 2**20:
+            raise ValueError(f"num_heads x attention_head_dim is {self.q_hidden:,}, over 2^20; check both")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
@@ -283,7 +290,12 @@ class ModelSpec(Spec):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.num_heads
+        return self.attention_head_dim or self.hidden // self.num_heads
+
+    @property
+    def q_hidden(self) -> int:
+        """The width of q and of the attention output (the output projection's input)."""
+        return self.head_dim * self.num_heads
 
     @property
     def kv_hidden(self) -> int:

@@ -36,8 +36,8 @@ def _b(dtype: str) -> int:
 def _linears(sc: Scenario) -> list[tuple[str, int, int]]:
     """(name, out, in) of one block's linears as the trainer builds them; MoE: the active experts."""
     m = sc.model
-    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
-    out = [("wq", h, h), ("wk", kv, h), ("wv", kv, h), ("wo", h, h)]
+    h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
+    out = [("wq", q, h), ("wk", kv, h), ("wv", kv, h), ("wo", h, q)]
     mlp = [("w1", f, h), ("w3", f, h), ("w2", h, f)] if m.mlp == "swiglu" else [("w1", f, h), ("w2", h, f)]
     k = m.experts_per_token if m.num_experts else 1
     for name, o, i in mlp:
@@ -52,7 +52,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     act = t.precision.param
     B = _b(act)
     lin = "fp8" if t.float8 else act
-    h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
+    h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
     S = _b(t.precision.master) if t.autocast else B  # the residual stream's element
     ops: Ops = []
     cast_elems, casts = 0, 0
@@ -90,7 +90,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
             casts += (E - k) * (3 if m.mlp == "swiglu" else 2) + 1 + (0 if t.compile else 1)
     if with_attention:
         if t.flash_attention:
-            ops.append(K.attention(gpu, s, h, T, backward, t.attention_kernel, m.head_dim, act))
+            ops.append(K.attention(gpu, s, q, T, backward, t.attention_kernel, m.head_dim, act))
         else:
             heads = m.num_heads * t.micro_batch
             for _ in range(2 if backward else 1):
@@ -102,21 +102,21 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     swiglu = m.mlp == "swiglu"
     # a flash kernel's output is (b, s, h, d) in memory and read as a view; the math path's
     # (b, h, s, d) output is transposed into a contiguous copy
-    copy = ("attention output copy", 0, 0) if t.attention_out_view else ("attention output copy", 2 * h, 1)
+    copy = ("attention output copy", 0, 0) if t.attention_out_view else ("attention output copy", 2 * q, 1)
     if t.compile:
         if backward:
             rows = [("norms + residual (fused)", 8 * h, 2), ("gradient sums", 6 * h, 2),
-                    ("RoPE (fused)", 2 * (h + kv), 1), copy, ("activation (fused)", (5 if swiglu else 3) * f, 1)]
+                    ("RoPE (fused)", 2 * (q + kv), 1), copy, ("activation (fused)", (5 if swiglu else 3) * f, 1)]
         else:
-            rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (h + kv), 1), copy,
+            rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (q + kv), 1), copy,
                     ("activation (fused)", (3 if swiglu else 2) * f, 1)]
     elif backward:
         # RoPE's backward (autograd through apply_rope): four half-width muls, a neg, two adds,
         # each strided half's slice_backward (zero fill, then the half), the halves' sum: 14 B
-        rows = [("RoPE", 14 * (h + kv), 12), copy, _activation_row(m, t, backward),
+        rows = [("RoPE", 14 * (q + kv), 12), copy, _activation_row(m, t, backward),
                 ("residual + gradient sums", 15 * h, 5)]
     else:
-        rows = [("RoPE", 9 * (h + kv), 14), copy, _activation_row(m, t, backward), ("residual adds", 6 * h, 2)]
+        rows = [("RoPE", 9 * (q + kv), 14), copy, _activation_row(m, t, backward), ("residual adds", 6 * h, 2)]
     if m.position != "rope":  # a learned position table is added once, in the embedding unit
         rows = [r for r in rows if not r[0].startswith("RoPE")]
     biases = _bias_widths(m)
@@ -150,7 +150,7 @@ def _bias_widths(m) -> list[int]:
     """Output widths of one block's linears that carry a bias (arch.block_shapes' bias vectors)."""
     h, kv, f = m.hidden, m.kv_hidden, m.ffn_hidden
     k = m.experts_per_token if m.num_experts else 1
-    out = [h, kv, kv] if m.qkv_bias else []
+    out = [m.q_hidden, kv, kv] if m.qkv_bias else []
     if m.linear_bias:
         out += [h] + [f, h] * k
     return out

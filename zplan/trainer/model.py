@@ -55,10 +55,10 @@ class Attention(nn.Module):
     def __init__(self, m: ModelSpec):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
-        self.wq = nn.Linear(m.hidden, m.hidden, bias=m.qkv_bias)
+        self.wq = nn.Linear(m.hidden, m.q_hidden, bias=m.qkv_bias)
         self.wk = nn.Linear(m.hidden, m.kv_hidden, bias=m.qkv_bias)
         self.wv = nn.Linear(m.hidden, m.kv_hidden, bias=m.qkv_bias)
-        self.wo = nn.Linear(m.hidden, m.hidden, bias=m.linear_bias)
+        self.wo = nn.Linear(m.q_hidden, m.hidden, bias=m.linear_bias)
         self.checkpoint_core = False  # Megatron-style selective recomputation of the core
 
     def core(self, q, k, v):
