@@ -1,5 +1,6 @@
 """The planner's saved activations of one decoder block held against Hugging Face's own blocks
-(transformers' LlamaDecoderLayer and Qwen2DecoderLayer, SDPA attention, composite fp32 RMSNorm),
+(transformers' LlamaDecoderLayer, Qwen2DecoderLayer and Qwen3DecoderLayer, SDPA attention,
+composite fp32 RMSNorm),
 traced at real shapes under FakeTensorMode: every tensor autograd saves, deduplicated by storage."""
 
 import pytest
@@ -16,11 +17,15 @@ def _hf_block_saved_bytes(family: str, m, seq: int) -> int:
     if family == "llama":
         from transformers.models.llama import modeling_llama as mod
         config, layer_cls, rotary_cls = transformers.LlamaConfig, mod.LlamaDecoderLayer, mod.LlamaRotaryEmbedding
+    elif family == "qwen3":
+        from transformers.models.qwen3 import modeling_qwen3 as mod
+        config, layer_cls, rotary_cls = transformers.Qwen3Config, mod.Qwen3DecoderLayer, mod.Qwen3RotaryEmbedding
     else:
         from transformers.models.qwen2 import modeling_qwen2 as mod
         config, layer_cls, rotary_cls = transformers.Qwen2Config, mod.Qwen2DecoderLayer, mod.Qwen2RotaryEmbedding
     cfg = config(hidden_size=m.hidden, intermediate_size=m.ffn_hidden, num_attention_heads=m.num_heads,
-                 num_key_value_heads=m.num_kv_heads, vocab_size=m.vocab_size, num_hidden_layers=1)
+                 num_key_value_heads=m.num_kv_heads, vocab_size=m.vocab_size, num_hidden_layers=1,
+                 head_dim=m.head_dim)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         layer = layer_cls(cfg, 0).to(torch.bfloat16)
@@ -44,13 +49,25 @@ def _hf_block_saved_bytes(family: str, m, seq: int) -> int:
     return sum(n for k, n in saved.items() if k not in skip)
 
 
+QWEN3 = {"qwen3-8b": dict(num_layers=36, hidden=4096, ffn_hidden=12288, num_heads=32, num_kv_heads=8,
+                         vocab_size=151936, qk_norm=True),
+         "qwen3-32b": dict(num_layers=64, hidden=5120, ffn_hidden=25600, num_heads=64, num_kv_heads=8,
+                          vocab_size=151936, qk_norm=True, attention_head_dim=128),
+         "nemo-12b": dict(num_layers=40, hidden=5120, ffn_hidden=14336, num_heads=32, num_kv_heads=8,
+                          vocab_size=131072, attention_head_dim=128)}
+
+
 @pytest.mark.parametrize("family,model,seq", [("llama", "llama-3.1-8b", 4096), ("llama", "llama-3.1-8b", 8192),
-                                              ("qwen2", "qwen2.5-7b", 4096)])
+                                              ("qwen2", "qwen2.5-7b", 4096), ("qwen3", "qwen3-8b", 4096),
+                                              ("qwen3", "qwen3-32b", 4096), ("llama", "nemo-12b", 4096)])
 def test_block_activations_match_hf_blocks_saved_tensors(family, model, seq):
     """zplan's block terms for an HF block (composite RMSNorm whose output is bf16, SDPA flash)
     against what HF's block saves: within 0.5% (HF keeps RoPE's cos and sin at the full head
-    dim, the trainer's model at half: about 0.1% of the block)."""
-    m = presets.model(model)
+    dim, the trainer's model at half: about 0.1% of the block). Qwen3: its q and k norms;
+    Qwen3-32B and a Mistral-NeMo-shaped Llama block: heads of 128 on a hidden of 5120."""
+    from zplan.specs import ModelSpec
+
+    m = ModelSpec(name=model, **QWEN3[model]) if model in QWEN3 else presets.model(model)
     t = TrainSpec(seq_len=seq, fused_norm=False, norm_output_fp32=False)
     planned = activation_memory.block_saved_bytes(m, t, "none")
     assert planned == pytest.approx(_hf_block_saved_bytes(family, m, seq), rel=0.005)

@@ -41,6 +41,15 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_s
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
                  "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
                  "decoder_sparse_step": 1, "mlp_only_layers": []}
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+            "attention_bias": False, "hidden_act": "silu", "max_position_embeddings": 40960}
+QWEN3_32B = {**QWEN3_8B, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+             "num_attention_heads": 64}  # heads of 128 on a hidden of 5120: q is 8192 wide
+OLMO2_7B = {"model_type": "olmo2", "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "vocab_size": 100352}
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
                "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
                "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_attention_heads": 128,
@@ -66,8 +75,10 @@ def _transformers_count(path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("cfg", [LLAMA_31_8B, MIXTRAL_8X7B, GEMMA_2B, GEMMA_7B, MISTRAL_NEMO],
-                         ids=["llama", "mixtral", "gemma-2b", "gemma-7b", "mistral-nemo"])
+@pytest.mark.parametrize("cfg", [LLAMA_31_8B, MIXTRAL_8X7B, GEMMA_2B, GEMMA_7B, MISTRAL_NEMO, QWEN3_8B,
+                                 QWEN3_32B, QWEN3_30B_A3B],
+                         ids=["llama", "mixtral", "gemma-2b", "gemma-7b", "mistral-nemo", "qwen3-8b",
+                              "qwen3-32b", "qwen3-30b-a3b"])
 def test_param_count_is_transformers_own(tmp_path, cfg):
     p = _write(tmp_path, cfg)
     assert arch.param_count(presets.model(str(p))) == _transformers_count(p)
@@ -80,11 +91,11 @@ def test_gemma_mlp_is_gated_and_its_embeddings_tied(tmp_path):
 
 @pytest.mark.parametrize("cfg,needle", [
     (QWEN15_MOE, "field 'shared_expert_intermediate_size': shared experts"),
-    (QWEN3_30B_A3B, "RMSNorm on q and k"),
+    (OLMO2_7B, "an RMSNorm over the whole q and k projections"),
     (DEEPSEEK_V3, "multi-head latent attention"),
     ({**QWEN15_MOE, "model_type": "custom", "shared_expert_intermediate_size": 0,
       "decoder_sparse_step": 2}, "dense MLP layers among the MoE ones"),
-], ids=["shared-experts", "qk-norm", "mla", "dense-layers"])
+], ids=["shared-experts", "olmo2-qk-norm", "mla", "dense-layers"])
 def test_blocks_zplan_does_not_model_are_refused(tmp_path, cfg, needle):
     with pytest.raises(UsageError, match=needle):
         presets.model(str(_write(tmp_path, cfg)))
@@ -95,6 +106,17 @@ def test_experts_take_moe_intermediate_size(tmp_path):
     cfg = {**QWEN15_MOE, "model_type": "custom_moe", "shared_expert_intermediate_size": 0}
     m = presets.model(str(_write(tmp_path, cfg)))
     assert (m.ffn_hidden, m.num_experts, m.experts_per_token) == (1408, 60, 4)
+
+
+def test_qwen3_has_q_and_k_norms_in_the_trainers_block_too(tmp_path):
+    torch = pytest.importorskip("torch")
+    from zplan.trainer.model import Block
+
+    m = presets.model(str(_write(tmp_path, QWEN3_32B)))
+    assert m.qk_norm and (m.head_dim, m.q_hidden) == (128, 8192)
+    with torch.device("meta"):
+        block = Block(m)
+    assert sorted(tuple(p.shape) for p in block.parameters()) == sorted(arch.block_shapes(m))
 
 
 def test_heads_wider_than_hidden_over_heads_size_q_and_the_output_projection(tmp_path):

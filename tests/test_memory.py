@@ -359,11 +359,14 @@ def test_compiled_loss_buffers_against_inductors_generated_code():
 @pytest.mark.parametrize("mode,mlp,head_dim", [
     ("none", "swiglu", None), ("selective", "swiglu", None), ("full", "swiglu", None),
     ("none", "gelu", None), ("selective", "gelu", None),
-    ("none", "swiglu", 96), ("selective", "swiglu", 96), ("selective", "gelu", 48)])
+    ("none", "swiglu", 96), ("selective", "swiglu", 96), ("selective", "gelu", 48),
+    ("none", "swiglu", "qk"), ("selective", "swiglu", "qk"), ("full", "swiglu", "qk")])
 def test_saved_activations_of_a_block_against_pytorch_memtracker(mode, mlp, head_dim):
     """head_dim: 4 heads of 96 (or 48) on a hidden of 256, q and the attention output 384
-    (192) wide (Qwen3-32B's and Mistral NeMo's shape of block)."""
-    m, kept = _block_kept_bytes(mode, mlp, head_dim=head_dim)
+    (192) wide (Qwen3-32B's and Mistral NeMo's shape of block); "qk": heads of 96 with Qwen3's
+    q and k norms."""
+    qk = head_dim == "qk"
+    m, kept = _block_kept_bytes(mode, mlp, head_dim=96 if qk else head_dim, qk_norm=qk)
     t = TrainSpec(seq_len=128, fused_norm=False)  # CPU: the composite RMSNorm
     assert kept == activation_memory.block_saved_bytes(m, t, mode)
 
@@ -421,7 +424,7 @@ def test_the_forwards_freed_blocks_the_loss_cannot_use():
     assert allocator.forward_residue_bytes(30 * mib, 9 * mib, [2000 * mib], False) == 0
 
 
-def _block_kept_bytes(mode: str, mlp: str, linear=None, head_dim=None):
+def _block_kept_bytes(mode: str, mlp: str, linear=None, head_dim=None, qk_norm=False):
     """What one block of the trainer's model keeps after forward (MemTracker on CPU), with its
     input counted as the block keeps it (`block_saved_bytes`' convention); `linear` replaces each
     nn.Linear (a module class built from the Linear); `head_dim` sets heads wider than hidden /
@@ -433,7 +436,7 @@ def _block_kept_bytes(mode: str, mlp: str, linear=None, head_dim=None):
     from zplan.trainer.parallel import apply_checkpointing
 
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
-                  vocab_size=64, mlp=mlp, attention_head_dim=head_dim)
+                  vocab_size=64, mlp=mlp, attention_head_dim=head_dim, qk_norm=qk_norm)
     model = Transformer(m).to(torch.bfloat16)
     if linear is not None:
         from tests.helpers import replace_linears

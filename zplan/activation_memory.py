@@ -115,12 +115,12 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     holds them to the trainer's Block traced storage by storage, their peak to MemTracker's, and
     their simulation to the allocator replayed over a traced step. None where the block's order
     is not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
-    projection, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
+    projection, q/k norms, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
     without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
     other than full or selective."""
     mode = train.checkpointing
     if (mode not in ("full", "selective") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
-            or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
+            or m.qk_norm or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
             or train.te_float8 or train.fused_swiglu or train.autocast):
         return None
     sb, B = train.seq_len * train.micro_batch, act_dtype_bytes(train)
@@ -219,6 +219,10 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         "attn_out_proj_input": 0 if train.attention_out_view else B * sb * q,
         "mlp_input": B * sb * h,
     }
+    if m.qk_norm:  # q_norm and k_norm keep their inputs (the q and k projections' outputs), as
+        # the block's norms keep theirs, and a statistic per head and token
+        rows = sb * (a + m.num_kv_heads)
+        t["qk_norm_inputs"] = (B if train.compile else norm_saved_per_token(train, B)) * sb * (q + kv) + 4 * rows
     if train.flash_attention:
         # the flash kernel saves its output and logsumexp, and RoPE's mul saves cos and sin
         t["attn_logsumexp"] = 4 * a * sb

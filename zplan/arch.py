@@ -59,6 +59,8 @@ def block_shapes(m: ModelSpec) -> list[Shape]:
         shapes += [(q,), (kv,), (kv,)] if m.qkv_bias else []
     if m.linear_bias:
         shapes += [(h,)]
+    if m.qk_norm:  # q_norm, k_norm: one weight of head_dim each, shared by the heads
+        shapes += [(m.head_dim,), (m.head_dim,)]
     shapes += _norm(m)
     if m.num_experts:
         shapes += [(m.num_experts, h)]  # router

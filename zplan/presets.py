@@ -200,6 +200,7 @@ def hf_config_to_model(cfg: object, path: Path) -> dict:
         "qkv_bias": gpt2_like or model_type == "qwen2" or flag("attention_bias", False),
         # c_attn, query_key_value, Wqkv, qkv_proj: one q/k/v linear
         "qkv_fused": model_type in ("gpt2", "gpt_neox", "mpt", "falcon", "bloom", "gpt_bigcode", "phi3", "dbrx"),
+        "qk_norm": model_type in QK_NORM_TYPES,
         "num_experts": num_experts,
         # heads wider or narrower than hidden / heads (Qwen3-32B, Gemma 7B, Mistral NeMo)
         "attention_head_dim": (head_dim if (head_dim := get("head_dim", default=0)) and head_dim * heads != hidden
@@ -209,16 +210,20 @@ def hf_config_to_model(cfg: object, path: Path) -> dict:
     }
 
 
-# Hugging Face model types whose blocks hold what zplan's block does not: RMSNorm on q and k
-# (Qwen3, Gemma 3, OLMo 2), norms after attention and MLP as well as before (Gemma 2 and 3),
-# multi-head latent attention (DeepSeek V2/V3).
+# Hugging Face model types whose blocks hold what zplan's block does not: an RMSNorm over the
+# whole q and k projections (OLMo 2; Qwen3's per-head q/k norms are modelled: QK_NORM_TYPES),
+# norms after attention and MLP as well as before (Gemma 2 and 3), multi-head latent attention
+# (DeepSeek V2/V3).
 _UNMODELLED_TYPES = {
-    "qwen3": "RMSNorm on q and k", "qwen3_moe": "RMSNorm on q and k", "olmo2": "RMSNorm on q and k",
-    "olmoe": "RMSNorm on q and k", "gemma2": "norms after attention and MLP",
+    "olmo2": "an RMSNorm over the whole q and k projections",
+    "olmoe": "an RMSNorm over the whole q and k projections", "gemma2": "norms after attention and MLP",
     "gemma3": "norms after attention and MLP, RMSNorm on q and k",
     "gemma3_text": "norms after attention and MLP, RMSNorm on q and k",
     "deepseek_v2": "multi-head latent attention", "deepseek_v3": "multi-head latent attention",
 }
+
+
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # q_norm and k_norm of head_dim (Qwen3Attention)
 
 
 def _refuse_unmodelled_blocks(cfg: dict, path: Path, model_type: str, hidden: int, heads: int, get) -> None:

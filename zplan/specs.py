@@ -255,6 +255,8 @@ class ModelSpec(Spec):
         None, gt=0, le=2**14, description="each head's width where it is not hidden / num_heads "
         "(config.json's head_dim: Qwen3-32B's 64 heads of 128 on a hidden of 5120); q and the "
         "attention output are num_heads x head_dim wide. None: hidden / num_heads")
+    qk_norm: bool = Field(False, description="an RMSNorm over each head of q and of k after their "
+                          "projections, before RoPE (Qwen3: q_norm and k_norm of head_dim each)")
     num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="0 for a dense model")
     experts_per_token: int = Field(0, ge=0, le=MAX_EXPERTS)
     total_params: int | None = Field(
@@ -274,6 +276,8 @@ class ModelSpec(Spec):
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ValueError("qk_norm is an RMSNorm on q and k; set norm = \"rmsnorm\" or drop qk_norm")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError("experts_per_token must be in 1..num_experts for an MoE model")
         if self.num_layers * max(1, self.num_experts) > MAX_BLOCK_EXPERTS:

@@ -127,6 +127,9 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     if not t.compile:
         per, kern = norm_bytes(t, S, backward)
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t)))
+    if m.qk_norm:  # over q's and k's heads, in the activation dtype (compiled: one generated kernel each)
+        per, kern = norm_bytes(t, B, backward)
+        ops.append(K.memory(gpu, "q/k " + _norm_name(m, t), per * (q + kv) * T, 2 * kern, _norm_pace(gpu, t)))
     if casts:
         ops.append(K.memory(gpu, "autocast casts", (B + S) * cast_elems, casts))
     return ops

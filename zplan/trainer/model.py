@@ -59,6 +59,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(m.hidden, m.kv_hidden, bias=m.qkv_bias)
         self.wv = nn.Linear(m.hidden, m.kv_hidden, bias=m.qkv_bias)
         self.wo = nn.Linear(m.q_hidden, m.hidden, bias=m.linear_bias)
+        # Qwen3's q_norm and k_norm: each head of q and k normalized before RoPE
+        self.q_norm, self.k_norm = (RMSNorm(m.head_dim), RMSNorm(m.head_dim)) if m.qk_norm else (None, None)
         self.checkpoint_core = False  # Megatron-style selective recomputation of the core
 
     def core(self, q, k, v):
@@ -68,7 +70,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = _rope(s, self.head_dim, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
