@@ -130,3 +130,15 @@ def test_heads_wider_than_hidden_over_heads_size_q_and_the_output_projection(tmp
     with torch.device("meta"):
         block = Block(m)
     assert sorted(tuple(p.shape) for p in block.parameters()) == sorted(arch.block_shapes(m))
+
+
+@pytest.mark.parametrize("name,cfg", [("qwen3-8b", QWEN3_8B), ("qwen3-32b", QWEN3_32B),
+                                      ("qwen3-30b-a3b", QWEN3_30B_A3B), ("mistral-nemo-12b", MISTRAL_NEMO)])
+def test_presets_are_their_config_files(tmp_path, name, cfg):
+    """The shipped presets describe the block their config.json does, and count transformers'
+    parameters."""
+    preset, read = presets.model(name), presets.model(str(_write(tmp_path, cfg)))
+    fields = ("num_layers", "hidden", "ffn_hidden", "num_heads", "num_kv_heads", "head_dim", "q_hidden",
+              "vocab_size", "qk_norm", "num_experts", "experts_per_token", "tied_embeddings", "mlp")
+    assert {f: getattr(preset, f) for f in fields} == {f: getattr(read, f) for f in fields}
+    assert arch.param_count(preset) == _transformers_count(tmp_path / "config.json")
