@@ -75,12 +75,8 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
             T_in = 0 if m.qkv_fused and name in ("wk", "wv") else T
             if t.te_float8:
                 ops.append(float8_te_casts(gpu, name, T_in, T, o, i, B, backward, m.qkv_fused))
-            elif t.float8 and t.float8_recipe != "tensorwise":
-                ops += float8_rowwise_casts(gpu, name, T_in, T, o, i, backward,
-                                            t.float8_recipe == "rowwise-gw-hp", m.qkv_fused)
-            elif t.float8:  # tensorwise scaling: amax + cast of the input (or grad), 5 B/element
-                ops.append(K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i)
-                                    + 3 * o * i, 3))
+            elif t.float8:
+                ops += torchao_float8_casts(gpu, t, name, T_in, T, o, i, backward, m.qkv_fused)
     if m.num_experts and (only is None or "w1" in only):  # the router runs before the experts
         ops += K.linear(gpu, "router", T, m.num_experts, h, act, act, backward)
         if t.autocast:  # autocast casts every expert's weights, not only the k a token uses
@@ -345,35 +341,72 @@ def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, b
     return K.memory(gpu, f"{name} float8 cast+transpose", per * (T_in * i + o * i), 0 if part else 2)
 
 
-def float8_rowwise_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, backward: bool,
-                        gw_hp: bool, qkv_fused: bool = False) -> Ops:
-    """torchao's rowwise recipes (torchao/float8/config.py Float8LinearConfig.from_recipe_name,
-    float8_linear.py matmul_with_hp_or_float8_args, float8_ops.py addmm_float8_unwrapped; the
-    same at ao 890e0ac8, the H100 table's version, and 0.18.0). The linear saves its 16-bit
-    input and weight, so every float8 operand is cast from them where a GEMM needs it, scaled
-    along the GEMM's reduction axis: forward the input (T x i) and the weight (o x i); backward
-    `rowwise` casts the output gradient twice (along each axis: for dX and for dW), the weight
-    and the input again; `rowwise-gw-hp` casts the output gradient once and the weight
-    (tensorwise) and runs dW in 16 bits. Backward GEMMs run without fast accumulation, so
-    torchao calls the tensorwise cuBLAS kernel with unit scales and multiplies the output by the
-    outer product of the two scale vectors afterwards (`output *= post_inverse_scale`): dX's
-    (T x i) and, for `rowwise`, dW's (o x i) output read and written once more. Priced in the
-    compiled form, as zplan prices tensorwise: a cast is an amax reduction and a cast pass over
-    the 16-bit tensor, 2 + 2 + 1 = 5 bytes per element in 2 kernels; the rescale 2 + 2 bytes per
-    output element in 1 kernel. Eager, torchao's casts run six aten kernels each (abs, amax, the
-    fp32 copy, mul, clamp, the float8 copy: 33 bytes per element) plus layout copies of the
-    transposed float8 operands: not priced (docs/formulas.md section 6). `T_in`: the input's
-    tokens this linear casts (0 for k and v of a fused q/k/v linear, which share wq's input,
-    its cast and its dX; their weight and gradient bytes are charged here without a launch)."""
-    part = qkv_fused and name in ("wk", "wv")
+# torchao's eager cast (hp_tensor_to_float8_dynamic at 0.18, traced): abs, amax, the fp32 copy,
+# the multiply by the scale, clamp, the float8 copy: 2+2, 2, 2+4, 4+4, 4+4, 4+1 bytes per element;
+# the scale's own small ops make 12 launches in all per tensorwise cast, 15 per rowwise one
+# (its per-row scales rounded to a power of two: log2, floor, exp2).
+EAGER_CAST_BYTES = 33
+EAGER_CAST_KERNELS = {"tensorwise": 12, "rowwise": 15}
+
+
+def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, backward: bool,
+                         qkv_fused: bool = False) -> Ops:
+    """The casts, layout copies and rescales around one linear's float8 GEMMs under torchao's
+    recipes (torchao/float8/config.py Float8LinearConfig.from_recipe_name, float8_linear.py
+    matmul_with_hp_or_float8_args, float8_ops.py addmm_float8_unwrapped; the same at ao 890e0ac8,
+    the H100 table's version, and 0.18.0). The linear saves its 16-bit input and weight and casts
+    each float8 operand from them where a GEMM needs it: forward the input (T x i) and the weight
+    (o x i); backward the output gradient for dX and again for dW, the weight for dX and the input
+    for dW. Tensorwise scales once per tensor; a weight gathered in float8 (torchao's float8
+    all-gather) arrives cast (its shard's cast, 1/N of it, before the gather, is not charged).
+    Rowwise scales each operand along its GEMM's reduction axis; rowwise-gw-hp casts the output
+    gradient once and the weight (tensorwise) and runs dW in 16 bits. Backward GEMMs run without
+    fast accumulation, for which torchao calls the tensorwise cuBLAS kernel with unit scales and
+    rescales a rowwise output by the outer product of the scale vectors (dX's T x i; dW's o x i
+    under rowwise).
+
+    Compiled (torchao's documented use): a cast is an amax reduction and a cast pass, 2 + 2 + 1 =
+    5 bytes per element in 2 kernels; a rescale 2 + 2 bytes per output element; tensorwise as
+    before: its output gradient cast once for both GEMMs and the input's float8 kept from forward
+    (5 B per input or gradient element; 3 B per weight element, the amax precomputed with float8
+    all-gather), the layout copies fused into the casts. Eager: each cast is EAGER_CAST_BYTES per
+    element in EAGER_CAST_KERNELS launches; backward copies the transposed float8 operands
+    contiguous (1 + 1 bytes per element of the weight, the output gradient and the input); a
+    rescale writes the fp32 outer product and multiplies in place, 4 + 8 bytes per output element.
+    Eager bytes held against torchao's Float8Linear traced op by op (tests/test_float8_rowwise.py).
+    `T_in`: the input's tokens this linear casts (0 for k and v of a fused q/k/v linear, which
+    share wq's input, its cast and its dX; their weight and gradient bytes are charged here
+    without a launch)."""
+    recipe, part = t.float8_recipe, qkv_fused and name in ("wk", "wv")
     k = 0 if part else 1
+    gathered8 = t.float8_gather  # tensorwise with float8 all-gather: the weight arrives cast
+    if t.compile:
+        if recipe == "tensorwise":
+            return [K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i) + 3 * o * i, 3 * k)]
+        if not backward:
+            return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T_in * i + o * i), 4 * k)]
+        if recipe == "rowwise-gw-hp":
+            return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T * o + o * i), 4 * k),
+                    K.memory(gpu, f"{name} dX rescale", 4 * T_in * i, k)]
+        return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (2 * T * o + o * i + T_in * i), 8 * k),
+                K.memory(gpu, f"{name} dX, dW rescale", 4 * (T_in * i + o * i), 2 * k)]
+    c = EAGER_CAST_BYTES
+    per = EAGER_CAST_KERNELS["tensorwise" if recipe == "tensorwise" else "rowwise"]
+    weight = 0 if gathered8 else o * i
     if not backward:
-        return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T_in * i + o * i), 4 * k)]
-    if gw_hp:
-        return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T * o + o * i), 4 * k),
-                K.memory(gpu, f"{name} dX rescale", 4 * T_in * i, k)]
-    return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (2 * T * o + o * i + T_in * i), 8 * k),
-            K.memory(gpu, f"{name} dX, dW rescale", 4 * (T_in * i + o * i), 2 * k)]
+        casts = [(T_in * i, k), (weight, k if weight else 0)]
+        ops = [("float8 casts (eager)", c * sum(n for n, _ in casts), per * sum(n for _, n in casts))]
+    elif recipe == "rowwise-gw-hp":  # the gradient rowwise, the weight tensorwise; dW in 16 bits
+        ops = [("float8 casts (eager)", c * (T * o + o * i), (EAGER_CAST_KERNELS["rowwise"] + 12) * k),
+               ("float8 layout copies", 2 * o * i, k), ("dX rescale", 12 * T_in * i, 2 * k)]
+    else:
+        elems = 2 * T * o + weight + T_in * i
+        casts = (2 + bool(weight)) * k + (1 if T_in else 0)
+        ops = [("float8 casts (eager)", c * elems, per * casts),
+               ("float8 layout copies", 2 * (T * o + T_in * i + o * i), 3 * k)]
+        if recipe == "rowwise":
+            ops.append(("dX, dW rescale", 12 * (T_in * i + o * i), 4 * k))
+    return [K.memory(gpu, f"{name} {what}", nbytes, kernels) for what, nbytes, kernels in ops if nbytes]
 
 
 def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | None = None) -> Ops:
