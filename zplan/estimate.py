@@ -212,6 +212,15 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         "zero3_init_flag): no GPU ever holds it whole" if sc.train.zero_init else
                         "the model is built outside deepspeed.zero.Init: deepspeed.initialize "
                         "first moves it whole to each GPU, a peak of its own (memory 'setup')")}
+    if sc.model.num_experts:
+        m = sc.model
+        out["experts"] = {
+            "value": f"{m.experts_per_token} of {m.num_experts} per token",
+            "flag": "none (a stated limit)",
+            "meaning": "each token's experts are priced as that many GEMMs over every token, at the "
+                       "rate one grouped GEMM reaches: routing balanced, the tokens' permutation to "
+                       "and from the experts and a per-expert loop's small GEMMs not priced; no "
+                       "measured MoE run is in the public set (docs/accuracy.md)"}
     if sc.model.total_params is not None:
         m = sc.model
         out["architecture"] = {
