@@ -300,6 +300,36 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     raise ValueError(mode)
 
 
+def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, ...] | None:
+    """The tensors of over 1 MiB one block keeps from its forward to its backward under `mode`,
+    bytes, in forward order, as block_activation_terms and block_saved_bytes count them (their
+    sum is block_saved_bytes less the statistics, the logsumexp and RoPE's tables): none: each
+    norm's input (the composite norm's fp32 copy and normalized output apart), q/k/v's input,
+    q, k, v, the attention output, the MLP's input and hidden tensors; full: the block's input;
+    selective: its input, the outputs the policy saves and the attention output. None where the
+    terms are not split into tensors (MoE, dropout, attention without a flash kernel, compiled,
+    float8, autocast, q/k norms, every-k and attention modes)."""
+    if (m.num_experts or m.dropout or not train.flash_attention or train.compile or train.float8
+            or train.autocast or m.qk_norm or mode not in ("none", "full", "selective")):
+        return None
+    sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
+    h, q, kv = m.hidden, m.q_hidden, m.kv_hidden
+    block_input = S * sb * h
+    if mode == "full":
+        out = [block_input]
+    elif mode == "selective":
+        out = [block_input] + [B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp))]
+        out += [B * sb * q] if policy.SELECTIVE_SAVES_ATTENTION else []
+    else:
+        terms = block_activation_terms(m, train)
+        norm = ([S * sb * h] if train.fused_norm else
+                [4 * sb * h, (norm_saved_per_token(train, S) - 4) * sb * h])
+        out = norm + [terms["qkv_input"], B * sb * q, B * sb * kv, B * sb * kv, terms["attn_output"],
+                      terms["attn_out_proj_input"]] + norm + [terms["mlp_input"]]
+        out += [B * sb * m.ffn_hidden] * (terms["mlp_hidden"] // (B * sb * m.ffn_hidden))
+    return tuple(b for b in out if b > 1 << 20)
+
+
 def loss_steps(train: TrainSpec, loss_fp32: bool = True) -> tuple[tuple[str, str, str, int], ...]:
     """The loss's tensors in the order they are made (+) and freed (-), bytes per logit:
     (phase, op, tensor, bytes). Eager, as the trainer computes it,

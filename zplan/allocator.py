@@ -292,6 +292,35 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
     return sim.reserved_bytes - sim.allocated_bytes, sim.largest_free_block(), sim.wholly_free_bytes()
 
 
+def cached_param_blocks(param_bytes: tuple[int, ...], kept: tuple[int, ...], working: tuple[int, ...],
+                        layers: int) -> tuple[int, int]:
+    """What of the parameters' own cached blocks the step leaves unused at its peak, and the part
+    of that in segments wholly free, bytes. DeepSpeed ZeRO-1/2 from 0.19.0 (stage_1_and_2.py,
+    `flatten_on_accelerator`, PR #7828) flattens the 16-bit parameters on the GPU beside them and
+    makes each parameter a view of the flat buffer: the parameters' own storages (`param_bytes`,
+    in model order, one caching-allocator block each) are freed with no empty_cache after, so
+    their segments stay reserved and free when the first step begins. The step's tensors take
+    them where they fit (best fit, the front of a larger block), the rest of the step reserves
+    new segments as it would without them. Run through CachingAllocator: the parameters made and
+    freed, then each of `layers` blocks' kept tensors (`kept`, bytes, forward order), then one
+    block's working set on top (`working`: what its recompute, or its backward, holds at the
+    peak); the cache's bytes not holding a step tensor then are what the step reserves beyond
+    its own need (docs/formulas.md section 3). The fp32 master weights, the optimizer's state and
+    the flat buffer are larger than any parameter and never fit one."""
+    sim = CachingAllocator()
+    for i, b in enumerate(param_bytes):
+        sim.malloc(("param", i), b)
+    cache, mark = sim.reserved_bytes, sim.mark()
+    for i in range(len(param_bytes)):
+        sim.free(("param", i))
+    for layer in range(layers):
+        for j, b in enumerate(kept):
+            sim.malloc(("kept", layer, j), b)
+    for j, b in enumerate(working):
+        sim.malloc(("working", j), b)
+    return cache - sim.live_bytes_below(mark), sim.wholly_free_bytes()
+
+
 def all_gather_stream_reserved(forward: list[int], backward: list[int], expandable: bool) -> int:
     """What FSDP2's all-gather stream reserves over a step, its all-gather outputs run through
     CachingAllocator in the order FSDP2 makes and frees them (torch 2.13 _fsdp_param_group.py):

@@ -215,6 +215,14 @@ class CachingAllocator:
             if self.track_releasable:
                 self.releasable_at_peak_bytes = self.wholly_free_bytes()
 
+    def mark(self) -> int:
+        """An address at or above every block made so far (for live_bytes_below)."""
+        return self._next_base
+
+    def live_bytes_below(self, mark: int) -> int:
+        """Bytes of the live blocks in segments made before `mark` was taken."""
+        return sum(b.size for b, _, _ in self._live.values() if b.addr < mark)
+
     def wholly_free_bytes(self) -> int:
         """The classic segments wholly free now (one free block, no neighbour): what
         release_cached_blocks would hand back to the driver."""

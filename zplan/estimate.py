@@ -212,6 +212,19 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         "zero3_init_flag): no GPU ever holds it whole" if sc.train.zero_init else
                         "the model is built outside deepspeed.zero.Init: deepspeed.initialize "
                         "first moves it whole to each GPU, a peak of its own (memory 'setup')")}
+    if sc.train.layout == "zero" and any(effective(n, "zero").optim_sharded and not effective(n, "zero").params_sharded
+                                         for n in strategies):
+        one = sc.train.deepspeed_param_groups == "one"
+        out["deepspeed_param_groups"] = {
+            "value": sc.train.deepspeed_param_groups,
+            "flag": "--deepspeed-param-groups " + ("split" if one else "one"),
+            "meaning": ("the optimizer holds the parameters in one group: DeepSpeed 0.19+ ZeRO-1/2 leaves "
+                        "every parameter's own block cached, reserved and free through training; the "
+                        "step's tensors reuse what they fit (docs/formulas.md section 3)" if one else
+                        "the optimizer's groups as HF Trainer makes them (decay, then no-decay): DeepSpeed "
+                        "empties the cache before the second, so the parameters' own blocks do not stay "
+                        "(one group, deepspeed.initialize(model_parameters=model.parameters()), keeps "
+                        "them all on DeepSpeed 0.19+)")}
     if sc.model.num_experts:
         m = sc.model
         out["experts"] = {

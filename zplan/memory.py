@@ -556,6 +556,35 @@ def _forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int
     return residue, min(whole, residue)
 
 
+def _param_block_cache(sc: Scenario, st: Strategy) -> tuple[int, int]:
+    """What DeepSpeed ZeRO-1/2 leaves cached of the parameters' own blocks and the step does not
+    use, and the part of it in segments wholly free (releasable), bytes (allocator.
+    cached_param_blocks): where the optimizer holds the parameters in one group
+    (TrainSpec.deepspeed_param_groups "one") and the GPU had room to flatten beside them
+    (stage_1_and_2.py: free memory after empty_cache, the parameters and the CUDA context
+    resident, at least the flat buffer's 2 Psi bytes); classic segments, no flat
+    --fragmentation. The step's tensors: each block's kept tensors
+    (activation_memory.block_kept_tensors) and, under checkpointing, one block's recomputed
+    tensors on top. (0, 0) where that is not derived."""
+    t, m = sc.train, sc.model
+    if (t.layout != "zero" or st.params_sharded or not st.optim_sharded or t.deepspeed_param_groups != "one"
+            or sc.assume.expandable_segments or sc.assume.fragmentation is not None):
+        return 0, 0
+    kept = activation_memory.block_kept_tensors(m, t, t.checkpointing)
+    working = () if t.checkpointing == "none" else activation_memory.block_kept_tensors(m, t, "none")
+    pb = DTYPE_BITS[t.precision.param] // 8
+    shapes = tuple(arch.embed_shapes(m) + arch.block_shapes(m) * m.num_layers + arch.head_shapes(m))
+    whole = sum(math.prod(s) for s in shapes) * pb
+    if kept is None or working is None or sc.hw.gpu.memory_bytes - sc.assume.cuda_context_bytes < 2 * whole:
+        return 0, 0
+    return _cached_blocks(tuple(math.prod(s) * pb for s in shapes), kept, working, m.num_layers)
+
+
+@lru_cache(maxsize=64)
+def _cached_blocks(params, kept, working, layers: int) -> tuple[int, int]:
+    return allocator.cached_param_blocks(params, kept, working, layers)
+
+
 @dataclass(frozen=True)
 class _Allocation:
     """What memory() reads from a step's events: the peak event, each stream's own peak, and the
@@ -597,8 +626,9 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     residue, residue_releasable = _forward_residue(sc, st, acts.logits_elems)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
     peaks = dict(alloc.stream_peaks)
+    cache_unused, cache_free = _param_block_cache(sc, st)
     reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
-                                             _all_gather_reserved(sc, st, ms))
+                                             _all_gather_reserved(sc, st, ms)) + cache_unused
     # what of it sits in segments wholly free at the peak: the forward's freed blocks (not the
     # holes beside what it kept), the
     # loss's blocks none of its later tensors fits, and the all-gather stream's segments beyond
@@ -606,7 +636,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     # (slower, no out-of-memory)
     loss_packed = loss_reserved - loss_releasable
     packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
-        start, loss_b, loss_packed, residue - residue_releasable))
+        start, loss_b, loss_packed, residue - residue_releasable)) + cache_unused - cache_free
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)

@@ -15,7 +15,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_PARAM_GROUPS, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 from .validated import ValidationError
@@ -67,6 +67,7 @@ class ScenarioOptions:
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
+    deepspeed_param_groups: str = "split"  # zero layout, ZeRO-1/2: split | one (TrainSpec)
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
@@ -197,6 +198,11 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if layout == "torch" and not o.zero_init:
         raise UsageError("--no-zero-init is about deepspeed.initialize (the zero layout); FSDP "
                          "(--layout torch) never holds the whole model: drop --no-zero-init")
+    check_choice(o.deepspeed_param_groups, "--deepspeed-param-groups", DEEPSPEED_PARAM_GROUPS)
+    if layout == "torch" and o.deepspeed_param_groups != "split":
+        raise UsageError(f"--deepspeed-param-groups {o.deepspeed_param_groups} is about DeepSpeed's "
+                         "ZeRO-1/2 optimizer (the zero layout); FSDP (--layout torch) flattens "
+                         "nothing: drop it")
     if layout == "zero" and o.optimizer_kernels != "fused":
         raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is torch's AdamW; the zero layout "
                          "(DeepSpeed) runs its FusedAdam: add --layout torch, or drop --optimizer-kernels")
@@ -261,7 +267,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

@@ -22,12 +22,14 @@ CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]
 LinearLoss = Literal["none", "chunked", "liger"]
+DeepSpeedParamGroups = Literal["split", "one"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
 COMPILE_SCOPES: tuple[str, ...] = CompileScope.__args__  # type: ignore[attr-defined]
 OPTIMIZER_KERNELS: tuple[str, ...] = OptimizerKernels.__args__  # type: ignore[attr-defined]
 FLOAT8_RECIPES: tuple[str, ...] = Float8Recipe.__args__  # type: ignore[attr-defined]
 LINEAR_LOSSES: tuple[str, ...] = LinearLoss.__args__  # type: ignore[attr-defined]
+DEEPSPEED_PARAM_GROUPS: tuple[str, ...] = DeepSpeedParamGroups.__args__  # type: ignore[attr-defined]
 TE_FLOAT8_UNMODELLED = ("selective", "attention")  # checkpointing modes whose TE saves zplan does not know
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
@@ -410,6 +412,14 @@ class TrainSpec(Spec):
         "Trainer, accelerate's zero3_init_flag), so no GPU ever holds it whole; False: built "
         "without it, deepspeed.initialize first moves the whole model to each GPU "
         "(runtime/engine.py _configure_distributed_model) and only then partitions it")
+    deepspeed_param_groups: DeepSpeedParamGroups = Field(
+        "split", description="zero layout, ZeRO-1/2: how the optimizer was given the parameters. "
+        "DeepSpeed from 0.19.0 (stage_1_and_2.py flatten_on_accelerator, PR #7828) flattens each "
+        "group on the GPU where it has room and leaves the parameters' own blocks cached, but runs "
+        "empty_cache before each group: one (deepspeed.initialize(model_parameters="
+        "model.parameters())): every parameter's block stays cached, reserved through training; "
+        "split (HF Trainer and accelerate's examples: decay, then no-decay): only the last group's "
+        "norms and biases stay, not counted (DeepSpeed before 0.19 keeps none: split)")
     fused_norm: bool = Field(
         True, description="RMSNorm saves its input and rstd (fused kernel); False: the composite "
         "fp32 implementation (CPU) also saves the fp32 input and normalized output")
@@ -515,6 +525,8 @@ class TrainSpec(Spec):
             raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:
             raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
+        if self.layout == "torch" and self.deepspeed_param_groups != "split":
+            raise ValueError("deepspeed_param_groups is about DeepSpeed's ZeRO-1/2 optimizer (the zero layout)")
         if self.linear_loss != "none" and self.loss_fused:
             raise ValueError(f"linear_loss {self.linear_loss} computes the loss itself; it is "
                              f"not also {'compiled' if self.compile_loss else 'a fused cross-entropy'}")

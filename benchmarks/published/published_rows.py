@@ -84,6 +84,7 @@ class Row:
     grad_clip: bool = True  # gradients clipped by their global norm every step
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default stage-3 buckets
+    deepspeed_param_groups: str = "split"  # zero layout, ZeRO-1/2: split | one (TrainSpec.deepspeed_param_groups)
     logits_kept: bool = True  # the loop holds the logits until backward returns (torchtitan: del pred)
     logits_fp32: bool = False  # the model returns fp32 logits (torchtitan until e10cb94, 2024-10)
     last_block_kept: bool = False  # FSDP2 keeps the last block gathered after forward (torchtitan 2024-03..2025-07)
@@ -129,7 +130,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "optimizer_kernels": str, "layout": str, "grad_clip": bool, "zero_init": bool, "deepspeed_defaults": bool, "logits_kept": bool, "logits_fp32": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "optimizer_kernels": str, "layout": str, "grad_clip": bool, "zero_init": bool, "deepspeed_defaults": bool, "deepspeed_param_groups": str, "logits_kept": bool, "logits_fp32": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -138,7 +139,7 @@ REQUIRED = ("id", "model", "gpu", "num_gpus", "gpus_per_node", "parallelism", "s
 CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLOAT8, "param_dtype": DTYPES,
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
            "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS,
-           "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"),
+           "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"), "deepspeed_param_groups": ("split", "one"),
            "embed_head_unit": ("separate", "head-kept", "root", "root-kept"),
            "optimizer_kernels": ("fused", "foreach", "single"), "linear_loss": ("none", "chunked", "liger")}
 

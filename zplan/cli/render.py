@@ -95,7 +95,9 @@ _RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", No
               ("linear_loss", "--linear-loss", None), ("fused_loss", "--fused-loss", None),
               ("fused_swiglu", "--fused-swiglu", None), ("attention_kernel", "--attention-kernel", None),
               ("optimizer_kernels", "--optimizer-kernels", None), ("compile", "--compile", None),
-              ("compile_scope", "--compile-scope", None), ("float8", "--float8", None))
+              ("compile_scope", "--compile-scope", None), ("float8", "--float8", None),
+              ("float8_recipe", "--float8-recipe", None),
+              ("deepspeed_param_groups", "--deepspeed-param-groups", None))
 
 
 def run_facts(sc: Scenario) -> list[str]:

@@ -1,0 +1,85 @@
+"""DeepSpeed ZeRO-1/2 (0.19+) leaves the parameters' own blocks cached after flattening them on the
+GPU (stage_1_and_2.py flatten_on_accelerator): allocator.cached_param_blocks against hand counts,
+activation_memory.block_kept_tensors against block_saved_bytes (held against MemTracker in
+tests/test_memory.py), and what estimate reports with and without one optimizer group."""
+
+import pytest
+
+from zplan import activation_memory, allocator
+from zplan.errors import UsageError
+from zplan.memory import memory
+from zplan.strategies import effective
+from tests.helpers import scenario
+
+MiB = 2**20
+
+
+def test_cached_blocks_by_hand():
+    """Two 112 MiB and two 32 MiB parameters (each over 10 MiB: a segment of its own, already a
+    multiple of 2 MiB); two layers keep one 64 MiB tensor each. Best fit puts each into a 112 MiB
+    block (the smallest that fits), its front, the 48 MiB rest split off and free; the 32 MiB
+    segments stay wholly free. Unused: 288 - 128 = 160 MiB, of which 64 wholly free. A 40 MiB
+    working tensor on top: the 32 MiB blocks are too small, a 48 MiB remainder the best fit."""
+    params = (112 * MiB, 112 * MiB, 32 * MiB, 32 * MiB)
+    assert allocator.cached_param_blocks(params, (64 * MiB,), (), 2) == (160 * MiB, 64 * MiB)
+    assert allocator.cached_param_blocks(params, (64 * MiB,), (40 * MiB,), 2) == (120 * MiB, 64 * MiB)
+    # a tensor no cached block fits takes a segment of its own and leaves the cache as it was
+    assert allocator.cached_param_blocks(params, (200 * MiB,), (), 1) == (288 * MiB, 288 * MiB)
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+@pytest.mark.parametrize("fused_norm", [True, False])
+def test_kept_tensors_are_the_blocks_saved_bytes(mode, fused_norm):
+    """The tensors sum to block_saved_bytes (MemTracker-held) less what is 1 MiB or smaller (the
+    norms' statistics, the logsumexp, RoPE's tables)."""
+    sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, checkpointing=mode, fused_norm=fused_norm,
+                  layout="zero")
+    m, t = sc.model, sc.train
+    kept = activation_memory.block_kept_tensors(m, t, mode)
+    small = {"none": sum(v for k, v in activation_memory.block_activation_terms(m, t).items()
+                         if k in ("attn_logsumexp", "rope_tables")) + 2 * 4 * t.seq_len,
+             "full": 0, "selective": 4 * m.num_heads * t.seq_len}[mode]
+    assert sum(kept) == activation_memory.block_saved_bytes(m, t, mode) - small
+    assert all(b > MiB for b in kept)
+
+
+def _zero2(groups, **kw):
+    sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200",
+                  deepspeed_param_groups=groups, **kw)
+    return memory(sc, effective("zero2", "zero"))
+
+
+def test_one_group_reserves_the_unused_cache_and_releases_its_free_segments():
+    """With one optimizer group the reserve grows by the cache the step leaves unused and what
+    is releasable by its wholly free segments; allocated memory does not move; split groups
+    (HF Trainer) and ZeRO-3 (whose defragment empties the cache) keep no such reserve."""
+    split, one = _zero2("split"), _zero2("one")
+    assert one.allocated_bytes == split.allocated_bytes
+    sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200",
+                  deepspeed_param_groups="one")
+    from zplan.memory import _param_block_cache
+    unused, free = _param_block_cache(sc.for_strategy(False), effective("zero2", "zero"))
+    assert 5 * 2**30 < unused < 2 * 8_030_261_248  # a part of the 2 Psi cached (6.1 GiB here)
+    assert one.reserved_bytes - split.reserved_bytes == unused
+    assert one.releasable_bytes - split.releasable_bytes == free
+    z3 = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", deepspeed_param_groups="one")
+    assert _param_block_cache(z3, effective("zero3", "zero")) == (0, 0)
+
+
+def test_no_room_to_flatten_on_the_gpu_keeps_nothing():
+    """Where the GPU cannot hold a second copy of the parameters DeepSpeed flattens on the host
+    and empties the cache first."""
+    from zplan.memory import _param_block_cache
+    def cache(model):
+        sc = scenario(model=model, gpus=8, seq_len=2048, layout="zero", gpu="a100-40gb",
+                      cluster="dgx-a100", deepspeed_param_groups="one", checkpointing="full")
+        return _param_block_cache(sc.for_strategy(False), effective("zero2", "zero"))
+    assert cache("llama-3.1-8b")[0] > 0  # 2 x 16.1 GB of bf16 parameters within 42.9 GB less the context
+    assert cache("llama-2-13b") == (0, 0)  # 2 x 26.0 GB: not
+
+
+def test_the_option_belongs_to_deepspeed():
+    with pytest.raises(UsageError, match="--deepspeed-param-groups one is about DeepSpeed"):
+        scenario(model="llama-3.1-8b", gpus=8, layout="torch", deepspeed_param_groups="one")
+    with pytest.raises(UsageError, match="--deepspeed-param-groups"):
+        scenario(model="llama-3.1-8b", gpus=8, layout="zero", deepspeed_param_groups="two")
