@@ -177,13 +177,16 @@ def test_preset_numbers_zero_negative_nan_inf_are_refused(capsys, tmp_path, fiel
 
 @pytest.mark.parametrize("cfg,needle", [
     ([1, 2], "the top level is a JSON array, not an object"),
-    ({"hidden_size": [4096], "num_attention_heads": 32}, "field 'hidden_size' is [4096], not a whole number"),
-    ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2, "vocab_size": 10,
+    ({"model_type": "llama", "hidden_size": [4096], "num_attention_heads": 32},
+     "field 'hidden_size' is [4096], not a whole number"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2, "vocab_size": 10,
       "tie_word_embeddings": "yes"}, "field 'tie_word_embeddings' is 'yes', not true or false"),
-    ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 10**9, "vocab_size": 10},
-     "field 'num_layers': Input should be less than or equal to 256"),
-    ({"hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2, "vocab_size": 10,
-      "num_local_experts": "8"}, "field 'num_local_experts' is '8', not a whole number"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 10**9,
+      "vocab_size": 10}, "field 'num_layers': Input should be less than or equal to 256"),
+    ({"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 1, "num_hidden_layers": 2,
+      "vocab_size": 10, "num_local_experts": "8"}, "field 'num_local_experts' is '8', not a whole number"),
+    ({"model_type": ["llama"]}, "field 'model_type' is ['llama'], not a string"),
+    ({"model_type": "bloom", "hidden_size": 64}, "model_type 'bloom' is not one zplan reads"),
 ])
 def test_config_json_needs_an_object_with_typed_sane_fields(capsys, tmp_path, cfg, needle):
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -50,6 +50,54 @@ QWEN3_32B = {**QWEN3_8B, "hidden_size": 5120, "intermediate_size": 25600, "num_h
 OLMO2_7B = {"model_type": "olmo2", "hidden_size": 4096, "intermediate_size": 11008,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
             "vocab_size": 100352}
+# More published config.json files (the fields that size the model), each read exactly as
+# transformers builds it, or refused.
+READ = {
+    "phi-3-mini": {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+                   "hidden_act": "silu", "tie_word_embeddings": False},
+    "gpt2": {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+             "n_positions": 1024, "n_ctx": 1024, "activation_function": "gelu_new"},
+    "pythia-1b": {"model_type": "gpt_neox", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                  "num_attention_heads": 8, "vocab_size": 50304, "hidden_act": "gelu",
+                  "max_position_embeddings": 2048, "rotary_pct": 0.25, "use_parallel_residual": True},
+    "qwen3-0.6b": {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                   "tie_word_embeddings": True},
+    "qwen3-4b-head-dim-default": {"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728,
+                                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "vocab_size": 151936, "tie_word_embeddings": True},
+    "gemma-7b-head-dim-default": {"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576,
+                                  "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+                                  "vocab_size": 256000, "hidden_act": "gelu"},
+    "granite-3.0-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
+                       "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                       "vocab_size": 49155, "tie_word_embeddings": True},
+    "granitemoe-3b": {"model_type": "granitemoe", "hidden_size": 1536, "intermediate_size": 512,
+                      "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+                      "num_local_experts": 40, "num_experts_per_tok": 8, "vocab_size": 49155,
+                      "tie_word_embeddings": True},
+    "smollm3-3b": {"model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+                   "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256},
+    "qwen2-7b-tie-default": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                             "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                             "vocab_size": 152064},
+    "mixtral-with-moe-size": {**MIXTRAL_8X7B, "moe_intermediate_size": 512},  # Mixtral ignores it
+}
+REFUSED = {
+    "falcon-7b": ({"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
+                   "multi_query": True, "vocab_size": 65024}, "model_type 'falcon' is not one zplan reads"),
+    "starcoderbase-1b": ({"model_type": "gpt_bigcode", "n_embd": 2048, "n_layer": 24, "n_head": 16,
+                          "vocab_size": 49152, "multi_query": True}, "model_type 'gpt_bigcode' is not one"),
+    "nemotron": ({"model_type": "nemotron", "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 24,
+                  "vocab_size": 256000, "hidden_act": "relu2"}, "model_type 'nemotron' is not one"),
+    "command-r": ({"model_type": "cohere", "hidden_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 64,
+                   "vocab_size": 256000}, "model_type 'cohere' is not one"),
+    "llama4": ({"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48,
+                "num_attention_heads": 40, "vocab_size": 202048}, "model_type 'llama4_text' is not one"),
+    "llama-mlp-bias": ({**LLAMA_31_8B, "mlp_bias": True}, "field 'mlp_bias' is true"),
+    "no-type": ({k: v for k, v in LLAMA_31_8B.items() if k != "model_type"}, r"model_type '\(none\)'"),
+}
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
                "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
                "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_attention_heads": 128,
@@ -90,22 +138,36 @@ def test_gemma_mlp_is_gated_and_its_embeddings_tied(tmp_path):
 
 
 @pytest.mark.parametrize("cfg,needle", [
-    (QWEN15_MOE, "field 'shared_expert_intermediate_size': shared experts"),
-    (OLMO2_7B, "an RMSNorm over the whole q and k projections"),
-    (DEEPSEEK_V3, "multi-head latent attention"),
-    ({**QWEN15_MOE, "model_type": "custom", "shared_expert_intermediate_size": 0,
-      "decoder_sparse_step": 2}, "dense MLP layers among the MoE ones"),
-], ids=["shared-experts", "olmo2-qk-norm", "mla", "dense-layers"])
+    ({**QWEN3_30B_A3B, "shared_expert_intermediate_size": 5632}, "field 'shared_expert_intermediate_size': shared experts"),
+    (OLMO2_7B, "model_type 'olmo2' is not one zplan reads"),
+    (DEEPSEEK_V3, "model_type 'deepseek_v3' is not one zplan reads"),
+    ({**QWEN3_8B, "model_type": "qwen2", "kv_lora_rank": 512}, "multi-head latent attention"),
+    ({**QWEN3_30B_A3B, "decoder_sparse_step": 2}, "dense MLP layers among the MoE ones"),
+], ids=["shared-experts", "olmo2", "deepseek-v3", "mla-field", "dense-layers"])
 def test_blocks_zplan_does_not_model_are_refused(tmp_path, cfg, needle):
     with pytest.raises(UsageError, match=needle):
         presets.model(str(_write(tmp_path, cfg)))
 
 
 def test_experts_take_moe_intermediate_size(tmp_path):
-    """Qwen's MoE configs name the experts' width apart from the dense width (intermediate_size)."""
-    cfg = {**QWEN15_MOE, "model_type": "custom_moe", "shared_expert_intermediate_size": 0}
-    m = presets.model(str(_write(tmp_path, cfg)))
-    assert (m.ffn_hidden, m.num_experts, m.experts_per_token) == (1408, 60, 4)
+    """Qwen3's MoE configs name the experts' width apart from the dense width (intermediate_size)."""
+    m = presets.model(str(_write(tmp_path, QWEN3_30B_A3B)))
+    assert (m.ffn_hidden, m.num_experts, m.experts_per_token) == (768, 128, 8)
+
+
+@pytest.mark.parametrize("name", sorted(READ))
+def test_more_published_configs_count_as_transformers_does(tmp_path, name):
+    """Defaults the file leaves to its config class (tied embeddings, head_dim) taken as
+    transformers takes them."""
+    p = _write(tmp_path, READ[name])
+    assert arch.param_count(presets.model(str(p))) == _transformers_count(p)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_types_and_fields_zplan_does_not_model_are_refused(tmp_path, name):
+    cfg, needle = REFUSED[name]
+    with pytest.raises(UsageError, match=needle):
+        presets.model(str(_write(tmp_path, cfg)))
 
 
 def test_qwen3_has_q_and_k_norms_in_the_trainers_block_too(tmp_path):

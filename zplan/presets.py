@@ -74,7 +74,9 @@ def _load_file(path_str: str, kind: str) -> Record:
     if path.suffix == ".json":
         if kind != "models":
             raise UsageError(f"{path}: a .json file can only be a Hugging Face model config")
-        return _parse(path, ModelSpec, hf_config_to_model(read_json(path, "model config"), path))
+        from .hf_config import to_model_fields  # only for a config.json: estimate's start-up is counted
+
+        return _parse(path, ModelSpec, to_model_fields(read_json(path, "model config"), path))
     return _parse(path, cls, read_toml(path, "preset"))
 
 
@@ -131,120 +133,3 @@ def cluster(name: str, extra: tuple[str, ...] = ()) -> ClusterSpec:
 
 def model(name: str, extra: tuple[str, ...] = ()) -> ModelSpec:
     return load("models", name, extra)  # type: ignore[return-value]
-
-
-def hf_config_to_model(cfg: object, path: Path) -> dict:
-    """Map a Hugging Face config.json (Llama, Mistral, Mixtral, Qwen2, Gemma, GPT-2 style) to
-    ModelSpec fields; blocks ModelSpec cannot express are refused (_refuse_unmodelled_blocks).
-    Held against transformers' own model built from the file (tests/test_hf_configs.py).
-
-    The file is data from anywhere: its top level must be an object, each field used must have
-    the type Hugging Face writes (sizes are whole numbers, flags are booleans, names strings);
-    the sizes' ranges are ModelSpec's. Anything else is one line naming the field.
-    """
-    if not isinstance(cfg, dict):
-        raise UsageError(f"model config {path}: the top level is a JSON {_json_type(cfg)}, not an "
-                         f"object; pass a Hugging Face config.json")
-
-    def typed(key: str, types: tuple[type, ...], what: str):
-        v = cfg.get(key)
-        if v is None:
-            return None
-        if isinstance(v, bool) and bool not in types or not isinstance(v, types):
-            shown = " ".join(repr(v).split())[:60]
-            raise UsageError(f"model config {path}: field '{key}' is {shown}, not {what}; fix the file")
-        return v
-
-    def get(*keys: str, default: int | None = None) -> int:
-        for k in keys:
-            v = typed(k, (int,), "a whole number")
-            if v is not None:
-                return v
-        if default is None:
-            raise UsageError(f"model config {path}: field '{keys[0]}' is missing; add it to the config")
-        return default
-
-    def text(key: str, default: str = "") -> str:
-        v = typed(key, (str,), "a string")
-        return default if v is None else v
-
-    def flag(key: str, default: bool) -> bool:
-        v = typed(key, (bool,), "true or false")
-        return default if v is None else v
-
-    model_type = text("model_type")
-    hidden = get("hidden_size", "n_embd", "d_model")
-    heads = get("num_attention_heads", "n_head")
-    act = text("hidden_act") or text("activation_function") or "silu"
-    gpt2_like = model_type in ("gpt2", "gpt_neox", "gptj", "opt")
-    _refuse_unmodelled_blocks(cfg, path, model_type, hidden, heads, get)
-    num_experts = get("num_local_experts", "num_experts", default=0)
-    name = " ".join(text("_name_or_path").split())[-128:] or path.parent.name[-128:] or "hf-model"
-    return {
-        "name": "".join(c for c in name if c.isprintable()) or "hf-model",
-        "num_layers": get("num_hidden_layers", "n_layer"),
-        "hidden": hidden,
-        # an MoE model whose dense MLP width differs names its experts' width apart (Qwen MoE)
-        "ffn_hidden": (get("moe_intermediate_size") if num_experts and "moe_intermediate_size" in cfg
-                       else get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
-        "num_heads": heads,
-        "num_kv_heads": get("num_key_value_heads", default=heads),
-        "vocab_size": get("vocab_size"),
-        "tied_embeddings": flag("tie_word_embeddings", gpt2_like or model_type == "gemma"),
-        # Gemma's MLP is gated (gate, up, down) with GELU: SwiGLU's shapes and kernels
-        "mlp": "gelu" if gpt2_like or "gelu" in act and model_type != "gemma" else "swiglu",
-        "norm": "layernorm" if gpt2_like else "rmsnorm",
-        "position": "learned" if model_type == "gpt2" else "rope",
-        "max_seq_len": get("max_position_embeddings", "n_positions", "n_ctx", default=4096),
-        "linear_bias": gpt2_like,
-        "qkv_bias": gpt2_like or model_type == "qwen2" or flag("attention_bias", False),
-        # c_attn, query_key_value, Wqkv, qkv_proj: one q/k/v linear
-        "qkv_fused": model_type in ("gpt2", "gpt_neox", "mpt", "falcon", "bloom", "gpt_bigcode", "phi3", "dbrx"),
-        "qk_norm": model_type in QK_NORM_TYPES,
-        "num_experts": num_experts,
-        # heads wider or narrower than hidden / heads (Qwen3-32B, Gemma 7B, Mistral NeMo)
-        "attention_head_dim": (head_dim if (head_dim := get("head_dim", default=0)) and head_dim * heads != hidden
-                               else None),
-        "experts_per_token": get("num_experts_per_tok", default=0),
-        "source": f"Hugging Face config.json at {str(path)[-1000:]}",
-    }
-
-
-# Hugging Face model types whose blocks hold what zplan's block does not: an RMSNorm over the
-# whole q and k projections (OLMo 2; Qwen3's per-head q/k norms are modelled: QK_NORM_TYPES),
-# norms after attention and MLP as well as before (Gemma 2 and 3), multi-head latent attention
-# (DeepSeek V2/V3).
-_UNMODELLED_TYPES = {
-    "olmo2": "an RMSNorm over the whole q and k projections",
-    "olmoe": "an RMSNorm over the whole q and k projections", "gemma2": "norms after attention and MLP",
-    "gemma3": "norms after attention and MLP, RMSNorm on q and k",
-    "gemma3_text": "norms after attention and MLP, RMSNorm on q and k",
-    "deepseek_v2": "multi-head latent attention", "deepseek_v3": "multi-head latent attention",
-}
-
-
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # q_norm and k_norm of head_dim (Qwen3Attention)
-
-
-def _refuse_unmodelled_blocks(cfg: dict, path: Path, model_type: str, hidden: int, heads: int, get) -> None:
-    """One line, naming the field, for a config whose block zplan's ModelSpec cannot express
-    (its parameter count would come out wrong without a word: a Qwen3-30B-A3B read as 233B)."""
-    fix = "write a model .toml (presets/models/) for the closest block zplan models"
-    why = _UNMODELLED_TYPES.get(model_type)
-    if why:
-        raise UsageError(f"model config {path}: model_type '{model_type}' has {why}, which zplan's "
-                         f"block does not model; {fix}")
-    if "kv_lora_rank" in cfg or "q_lora_rank" in cfg:
-        raise UsageError(f"model config {path}: field 'kv_lora_rank': multi-head latent attention is "
-                         f"not modelled; {fix}")
-    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
-        if get(key, default=0):
-            raise UsageError(f"model config {path}: field '{key}': shared experts are not modelled; {fix}")
-    if get("first_k_dense_replace", default=0) or get("decoder_sparse_step", default=1) != 1 or cfg.get("mlp_only_layers"):
-        raise UsageError(f"model config {path}: dense MLP layers among the MoE ones (first_k_dense_replace, "
-                         f"decoder_sparse_step, mlp_only_layers) are not modelled; {fix}")
-
-
-def _json_type(v: object) -> str:
-    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(
-        type(v), "null")
