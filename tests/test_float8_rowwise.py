@@ -41,7 +41,7 @@ def _torchao_trace(recipe: str, n_in: int, n_out: int, tokens: int) -> dict:
                 return NotImplemented  # let the subclass run; its aten calls come back here
             out = func(*args, **(kwargs or {}))
             c, name = counts[phase[0]], func.__name__
-            if name.startswith("_to_copy") and out.dtype == torch.float8_e4m3fn:
+            if name.startswith("_to_copy") and out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 c["cast_elems"] += out.numel()
             elif name.startswith("mul_"):
                 c["rescale_elems"] += out.numel()
@@ -110,13 +110,15 @@ def test_eager_casts_copies_and_rescales_are_the_bytes_torchao_moves(recipe):
 
 
 def test_tensorwise_forward_casts_are_torchaos():
-    """The tensorwise recipe's forward input cast (5 bytes per element) is the one torchao runs
-    on the input; its weight is cast once too (zplan: 3 bytes, the amax precomputed for float8
-    all-gather)."""
+    """Tensorwise, compiled: the input and the weight each cast once forward (5 bytes per element:
+    the elements torchao casts, traced with the weight gathered in bf16); gathered in float8 the
+    weight arrives cast (FSDP's pre-all-gather hook casts the shard, priced as the all-gather's
+    copy-in) and only the input is cast."""
     traced = _torchao_trace("tensorwise", H, F, T)
-    ops = _w1_ops("tensorwise", False)
     assert traced["fwd"]["cast_elems"] == T * H + F * H
-    assert ops["w1 float8 casts"].bytes == 5 * T * H + 3 * F * H
+    bf16_gather = _w1_ops("tensorwise", False, float8_all_gather=False)
+    assert bf16_gather["w1 float8 casts"].bytes == 5 * traced["fwd"]["cast_elems"]
+    assert _w1_ops("tensorwise", False)["w1 float8 casts"].bytes == 5 * T * H
 
 
 def test_rowwise_gathers_in_bf16_and_orders_as_torchaos_h100_table():
@@ -142,3 +144,25 @@ def test_rowwise_gathers_in_bf16_and_orders_as_torchaos_h100_table():
 def test_rowwise_options_are_checked(kw, needle):
     with pytest.raises(UsageError, match=needle):
         scenario(model="llama-3.1-8b", gpus=8, layout="torch", **kw)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-gw-hp"])
+def test_a_fused_qkv_linear_casts_as_one_torchao_linear(recipe):
+    """MPT's fused q/k/v projection is one torchao linear (h -> q + 2 kv): zplan's wq, wk and wv
+    parts together cast and rescale what that one linear does, compiled (casts / 5, rescales /
+    4) and eager (every byte of its non-GEMM ops, within 0.5%)."""
+    T = 2048
+    for compile_ in (True, False):
+        sc = scenario(model="mpt-7b", gpus=8, layout="torch", seq_len=T, checkpointing="selective",
+                      compile=compile_, gpu="h100-hbm2e-500w", float8=True, float8_recipe=recipe)
+        m = sc.model
+        block = next(u for u in sc.units if u.blocks)
+        traced = _torchao_trace(recipe, m.hidden, m.q_hidden + 2 * m.kv_hidden, T)
+        for backward, phase in ((False, "fwd"), (True, "bwd")):
+            ops = [o for o in unit_ops.unit_ops(sc, block, backward)
+                   if o.name.split()[0] in ("wq", "wk", "wv") and o.kind == "memory"]
+            if compile_:
+                assert sum(o.bytes for o in ops if "float8" in o.name) == 5 * traced[phase]["cast_elems"]
+                assert sum(o.bytes for o in ops if "rescale" in o.name) == 4 * traced[phase]["rescale_elems"]
+            else:
+                assert sum(o.bytes for o in ops) == pytest.approx(traced[phase]["other_bytes"], rel=0.005)

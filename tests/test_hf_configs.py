@@ -204,3 +204,27 @@ def test_presets_are_their_config_files(tmp_path, name, cfg):
               "vocab_size", "qk_norm", "num_experts", "experts_per_token", "tied_embeddings", "mlp")
     assert {f: getattr(preset, f) for f in fields} == {f: getattr(read, f) for f in fields}
     assert arch.param_count(preset) == _transformers_count(tmp_path / "config.json")
+
+
+def test_q_and_k_norms_hand_back_the_activation_dtype_as_cuda_autocast_needs():
+    """CUDA autocast runs rms_norm in fp32 (torch's autocast op lists: rms_norm among CUDA's
+    fp32 ops), so q_norm and k_norm return fp32 there; the trainer's block casts them back, so
+    RoPE's tables and attention stay in the activation dtype and the planner's fp32 copy is the
+    norms' own. On CPU, norms made to return fp32 as they would there: without the cast back
+    SDPA would meet an fp32 q and a bf16 v."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from zplan.specs import ModelSpec
+    from zplan.trainer.model import Block
+
+    m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
+                  vocab_size=64, qk_norm=True, attention_head_dim=96)
+    block = Block(m).to(torch.bfloat16)
+    for norm in (block.attention.q_norm, block.attention.k_norm):
+        norm.forward = lambda x, w=norm.weight: F.rms_norm(x.float(), (x.shape[-1],), w.float(), 1e-5)
+    seen = []
+    core = block.attention.core
+    block.attention.core = lambda q, k, v: (seen.append((q.dtype, k.dtype, v.dtype)), core(q, k, v))[1]
+    out = block(torch.randn(1, 16, 256, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and seen == [(torch.bfloat16,) * 3]

@@ -50,7 +50,7 @@ def largest_block_tensor_bytes(m: ModelSpec, train: TrainSpec) -> int:
     sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
     mlp = (m.experts_per_token if m.num_experts else 1) * m.ffn_hidden
     probs = 0 if train.flash_attention else m.num_heads * train.seq_len
-    return sb * max(B * mlp, S * m.hidden, B * probs)
+    return sb * max(B * mlp, S * m.hidden, B * m.q_hidden, B * probs)
 
 
 def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
@@ -220,9 +220,10 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         "mlp_input": B * sb * h,
     }
     if m.qk_norm:  # q_norm and k_norm keep their inputs (the q and k projections' outputs), as
-        # the block's norms keep theirs, and a statistic per head and token
-        rows = sb * (a + m.num_kv_heads)
-        t["qk_norm_inputs"] = (B if train.compile else norm_saved_per_token(train, B)) * sb * (q + kv) + 4 * rows
+        # the block's norms keep theirs, and a statistic per head and token; CUDA autocast runs
+        # rms_norm in fp32 (its fp32 op list), so under autocast the kept input is its fp32 copy
+        rows, QB = sb * (a + m.num_kv_heads), 4 if train.autocast else B
+        t["qk_norm_inputs"] = (QB if train.compile else norm_saved_per_token(train, QB)) * sb * (q + kv) + 4 * rows
     if train.flash_attention:
         # the flash kernel saves its output and logsumexp, and RoPE's mul saves cos and sin
         t["attn_logsumexp"] = 4 * a * sb

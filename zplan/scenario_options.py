@@ -73,7 +73,7 @@ class ScenarioOptions:
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
     last_block_kept: bool = False  # FSDP keeps the last block gathered after forward (TrainSpec)
     float8: bool = False
-    float8_recipe: str = "tensorwise"  # with float8: tensorwise | te-delayed (TrainSpec.float8_recipe)
+    float8_recipe: str = "tensorwise"  # with float8: tensorwise | rowwise | rowwise-gw-hp | te-delayed (TrainSpec)
     float8_all_gather: bool = True
     shard_size: Optional[int] = None
     efficiency: Optional[float] = None

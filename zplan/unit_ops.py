@@ -123,9 +123,12 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     if not t.compile:
         per, kern = norm_bytes(t, S, backward)
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t)))
-    if m.qk_norm:  # over q's and k's heads, in the activation dtype (compiled: one generated kernel each)
-        per, kern = norm_bytes(t, B, backward)
+    if m.qk_norm:  # over q's and k's heads, in the activation dtype (compiled: one generated kernel
+        # each); CUDA autocast runs rms_norm in fp32: its input cast up, its output cast back
+        per, kern = norm_bytes(t, 4 if t.autocast else B, backward)
         ops.append(K.memory(gpu, "q/k " + _norm_name(m, t), per * (q + kv) * T, 2 * kern, _norm_pace(gpu, t)))
+        if t.autocast:
+            ops.append(K.memory(gpu, "q/k norm casts (autocast)", 2 * (B + 4) * (q + kv) * T, 4))
     if casts:
         ops.append(K.memory(gpu, "autocast casts", (B + S) * cast_elems, casts))
     return ops
@@ -366,10 +369,11 @@ def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, b
     under rowwise).
 
     Compiled (torchao's documented use): a cast is an amax reduction and a cast pass, 2 + 2 + 1 =
-    5 bytes per element in 2 kernels; a rescale 2 + 2 bytes per output element; tensorwise as
-    before: its output gradient cast once for both GEMMs and the input's float8 kept from forward
-    (5 B per input or gradient element; 3 B per weight element, the amax precomputed with float8
-    all-gather), the layout copies fused into the casts. Eager: each cast is EAGER_CAST_BYTES per
+    5 bytes per element in 2 kernels; a rescale 2 + 2 bytes per output element; tensorwise: its
+    output gradient cast once for both GEMMs and the input's float8 kept from forward, the weight
+    cast in each pass unless it arrives cast (float8 all-gather: FSDP's pre-all-gather hook casts
+    the shard, which the all-gather copy-in prices at its 1-byte width), the layout copies fused
+    into the casts. Eager: each cast is EAGER_CAST_BYTES per
     element in EAGER_CAST_KERNELS launches; backward copies the transposed float8 operands
     contiguous (1 + 1 bytes per element of the weight, the output gradient and the input); a
     rescale writes the fp32 outer product and multiplies in place, 4 + 8 bytes per output element.
@@ -381,8 +385,10 @@ def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, b
     k = 0 if part else 1
     gathered8 = t.float8_gather  # tensorwise with float8 all-gather: the weight arrives cast
     if t.compile:
-        if recipe == "tensorwise":
-            return [K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i) + 3 * o * i, 3 * k)]
+        if recipe == "tensorwise":  # the weight: cast here unless it arrives cast from the gather
+            weight = 0 if gathered8 else 5 * o * i
+            return [K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i) + weight,
+                             (2 + (2 if weight else 0)) * k)]
         if not backward:
             return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T_in * i + o * i), 4 * k)]
         if recipe == "rowwise-gw-hp":

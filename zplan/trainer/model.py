@@ -70,11 +70,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        # CUDA autocast runs rms_norm in fp32: cast back, so RoPE and attention run in q's dtype
         if self.q_norm is not None:
-            q = self.q_norm(q)
+            q = self.q_norm(q).to(q.dtype)
         k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
         if self.k_norm is not None:
-            k = self.k_norm(k)
+            k = self.k_norm(k).to(k.dtype)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = _rope(s, self.head_dim, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
