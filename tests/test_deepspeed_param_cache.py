@@ -29,15 +29,18 @@ def test_cached_blocks_by_hand():
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 @pytest.mark.parametrize("fused_norm", [True, False])
-def test_kept_tensors_are_the_blocks_saved_bytes(mode, fused_norm):
-    """The tensors sum to block_saved_bytes (MemTracker-held) less what is 1 MiB or smaller (the
-    norms' statistics, the logsumexp, RoPE's tables)."""
-    sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, checkpointing=mode, fused_norm=fused_norm,
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen3-8b"])
+def test_kept_tensors_are_the_blocks_saved_bytes(mode, fused_norm, model):
+    """The tensors sum to block_saved_bytes (MemTracker-held, and against transformers' own
+    Llama and Qwen3 blocks) less what is 1 MiB or smaller (the norms' statistics, the
+    logsumexp, RoPE's tables)."""
+    sc = scenario(model=model, gpus=8, seq_len=8192, checkpointing=mode, fused_norm=fused_norm,
                   layout="zero")
     m, t = sc.model, sc.train
     kept = activation_memory.block_kept_tensors(m, t, mode)
+    stats = 4 * t.seq_len * (2 + (m.num_heads + m.num_kv_heads if m.qk_norm else 0))
     small = {"none": sum(v for k, v in activation_memory.block_activation_terms(m, t).items()
-                         if k in ("attn_logsumexp", "rope_tables")) + 2 * 4 * t.seq_len,
+                         if k in ("attn_logsumexp", "rope_tables")) + stats,
              "full": 0, "selective": 4 * m.num_heads * t.seq_len}[mode]
     assert sum(kept) == activation_memory.block_saved_bytes(m, t, mode) - small
     assert all(b > MiB for b in kept)
@@ -49,12 +52,18 @@ def _zero2(groups, **kw):
     return memory(sc, effective("zero2", "zero"))
 
 
+def _zero2_default():
+    sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200")
+    return memory(sc, effective("zero2", "zero"))
+
+
 def test_one_group_reserves_the_unused_cache_and_releases_its_free_segments():
     """With one optimizer group the reserve grows by the cache the step leaves unused and what
     is releasable by its wholly free segments; allocated memory does not move; split groups
     (HF Trainer) and ZeRO-3 (whose defragment empties the cache) keep no such reserve."""
     split, one = _zero2("split"), _zero2("one")
     assert one.allocated_bytes == split.allocated_bytes
+    assert one.reserved_bytes == _zero2_default().reserved_bytes  # one group is the default
     sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200",
                   deepspeed_param_groups="one")
     from zplan.memory import _param_block_cache
@@ -79,7 +88,22 @@ def test_no_room_to_flatten_on_the_gpu_keeps_nothing():
 
 
 def test_the_option_belongs_to_deepspeed():
-    with pytest.raises(UsageError, match="--deepspeed-param-groups one is about DeepSpeed"):
-        scenario(model="llama-3.1-8b", gpus=8, layout="torch", deepspeed_param_groups="one")
+    with pytest.raises(UsageError, match="--deepspeed-param-groups split is about DeepSpeed"):
+        scenario(model="llama-3.1-8b", gpus=8, layout="torch", deepspeed_param_groups="split")
     with pytest.raises(UsageError, match="--deepspeed-param-groups"):
         scenario(model="llama-3.1-8b", gpus=8, layout="zero", deepspeed_param_groups="two")
+
+
+def test_zero1_gradients_held_whole_take_the_blocks():
+    """ZeRO-1 holds each parameter's gradient whole between accumulation boundaries (no overlap,
+    or accumulation): gradients of exactly the parameters' sizes take their blocks, so no unused
+    cache is priced there; at one micro-batch with overlap it is ZeRO-2's."""
+    from zplan.memory import _param_block_cache
+
+    def cache(**kw):
+        sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200",
+                      cluster="hgx-h200", **kw)
+        return _param_block_cache(sc.for_strategy(False), effective("zero1", "zero"))
+    assert cache(grad_accum=4) == (0, 0)
+    z2 = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200")
+    assert cache() == _param_block_cache(z2.for_strategy(False), effective("zero2", "zero")) != (0, 0)

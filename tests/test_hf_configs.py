@@ -83,6 +83,10 @@ READ = {
                              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                              "vocab_size": 152064},
     "mixtral-with-moe-size": {**MIXTRAL_8X7B, "moe_intermediate_size": 512},  # Mixtral ignores it
+    "mistral-attention-bias": {**MISTRAL_NEMO, "attention_bias": True},  # Mistral ignores it
+    "gpt2-no-positions": {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12,
+                          "vocab_size": 50257},  # GPT-2's default: 1024 positions
+    "llama-no-kv-heads": {k: v for k, v in LLAMA_31_8B.items() if k != "num_key_value_heads"},
 }
 REFUSED = {
     "falcon-7b": ({"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
@@ -97,6 +101,9 @@ REFUSED = {
                 "num_attention_heads": 40, "vocab_size": 202048}, "model_type 'llama4_text' is not one"),
     "llama-mlp-bias": ({**LLAMA_31_8B, "mlp_bias": True}, "field 'mlp_bias' is true"),
     "no-type": ({k: v for k, v in LLAMA_31_8B.items() if k != "model_type"}, r"model_type '\(none\)'"),
+    "llama-attention-bias": ({**LLAMA_31_8B, "attention_bias": True}, "field 'attention_bias' is true"),
+    "no-intermediate": ({k: v for k, v in LLAMA_31_8B.items() if k != "intermediate_size"},
+                        "field 'intermediate_size' is missing"),
 }
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
                "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
@@ -228,3 +235,8 @@ def test_q_and_k_norms_hand_back_the_activation_dtype_as_cuda_autocast_needs():
     block.attention.core = lambda q, k, v: (seen.append((q.dtype, k.dtype, v.dtype)), core(q, k, v))[1]
     out = block(torch.randn(1, 16, 256, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16 and seen == [(torch.bfloat16,) * 3]
+
+
+def test_neox_without_its_biases_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="field 'attention_bias' is false"):
+        presets.model(str(_write(tmp_path, {**READ["pythia-1b"], "attention_bias": False})))

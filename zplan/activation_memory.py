@@ -222,7 +222,8 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     if m.qk_norm:  # q_norm and k_norm keep their inputs (the q and k projections' outputs), as
         # the block's norms keep theirs, and a statistic per head and token; CUDA autocast runs
         # rms_norm in fp32 (its fp32 op list), so under autocast the kept input is its fp32 copy
-        rows, QB = sb * (a + m.num_kv_heads), 4 if train.autocast else B
+        # (compiled, the casts fuse into the norm's kernel and the 16-bit input is what is kept)
+        rows, QB = sb * (a + m.num_kv_heads), 4 if train.autocast and not train.compile else B
         t["qk_norm_inputs"] = (QB if train.compile else norm_saved_per_token(train, QB)) * sb * (q + kv) + 4 * rows
     if train.flash_attention:
         # the flash kernel saves its output and logsumexp, and RoPE's mul saves cos and sin
@@ -309,9 +310,10 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
     q, k, v, the attention output, the MLP's input and hidden tensors; full: the block's input;
     selective: its input, the outputs the policy saves and the attention output. None where the
     terms are not split into tensors (MoE, dropout, attention without a flash kernel, compiled,
-    float8, autocast, q/k norms, every-k and attention modes)."""
+    float8, autocast, every-k and attention modes). q/k norms keep their inputs (the q and k
+    projections' outputs) as the block's norms keep theirs."""
     if (m.num_experts or m.dropout or not train.flash_attention or train.compile or train.float8
-            or train.autocast or m.qk_norm or mode not in ("none", "full", "selective")):
+            or train.autocast or mode not in ("none", "full", "selective")):
         return None
     sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
     h, q, kv = m.hidden, m.q_hidden, m.kv_hidden
@@ -323,10 +325,12 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
         out += [B * sb * q] if policy.SELECTIVE_SAVES_ATTENTION else []
     else:
         terms = block_activation_terms(m, train)
-        norm = ([S * sb * h] if train.fused_norm else
-                [4 * sb * h, (norm_saved_per_token(train, S) - 4) * sb * h])
-        out = norm + [terms["qkv_input"], B * sb * q, B * sb * kv, B * sb * kv, terms["attn_output"],
-                      terms["attn_out_proj_input"]] + norm + [terms["mlp_input"]]
+        def norm(width: int, b: int) -> list[int]:
+            return [b * sb * width] if train.fused_norm else [4 * sb * width, (norm_saved_per_token(train, b) - 4) * sb * width]
+        qk = norm(q, B) + norm(kv, B) if m.qk_norm else []
+        out = norm(h, S) + [terms["qkv_input"]] + qk + [B * sb * q, B * sb * kv, B * sb * kv,
+                                                      terms["attn_output"], terms["attn_out_proj_input"]]
+        out += norm(h, S) + [terms["mlp_input"]]
         out += [B * sb * m.ffn_hidden] * (terms["mlp_hidden"] // (B * sb * m.ffn_hidden))
     return tuple(b for b in out if b > 1 << 20)
 

@@ -305,8 +305,10 @@ def cached_param_blocks(param_bytes: tuple[int, ...], kept: tuple[int, ...], wor
     freed, then each of `layers` blocks' kept tensors (`kept`, bytes, forward order), then one
     block's working set on top (`working`: what its recompute, or its backward, holds at the
     peak); the cache's bytes not holding a step tensor then are what the step reserves beyond
-    its own need (docs/formulas.md section 3). The fp32 master weights, the optimizer's state and
-    the flat buffer are larger than any parameter and never fit one."""
+    its own need (docs/formulas.md section 3). The model state is left out: the flat buffer never
+    fits a parameter's block, the fp32 master weights and the optimizer's state do at 32 ranks and
+    more for an 8B model (its 1002 MiB embedding and head blocks), which this overstates by well
+    under a GiB (a reviewer's replay)."""
     sim = CachingAllocator()
     for i, b in enumerate(param_bytes):
         sim.malloc(("param", i), b)

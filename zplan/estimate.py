@@ -214,17 +214,19 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         "first moves it whole to each GPU, a peak of its own (memory 'setup')")}
     if sc.train.layout == "zero" and any(effective(n, "zero").optim_sharded and not effective(n, "zero").params_sharded
                                          for n in strategies):
+        from .memory import param_block_cache_priced
         one = sc.train.deepspeed_param_groups == "one"
+        why_not = param_block_cache_priced(sc)
         out["deepspeed_param_groups"] = {
             "value": sc.train.deepspeed_param_groups,
             "flag": "--deepspeed-param-groups " + ("split" if one else "one"),
-            "meaning": ("the optimizer holds the parameters in one group: DeepSpeed 0.19+ ZeRO-1/2 leaves "
-                        "every parameter's own block cached, reserved and free through training; the "
-                        "step's tensors reuse what they fit (docs/formulas.md section 3)" if one else
-                        "the optimizer's groups as HF Trainer makes them (decay, then no-decay): DeepSpeed "
-                        "empties the cache before the second, so the parameters' own blocks do not stay "
-                        "(one group, deepspeed.initialize(model_parameters=model.parameters()), keeps "
-                        "them all on DeepSpeed 0.19+)")}
+            "meaning": ("DeepSpeed's optimizer holds the parameters in one group (a config with an "
+                        "optimizer block under HF Trainer or accelerate): DeepSpeed 0.19+ ZeRO-1/2 "
+                        "leaves every parameter's own block cached, reserved and free through "
+                        "training; the step's tensors reuse what they fit (docs/formulas.md section 3)"
+                        + (f"; not priced here: {why_not}" if why_not else "") if one else
+                        "decay/no-decay groups, or DeepSpeed before 0.19: the parameters' own blocks "
+                        "do not stay cached")}
     if sc.model.num_experts:
         m = sc.model
         out["experts"] = {

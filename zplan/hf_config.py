@@ -34,18 +34,31 @@ class Block:
     qk_norm: bool = False
     head_dim: int = 0  # head_dim's default where the file has none (0: hidden / heads)
     experts_moe_size: bool = False  # experts sized by moe_intermediate_size
+    # num_key_value_heads left out means as many as the heads (Llama's, Granite's default); where
+    # the config class defaults to a number of its own, the file must say
+    kv_heads_default_heads: bool = False
+    heads_only: bool = False  # the block reads no num_key_value_heads or head_dim (GPT-2, GPT-NeoX)
+    # attention_bias: "q/k/v/o" (true adds a bias to q, k, v and the output projection: not a
+    # block zplan models), "ignored" (the block does not read it), "kept" (false drops biases
+    # zplan's block keeps)
+    attention_bias: str = "q/k/v/o"
+    max_positions_default: int = 4096
 
 
 BLOCKS: dict[str, Block] = {
-    "llama": Block(), "mistral": Block(), "mixtral": Block(), "granite": Block(),
-    "granitemoe": Block(), "smollm3": Block(tied=True),
-    "qwen2": Block(qkv_bias=True),
+    "llama": Block(kv_heads_default_heads=True), "granite": Block(kv_heads_default_heads=True),
+    "granitemoe": Block(kv_heads_default_heads=True),
+    "mistral": Block(attention_bias="ignored"), "mixtral": Block(attention_bias="ignored"),
+    "smollm3": Block(tied=True),
+    "qwen2": Block(qkv_bias=True, attention_bias="ignored"),
     "qwen3": Block(qk_norm=True, head_dim=128),
     "qwen3_moe": Block(qk_norm=True, experts_moe_size=True),
     "gemma": Block(tied=True, head_dim=256),  # gated GELU
-    "phi3": Block(qkv_fused=True),
-    "gpt2": Block(tied=True, gated=False, norm="layernorm", position="learned", biases=True, qkv_fused=True),
-    "gpt_neox": Block(gated=False, norm="layernorm", biases=True, qkv_fused=True),
+    "phi3": Block(qkv_fused=True, attention_bias="ignored", kv_heads_default_heads=True),
+    "gpt2": Block(tied=True, gated=False, norm="layernorm", position="learned", biases=True, qkv_fused=True,
+                  heads_only=True, attention_bias="ignored", max_positions_default=1024),
+    "gpt_neox": Block(gated=False, norm="layernorm", biases=True, qkv_fused=True, heads_only=True,
+                      attention_bias="kept"),
 }
 
 
@@ -89,27 +102,38 @@ def to_model_fields(cfg: object, path: Path) -> dict:
         raise UsageError(f"model config {path}: model_type '{shown}' is not one zplan reads "
                          f"({', '.join(sorted(BLOCKS))}); {fix}")
     _refuse_unmodelled_fields(cfg, path, get, flag, fix)
+    if block.attention_bias == "q/k/v/o" and flag("attention_bias", False):
+        raise UsageError(f"model config {path}: field 'attention_bias' is true: {model_type} then biases "
+                         f"q, k, v and the output projection, which zplan's block does not model; {fix}")
+    if block.attention_bias == "kept" and not flag("attention_bias", True):
+        raise UsageError(f"model config {path}: field 'attention_bias' is false: {model_type}'s "
+                         f"projections without biases are not modelled; {fix}")
     hidden = get("hidden_size", "n_embd")
     heads = get("num_attention_heads", "n_head")
     num_experts = get("num_local_experts", "num_experts", default=0)
-    head_dim = get("head_dim", default=block.head_dim)
+    head_dim = 0 if block.heads_only else get("head_dim", default=block.head_dim)
+    if block.heads_only:
+        kv_heads = heads
+    else:
+        kv_heads = get("num_key_value_heads", default=heads if block.kv_heads_default_heads else None)
     name = " ".join(text("_name_or_path").split())[-128:] or path.parent.name[-128:] or "hf-model"
     return {
         "name": "".join(c for c in name if c.isprintable()) or "hf-model",
         "num_layers": get("num_hidden_layers", "n_layer"),
         "hidden": hidden,
         "ffn_hidden": (get("moe_intermediate_size") if num_experts and block.experts_moe_size
-                       else get("intermediate_size", "n_inner", default=4 * hidden)),
+                       else get("n_inner", default=4 * hidden) if model_type == "gpt2"
+                       else get("intermediate_size")),
         "num_heads": heads,
-        "num_kv_heads": get("num_key_value_heads", default=heads),
+        "num_kv_heads": kv_heads,
         "vocab_size": get("vocab_size"),
         "tied_embeddings": flag("tie_word_embeddings", block.tied),
         "mlp": "swiglu" if block.gated else "gelu",
         "norm": block.norm,
         "position": block.position,
-        "max_seq_len": get("max_position_embeddings", "n_positions", "n_ctx", default=4096),
+        "max_seq_len": get("max_position_embeddings", "n_positions", default=block.max_positions_default),
         "linear_bias": block.biases,
-        "qkv_bias": block.biases or block.qkv_bias or flag("attention_bias", False),
+        "qkv_bias": block.biases or block.qkv_bias,
         "qkv_fused": block.qkv_fused,
         "qk_norm": block.qk_norm,
         "num_experts": num_experts,

@@ -269,8 +269,8 @@ def setup_events(sc: Scenario, st: Strategy) -> list[Event]:
     GPU whole, the run fails here. The blocks themselves do not stay cached: the optimizer's
     defragment (zero/utils.py) empties the cache before the step, except under offload_param
     (offload-all), where they stay (not modelled). ZeRO-1/2 keep the whole model
-    on the GPU anyway; from v0.19.0 they keep its per-parameter blocks cached too, which is not
-    modelled (docs/accuracy-notes.md 9ap)."""
+    on the GPU anyway; from v0.19.0 they keep its per-parameter blocks cached too
+    (_param_block_cache; docs/accuracy-notes.md 9as)."""
     t = sc.train
     if t.layout != "zero" or t.zero_init or not st.params_sharded:
         return []
@@ -562,22 +562,48 @@ def _param_block_cache(sc: Scenario, st: Strategy) -> tuple[int, int]:
     cached_param_blocks): where the optimizer holds the parameters in one group
     (TrainSpec.deepspeed_param_groups "one") and the GPU had room to flatten beside them
     (stage_1_and_2.py: free memory after empty_cache, the parameters and the CUDA context
-    resident, at least the flat buffer's 2 Psi bytes); classic segments, no flat
-    --fragmentation. The step's tensors: each block's kept tensors
-    (activation_memory.block_kept_tensors) and, under checkpointing, one block's recomputed
-    tensors on top. (0, 0) where that is not derived."""
+    resident, at least the flat buffer's 2 Psi bytes). The step's tensors: each block's kept
+    tensors (activation_memory.block_kept_tensors) and, under checkpointing, one block's
+    recomputed tensors on top. (0, 0) where not priced (_cache_unpriced says why)."""
     t, m = sc.train, sc.model
     if (t.layout != "zero" or st.params_sharded or not st.optim_sharded or t.deepspeed_param_groups != "one"
-            or sc.assume.expandable_segments or sc.assume.fragmentation is not None):
+            or _cache_unpriced(sc, st)):
         return 0, 0
-    kept = activation_memory.block_kept_tensors(m, t, t.checkpointing)
-    working = () if t.checkpointing == "none" else activation_memory.block_kept_tensors(m, t, "none")
     pb = DTYPE_BITS[t.precision.param] // 8
     shapes = tuple(arch.embed_shapes(m) + arch.block_shapes(m) * m.num_layers + arch.head_shapes(m))
-    whole = sum(math.prod(s) for s in shapes) * pb
-    if kept is None or working is None or sc.hw.gpu.memory_bytes - sc.assume.cuda_context_bytes < 2 * whole:
-        return 0, 0
+    kept = activation_memory.block_kept_tensors(m, t, t.checkpointing)
+    working = () if t.checkpointing == "none" else activation_memory.block_kept_tensors(m, t, "none")
     return _cached_blocks(tuple(math.prod(s) * pb for s in shapes), kept, working, m.num_layers)
+
+
+def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
+    """Why the parameters' cached blocks are not priced for this scenario ('' where they are)."""
+    t, m = sc.train, sc.model
+    if sc.assume.expandable_segments:
+        return "expandable segments (the freed parameters are one free range the step's tensors reuse)"
+    if sc.assume.fragmentation is not None:
+        return "a flat --fragmentation replaces the allocator model"
+    if st.name == "zero1" and not (t.grad_accum == 1 and sc.assume.overlap):
+        return ("each parameter's gradient is held whole between accumulation boundaries, one of "
+                "each parameter's size, and takes its block")
+    if (activation_memory.block_kept_tensors(m, t, t.checkpointing) is None
+            or activation_memory.block_kept_tensors(m, t, "none") is None):
+        return ("the block's kept tensors are not split one by one here (MoE, compiled or float8 "
+                "blocks, dropout, attention without a flash kernel, autocast, every-k)")
+    pb = DTYPE_BITS[t.precision.param] // 8
+    if sc.hw.gpu.memory_bytes - sc.assume.cuda_context_bytes < 2 * sc.params * pb:
+        return "no room to flatten beside the parameters: DeepSpeed flattens on the host"
+    return ""
+
+
+def param_block_cache_priced(sc: Scenario) -> str:
+    """For estimate's assumptions: why DeepSpeed ZeRO-2's cached parameter blocks are not
+    priced for this scenario ('' where they are), ZeRO-1's own reason added."""
+    from .strategies import effective
+
+    why = _cache_unpriced(sc.for_strategy(False), effective("zero2", "zero"))
+    z1 = _cache_unpriced(sc.for_strategy(False), effective("zero1", "zero"))
+    return why or (f"under ZeRO-1: {z1}" if z1 else "")
 
 
 @lru_cache(maxsize=64)

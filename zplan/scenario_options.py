@@ -67,7 +67,7 @@ class ScenarioOptions:
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
-    deepspeed_param_groups: str = "split"  # zero layout, ZeRO-1/2: split | one (TrainSpec)
+    deepspeed_param_groups: str = "one"  # zero layout, ZeRO-1/2: one | split (TrainSpec)
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
@@ -199,7 +199,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError("--no-zero-init is about deepspeed.initialize (the zero layout); FSDP "
                          "(--layout torch) never holds the whole model: drop --no-zero-init")
     check_choice(o.deepspeed_param_groups, "--deepspeed-param-groups", DEEPSPEED_PARAM_GROUPS)
-    if layout == "torch" and o.deepspeed_param_groups != "split":
+    if layout == "torch" and o.deepspeed_param_groups != "one":
         raise UsageError(f"--deepspeed-param-groups {o.deepspeed_param_groups} is about DeepSpeed's "
                          "ZeRO-1/2 optimizer (the zero layout); FSDP (--layout torch) flattens "
                          "nothing: drop it")

@@ -22,7 +22,7 @@ CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]
 LinearLoss = Literal["none", "chunked", "liger"]
-DeepSpeedParamGroups = Literal["split", "one"]
+DeepSpeedParamGroups = Literal["one", "split"]
 CHECKPOINTING: tuple[str, ...] = Checkpointing.__args__  # type: ignore[attr-defined]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__  # type: ignore[attr-defined]
 COMPILE_SCOPES: tuple[str, ...] = CompileScope.__args__  # type: ignore[attr-defined]
@@ -413,13 +413,15 @@ class TrainSpec(Spec):
         "without it, deepspeed.initialize first moves the whole model to each GPU "
         "(runtime/engine.py _configure_distributed_model) and only then partitions it")
     deepspeed_param_groups: DeepSpeedParamGroups = Field(
-        "split", description="zero layout, ZeRO-1/2: how the optimizer was given the parameters. "
+        "one", description="zero layout, ZeRO-1/2: how DeepSpeed's optimizer holds the parameters. "
         "DeepSpeed from 0.19.0 (stage_1_and_2.py flatten_on_accelerator, PR #7828) flattens each "
         "group on the GPU where it has room and leaves the parameters' own blocks cached, but runs "
-        "empty_cache before each group: one (deepspeed.initialize(model_parameters="
-        "model.parameters())): every parameter's block stays cached, reserved through training; "
-        "split (HF Trainer and accelerate's examples: decay, then no-decay): only the last group's "
-        "norms and biases stay, not counted (DeepSpeed before 0.19 keeps none: split)")
+        "empty_cache before each group: one (a config with an optimizer block, as zplan's export "
+        "writes, under HF Trainer or accelerate, which pass a flat parameter list; "
+        "deepspeed.initialize(model_parameters=model.parameters())): every parameter's block stays "
+        "cached, reserved through training; split (an optimizer built with decay/no-decay groups, "
+        "HF Trainer's own when the config has none; or DeepSpeed before 0.19, which flattened on "
+        "the host after an empty_cache): only the last group's norms and biases stay, not counted")
     fused_norm: bool = Field(
         True, description="RMSNorm saves its input and rstd (fused kernel); False: the composite "
         "fp32 implementation (CPU) also saves the fp32 input and normalized output")
@@ -525,7 +527,7 @@ class TrainSpec(Spec):
             raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:
             raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
-        if self.layout == "torch" and self.deepspeed_param_groups != "split":
+        if self.layout == "torch" and self.deepspeed_param_groups != "one":
             raise ValueError("deepspeed_param_groups is about DeepSpeed's ZeRO-1/2 optimizer (the zero layout)")
         if self.linear_loss != "none" and self.loss_fused:
             raise ValueError(f"linear_loss {self.linear_loss} computes the loss itself; it is "

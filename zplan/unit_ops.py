@@ -125,9 +125,10 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t)))
     if m.qk_norm:  # over q's and k's heads, in the activation dtype (compiled: one generated kernel
         # each); CUDA autocast runs rms_norm in fp32: its input cast up, its output cast back
-        per, kern = norm_bytes(t, 4 if t.autocast else B, backward)
+        fp32 = t.autocast and not t.compile  # compiled, the casts fuse into the norm's kernel
+        per, kern = norm_bytes(t, 4 if fp32 else B, backward)
         ops.append(K.memory(gpu, "q/k " + _norm_name(m, t), per * (q + kv) * T, 2 * kern, _norm_pace(gpu, t)))
-        if t.autocast:
+        if fp32:
             ops.append(K.memory(gpu, "q/k norm casts (autocast)", 2 * (B + 4) * (q + kv) * T, 4))
     if casts:
         ops.append(K.memory(gpu, "autocast casts", (B + S) * cast_elems, casts))
@@ -385,10 +386,14 @@ def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, b
     k = 0 if part else 1
     gathered8 = t.float8_gather  # tensorwise with float8 all-gather: the weight arrives cast
     if t.compile:
-        if recipe == "tensorwise":  # the weight: cast here unless it arrives cast from the gather
+        if recipe == "tensorwise":  # the weight: cast here unless it arrives cast from the gather,
+            # when dX still copies it to the layout its GEMM takes (float8_ops.py preprocess_addmm)
             weight = 0 if gathered8 else 5 * o * i
-            return [K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i) + weight,
-                             (2 + (2 if weight else 0)) * k)]
+            ops = [K.memory(gpu, f"{name} float8 casts", 5 * (T * o if backward else T_in * i) + weight,
+                            (2 + (2 if weight else 0)) * k)]
+            if backward and gathered8:
+                ops.append(K.memory(gpu, f"{name} float8 weight layout copy", 2 * o * i, k))
+            return ops
         if not backward:
             return [K.memory(gpu, f"{name} float8 rowwise casts", 5 * (T_in * i + o * i), 4 * k)]
         if recipe == "rowwise-gw-hp":

@@ -84,7 +84,7 @@ class Row:
     grad_clip: bool = True  # gradients clipped by their global norm every step
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default stage-3 buckets
-    deepspeed_param_groups: str = "split"  # zero layout, ZeRO-1/2: split | one (TrainSpec.deepspeed_param_groups)
+    deepspeed_param_groups: str = "one"  # zero layout, ZeRO-1/2: one | split (TrainSpec.deepspeed_param_groups)
     logits_kept: bool = True  # the loop holds the logits until backward returns (torchtitan: del pred)
     logits_fp32: bool = False  # the model returns fp32 logits (torchtitan until e10cb94, 2024-10)
     last_block_kept: bool = False  # FSDP2 keeps the last block gathered after forward (torchtitan 2024-03..2025-07)
@@ -139,7 +139,7 @@ REQUIRED = ("id", "model", "gpu", "num_gpus", "gpus_per_node", "parallelism", "s
 CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLOAT8, "param_dtype": DTYPES,
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
            "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS,
-           "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"), "deepspeed_param_groups": ("split", "one"),
+           "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"), "deepspeed_param_groups": ("one", "split"),
            "embed_head_unit": ("separate", "head-kept", "root", "root-kept"),
            "optimizer_kernels": ("fused", "foreach", "single"), "linear_loss": ("none", "chunked", "liger")}
 
