@@ -362,7 +362,7 @@ def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, b
     each float8 operand from them where a GEMM needs it: forward the input (T x i) and the weight
     (o x i); backward the output gradient for dX and again for dW, the weight for dX and the input
     for dW. Tensorwise scales once per tensor; a weight gathered in float8 (torchao's float8
-    all-gather) arrives cast (its shard's cast, 1/N of it, before the gather, is not charged).
+    all-gather) arrives cast (its shard's cast before the gather is the all-gather's copy-in).
     Rowwise scales each operand along its GEMM's reduction axis; rowwise-gw-hp casts the output
     gradient once and the weight (tensorwise) and runs dW in 16 bits. Backward GEMMs run without
     fast accumulation, for which torchao calls the tensorwise cuBLAS kernel with unit scales and
@@ -374,7 +374,8 @@ def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, b
     output gradient cast once for both GEMMs and the input's float8 kept from forward, the weight
     cast in each pass unless it arrives cast (float8 all-gather: FSDP's pre-all-gather hook casts
     the shard, which the all-gather copy-in prices at its 1-byte width), the layout copies fused
-    into the casts. Eager: each cast is EAGER_CAST_BYTES per
+    into the casts (a weight that arrives cast has none to fuse into: dX's GEMM copies it, 1 + 1
+    bytes per element). Eager: each cast is EAGER_CAST_BYTES per
     element in EAGER_CAST_KERNELS launches; backward copies the transposed float8 operands
     contiguous (1 + 1 bytes per element of the weight, the output gradient and the input); a
     rescale writes the fp32 outer product and multiplies in place, 4 + 8 bytes per output element.
