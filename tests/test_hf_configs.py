@@ -97,6 +97,7 @@ REFUSED = {
                   "vocab_size": 256000, "hidden_act": "relu2"}, "model_type 'nemotron' is not one"),
     "command-r": ({"model_type": "cohere", "hidden_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 64,
                    "vocab_size": 256000}, "model_type 'cohere' is not one"),
+    "qwen1.5-moe": (QWEN15_MOE, "model_type 'qwen2_moe' is not one zplan reads"),  # shared experts
     "llama4": ({"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48,
                 "num_attention_heads": 40, "vocab_size": 202048}, "model_type 'llama4_text' is not one"),
     "llama-mlp-bias": ({**LLAMA_31_8B, "mlp_bias": True}, "field 'mlp_bias' is true"),

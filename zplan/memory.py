@@ -570,10 +570,10 @@ def _param_block_cache(sc: Scenario, st: Strategy) -> tuple[int, int]:
             or _cache_unpriced(sc, st)):
         return 0, 0
     pb = DTYPE_BITS[t.precision.param] // 8
-    shapes = tuple(arch.embed_shapes(m) + arch.block_shapes(m) * m.num_layers + arch.head_shapes(m))
     kept = activation_memory.block_kept_tensors(m, t, t.checkpointing)
     working = () if t.checkpointing == "none" else activation_memory.block_kept_tensors(m, t, "none")
-    return _cached_blocks(tuple(math.prod(s) * pb for s in shapes), kept, working, m.num_layers)
+    params = tuple(math.prod(s) * pb for u in sc.units for s in u.shapes)  # model order
+    return _cached_blocks(params, kept, working, m.num_layers)
 
 
 def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
