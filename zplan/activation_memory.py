@@ -60,8 +60,9 @@ def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
     three MLP-wide tensors alive once w1's output is gone) and the MLP's normed input; GELU: its
     input and output and the normed input. Selective (the policy keeps w1's output,
     policy.selective_saved_matmuls): SwiGLU's three others; GELU's output, the normed input and
-    the residual sum. Equal to PyTorch's MemTracker over the trainer's block (peak less what is
-    left after it, tests/test_memory.py). With classic segments each of these tensors (>= 10 MiB)
+    the residual sum; an MoE block's selective keeps no expert tensor and frees what full does
+    (not traced: the trainer builds no MoE block). Equal to PyTorch's MemTracker over the trainer's
+    block (peak less what is left after it, tests/test_memory.py). With classic segments each of these tensors (>= 10 MiB)
     has a segment of its own, reused block after block, and is free but cached when the loss
     begins (allocator.forward_residue_bytes). (0, 0) where no block is checkpointed this way (a
     block without recomputation keeps its intermediates for backward) and for compiled blocks
@@ -77,7 +78,7 @@ def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
     sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
     k = m.experts_per_token if m.num_experts else 1
     wide = k * B * sb * m.ffn_hidden
-    if mode == "full":
+    if mode == "full" or m.num_experts:  # an MoE block's selective keeps no expert tensor
         freed = (2 if m.mlp == "gelu" else 3) * wide + B * sb * m.hidden
     elif m.mlp == "gelu":
         freed = wide + (B + S) * sb * m.hidden
@@ -241,11 +242,20 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     # min-cut partitioner recomputes silu(w1) in backward (3 kept). GELU: its input and output.
     # Liger's fused SwiGLU (train.fused_swiglu) keeps the same three.
     per_mlp = (2 if m.mlp == "gelu" else 3 if train.compile or train.fused_swiglu else 4) * B * sb * f
-    if m.num_experts:
+    if m.num_experts:  # torchtitan's MoE (models/common/moe.py, token_dispatcher.py at b36e4b6)
         k = m.experts_per_token
-        t["router_logits"] = 4 * sb * m.num_experts
+        t["router_logits"] = 4 * sb * m.num_experts  # the fp32 scores the softmax (sigmoid) keeps
+        # the router runs under autocast to fp32: eager, its matmul keeps the fp32 copies of its
+        # input and weight (and the experts' int32 offsets); compiled, the casts are recomputed
+        t["router_input"] = 0 if train.compile else 4 * (sb * h + m.num_experts * h + m.num_experts)
+        # topk's int64 indices (gather's), the gathered scores and their fp32 sum, the sort's int64
+        # order and the token index it gives (the routed input's and scatter_add's), the sorted scores
+        t["routing"] = (8 + 4 + 8 + 8 + 4) * sb * k + 4 * sb
         t["expert_inputs"] = k * B * sb * h
         t["mlp_hidden"] = k * per_mlp
+        # the scores multiply the experts' outputs in fp32: eager keeps the fp32 copy, compiled
+        # (one fused kernel) the 16-bit output
+        t["expert_outputs"] = (B if train.compile else 4) * k * sb * h
     else:
         t["mlp_hidden"] = per_mlp
     if train.autocast and not train.compile:
@@ -294,10 +304,15 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
         return sum(v for k, v in full.items() if k not in ("attn_softmax", "attn_dropout"))
     if mode == "selective":
         # torchtitan op-level SAC (zplan/policy.py): the block's input, the outputs of the saved
-        # matmuls and of the attention kernel; pointwise ops are recomputed.
-        saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp)))
+        # matmuls and of the attention kernel; pointwise ops are recomputed. An MoE block keeps
+        # no expert tensor (policy.selective_saved_matmuls) but its router's topk, which the save
+        # list names: the values (fp32, the router's scores) and int64 indices, k per token.
+        moe = bool(m.num_experts)
+        saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp, moe)))
         if policy.SELECTIVE_SAVES_ATTENTION:
             saved += B * sb * m.q_hidden + (4 * m.num_heads * sb if train.flash_attention else 0)
+        if moe:
+            saved += (4 + 8) * sb * m.experts_per_token
         return saved
     raise ValueError(mode)
 

@@ -208,8 +208,8 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     # stand-in widths), the rerun share by the block's matmul widths
     block_mm = u.matmul_params // u.blocks - router_params
     per_block = 2 * (block_mm * matmul_params(m, names) // matmul_params(m, policy.BLOCK_MATMULS[m.mlp])) * T
-    if mode == "selective":
-        return per_block * u.blocks
+    if mode == "selective":  # torchtitan's policy recomputes the router (policy.selective_saved_matmuls)
+        return (per_block + 2 * router_params * T) * u.blocks
     per_block += 2 * router_params * T + 4 * train.seq_len * m.q_hidden * T
     if mode == "full":
         return per_block * u.blocks

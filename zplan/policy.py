@@ -100,11 +100,19 @@ def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, .
     raise ValueError(f"unknown checkpointing mode {mode!r}")
 
 
-def selective_saved_matmuls(mlp: str) -> tuple[str, ...]:
+def selective_saved_matmuls(mlp: str, moe: bool = False) -> tuple[str, ...]:
     """The matmuls whose outputs selective checkpointing keeps: every second one of the block,
     starting with the first (torchtitan's `_save_list` rule, 'save every other mm'). SwiGLU keeps
-    wq, wv, w1, w2; GELU keeps wq, wv, w1 (its w2 is recomputed)."""
-    order = BLOCK_MATMULS[mlp]
+    wq, wv, w1, w2; GELU keeps wq, wv, w1 (its w2 is recomputed).
+
+    An MoE block as torchtitan runs it (models/common/moe.py at b36e4b6, GroupedExperts) computes
+    its experts with torch._grouped_mm, an op outside the save list (PyTorch's compute-intensive
+    ops, torch/_functorch/partitioners.py get_default_op_list, and torchtitan's own): the experts
+    are recomputed and take no part in the every-other count, and the router's matmul is forced to
+    recompute (SelectiveAC force_recompute_mm_shapes_by_fqns, default ["moe.router.gate"]). Of an
+    MoE block only the attention's matmuls count: wq and wv are kept (tests/test_moe_selective.py
+    runs the rule through torch.utils.checkpoint)."""
+    order = BLOCK_MATMULS[mlp][:4] if moe else BLOCK_MATMULS[mlp]
     return tuple(name for i, name in enumerate(order) if i % 2 == 0)
 
 
@@ -126,9 +134,10 @@ def recomputed_matmuls(mlp: str, mode: str, early_stop: bool = True, moe: bool =
     the residual add saves nothing). An MoE block's combine saves the experts' outputs, so its last
     matmul is rerun. Without early stop (reentrant checkpoint, or PyTorch before 2.1) the whole
     block is. Measured with PyTorch's FlopCounterMode on the trainer's block (tests/test_policy.py).
-    SwiGLU selective reruns wk, wo, w3; GELU selective wk, wo."""
+    SwiGLU selective reruns wk, wo, w3; GELU selective wk, wo; an MoE block's selective reruns wk,
+    wo and every expert matmul (selective_saved_matmuls)."""
     order = BLOCK_MATMULS[mlp]
-    kept = selective_saved_matmuls(mlp) if mode == "selective" else ()
+    kept = selective_saved_matmuls(mlp, moe) if mode == "selective" else ()
     last = order[-1] if early_stop and not moe else None
     return tuple(name for name in order if name not in kept and name != last)
 

@@ -1,0 +1,179 @@
+"""An MoE block under selective checkpointing, as torchtitan runs it: what the planner keeps and
+reruns, against PyTorch's own checkpoint running torchtitan's rule.
+
+The block below is written here in the structure of torchtitan's MoE (models/common/moe.py and
+token_dispatcher.py at b36e4b6: a router in fp32, topk, tokens sorted by expert, three
+torch._grouped_mm, the scores applied in fp32, scatter_add), and torchtitan's SelectiveAC rule
+(distributed/activation_checkpoint.py at b36e4b6) is restated from its documentation: save the
+outputs of PyTorch's compute-intensive ops (the partitioner's default op list) and of topk, except
+every second mm, and recompute the router's mm. What stays alive after the checkpointed forward is
+read off the storages themselves; what backward runs again is read off the dispatched ops. Neither
+comes from zplan.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from zplan import activation_memory, arch, policy  # noqa: E402
+from zplan.specs import ModelSpec, TrainSpec  # noqa: E402
+
+H, HEADS, KV_HEADS, E, K, FF, S, MB = 64, 4, 2, 8, 2, 32, 128, 2
+MM = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        d = H // HEADS
+        self.wq = nn.Linear(H, HEADS * d, bias=False)
+        self.wk = nn.Linear(H, KV_HEADS * d, bias=False)
+        self.wv = nn.Linear(H, KV_HEADS * d, bias=False)
+        self.wo = nn.Linear(HEADS * d, H, bias=False)
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, FF, H) / H ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(E, FF, H) / H ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, FF) / FF ** 0.5)
+        self.n1 = nn.Parameter(torch.ones(H))
+        self.n2 = nn.Parameter(torch.ones(H))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        d = H // HEADS
+        y = F.rms_norm(x, (H,), self.n1)
+        q = self.wq(y).view(b, s, HEADS, d).transpose(1, 2)
+        k = self.wk(y).view(b, s, KV_HEADS, d).transpose(1, 2)
+        v = self.wv(y).view(b, s, KV_HEADS, d).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, s, H))
+        t = F.rms_norm(x, (H,), self.n2).view(b * s, H)
+        return x + self.moe(t).view(b, s, H)
+
+    def moe(self, t):
+        scores = F.softmax(F.linear(t.float(), self.gate.weight.float()), dim=-1)  # the router in fp32
+        _, ids = torch.topk(scores, K, dim=-1, sorted=False)
+        top = scores.gather(-1, ids)
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+        offs = torch.cumsum(torch.histc(ids.view(-1).float(), bins=E, min=0, max=E), 0).to(torch.int32)
+        order = torch.argsort(ids.view(-1), stable=True)
+        score, token = top.view(-1)[order], order // K
+        routed = t[token]
+        h = F.silu(torch._grouped_mm(routed, self.w1.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(routed, self.w3.transpose(-2, -1), offs=offs)
+        o = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        o = (o.float() * score.view(-1, 1)).to(o.dtype)
+        return torch.zeros_like(t).scatter_add(0, token.view(-1, 1).expand(-1, H), o)
+
+
+def _torchtitan_rule():
+    """torchtitan's SelectiveAC policy, restated; the CPU flash kernel stands in for the CUDA one
+    (both are SDPA's flash path, the CUDA one on PyTorch's compute-intensive list)."""
+    from torch._functorch.partitioners import get_default_op_list
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = {op.default for op in get_default_op_list().compute_intensive_ops}
+    save |= {torch.ops.aten.topk.default, torch.ops.aten.linear.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    count = {False: 0, True: 0}
+
+    def choose(ctx, func, *args, **kwargs):
+        if func in MM:
+            w = args[1].shape if func == torch.ops.aten.mm.default else args[1].shape[::-1]
+            if tuple(w) == (H, E):  # the router's mm: forced to recompute
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            count[ctx.is_recompute] += 1
+        if func in save and not (func in MM and count[ctx.is_recompute] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return choose
+
+
+class _Outputs(TorchDispatchMode):
+    """Every op's outputs (storage, bytes) and, in backward, the matmuls run (FLOPs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.flop = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in MM:
+            (m, kk), n = args[0].shape, args[1].shape[-1 if func == MM[0] else 0]
+            self.flop += 2 * m * kk * n
+        elif func == torch.ops.aten._grouped_mm.default:
+            self.flop += 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[-1]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.made.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        return out
+
+
+def _spec():
+    m = ModelSpec(name="moe", num_layers=1, hidden=H, ffn_hidden=FF, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                  vocab_size=64, num_experts=E, experts_per_token=K)
+    return m, TrainSpec(seq_len=S, micro_batch=MB, checkpointing="selective")
+
+
+def _run():
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    block = Block().to(torch.bfloat16)
+    x = torch.randn(MB, S, H, dtype=torch.bfloat16, requires_grad=True)
+    params = {StorageWeakRef(p.untyped_storage()).cdata for p in block.parameters()}
+    fwd = _Outputs()
+    with fwd:
+        y = checkpoint(block, x, use_reentrant=False,
+                       context_fn=lambda: create_selective_checkpoint_contexts(_torchtitan_rule()))
+    kept = {w.cdata: n for w, n in fwd.made if not w.expired() and w.cdata not in params}
+    kept.pop(StorageWeakRef(y.untyped_storage()).cdata)
+    bwd = _Outputs()
+    with bwd:
+        y.backward(torch.ones_like(y))
+    return sum(kept.values()) + x.untyped_storage().nbytes(), bwd.flop
+
+
+def test_an_moe_block_keeps_what_the_planner_counts():
+    """Kept through backward: the block's input, wq's and wv's outputs, the attention output and
+    logsumexp, and the router's topk (fp32 values, int64 indices); no expert tensor."""
+    m, t = _spec()
+    kept, _ = _run()
+    assert kept == activation_memory.block_saved_bytes(m, t, "selective")
+    assert policy.selective_saved_matmuls("swiglu", moe=True) == ("wq", "wv")
+
+
+def test_an_moe_block_reruns_what_the_planner_prices():
+    """Backward's matmul FLOPs less the block's backward proper (2 x its forward: dX and dW) are
+    the rerun: wk, wo, the router and every expert's three matmuls."""
+    m, t = _spec()
+    _, flop = _run()
+    unit = next(u for u in arch.units(m, 1, "separate") if u.blocks)
+    T = S * MB
+    forward_mm = 2 * unit.matmul_params * T
+    assert flop - 2 * forward_mm == arch.unit_recompute_flop(m, unit, t)
+
+
+def test_an_moe_layer_without_checkpointing_keeps_its_routing_and_experts():
+    """No recomputation: the MoE layer keeps (beyond its input, the block's normed MLP input) the
+    fp32 copies its router's matmul keeps, the router's fp32 scores, the routing indices and sorted scores, the routed tokens, the experts'
+    SwiGLU tensors and the fp32 copy of their outputs that the scores multiply: the planner's MoE
+    terms, the bytes of the storages alive after the layer's forward."""
+    m, t = _spec()
+    torch.manual_seed(0)
+    block = Block().to(torch.bfloat16)
+    x = torch.randn(MB * S, H, dtype=torch.bfloat16, requires_grad=True)
+    params = {StorageWeakRef(p.untyped_storage()).cdata for p in block.parameters()}
+    fwd = _Outputs()
+    with fwd:
+        y = block.moe(x)
+    kept = {w.cdata: n for w, n in fwd.made if not w.expired() and w.cdata not in params}
+    kept.pop(StorageWeakRef(y.untyped_storage()).cdata)
+    terms = activation_memory.block_activation_terms(m, t)
+    moe = ("router_input", "router_logits", "routing", "expert_inputs", "mlp_hidden", "expert_outputs")
+    assert sum(kept.values()) == sum(terms[k] for k in moe)
