@@ -29,7 +29,8 @@ from zplan.errors import UsageError  # noqa: E402
 from zplan.estimate import estimate_one  # noqa: E402
 from zplan.scenario_options import FIELDS, ScenarioOptions, build  # noqa: E402
 
-CLUSTER = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "hgx-h200", "B200": "dgx-b200", "MI300X": "mi300x-node"}
+CLUSTER = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "hgx-h200", "B200": "dgx-b200", "GB200": "gb200-nvl72",
+           "MI300X": "mi300x-node"}
 COMMAND = "python benchmarks/published_accuracy.py --markdown"
 
 

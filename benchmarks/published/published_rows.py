@@ -25,7 +25,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 MEMORY_UNITS = {"GiB": 2**30, "GB": 10**9}
 MEMORY_KINDS = ("reserved", "allocated")
 GPU_KINDS = {"a100-40gb": "A100", "a100-80gb": "A100", "h100-sxm": "H100", "h100-hbm2e-500w": "H100",
-             "h200": "H200", "b200": "B200", "mi300x": "MI300X"}
+             "h200": "H200", "b200": "B200", "gb200": "GB200", "mi300x": "MI300X"}
 
 
 class RowError(ValueError):
