@@ -335,5 +335,33 @@ def test_calibrated_matmul_sizes_stop_once_a_product_is_long_enough(monkeypatch)
         assert list(out[dtype]) == [256, 512]
         assert out[dtype][256] == pytest.approx(2 * 256**3 / 0.256)
         assert out[dtype][512] == pytest.approx(2 * 512**3 / 0.512)  # the probe itself, once
-    # per dtype: a 64 warm-up, 256 probed + warmed + 3 reps, 512 probed only
-    assert calls == [64, 256, 256, 256, 256, 256, 512] * 2
+    # per dtype: a 64 warm-up, 256 probed + warmed + once more to size a batch + 3 reps (a batch
+    # of one: 0.256 s is past the 20 ms batch), 512 probed only
+    assert calls == [64] + [256] * 6 + [512] + [64] + [256] * 6 + [512]
+
+
+def test_calibrate_times_short_kernels_without_the_synchronisation():
+    """A GPU synchronisation costs tens of microseconds, more than a short kernel: timed one call
+    per sync, a 5 us kernel read as 35 us (calibrate's attention rate at s=512 came out a sixth of
+    the truth). The clock is faked: a call costs 5 us, a device sync 30 us; the time per call must
+    be the kernel's, within 2%."""
+    from types import SimpleNamespace
+
+    from zplan import calibrate
+
+    clock = {"t": 0.0}
+
+    def kernel():
+        clock["t"] += 5e-6
+
+    def sync(device):
+        clock["t"] += 30e-6
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(calibrate.time, "perf_counter", lambda: clock["t"])
+    mp.setattr(calibrate, "_sync", sync)
+    try:
+        t = calibrate._timeit(kernel, SimpleNamespace(type="cuda"), reps=3)
+    finally:
+        mp.undo()
+    assert t == pytest.approx(5e-6, rel=0.02)

@@ -22,30 +22,43 @@ from pathlib import Path
 DTYPES = ("fp32", "bf16")
 
 
-def _timeit(fn, device, reps: int) -> float:
-    import torch
-
+def _timeit(fn, device, reps: int, min_batch_s: float = 0.02, agree=None) -> float:
+    """Seconds per call of `fn`: the median over `reps` batches of calls issued back to back
+    between two device synchronisations, each batch long enough (`min_batch_s`) that the
+    synchronisation and the first launch, tens of microseconds on a GPU, do not count in a
+    kernel of a few (one call per sync would time a 5 us kernel at 35). The way nccl-tests and
+    _gemm_seconds time, too. Where `fn` is a collective every rank must call it as often:
+    `agree` turns this rank's batch size into the ranks' common one."""
     fn()  # warm up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = time.perf_counter() - t0
+    inner = max(1, min(1000, math.ceil(min_batch_s / max(once, 1e-9))))
+    if agree is not None:
+        inner = agree(inner)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
 
 
-def matmul_flops(device, sizes=(256, 512, 1024, 2048), reps: int = 5,
+def matmul_flops(device, sizes=None, reps: int = 5,
                  budget_s: float = 0.5) -> dict[str, dict[int, float]]:
     """Matmul FLOP/s per dtype and square size. Sizes grow until one product takes longer than
     `budget_s`: the rate has saturated by then, and a CPU without bf16 matrix units runs a bf16
     2048-cube product for about a minute (measured here: 62 s on one thread), which would make
-    calibrate take minutes for a figure the smaller sizes already give."""
+    calibrate take minutes for a figure the smaller sizes already give. A GPU also runs 4096 and
+    8192 cubes (a 2048 cube is tens of microseconds there, short of the saturated rate)."""
     import torch
 
+    if sizes is None:
+        sizes = (256, 512, 1024, 2048) + ((4096, 8192) if device.type == "cuda" else ())
     out: dict[str, dict[int, float]] = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         out[name] = {}
@@ -97,7 +110,7 @@ def adamw_params_per_s(n: int = 4_000_000, reps: int = 3, threads: int | None = 
     return n / t
 
 
-def _overlap_times(device, dist, full, part, reps: int) -> dict:
+def _overlap_times(device, dist, full, part, reps: int, agree=None) -> dict:
     """One all-gather (`part` into `full`) alone, GEMMs alone, and the two issued together (the
     all-gather asynchronous, on NCCL's stream or gloo's thread, the GEMMs on the current stream),
     seconds. The GEMMs are repeated until they take about twice the all-gather, so that the
@@ -108,7 +121,7 @@ def _overlap_times(device, dist, full, part, reps: int) -> dict:
     n = 8192 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device, dtype=dt)
     b = torch.randn(n, n, device=device, dtype=dt)
-    m_s = _timeit(lambda: dist.all_gather_into_tensor(full, part), device, reps)
+    m_s = _timeit(lambda: dist.all_gather_into_tensor(full, part), device, reps, agree=agree)
     one = _timeit(lambda: a @ b, device, reps)
     count = max(1, math.ceil(2 * m_s / one))
 
@@ -124,7 +137,7 @@ def _overlap_times(device, dist, full, part, reps: int) -> dict:
     dist.barrier()
     c_s = _timeit(gemms, device, reps)
     dist.barrier()
-    t_s = _timeit(both, device, reps)
+    t_s = _timeit(both, device, reps, agree=agree)
     return {"collective_s": m_s, "gemm_s": c_s, "overlapped_s": t_s, "gemms": count, "n": n}
 
 
@@ -157,6 +170,12 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
 
     init_process_group_for(device, init_method=init, rank=rank, world_size=world)
     res = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}, "overlap": {}}
+
+    def agree(inner: int) -> int:  # the largest batch any rank asks for (a CPU tensor: gloo)
+        k = torch.tensor([inner], dtype=torch.int64)
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)
+        return int(k)
+
     try:
         for nbytes in sizes:
             n = max(world, nbytes // 4 // world * world)
@@ -169,12 +188,12 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
             }
             for name, fn in ops.items():
                 dist.barrier()
-                t = _timeit(fn, device, reps)
+                t = _timeit(fn, device, reps, agree=agree)
                 tt = torch.tensor([t], dtype=torch.float64)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                 res[name][n * 4] = float(tt)
         # compute beside a collective, at the largest size (kernels.collective_slowdown)
-        ov = _overlap_times(device, dist, full, part, reps)
+        ov = _overlap_times(device, dist, full, part, reps, agree)
         tt = torch.tensor([ov["collective_s"], ov["gemm_s"], ov["overlapped_s"]], dtype=torch.float64)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         res["overlap"] = dict(ov, collective_s=float(tt[0]), gemm_s=float(tt[1]), overlapped_s=float(tt[2]),
@@ -288,16 +307,16 @@ def gemm_fixed_s(device, m: int = 4096, n: int = 4096, ks=(1024, 2048, 4096, 819
 
 
 def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
-                    reps: int = 10) -> tuple[float, float]:
+                    reps: int = 10, batch: int = 1) -> tuple[float, float]:
     """Causal scaled_dot_product_attention forward and backward FLOP/s, counted as the flash-attn
-    benchmarks do: forward 4·s²·heads·d / 2, backward 2.5x that."""
+    benchmarks do: forward 4·s²·heads·d / 2 per sequence, backward 2.5x that."""
     import torch
     import torch.nn.functional as F
 
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
                for _ in range(3))
-    fwd_flop = 4 * seq * seq * heads * head_dim // 2
+    fwd_flop = batch * 4 * seq * seq * heads * head_dim // 2
     t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     g = torch.randn_like(o)
@@ -385,8 +404,9 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
 
 
 def _seq_half(device, rate_long: float) -> float:
-    """s_half of rate(s) = rate_long · s/(s + s_half), from the forward rate at s = 512."""
-    r512, _ = attention_rates(device, seq=512, heads=16)
+    """s_half of rate(s) = rate_long · s/(s + s_half), from the forward rate at s = 512 (a batch
+    of 8 sequences: one is a few microseconds of kernel on a GPU, shorter than its launch)."""
+    r512, _ = attention_rates(device, seq=512, heads=16, batch=8)
     if r512 >= rate_long:
         return 0.0
     return 512 * (rate_long / r512 - 1)
