@@ -1,5 +1,6 @@
-"""An MoE block under selective checkpointing, as torchtitan runs it: what the planner keeps and
-reruns, against PyTorch's own checkpoint running torchtitan's rule.
+"""An MoE block under selective checkpointing, as torchtitan runs it (and a block whose q, k and v
+are one linear, as torchtitan's FusedQKVLinear): what the planner keeps and reruns, against
+PyTorch's own checkpoint running torchtitan's rule.
 
 The block below is written here in the structure of torchtitan's MoE (models/common/moe.py and
 token_dispatcher.py at b36e4b6: a router in fp32, topk, tokens sorted by expert, three
@@ -29,12 +30,17 @@ MM = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, fused=False, dense=False):
         super().__init__()
         d = H // HEADS
-        self.wq = nn.Linear(H, HEADS * d, bias=False)
-        self.wk = nn.Linear(H, KV_HEADS * d, bias=False)
-        self.wv = nn.Linear(H, KV_HEADS * d, bias=False)
+        self.fused = fused  # q, k and v as one linear: torchtitan's FusedQKVLinear
+        self.dense = dense
+        if fused:
+            self.wqkv = nn.Linear(H, (HEADS + 2 * KV_HEADS) * d, bias=False)
+        else:
+            self.wq = nn.Linear(H, HEADS * d, bias=False)
+            self.wk = nn.Linear(H, KV_HEADS * d, bias=False)
+            self.wv = nn.Linear(H, KV_HEADS * d, bias=False)
         self.wo = nn.Linear(HEADS * d, H, bias=False)
         self.gate = nn.Linear(H, E, bias=False)
         self.w1 = nn.Parameter(torch.randn(E, FF, H) / H ** 0.5)
@@ -47,12 +53,19 @@ class Block(nn.Module):
         b, s, _ = x.shape
         d = H // HEADS
         y = F.rms_norm(x, (H,), self.n1)
-        q = self.wq(y).view(b, s, HEADS, d).transpose(1, 2)
-        k = self.wk(y).view(b, s, KV_HEADS, d).transpose(1, 2)
-        v = self.wv(y).view(b, s, KV_HEADS, d).transpose(1, 2)
+        if self.fused:
+            q, k, v = self.wqkv(y).split([HEADS * d, KV_HEADS * d, KV_HEADS * d], dim=-1)
+        else:
+            q, k, v = self.wq(y), self.wk(y), self.wv(y)
+        q = q.reshape(b, s, HEADS, d).transpose(1, 2)
+        k = k.reshape(b, s, KV_HEADS, d).transpose(1, 2)
+        v = v.reshape(b, s, KV_HEADS, d).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.wo(a.transpose(1, 2).reshape(b, s, H))
         t = F.rms_norm(x, (H,), self.n2).view(b * s, H)
+        if self.dense:  # a dense SwiGLU MLP of the same width (the experts' first weights)
+            w1, w3, w2 = self.w1[0], self.w3[0], self.w2[0]
+            return x + F.linear(F.silu(F.linear(t, w1)) * F.linear(t, w3), w2).view(b, s, H)
         return x + self.moe(t).view(b, s, H)
 
     def moe(self, t):
@@ -114,17 +127,18 @@ class _Outputs(TorchDispatchMode):
         return out
 
 
-def _spec():
+def _spec(fused=False, dense=False):
+    moe = {} if dense else {"num_experts": E, "experts_per_token": K}
     m = ModelSpec(name="moe", num_layers=1, hidden=H, ffn_hidden=FF, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                  vocab_size=64, num_experts=E, experts_per_token=K)
+                  vocab_size=64, qkv_fused=fused, **moe)
     return m, TrainSpec(seq_len=S, micro_batch=MB, checkpointing="selective")
 
 
-def _run():
+def _run(fused=False, dense=False):
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     torch.manual_seed(0)
-    block = Block().to(torch.bfloat16)
+    block = Block(fused, dense).to(torch.bfloat16)
     x = torch.randn(MB, S, H, dtype=torch.bfloat16, requires_grad=True)
     params = {StorageWeakRef(p.untyped_storage()).cdata for p in block.parameters()}
     fwd = _Outputs()
@@ -139,20 +153,24 @@ def _run():
     return sum(kept.values()) + x.untyped_storage().nbytes(), bwd.flop
 
 
-def test_an_moe_block_keeps_what_the_planner_counts():
-    """Kept through backward: the block's input, wq's and wv's outputs, the attention output and
-    logsumexp, and the router's topk (fp32 values, int64 indices); no expert tensor."""
-    m, t = _spec()
-    kept, _ = _run()
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_moe_block_keeps_what_the_planner_counts(fused):
+    """Kept through backward: the block's input, wq's and wv's outputs (q, k and v as one linear:
+    its whole output), the attention output and logsumexp, and the router's topk (fp32 values,
+    int64 indices); no expert tensor."""
+    m, t = _spec(fused)
+    kept, _ = _run(fused)
     assert kept == activation_memory.block_saved_bytes(m, t, "selective")
-    assert policy.selective_saved_matmuls("swiglu", moe=True) == ("wq", "wv")
+    assert policy.selective_saved_matmuls("swiglu", moe=True, qkv_fused=fused) == (("wqkv",) if fused else ("wq", "wv"))
 
 
-def test_an_moe_block_reruns_what_the_planner_prices():
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_moe_block_reruns_what_the_planner_prices(fused):
     """Backward's matmul FLOPs less the block's backward proper (2 x its forward: dX and dW) are
-    the rerun: wk, wo, the router and every expert's three matmuls."""
-    m, t = _spec()
-    _, flop = _run()
+    the rerun: wk (unless fused into the kept q/k/v linear), wo, the router and every expert's
+    three matmuls."""
+    m, t = _spec(fused)
+    _, flop = _run(fused)
     unit = next(u for u in arch.units(m, 1, "separate") if u.blocks)
     T = S * MB
     forward_mm = 2 * unit.matmul_params * T
@@ -177,3 +195,11 @@ def test_an_moe_layer_without_checkpointing_keeps_its_routing_and_experts():
     terms = activation_memory.block_activation_terms(m, t)
     moe = ("router_input", "router_logits", "routing", "expert_inputs", "mlp_hidden", "expert_outputs")
     assert sum(kept.values()) == sum(terms[k] for k in moe)
+
+
+def test_a_dense_block_with_one_qkv_linear_keeps_its_whole_output():
+    """Dense, q/k/v as one linear: the every-other rule keeps wqkv, w1 and w2 (wo and w3 rerun)."""
+    m, t = _spec(fused=True, dense=True)
+    kept, _ = _run(fused=True, dense=True)
+    assert kept == activation_memory.block_saved_bytes(m, t, "selective")
+    assert policy.selective_saved_matmuls("swiglu", qkv_fused=True) == ("wqkv", "w1", "w2")

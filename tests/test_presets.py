@@ -188,11 +188,12 @@ def test_a_name_with_a_nul_or_too_long_is_named_in_its_error():
 
 
 def test_an_moe_estimate_states_how_its_experts_are_priced(capsys):
-    """No measured MoE run is in the public set: an MoE model's estimate says how its experts
+    """One measured MoE run is in the public set: an MoE model's estimate says how its experts
     are priced (k GEMMs over every token, routing balanced); a dense model's says nothing."""
     from tests.helpers import cli
     r = cli(capsys, "estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--json")
     a = json.loads(r.stdout)["assumptions"]
-    assert a["experts"]["value"] == "2 of 8 per token" and "no measured MoE run" in a["experts"]["meaning"]
+    assert a["experts"]["value"] == "2 of 8 per token"
+    assert "routing balanced" in a["experts"]["meaning"] and "One measured MoE run" in a["experts"]["meaning"]
     r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json")
     assert "experts" not in json.loads(r.stdout)["assumptions"]

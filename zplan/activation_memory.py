@@ -307,12 +307,15 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
         # matmuls and of the attention kernel; pointwise ops are recomputed. An MoE block keeps
         # no expert tensor (policy.selective_saved_matmuls) but its router's topk, which the save
         # list names: the values (fp32, the router's scores) and int64 indices, k per token.
+        # Compiled, the partitioner keeps a saved op's output only where backward reads it: topk's
+        # values are dropped (the router's scores are gathered again), its indices kept.
         moe = bool(m.num_experts)
-        saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp, moe)))
+        names = policy.selective_saved_matmuls(m.mlp, moe, m.qkv_fused)
+        saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, names))
         if policy.SELECTIVE_SAVES_ATTENTION:
             saved += B * sb * m.q_hidden + (4 * m.num_heads * sb if train.flash_attention else 0)
         if moe:
-            saved += (4 + 8) * sb * m.experts_per_token
+            saved += (8 if train.compile else 4 + 8) * sb * m.experts_per_token
         return saved
     raise ValueError(mode)
 
@@ -336,7 +339,8 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
     if mode == "full":
         out = [block_input]
     elif mode == "selective":
-        out = [block_input] + [B * sb * w for w in arch.matmul_widths(m, policy.selective_saved_matmuls(m.mlp))]
+        out = [block_input] + [B * sb * w for w in arch.matmul_widths(
+            m, policy.selective_saved_matmuls(m.mlp, qkv_fused=m.qkv_fused))]
         out += [B * sb * q] if policy.SELECTIVE_SAVES_ATTENTION else []
     else:
         terms = block_activation_terms(m, train)

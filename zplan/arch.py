@@ -166,7 +166,7 @@ def matmul_widths(m: ModelSpec, names) -> list[int]:
     """Output width per token of each named block matmul (MoE: the k active experts' share)."""
     h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
     k = m.experts_per_token if m.num_experts else 1
-    width = {"wq": q, "wk": kv, "wv": kv, "wo": h, "w1": k * f, "w3": k * f, "w2": k * h}
+    width = {"wq": q, "wk": kv, "wv": kv, "wqkv": q + 2 * kv, "wo": h, "w1": k * f, "w3": k * f, "w2": k * h}
     return [width[n] for n in names]
 
 
@@ -174,8 +174,8 @@ def matmul_params(m: ModelSpec, names) -> int:
     """Weights of the named block matmuls that one token meets (MoE: k active experts)."""
     h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
     k = m.experts_per_token if m.num_experts else 1
-    size = {"wq": q * h, "wk": kv * h, "wv": kv * h, "wo": h * q, "w1": k * h * f,
-            "w3": k * h * f, "w2": k * h * f}
+    size = {"wq": q * h, "wk": kv * h, "wv": kv * h, "wqkv": (q + 2 * kv) * h, "wo": h * q,
+            "w1": k * h * f, "w3": k * h * f, "w2": k * h * f}
     return sum(size[n] for n in names)
 
 
@@ -202,7 +202,8 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
         return 0 if train.flash_attention else u.blocks * 4 * train.seq_len * m.q_hidden * T
     # the matmuls not kept run again (zplan/policy.py recomputed_matmuls); full and every-k rerun
     # attention (its output feeds wo), selective keeps it
-    names = policy.recomputed_matmuls(m.mlp, mode, policy.early_stop_applies(train), bool(m.num_experts))
+    names = policy.recomputed_matmuls(m.mlp, mode, policy.early_stop_applies(train), bool(m.num_experts),
+                                      m.qkv_fused)
     router_params = m.num_experts * m.hidden if m.num_experts else 0
     # the unit's own matmul weights per block (a bare --params count sizes them, not the
     # stand-in widths), the rerun share by the block's matmul widths

@@ -234,8 +234,10 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
             "flag": "none (a stated limit)",
             "meaning": "each token's experts are priced as that many GEMMs over every token, at the "
                        "rate one grouped GEMM reaches: routing balanced, the tokens' permutation to "
-                       "and from the experts and a per-expert loop's small GEMMs not priced; no "
-                       "measured MoE run is in the public set (docs/accuracy.md)"}
+                       "and from the experts and a per-expert loop's small GEMMs not priced; the "
+                       "activations are torchtitan's MoE's (grouped GEMMs: selective checkpointing "
+                       "keeps no expert tensor). One measured MoE run is in the public set "
+                       "(docs/accuracy.md: Qwen3-30B-A3B on 8 B200)"}
     if sc.model.total_params is not None:
         m = sc.model
         out["architecture"] = {

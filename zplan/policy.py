@@ -100,7 +100,14 @@ def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, .
     raise ValueError(f"unknown checkpointing mode {mode!r}")
 
 
-def selective_saved_matmuls(mlp: str, moe: bool = False) -> tuple[str, ...]:
+def block_matmuls(mlp: str, qkv_fused: bool = False) -> tuple[str, ...]:
+    """The block's matmuls in the order they run; with q, k and v as one linear (ModelSpec.qkv_fused:
+    MPT's Wqkv, torchtitan's FusedQKVLinear) "wqkv" stands for the three."""
+    order = BLOCK_MATMULS[mlp]
+    return ("wqkv",) + order[3:] if qkv_fused else order
+
+
+def selective_saved_matmuls(mlp: str, moe: bool = False, qkv_fused: bool = False) -> tuple[str, ...]:
     """The matmuls whose outputs selective checkpointing keeps: every second one of the block,
     starting with the first (torchtitan's `_save_list` rule, 'save every other mm'). SwiGLU keeps
     wq, wv, w1, w2; GELU keeps wq, wv, w1 (its w2 is recomputed).
@@ -111,8 +118,11 @@ def selective_saved_matmuls(mlp: str, moe: bool = False) -> tuple[str, ...]:
     are recomputed and take no part in the every-other count, and the router's matmul is forced to
     recompute (SelectiveAC force_recompute_mm_shapes_by_fqns, default ["moe.router.gate"]). Of an
     MoE block only the attention's matmuls count: wq and wv are kept (tests/test_moe_selective.py
-    runs the rule through torch.utils.checkpoint)."""
-    order = BLOCK_MATMULS[mlp][:4] if moe else BLOCK_MATMULS[mlp]
+    runs the rule through torch.utils.checkpoint). With q, k and v as one linear its whole output
+    is the first matmul's, kept: SwiGLU keeps wqkv, w1, w2; an MoE block wqkv."""
+    order = block_matmuls(mlp, qkv_fused)
+    if moe:
+        order = order[:order.index("wo") + 1]
     return tuple(name for i, name in enumerate(order) if i % 2 == 0)
 
 
@@ -124,7 +134,8 @@ def early_stop_applies(train) -> bool:
     return train.checkpoint_early_stop and not train.te_float8
 
 
-def recomputed_matmuls(mlp: str, mode: str, early_stop: bool = True, moe: bool = False) -> tuple[str, ...]:
+def recomputed_matmuls(mlp: str, mode: str, early_stop: bool = True, moe: bool = False,
+                       qkv_fused: bool = False) -> tuple[str, ...]:
     """The block matmuls that backward runs again for a checkpointed block: under full (and
     every-k's checkpointed blocks) all of them, under selective those whose outputs are not kept.
     With early stop (non-reentrant torch.utils.checkpoint since PyTorch 2.1, the default;
@@ -136,8 +147,8 @@ def recomputed_matmuls(mlp: str, mode: str, early_stop: bool = True, moe: bool =
     block is. Measured with PyTorch's FlopCounterMode on the trainer's block (tests/test_policy.py).
     SwiGLU selective reruns wk, wo, w3; GELU selective wk, wo; an MoE block's selective reruns wk,
     wo and every expert matmul (selective_saved_matmuls)."""
-    order = BLOCK_MATMULS[mlp]
-    kept = selective_saved_matmuls(mlp, moe) if mode == "selective" else ()
+    order = block_matmuls(mlp, qkv_fused)
+    kept = selective_saved_matmuls(mlp, moe, qkv_fused) if mode == "selective" else ()
     last = order[-1] if early_stop and not moe else None
     return tuple(name for name in order if name not in kept and name != last)
 

@@ -289,7 +289,10 @@ def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
         return _block(sc, False, only=(), with_memory=False), float(u.blocks)
     # the matmuls not kept (policy.recomputed_matmuls: with early stop not a dense block's last;
     # selective, torchtitan's op-level SAC, keeps every second one) and every pointwise op
-    only = policy.recomputed_matmuls(m.mlp, mode, policy.early_stop_applies(sc.train), bool(m.num_experts))
+    only = policy.recomputed_matmuls(m.mlp, mode, policy.early_stop_applies(sc.train), bool(m.num_experts),
+                                     m.qkv_fused)
+    if "wqkv" in only:  # the one q/k/v linear, priced as its three parts (_linears)
+        only += ("wq", "wk", "wv")
     if mode == "selective":
         return _block(sc, False, only=only, with_attention=False), float(u.blocks)
     if mode == "full":
