@@ -1,9 +1,14 @@
 """DeepSpeed ZeRO-3's default stage-3 settings, which a run gets where its config leaves them out
 (`TrainSpec.deepspeed_defaults`): deepspeed/runtime/zero/config.py, the same at v0.16.6 and
-v0.19.2. zplan's own export writes a unit for the buckets instead (export.deepspeed_config), so
-a plan it exports gathers and reduces unit by unit."""
+v0.19.2, and what they make it do (the parameters it gathers again in backward, the copies its
+reduce stream holds). zplan's own export writes a unit for the buckets instead
+(export.deepspeed_config), so a plan it exports gathers and reduces unit by unit."""
 
 import functools
+import math
+
+from . import allocator
+from .units import DTYPE_BITS
 
 PREFETCH_BUCKET_ELEMS = 50_000_000  # stage3_prefetch_bucket_size
 MAX_LIVE_ELEMS = 1_000_000_000  # stage3_max_live_parameters
@@ -73,3 +78,50 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...]) -> tuple[t
         if m is None or prefix[m] - prefix[k + 1] >= MAX_REUSE_DISTANCE_ELEMS:
             live.discard((i, j))
     return tuple(tuple(a) for a in again)
+
+
+def reduce_scatter_copy_elems(backward_sizes: tuple[int, ...], world: int) -> int:
+    """The largest flat copy ZeRO-3's gradient reduction makes, in elements: stage3.py (v0.19.2)
+    adds each gradient, as backward makes it, to a bucket and reduces the bucket first where the
+    gradient would overflow reduce_bucket_size (`reduce_independent_p_g_buckets_and_remove_grads`);
+    at its default `reduce_scatter: true` the bucket goes through `__avg_scatter_grads` ->
+    comm/coalesced_collectives.py `reduce_scatter_coalesced`, which interleaves the gradients'
+    rank partitions, each padded to ceil(n / world), into a new tensor with `torch.cat`, unless
+    the bucket holds one gradient that divides evenly. `backward_sizes`: every parameter's
+    elements in the order backward makes their gradients."""
+    largest, bucket, filled = 0, [], 0
+    for n in list(backward_sizes) + [None]:
+        if n is None or (bucket and filled + n > REDUCE_BUCKET_ELEMS):
+            if not (len(bucket) == 1 and bucket[0] % world == 0):
+                largest = max(largest, sum(-(-b // world) * world for b in bucket))
+            bucket, filled = [], 0
+        if n is not None:
+            bucket.append(n)
+            filled += n
+    return largest
+
+
+def reduce_stream_bytes(sc, st) -> int:
+    """What DeepSpeed ZeRO-3's reduce stream reserves (zero layout at DeepSpeed's defaults, whose
+    overlap_comm is on at stage 3: the reduction runs on a stream of its own,
+    `reduce_and_partition_stream`, and the caching allocator gives no other stream a block it has
+    cached): the largest flat copy of a bucket that reduce_scatter_coalesced makes
+    (reduce_scatter_copy_elems, in the reduce dtype) and, with the optimizer offloaded,
+    beside it one gradient partition brought back to the GPU and made fp32 for the host's
+    optimizer (stage3.py partition_grads at v0.19.2: `grad_buffer.to(device)`,
+    `grad_buffer.to(dtype=master)`), the largest. Each its own segment
+    (allocator.segment_bytes); a flat --fragmentation leaves it out."""
+    t = sc.train
+    D = sc.shard_degree(st.hsdp)
+    if not (t.layout == "zero" and t.deepspeed_defaults and st.params_sharded and D > 1) \
+            or sc.assume.fragmentation is not None:
+        return 0
+    sizes = [math.prod(s) for u in sc.units for s in u.shapes]
+    rb = DTYPE_BITS[t.precision.reduce] // 8
+    copy = reduce_scatter_copy_elems(tuple(reversed(sizes)), D) * rb
+    out = allocator.segment_bytes(copy, sc.assume.expandable_segments) if copy else 0
+    if st.offload_optimizer:
+        part = max(-(-n // D) for n in sizes)
+        for b in (DTYPE_BITS[t.precision.param] // 8, DTYPE_BITS[t.precision.master] // 8):
+            out += allocator.segment_bytes(part * b, sc.assume.expandable_segments)
+    return out

@@ -13,6 +13,7 @@ from . import nccl
 from . import unit_ops
 from .compute import optimizer_ops, uses_kernel_model
 from .estimate import TIGHT_FREE_FRACTION, estimate_one
+from .deepspeed import reduce_stream_bytes
 from .scenario import Scenario
 from .units import DTYPE_BITS, GB, fmt_s, nbytes
 
@@ -65,6 +66,11 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                    f"{_gb(mem.gather_buffer_bytes)}")
         out.append(f"reduce: the 5e8-element bucket x {b(p.reduce)} B + the largest parameter's gradient "
                    f"x {b(p.param)} B = {_gb(mem.reduce_buffer_bytes)}")
+        stream = reduce_stream_bytes(sc.for_strategy(st.fsdp), st)
+        if stream:
+            out.append(f"reduce stream (overlap_comm), reserved beside the step: a bucket's flat copy in "
+                       f"reduce_scatter_coalesced{' + a gradient partition in bf16 and fp32 (offload)' if st.offload_optimizer else ''}"
+                       f" = {_gb(stream)}")
     elif st.fsdp:
         big = max(sc.padded_elems(u, D) for u in us)
         how = ("all units stay gathered from forward to backward" if not st.reshard_after_forward

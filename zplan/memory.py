@@ -17,6 +17,7 @@ from functools import lru_cache
 
 from . import activation_memory, allocator, arch, policy
 from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
+from .deepspeed import reduce_stream_bytes
 from . import memory_timeline as mt
 from .memory_timeline import Event
 from .scenario import Scenario, SegmentFreeMemo
@@ -619,6 +620,7 @@ class _Allocation:
     top: Event
     stream_peaks: tuple[tuple[str, int], ...]
     loss_start: Event | None
+    step_peak_bytes: int  # the largest event after setup (setup_events)
 
 
 _ALLOCATIONS = SegmentFreeMemo()
@@ -632,7 +634,8 @@ def _allocation(sc: Scenario, st: Strategy) -> _Allocation:
         ms = model_state(sc, st)
         events = timeline(sc, st, ms)
         return _Allocation(ms, mt.peak(events), tuple(allocator.stream_peaks(events).items()),
-                           next((e for e in events if e.label == "loss forward"), None))
+                           next((e for e in events if e.label == "loss forward"), None),
+                           max((e.total_bytes for e in events if e.phase != "setup"), default=0))
     return _ALLOCATIONS.get(sc, st, make)
 
 
@@ -655,6 +658,8 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     cache_unused, cache_free = _param_block_cache(sc, st)
     reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
                                              _all_gather_reserved(sc, st, ms)) + cache_unused
+    reduce_stream = reduce_stream_bytes(sc, st)  # made in backward: beside the step only
+    reserved = max(reserved, alloc.step_peak_bytes + reduce_stream) if top.phase == "setup" else reserved + reduce_stream
     # what of it sits in segments wholly free at the peak: the forward's freed blocks (not the
     # holes beside what it kept), the
     # loss's blocks none of its later tensors fits, and the all-gather stream's segments beyond
@@ -663,6 +668,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     loss_packed = loss_reserved - loss_releasable
     packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
         start, loss_b, loss_packed, residue - residue_releasable)) + cache_unused - cache_free
+    packed = max(packed, alloc.step_peak_bytes + reduce_stream) if top.phase == "setup" else packed + reduce_stream
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)
