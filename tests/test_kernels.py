@@ -177,6 +177,29 @@ def test_attention_kernel_option_reaches_the_block_ops():
     assert ops["flash-triton"]["w1 dW"].seconds == ops["flash2"]["w1 dW"].seconds
 
 
+@pytest.mark.parametrize("gpu,fwd,bwd", [
+    # tritonbench's stated latencies at s = 16k, head dim 128 (FA2 ms / flex ms, pytorch/benchmark PR 2443)
+    ("h100-sxm", 3.347 / 3.024, 8.947 / 8.245),
+    ("a100-80gb", 0.90, 0.85),  # the FlexAttention blog's sentence on A100
+])
+def test_flex_attention_runs_at_its_measured_share_of_flashattention2(gpu, fwd, bwd):
+    """FlexAttention's time is FlashAttention-2's over the speed its kernel benchmark measured
+    against FA2 on that GPU family, forward and backward apart."""
+    from zplan import presets
+
+    g = presets.gpu(gpu)
+    for backward, speed in ((False, fwd), (True, bwd)):
+        fa2 = K.attention(g, 16384, 4096, 16384, backward, "flash2")
+        flex = K.attention(g, 16384, 4096, 16384, backward, "flex")
+        assert fa2.seconds / flex.seconds == pytest.approx(speed, rel=1e-9)
+
+
+def test_flex_attention_without_a_benchmark_is_refused():
+    """No kernel benchmark gives FlexAttention's rate on MI300X: one line, the way out named."""
+    with pytest.raises(UsageError, match="--attention-kernel flex .* not mi300x: use flash2"):
+        scenario(model="llama-3.1-8b", gpus=8, gpu="mi300x", cluster="mi300x-node", attention_kernel="flex")
+
+
 def test_unknown_attention_kernel_is_one_clear_usage_error():
     with pytest.raises(UsageError, match="--attention-kernel"):
         scenario(model="mpt-1b", gpus=8, attention_kernel="flash9")

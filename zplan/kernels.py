@@ -180,12 +180,44 @@ ATTENTION_KERNEL_SPEED: dict[str, tuple[float, float]] = {
 }
 FLASH3_HEAD_DIMS = (64, 96, 128, 192, 256)  # flash-attn hopper/: the head dims it compiles
 
+# FlexAttention's Triton kernels (torch.nn.attention.flex_attention, compiled; torchtitan's default
+# attention for Llama 3 and Qwen3 in 2026) relative to the preset's FlashAttention-2 rates, causal,
+# by GPU family (name prefix): no one benchmark covers every GPU.
+# A100: "FlexAttention achieves 90% of FlashAttention2's performance in the forward pass and 85% in
+# the backward pass" (PyTorch blog "FlexAttention: The Flexibility of PyTorch with the Performance
+# of FlashAttention", 2024-08, its causal benchmark on A100, benchmarks/transformer/score_mod.py).
+# Hopper: tritonbench's FlexAttention operator against flash_v2, causal, 16 heads, head dim 128,
+# batch x sequence 16,384, stated latencies at s = 16k (the presets' FA2 reference length):
+# forward 3.347 / 3.024 ms, backward 8.947 / 8.245 ms (pytorch/benchmark PR 2443, c0409aaf,
+# 2024-08-28; H100 by FA2's 330 TFLOP/s). NVIDIA's GTC 2025 session on FlexAttention states
+# averages of 1.25x and 1.03x FA2 on H100 over its own configurations.
+# Blackwell: FlexAttention's Triton backend on GB200, causal, bf16, 16 heads, head dim 128, batch 4
+# (drisspg/flex-flash-blog 84b90fa, gb200_triton_vs_cudnn_causal_d128_hkv16.png, read off the plot:
+# about 535 forward, 522 backward TFLOP/s at 16k) over the b200 preset's SDPA FlashAttention-2 at
+# 16k (397 and 331, cudnn-frontend's B200 results, b200.toml): a ratio across two benchmarks.
+FLEX_SPEED: dict[str, tuple[float, float]] = {
+    "a100": (0.90, 0.85),
+    "h100": (3.347 / 3.024, 8.947 / 8.245), "h200": (3.347 / 3.024, 8.947 / 8.245),
+    "gh200": (3.347 / 3.024, 8.947 / 8.245),
+    "b200": (535 / 397, 522 / 331), "gb200": (535 / 397, 522 / 331),
+}
+
+
+def flex_speed(gpu_name: str) -> tuple[float, float] | None:
+    """FlexAttention's (forward, backward) speed relative to FlashAttention-2 on this GPU preset
+    (FLEX_SPEED, by the preset name's family), or None where no kernel benchmark gives one."""
+    for family in sorted(FLEX_SPEED, key=len, reverse=True):
+        if gpu_name.startswith(family):
+            return FLEX_SPEED[family]
+    return None
+
 
 def padded_head_dim(head_dim: int, kernel: str) -> int:
     """The head dimension the kernel computes on: FlashAttention-2 rounds it up to a multiple of
-    32 (flash-attn csrc/flash_attn/flash_api.cpp, head_size_rounded); the Triton kernel to a power
+    32 (flash-attn csrc/flash_attn/flash_api.cpp, head_size_rounded); the Triton kernels (and
+    FlexAttention's) to a power
     of two (flash_attn_triton.py, BLOCK_HEADDIM = next_power_of_2(d))."""
-    if kernel == "flash-triton":
+    if kernel in ("flash-triton", "flex"):  # Triton's tl.arange: a power of two
         return max(16, 1 << (head_dim - 1).bit_length())
     if kernel == "flash3":
         return next((d for d in FLASH3_HEAD_DIMS if d >= head_dim), head_dim)
@@ -203,7 +235,10 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
     k = gpu.kernels
     assert k is not None
     pad = head_dim / padded_head_dim(head_dim, kernel)
-    f, b = ATTENTION_KERNEL_SPEED[kernel]
+    if kernel == "flex":  # refused where no benchmark gives its speed (scenario_options)
+        f, b = flex_speed(gpu.name) or (1.0, 1.0)
+    else:
+        f, b = ATTENTION_KERNEL_SPEED[kernel]
     scale = gpu.flops(dtype) / gpu.flops("bf16") if dtype not in ("bf16", "fp16", "fp8") else 1.0
     return (k.attention_forward_flops * f * pad * scale, k.attention_backward_flops * b * pad * scale)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from . import arch, presets
+from . import kernels as K
 from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
@@ -163,6 +164,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.attention_kernel == "flash4" and not gpu.name.startswith(BLACKWELL_PRESETS):
         raise UsageError(f"--attention-kernel flash4 (FlashAttention-4) runs on Blackwell GPUs "
                          f"({', '.join(BLACKWELL_PRESETS)}), not {gpu.name}: use flash2")
+    if o.attention_kernel == "flex" and K.flex_speed(gpu.name) is None:
+        raise UsageError(f"--attention-kernel flex (FlexAttention) has published kernel rates for A100, "
+                         f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
     check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))
     check_choice(o.optimizer_kernels, "--optimizer-kernels", OPTIMIZER_KERNELS)
     layout = o.layout or "zero"

@@ -17,7 +17,7 @@ StrategyName = Literal[
 ]
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
-AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4"]
+AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4", "flex"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]
@@ -378,8 +378,9 @@ class TrainSpec(Spec):
         "flash2", description="the flash kernel: flash2 (FlashAttention-2, PyTorch's SDPA flash "
         "backend), flash-triton (FlashAttention in Triton, as llm-foundry's attn_impl: triton) or "
         "flash3 (FlashAttention-3, Hopper GPUs: flash-attn's hopper kernels, HF's "
-        "attn_implementation flash_attention_3) or flash4 (FlashAttention-4, Blackwell GPUs: "
-        "flash-attn's cute kernels, HF's attn_implementation flash_attention_4)")
+        "attn_implementation flash_attention_3), flash4 (FlashAttention-4, Blackwell GPUs: "
+        "flash-attn's cute kernels, HF's attn_implementation flash_attention_4) or flex "
+        "(FlexAttention's Triton kernels, torchtitan's default attention in 2026)")
     optimizer: OptimizerName = "adamw"
     optimizer_kernels: OptimizerKernels = Field(
         "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "
