@@ -48,3 +48,17 @@ def function_linear(fn):
             return fn.apply(x, self.weight)
 
     return Linear
+
+
+def saved_storages(module):
+    """(saved, pack): a saved_tensors_hooks pack function that records, in `saved`, the bytes of
+    each storage autograd saves, the module's weights apart (storage pointer -> bytes)."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+    return saved, pack

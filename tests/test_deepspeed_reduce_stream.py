@@ -52,3 +52,28 @@ def test_backward_fills_buckets_as_stage3_does():
     assert reduce_scatter_copy_elems(tuple(backward), 8) == 494_948_352
     assert reduce_scatter_copy_elems((B + 8,), 8) == 0  # alone, and divisible: in place
     assert reduce_scatter_copy_elems((B + 1,), 8) == B + 8  # alone, padded: copied
+
+
+def test_the_reserve_takes_the_models_gradients_in_backward_order():
+    """Llama 3.1 8B, ZeRO-3 at DeepSpeed's defaults over 8 GPUs: the worked bucket above in bf16,
+    and with the optimizer offloaded the embedding's partition (128256 x 4096 / 8) in bf16 and in
+    fp32 beside it, each a segment rounded up to 2 MiB; nothing where the reduction has no stream
+    of its own or DeepSpeed's buckets are not its defaults."""
+    from tests.helpers import scenario
+    from zplan.deepspeed import reduce_stream_bytes
+    from zplan.strategies import effective
+
+    def mib2(n):
+        return -(-n // (2 << 20)) * (2 << 20)
+
+    kw = dict(model="llama-3.1-8b", gpus="8", cluster="hgx-h200", reduce_dtype="bf16")
+    sc = scenario(layout="zero", deepspeed_defaults=True, **kw)
+    part = 128256 * 4096 // 8
+    assert reduce_stream_bytes(sc, effective("zero3", "zero")) == mib2(494_948_352 * 2)
+    assert reduce_stream_bytes(sc, effective("offload-opt", "zero")) == (
+        mib2(494_948_352 * 2) + mib2(part * 2) + mib2(part * 4))
+    assert reduce_stream_bytes(sc, effective("zero2", "zero")) == 0  # stage 2: not this path
+    assert reduce_stream_bytes(scenario(layout="zero", **kw), effective("zero3", "zero")) == 0
+    assert reduce_stream_bytes(scenario(layout="zero", deepspeed_defaults=True, overlap=False, **kw),
+                               effective("zero3", "zero")) == 0
+    assert reduce_stream_bytes(scenario(layout="torch", **kw), effective("zero3", "torch")) == 0

@@ -1,6 +1,6 @@
 """Hypothesis fuzzing of every planner command and every input file type, in this process.
 
-1,000 cases (ZPLAN_FUZZ_CASES to change) of estimate, recommend, explain, export, launch
+600 cases (ZPLAN_FUZZ_CASES to change) of estimate, recommend, explain, export, launch
 --dry-run and detect, with hostile flag values, presets, config.json, plans and zplan.toml
 (tests/fuzzing.py), each judged by tests/fuzz_oracle.py: exit 0/1/2, one clean error line that
 names what was given, strict finite JSON, no hang. The long run is benchmarks/fuzz_cli.py.
@@ -16,7 +16,7 @@ from tests.fuzz_oracle import problems, run_case
 from tests.fuzzing import cases
 
 pytestmark = pytest.mark.slow
-CASES = int(os.environ.get("ZPLAN_FUZZ_CASES", "1000"))
+CASES = int(os.environ.get("ZPLAN_FUZZ_CASES", "600"))
 
 
 @pytest.fixture(scope="module")

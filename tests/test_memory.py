@@ -775,18 +775,12 @@ def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp):
 
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
                   vocab_size=64, mlp=mlp)
+    from tests.helpers import saved_storages
+
     block = Block(m).to(torch.bfloat16)
-    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     s = 64
     x = torch.randn(1, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
+    saved, pack = saved_storages(block)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         torch.compile(block, backend="aot_eager_decomp_partition")(x)
     t = TrainSpec(seq_len=s, fused_norm=False, compile=True)

@@ -107,6 +107,13 @@ def _torchtitan_rule():
     return choose
 
 
+def _torchtitan_contexts():
+    """torchtitan's SelectiveAC context_fn (a module-level function: dynamo traces it)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_torchtitan_rule())
+
+
 class _Outputs(TorchDispatchMode):
     """Every op's outputs (storage, bytes) and, in backward, the matmuls run (FLOPs)."""
 
@@ -203,3 +210,38 @@ def test_a_dense_block_with_one_qkv_linear_keeps_its_whole_output():
     kept, _ = _run(fused=True, dense=True)
     assert kept == activation_memory.block_saved_bytes(m, t, "selective")
     assert policy.selective_saved_matmuls("swiglu", qkv_fused=True) == ("wqkv", "w1", "w2")
+
+
+@pytest.mark.slow  # compiling takes about a minute on 2 cores
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_a_compiled_moe_block_saves_what_the_min_cut_partitioner_keeps(mode):
+    """Compiled (torch.compile per block, the partitioner inductor uses, without its code
+    generation): without checkpointing the MoE layer keeps what the min-cut partitioner chooses
+    (the 16-bit expert outputs, not an fp32 copy; no fp32 copy of the router's input); under
+    torchtitan's rule the block keeps its input, Wq/Wv, the attention's outputs and topk's indices
+    (its values are dropped: backward reads none)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.helpers import saved_storages
+
+    torch.manual_seed(0)
+    block = Block().to(torch.bfloat16)
+    saved, pack = saved_storages(block)
+    m, t = _spec()
+    t = t.model_copy(update={"compile": True, "checkpointing": mode})
+    if mode == "none":
+        x = torch.randn(MB * S, H, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.compile(block.moe, backend="aot_eager_decomp_partition")(x)
+        saved.pop(x.untyped_storage().data_ptr(), None)  # the layer's input: the block's mlp_input
+        terms = activation_memory.block_activation_terms(m, t)
+        moe = ("router_input", "router_logits", "routing", "expert_inputs", "mlp_hidden", "expert_outputs")
+        assert sum(saved.values()) == sum(terms[k] for k in moe)
+    else:
+        x = torch.randn(MB, S, H, dtype=torch.bfloat16, requires_grad=True)
+
+        def run(x):
+            return checkpoint(block, x, use_reentrant=False, context_fn=_torchtitan_contexts)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.compile(run, backend="aot_eager_decomp_partition")(x)
+        assert sum(saved.values()) == activation_memory.block_saved_bytes(m, t, "selective")

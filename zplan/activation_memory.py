@@ -245,14 +245,17 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
     if m.num_experts:  # torchtitan's MoE (models/common/moe.py, token_dispatcher.py at b36e4b6)
         k = m.experts_per_token
         t["router_logits"] = 4 * sb * m.num_experts  # the fp32 scores the softmax (sigmoid) keeps
-        # the router runs under autocast to fp32: eager, its matmul keeps the fp32 copies of its
-        # input and weight (and the experts' int32 offsets); compiled, the casts are recomputed
-        t["router_input"] = 0 if train.compile else 4 * (sb * h + m.num_experts * h + m.num_experts)
-        # topk's int64 indices (gather's), the gathered scores and their fp32 sum, the sort's int64
-        # order and the token index it gives (the routed input's and scatter_add's), the sorted scores
-        t["routing"] = (8 + 4 + 8 + 8 + 4) * sb * k + 4 * sb
+        # the router runs under autocast to fp32: its matmul keeps the fp32 copies of its input
+        # and weight (and the experts' int32 offsets), compiled too
+        t["router_input"] = 4 * (sb * h + m.num_experts * h + m.num_experts)
+        # topk's int64 indices (gather's), the sort's int64 order and the token index it gives (the
+        # routed input's and scatter_add's), the sorted scores; eager also the gathered scores and
+        # their fp32 sum (compiled, recomputed)
+        t["routing"] = (8 + 8 + 8 + 4) * sb * k + (0 if train.compile else 4 * sb * k + 4 * sb)
         t["expert_inputs"] = k * B * sb * h
-        t["mlp_hidden"] = k * per_mlp
+        # the experts' SwiGLU keeps four tensors compiled too (w1's, silu's, w3's outputs, their
+        # product: the partitioner does not recompute silu beside the grouped GEMMs)
+        t["mlp_hidden"] = k * (4 * B * sb * f if m.mlp == "swiglu" else per_mlp)
         # the scores multiply the experts' outputs in fp32: eager keeps the fp32 copy, compiled
         # (one fused kernel) the 16-bit output
         t["expert_outputs"] = (B if train.compile else 4) * k * sb * h

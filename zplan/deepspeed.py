@@ -110,12 +110,14 @@ def reduce_stream_bytes(sc, st) -> int:
     beside it one gradient partition brought back to the GPU and made fp32 for the host's
     optimizer (stage3.py partition_grads at v0.19.2: `grad_buffer.to(device)`,
     `grad_buffer.to(dtype=master)`), the largest. Each its own segment
-    (allocator.segment_bytes); a flat --fragmentation leaves it out."""
+    (allocator.segment_bytes); a flat --fragmentation leaves it out, and so does --no-overlap
+    (overlap_comm off: `reduce_and_partition_stream` is the default stream). One rank reduces
+    too: reduce_scatter_coalesced copies a bucket of several gradients over one partition."""
     t = sc.train
     D = sc.shard_degree(st.hsdp)
-    if not (t.layout == "zero" and t.deepspeed_defaults and st.params_sharded and D > 1) \
+    if not (t.layout == "zero" and t.deepspeed_defaults and st.params_sharded and sc.assume.overlap) \
             or sc.assume.fragmentation is not None:
-        return 0
+        return 0  # without overlap_comm the reduction runs on the default stream
     sizes = [math.prod(s) for u in sc.units for s in u.shapes]
     rb = DTYPE_BITS[t.precision.reduce] // 8
     copy = reduce_scatter_copy_elems(tuple(reversed(sizes)), D) * rb

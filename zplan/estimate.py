@@ -253,6 +253,7 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
         "schema_version": SCHEMA_VERSION,
         "inputs": {
             "model": m.name,
+            "qkv_fused": m.qkv_fused,
             "params": sc.params,
             "units": [{"name": u.name, "params": u.numel} for u in sc.units],
             "gpu": hw.gpu.name,

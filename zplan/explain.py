@@ -69,7 +69,7 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
         stream = reduce_stream_bytes(sc.for_strategy(st.fsdp), st)
         if stream:
             out.append(f"reduce stream (overlap_comm), reserved beside the step: a bucket's flat copy in "
-                       f"reduce_scatter_coalesced{' + a gradient partition in bf16 and fp32 (offload)' if st.offload_optimizer else ''}"
+                       f"reduce_scatter_coalesced{' + a gradient partition in the param and master dtypes (offload)' if st.offload_optimizer else ''}"
                        f" = {_gb(stream)}")
     elif st.fsdp:
         big = max(sc.padded_elems(u, D) for u in us)

@@ -196,8 +196,8 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         return (f"the trainer builds dense RoPE/RMSNorm decoders without dropout; {m.name} is not "
                 f"one: export the plan for your own training code")
     if m.qkv_fused:
-        return ("the trainer runs q, k and v as three linears, not one: plan again without "
-                "--qkv-fused, or export the plan")
+        return (f"the trainer runs q, k and v as three linears, not one ({m.name}'s layout or "
+                f"--qkv-fused): plan again with --no-qkv-fused, or export the plan")
     return None
 
 

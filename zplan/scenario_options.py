@@ -65,7 +65,7 @@ class ScenarioOptions:
     fused_loss: bool = False
     linear_loss: str = "none"  # none | chunked | liger (TrainSpec.linear_loss)
     fused_swiglu: bool = False
-    qkv_fused: bool = False  # q, k and v run as one linear (ModelSpec.qkv_fused), whatever the preset's layout
+    qkv_fused: Optional[bool] = None  # q, k and v run as one linear (ModelSpec.qkv_fused); None: the model's layout
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
@@ -131,8 +131,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                              f"--params {o.params}, over the limit of {MAX_LAYERS:,}; use at least "
                              f"{-(-psi // MAX_LAYERS):,} parameters per unit")
         model = arch.synthetic(psi, unit)
-    if o.qkv_fused:
-        model = model.model_copy(update={"qkv_fused": True})
+    if o.qkv_fused is not None and o.qkv_fused != model.qkv_fused:
+        model = model.model_copy(update={"qkv_fused": o.qkv_fused})
     seq = o.seq_len if o.seq_len is not None else min(4096, model.max_seq_len)
     check_range(seq, "--seq-len", 1, 10**7)
     check_range(o.micro_batch, "--micro-batch", 1, 10**5)

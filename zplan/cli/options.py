@@ -59,7 +59,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "fused_loss": ((), "The loss is a fused cross-entropy kernel (flash-attn's, e.g. llm-foundry's default): logits kept, their gradient in their dtype"),
     "linear_loss": ((), "The head's matmul and the loss together, chunk by chunk, logits never kept whole: none | chunked (zplan's trainer, torch ops) | liger (Liger-Kernel's fused linear cross-entropy)"),
     "fused_swiglu": ((), "SwiGLU as one kernel that saves its two inputs and recomputes silu in backward (Liger-Kernel's)"),
-    "qkv_fused": ((), "q, k and v run as one linear, as torchtitan builds Llama 3 and Qwen3 since 2026-06 (FusedQKVLinear): one weight, one output that selective checkpointing keeps whole"),
+    "qkv_fused": ((), "q, k and v run as one linear, as torchtitan builds Llama 3 and Qwen3 since 2026-06 (FusedQKVLinear): one weight, one output that selective checkpointing keeps whole; --no-qkv-fused: three (default: the model's layout, fused for MPT, GPT-2, GPT-NeoX, Phi-3)"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),
     "float8_recipe": ((), "With --float8: tensorwise (torchao's dynamic scaling) | rowwise (torchao's rowwise scaling: more casts, weights gathered in the param dtype) | rowwise-gw-hp (rowwise, the weight gradient in 16 bits) | te-delayed (TransformerEngine's delayed scaling: float8 kept for backward, weights gathered in the param dtype)"),
     "float8_all_gather": ((), "With --float8 (tensorwise): FSDP gathers block weights in float8 (--no-float8-all-gather: in the param dtype)"),

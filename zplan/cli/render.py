@@ -102,7 +102,7 @@ _RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", No
 
 def run_facts(sc: Scenario) -> list[str]:
     """The flags of the run's loop, loss and units that differ from TrainSpec's defaults (zplan's
-    trainer), and expandable segments, as the user would pass them."""
+    trainer), expandable segments and a fused q/k/v linear, as the user would pass them."""
     from ..specs import TrainSpec
 
     t, default = sc.train, TrainSpec()
@@ -117,6 +117,8 @@ def run_facts(sc: Scenario) -> list[str]:
             out.append(f"{on} {v}")
     if sc.assume.expandable_segments:
         out.append("--expandable-segments")
+    if sc.model.qkv_fused:  # the model's layout or --qkv-fused: one q/k/v linear either way
+        out.append("--qkv-fused")
     return [f for f in out if f]
 
 
