@@ -195,21 +195,20 @@ FLASH3_HEAD_DIMS = (64, 96, 128, 192, 256)  # flash-attn hopper/: the head dims 
 # (drisspg/flex-flash-blog 84b90fa, gb200_triton_vs_cudnn_causal_d128_hkv16.png, read off the plot:
 # about 535 forward, 522 backward TFLOP/s at 16k) over the b200 preset's SDPA FlashAttention-2 at
 # 16k (397 and 331, cudnn-frontend's B200 results, b200.toml): a ratio across two benchmarks.
-FLEX_SPEED: dict[str, tuple[float, float]] = {
-    "a100": (0.90, 0.85),
-    "h100": (3.347 / 3.024, 8.947 / 8.245), "h200": (3.347 / 3.024, 8.947 / 8.245),
-    "gh200": (3.347 / 3.024, 8.947 / 8.245),
-    "b200": (535 / 397, 522 / 331), "gb200": (535 / 397, 522 / 331),
-}
+AMPERE_PRESETS = ("a100",)
+HOPPER_PRESETS = ("h100", "h200", "gh200")  # GPU presets FlashAttention-3 runs on (by name)
+BLACKWELL_PRESETS = ("b200", "gb200")  # GPU presets FlashAttention-4 runs on (by name)
+FLEX_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = (
+    (AMPERE_PRESETS, (0.90, 0.85)),
+    (HOPPER_PRESETS, (3.347 / 3.024, 8.947 / 8.245)),
+    (BLACKWELL_PRESETS, (535 / 397, 522 / 331)),
+)
 
 
 def flex_speed(gpu_name: str) -> tuple[float, float] | None:
     """FlexAttention's (forward, backward) speed relative to FlashAttention-2 on this GPU preset
     (FLEX_SPEED, by the preset name's family), or None where no kernel benchmark gives one."""
-    for family in sorted(FLEX_SPEED, key=len, reverse=True):
-        if gpu_name.startswith(family):
-            return FLEX_SPEED[family]
-    return None
+    return next((speed for names, speed in FLEX_SPEED if gpu_name.startswith(names)), None)
 
 
 def padded_head_dim(head_dim: int, kernel: str) -> int:

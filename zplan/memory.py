@@ -658,8 +658,11 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     cache_unused, cache_free = _param_block_cache(sc, st)
     reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
                                              _all_gather_reserved(sc, st, ms)) + cache_unused
-    reduce_stream = reduce_stream_bytes(sc, st)  # made in backward: beside the step only
-    reserved = max(reserved, alloc.step_peak_bytes + reduce_stream) if top.phase == "setup" else reserved + reduce_stream
+    reduce_stream = reduce_stream_bytes(sc, st)
+
+    def beside_step(r: int) -> int:  # the reduce stream is made in backward: beside the step only
+        return max(r, alloc.step_peak_bytes + reduce_stream) if top.phase == "setup" else r + reduce_stream
+    reserved = beside_step(reserved)
     # what of it sits in segments wholly free at the peak: the forward's freed blocks (not the
     # holes beside what it kept), the
     # loss's blocks none of its later tensors fits, and the all-gather stream's segments beyond
@@ -668,7 +671,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     loss_packed = loss_reserved - loss_releasable
     packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
         start, loss_b, loss_packed, residue - residue_releasable)) + cache_unused - cache_free
-    packed = max(packed, alloc.step_peak_bytes + reduce_stream) if top.phase == "setup" else packed + reduce_stream
+    packed = beside_step(packed)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
     accum = accum_grad_bytes(sc, st)

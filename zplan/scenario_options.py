@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from . import arch, presets
 from . import kernels as K
+from .kernels import BLACKWELL_PRESETS, HOPPER_PRESETS
 from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
@@ -292,10 +293,6 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     except ValidationError as e:
         raise UsageError(validation_line("options", e)) from None
     return Scenario(model, hw, train, assume, o.shard_size)
-
-
-HOPPER_PRESETS = ("h100", "h200", "gh200")  # GPU presets FlashAttention-3 runs on (by name)
-BLACKWELL_PRESETS = ("b200", "gb200")  # GPU presets FlashAttention-4 runs on (by name)
 
 
 def cpu_ranks(**kw) -> ScenarioOptions:
