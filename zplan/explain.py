@@ -170,7 +170,10 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
             ops = unit_ops.unit_ops(sc, u, backward)
             both += ops
             out.append(f"unit {u.name}, {phase}, one micro-batch of {t.seq_len * t.micro_batch} tokens:")
-            for o in ops[:24]:
+            once, n = _period(ops)
+            if n > 1:
+                out.append(f"  each of its {n} blocks:")
+            for o in once:
                 what = f"{o.flop / 1e9:,.1f} GFLOP" if o.flop else f"{o.bytes / 1e6:,.1f} MB"
                 out.append(f"  {o.name:32s} {o.kind:9s} {what:>14s} x{o.kernels:<3d} -> {fmt_s(o.seconds)}")
             out.append(f"  = {fmt_s(K.total(ops))}")
@@ -196,6 +199,14 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
     if tm.breakdown:
         out.append("per step by kind: " + ", ".join(f"{k_} {fmt_s(v)}" for k_, v in tm.breakdown.items()))
     return out
+
+
+def _period(ops: list) -> tuple[list, int]:
+    """A unit of n blocks runs one block's ops n times over: (one block's ops, n)."""
+    for n in range(len(ops), 1, -1):
+        if len(ops) % n == 0 and ops == ops[:len(ops) // n] * n:
+            return ops[:len(ops) // n], n
+    return ops, 1
 
 
 def _nccl_lines(sc: Scenario, st, D: int) -> list[str]:

@@ -33,22 +33,25 @@ def _b(dtype: str) -> int:
     return DTYPE_BITS[dtype] // 8
 
 
-def _linears(sc: Scenario) -> list[tuple[str, int, int]]:
-    """(name, out, in) of one block's linears as the trainer builds them; MoE: the active experts."""
+def _linears(sc: Scenario) -> list[tuple[str, int, int, int]]:
+    """(name, out, in, rows per token) of one block's linears as the trainer builds them. MoE:
+    each expert weight is one grouped GEMM over the k routed copies of every token
+    (torch._grouped_mm over all experts at once, torchtitan's GroupedExperts at b36e4b6)."""
     m = sc.model
     h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
-    out = [("wq", q, h), ("wk", kv, h), ("wv", kv, h), ("wo", h, q)]
+    out = [("wq", q, h, 1), ("wk", kv, h, 1), ("wv", kv, h, 1), ("wo", h, q, 1)]
     mlp = [("w1", f, h), ("w3", f, h), ("w2", h, f)] if m.mlp == "swiglu" else [("w1", f, h), ("w2", h, f)]
-    k = m.experts_per_token if m.num_experts else 1
-    for name, o, i in mlp:
-        out += [(name if k == 1 else f"{name} x{k} experts", o, i)] * k
-    return out
+    if m.num_experts:
+        return out + [(f"{name} (grouped, {m.num_experts} experts)", o, i, m.experts_per_token)
+                      for name, o, i in mlp]
+    return out + [(name, o, i, 1) for name, o, i in mlp]
 
 
 def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
            with_memory: bool = True, with_attention: bool = True) -> Ops:
     m, t, gpu = sc.model, sc.train, sc.hw.gpu
-    T, s = t.seq_len * t.micro_batch, t.seq_len
+    tokens, s = t.seq_len * t.micro_batch, t.seq_len
+    T = tokens
     act = t.precision.param
     B = _b(act)
     lin = "fp8" if t.float8 else act
@@ -56,8 +59,9 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     S = _b(t.precision.master) if t.autocast else B  # the residual stream's element
     ops: Ops = []
     cast_elems, casts = 0, 0
-    for name, o, i in _linears(sc):
+    for name, o, i, r in _linears(sc):
         if only is None or name.split()[0] in only:
+            T = tokens * r  # an expert's GEMMs run over the k routed copies of each token
             if t.autocast:  # the weight, and the input where it is fp32 (the norm's output;
                 # compiled, that cast is fused into the norm's kernel)
                 from_stream = name.split()[0] in ("wq", "wk", "wv", "w1", "w3") and not (
@@ -77,13 +81,17 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
                 ops.append(float8_te_casts(gpu, name, T_in, T, o, i, B, backward, m.qkv_fused))
             elif t.float8:
                 ops += torchao_float8_casts(gpu, t, name, T_in, T, o, i, backward, m.qkv_fused)
-    if m.num_experts and (only is None or "w1" in only):  # the router runs before the experts
-        ops += K.linear(gpu, "router", T, m.num_experts, h, act, act, backward)
-        if t.autocast:  # autocast casts every expert's weights, not only the k a token uses
-            E, k = m.num_experts, m.experts_per_token
+    T = tokens
+    if m.num_experts and (only is None or "w1" in only):  # the router runs before the experts,
+        # in fp32: torchtitan computes its gate under torch.autocast(dtype=torch.float32), and
+        # PyTorch leaves TF32 off for matmuls by default (an fp32 GEMM on the CUDA cores)
+        ops += K.linear(gpu, "router (fp32)", T, m.num_experts, h, "fp32", "fp32", backward)
+        if t.autocast:  # autocast casts every expert's weights (the grouped linears above cast
+            # one expert's each), and the router's weight and input to fp32
+            E = m.num_experts
             expert = (3 if m.mlp == "swiglu" else 2) * h * f  # one expert's weights
-            cast_elems += (E - k) * expert + E * h + (0 if t.compile else T * h)  # + the router's
-            casts += (E - k) * (3 if m.mlp == "swiglu" else 2) + 1 + (0 if t.compile else 1)
+            cast_elems += (E - 1) * expert + E * h + (0 if t.compile else T * h)  # + the router's
+            casts += 1 + (0 if t.compile else 1)
     if with_attention:
         if t.flash_attention:
             ops.append(K.attention(gpu, s, q, T, backward, t.attention_kernel, m.head_dim, act))
@@ -96,16 +104,17 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     if not with_memory:
         return ops
     swiglu = m.mlp == "swiglu"
+    fk = f * (m.experts_per_token if m.num_experts else 1)  # MoE: the activation runs on k copies
     # a flash kernel's output is (b, s, h, d) in memory and read as a view; the math path's
     # (b, h, s, d) output is transposed into a contiguous copy
     copy = ("attention output copy", 0, 0) if t.attention_out_view else ("attention output copy", 2 * q, 1)
     if t.compile:
         if backward:
             rows = [("norms + residual (fused)", 8 * h, 2), ("gradient sums", 6 * h, 2),
-                    ("RoPE (fused)", 2 * (q + kv), 1), copy, ("activation (fused)", (5 if swiglu else 3) * f, 1)]
+                    ("RoPE (fused)", 2 * (q + kv), 1), copy, ("activation (fused)", (5 if swiglu else 3) * fk, 1)]
         else:
             rows = [("norms + residual (fused)", 8 * h, 2), ("RoPE (fused)", 2 * (q + kv), 1), copy,
-                    ("activation (fused)", (3 if swiglu else 2) * f, 1)]
+                    ("activation (fused)", (3 if swiglu else 2) * fk, 1)]
     elif backward:
         # RoPE's backward (autograd through apply_rope): four half-width muls, a neg, two adds,
         # each strided half's slice_backward (zero fill, then the half), the halves' sum: 14 B
@@ -120,6 +129,8 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
         rows.append(("bias gradients", sum(biases), len(biases)))
     ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern)
             for n, per, kern in rows if per]
+    if m.num_experts:
+        ops += moe_layer_ops(sc, backward)
     if not t.compile:
         per, kern = norm_bytes(t, S, backward)
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t)))
@@ -135,13 +146,56 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     return ops
 
 
+def moe_layer_ops(sc: Scenario, backward: bool) -> Ops:
+    """The memory-bound work of an MoE layer around its experts' GEMMs, as torchtitan runs it
+    (models/common/moe.py, token_dispatcher.py LocalTokenDispatcher, ops/scatter_add.py at
+    b36e4b6; no expert parallelism), for T tokens, k experts each (N = T·k routed rows), width D,
+    16-bit element B, E experts. Derivation: docs/formulas.md section 6, "MoE layer".
+
+    Forward: the gate's fp32 copies of its input and weight (autocast to fp32; compiled, the norm
+    writes the fp32 copy beside its output), routing (scores 8TE, topk 4TE + 12Tk, the routing map
+    2TE, the scores gathered and normalised, the sorted scores and token indices: 88Tk + 16T),
+    two sorts of N int64 keys with int64 values (argsort; the deterministic scatter_add's
+    index_put sorts its indices: cub radix sort, 8 passes of 32 B per key), the tokens gathered into expert order (read and write N·D·B), the
+    scores applied in fp32 (eager: to fp32, mul, back: (2B + 16)·ND in 3 kernels; compiled one
+    kernel, 2B·ND) and the combine (`deterministic_scatter_add`, out of place: zeros T·D, its
+    clone 2·T·D, the accumulation reading N·D and reading and writing T·D: 5B·TD + B·ND).
+    Backward: the combine's gradient gathered back (2B·ND), the score product's backward (eager:
+    to fp32 B+4, grad·score 8, grad·output 12 and its row sum 4, back to B 4+B: (2B + 32)·ND;
+    compiled one kernel reading the gradient and the saved output, writing one: 3B·ND), the
+    experts' two input gradients summed (3B·ND; compiled, fused into the scatter), the gather's
+    backward (index_put accumulating into zeros, out of place: B·ND + 5B·TD; compiled 3B·TD), the
+    routing's backward (the sorted scores' index_put, the normalisation, topk's scatter and the
+    softmax: 32TE + 110Tk) with two sorts (both index_puts accumulate in sorted order), and the
+    gate's gradient casts back to 16 bits."""
+    m, t, gpu = sc.model, sc.train, sc.hw.gpu
+    T, B, D = t.seq_len * t.micro_batch, _b(t.precision.param), m.hidden
+    E, k = m.num_experts, m.experts_per_token
+    N, c = T * k, t.compile
+    sort = 2 * 8 * 16 * N  # cub's radix sort: 8 passes, each reading and writing a 16-byte pair
+    gate_casts = 0 if t.autocast else (B + 4) * E * D + (4 if c else B + 4) * T * D
+    if not backward:
+        routing = 14 * T * E + 88 * T * k + 16 * T + 2 * sort
+        moved = (2 * B + (2 * B if c else 2 * B + 16) + B) * N * D + 5 * B * T * D
+        return [K.memory(gpu, "MoE gate casts to fp32", gate_casts, 0 if c or t.autocast else 2),
+                K.memory(gpu, "MoE routing + sorts", routing, 14 if c else 32),
+                K.memory(gpu, "MoE dispatch + combine", moved, 5 if c else 8)]
+    routing = 32 * T * E + 110 * T * k + 2 * sort
+    moved = ((2 * B + 3 * B + 2 * B) * N * D + 3 * B * T * D if c
+             else (2 * B + (2 * B + 32) + 3 * B + B) * N * D + 5 * B * T * D)
+    return [K.memory(gpu, "MoE gate gradient casts", 0 if t.autocast else (4 + B) * (E + T) * D,
+                     0 if t.autocast else 2),
+            K.memory(gpu, "MoE routing backward + sort", routing, 12 if c else 22),
+            K.memory(gpu, "MoE combine + dispatch backward", moved, 4 if c else 10)]
+
+
 def _activation_row(m, t, backward: bool) -> tuple[str, int, int]:
     """The MLP's activation function, eager: SwiGLU silu + mul 5f forward (silu reads w1's
     output and writes, mul reads it and w3's and writes), 9f backward in 3 kernels; fused
     (`fused_swiglu`, Liger's LigerSiLUMulFunction) one kernel each way, 3f forward (reads a, b,
     writes c) and 5f backward (reads dc, a, b; writes da, db; silu recomputed in registers);
-    GELU 2f and 3f. Bytes per token in units of B."""
-    f = m.ffn_hidden
+    GELU 2f and 3f. Bytes per token in units of B; an MoE layer's on each of its k routed copies."""
+    f = m.ffn_hidden * (m.experts_per_token if m.num_experts else 1)
     if m.mlp != "swiglu":
         return ("GELU", (3 if backward else 2) * f, 1)
     if t.fused_swiglu:
