@@ -869,6 +869,25 @@ def test_explain_header_prints_the_chosen_attention_kernels_rates():
         assert op.flop / op.seconds == pytest.approx(bwd * s / (s + k.attention_half_seq), rel=1e-9)
 
 
+def test_explain_lists_every_op_of_a_unit_once_per_block():
+    """A unit of two blocks lists one block's ops once (all of them: an MoE block has more than
+    the 24 the listing once cut at), and their sum times two is the unit's time."""
+    from zplan.explain import explain_lines
+
+    sc = scenario(model="qwen3-30b-a3b", gpus=8, gpu="b200", cluster="dgx-b200", blocks_per_unit=2)
+    lines = explain_lines(sc, "zero3")
+    u = next(u for u in sc.units if u.blocks == 2)
+    start = lines.index(f"unit {u.name}, backward, one micro-batch of {sc.train.seq_len * sc.train.micro_batch} tokens:")
+    assert lines[start + 1] == "  each of its 2 blocks:"
+    body = lines[start + 2:]
+    once = unit_ops._block(sc, True)
+    listed = body[:len(once)]
+    assert [x.split()[0] for x in listed] == [o.name.split()[0] for o in once]
+    assert any("MoE combine + dispatch backward" in x for x in listed)
+    assert body[len(once)].startswith("  = ")
+    assert K.total(unit_ops.unit_ops(sc, u, True)) == pytest.approx(2 * K.total(once), rel=1e-12)
+
+
 def test_explain_lists_the_optimizer_kernels_the_step_charges():
     """Llama 3.1 8B (8,030,261,248 parameters, every dim-0 a multiple of 8) on 8 ranks: each
     steps 1,003,782,656 elements, 28 bytes each in fused fp32 AdamW = 28.11 GB; DeepSpeed adds

@@ -170,7 +170,7 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
             ops = unit_ops.unit_ops(sc, u, backward)
             both += ops
             out.append(f"unit {u.name}, {phase}, one micro-batch of {t.seq_len * t.micro_batch} tokens:")
-            once, n = _period(ops)
+            once, n = _per_block(ops, u.blocks)
             if n > 1:
                 out.append(f"  each of its {n} blocks:")
             for o in once:
@@ -201,11 +201,10 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
     return out
 
 
-def _period(ops: list) -> tuple[list, int]:
-    """A unit of n blocks runs one block's ops n times over: (one block's ops, n)."""
-    for n in range(len(ops), 1, -1):
-        if len(ops) % n == 0 and ops == ops[:len(ops) // n] * n:
-            return ops[:len(ops) // n], n
+def _per_block(ops: list, blocks: int) -> tuple[list, int]:
+    """A unit of n blocks runs one block's ops n times over (unit_ops): (one block's ops, n)."""
+    if blocks > 1 and len(ops) % blocks == 0 and ops == ops[:len(ops) // blocks] * blocks:
+        return ops[:len(ops) // blocks], blocks
     return ops, 1
 
 
