@@ -205,6 +205,29 @@ FLEX_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = (
 )
 
 
+# FlashAttention-2 at head dim 64 against head dim 128, causal, forward + backward, the same hidden
+# width (2048: 32 heads against 16), sequence 512-16k: the mean of the six ratios of the
+# flash-attn repository's own benchmark charts (Dao-AILab/flash-attention assets/
+# flash2_a100_fwd_bwd_benchmark.png and flash2_h100_fwd_bwd_benchmark.png at 4f285b3, panels (c)
+# and (d); the FA2 paper's Figure 4): A100 88/99, 119/133, 140/155, 156/173, 165/182, 171/189 =
+# 0.90; H100 141/163, 192/221, 232/265, 257/294, 273/308, 284/328 = 0.87. The presets' FA2 rates
+# are head dim 128's. Between 64 and 128 linear in the head dim (an assumption); 128 and above,
+# and other GPU families, as the preset (no measurement).
+FA2_HEAD_DIM_64: tuple[tuple[tuple[str, ...], float], ...] = (
+    (AMPERE_PRESETS, 0.90),
+    (HOPPER_PRESETS, 0.87),
+)
+
+
+def fa2_head_dim_speed(gpu_name: str, padded_head_dim: int) -> float:
+    """FlashAttention-2's speed at this (padded) head dimension relative to head dim 128
+    (FA2_HEAD_DIM_64, by GPU family); 1 where not measured."""
+    at64 = next((r for names, r in FA2_HEAD_DIM_64 if gpu_name.startswith(names)), 1.0)
+    if padded_head_dim >= 128:
+        return 1.0
+    return at64 + (1.0 - at64) * max(0, padded_head_dim - 64) / 64
+
+
 def flex_speed(gpu_name: str) -> tuple[float, float] | None:
     """FlexAttention's (forward, backward) speed relative to FlashAttention-2 on this GPU preset
     (FLEX_SPEED, by the preset name's family), or None where no kernel benchmark gives one."""
@@ -226,18 +249,22 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
 def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
                     dtype: str = "bf16") -> tuple[float, float]:
     """Counted FLOP/s (forward, backward) of the flash kernel at long sequences: the preset's
-    FlashAttention-2 rates x the kernel's speed relative to it x head_dim / the padded head
+    FlashAttention-2 rates (head dim 128) x the kernel's speed relative to it (FlashAttention-2
+    itself at a head dim under 128: fa2_head_dim_speed) x head_dim / the padded head
     dimension (the padding is computed, not counted; FlashAttention-3 compiles head dims 64, 96,
     128, 192 and 256 and runs a smaller one on the next). The rates are bf16/fp16 tensor-core
     figures; fp32 attention runs PyTorch's memory-efficient kernel on CUDA (flash takes bf16/fp16
     only), priced as the same fraction of the fp32 peak (gemm_rate's rule; an assumption)."""
     k = gpu.kernels
     assert k is not None
-    pad = head_dim / padded_head_dim(head_dim, kernel)
+    padded = padded_head_dim(head_dim, kernel)
+    pad = head_dim / padded
     if kernel == "flex":  # refused where no benchmark gives its speed (scenario_options)
         f, b = flex_speed(gpu.name) or (1.0, 1.0)
     else:
         f, b = ATTENTION_KERNEL_SPEED[kernel]
+    if kernel == "flash2":  # small heads run FA2's tiles at lower intensity (measured)
+        f, b = (x * fa2_head_dim_speed(gpu.name, padded) for x in (f, b))
     scale = gpu.flops(dtype) / gpu.flops("bf16") if dtype not in ("bf16", "fp16", "fp8") else 1.0
     return (k.attention_forward_flops * f * pad * scale, k.attention_backward_flops * b * pad * scale)
 
