@@ -1063,17 +1063,18 @@ def test_one_rank_copies_are_priced_as_fsdp2_makes_them():
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "mixtral-8x7b"])
 def test_autocast_casts_every_matmul_weight_once_per_forward(model):
     """Under DDP's autocast a block's forward casts each matmul weight once (all experts of an
-    MoE layer and its router, whatever a token uses) and the norms' fp32 outputs at each linear
-    that reads them; counted against the block's parameter shapes (arch.block_shapes, whose
-    counts equal the published ones) less its two norms."""
+    MoE layer, whatever a token uses; not its router, which torchtitan runs under an inner fp32
+    autocast on fp32 weights and the norm's fp32 output: nothing to cast) and the norms' fp32
+    outputs at each linear that reads them; counted against the block's parameter shapes
+    (arch.block_shapes, whose counts equal the published ones) less its two norms."""
     from zplan.unit_ops import unit_ops
 
     sc = _sc(model=model, seq_len=2048).for_strategy(False)
     assert sc.train.autocast
     m, u = sc.model, next(u for u in sc.units if u.blocks == 1)
     T, h = 2048, m.hidden
-    weights = u.numel - 2 * h  # two RMSNorm weights
-    inputs = (3 + 2) * T * h + (T * h if m.num_experts else 0)  # q, k, v, w1, w3 (+ the router)
+    weights = u.numel - 2 * h - m.num_experts * h  # two RMSNorm weights (and the router's)
+    inputs = (3 + 2) * T * h  # q, k, v, w1, w3
     if m.num_experts:  # the k routed copies feed w1 and w3 of each active expert
         inputs += 2 * (m.experts_per_token - 1) * T * h
     cast = next(op for op in unit_ops(sc, u, backward=False) if op.name == "autocast casts")

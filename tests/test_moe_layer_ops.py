@@ -9,7 +9,8 @@ op (below), with the CUDA paths PyTorch takes where the CPU's differ (aten/src/A
 TensorAdvancedIndexing.cpp: scatter_add under torch.use_deterministic_algorithms, as torchtitan's
 deterministic_scatter_add runs it, and index_put with accumulate both copy their input, sort the
 row indices and accumulate in sorted order). The one assumption the planner and this oracle share
-is a sort's cost: cub's radix sort, 8 passes over 16-byte (key, value) pairs.
+is a sort's cost: cub's radix sort, a pass per 8 key bits over 16-byte (key, value) pairs
+(argsort: all 64 bits; index_put: the bits of the largest row index, Indexing.cu).
 """
 
 import pytest
@@ -40,8 +41,14 @@ def _bytes(t) -> int:
     return n * t.element_size()
 
 
-def _sort(n: int) -> int:
-    return 2 * 8 * 16 * n
+def _sort(n: int, passes: int) -> int:
+    """cub's radix sort of n (int64, int64) pairs: each pass reads and writes 32 bytes a pair."""
+    return 32 * n * passes
+
+
+def _passes(rows: int) -> int:
+    """index_put's sort covers the bits of the largest row index, 8 a pass (Indexing.cu)."""
+    return max(1, -(-(rows - 1).bit_length() // 8))
 
 
 class _Bytes(TorchDispatchMode):
@@ -74,9 +81,10 @@ class _Bytes(TorchDispatchMode):
             # written); index_put with accumulate, and the combine's scatter_add (torchtitan's
             # deterministic op: an index expanded over the row), sort the row indices first
             sorted_ = func == aten.index_put.default or (index.dim() == 2 and index.stride(1) == 0)
-            n = 4 * _bytes(self_) + _bytes(src) + _bytes(index) + (_sort(index.shape[0]) if sorted_ else 0)
-        elif func == aten.sort.stable:
-            n = _sort(ins[0].numel())
+            sort = _sort(index.shape[0], _passes(self_.shape[0])) if sorted_ else 0
+            n = 4 * _bytes(self_) + _bytes(src) + _bytes(index) + sort
+        elif func == aten.sort.stable:  # argsort of int64 expert ids: every key bit
+            n = _sort(ins[0].numel(), 8)
         else:
             n = sum(_bytes(t) for t in ins) + o
         swiglu = any(tuple(t.shape) == (N, FF) for t in outs)  # the experts' activation: priced apart

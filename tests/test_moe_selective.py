@@ -46,6 +46,7 @@ class Block(nn.Module):
         self.w1 = nn.Parameter(torch.randn(E, FF, H) / H ** 0.5)
         self.w3 = nn.Parameter(torch.randn(E, FF, H) / H ** 0.5)
         self.w2 = nn.Parameter(torch.randn(E, H, FF) / FF ** 0.5)
+        self.register_buffer("expert_bias", torch.zeros(E))  # load balancing (load_balance_coeff set)
         self.n1 = nn.Parameter(torch.ones(H))
         self.n2 = nn.Parameter(torch.ones(H))
 
@@ -70,7 +71,7 @@ class Block(nn.Module):
 
     def moe(self, t):
         scores = F.softmax(F.linear(t.float(), self.gate.weight.float()), dim=-1)  # the router in fp32
-        _, ids = torch.topk(scores, K, dim=-1, sorted=False)
+        _, ids = torch.topk(scores + self.expert_bias, K, dim=-1, sorted=False)
         top = scores.gather(-1, ids)
         top = top / (top.sum(-1, keepdim=True) + 1e-20)
         offs = torch.cumsum(torch.histc(ids.view(-1).float(), bins=E, min=0, max=E), 0).to(torch.int32)

@@ -249,9 +249,10 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         # and weight (and the experts' int32 offsets), compiled too
         t["router_input"] = 4 * (sb * h + m.num_experts * h + m.num_experts)
         # topk's int64 indices (gather's), the sort's int64 order and the token index it gives (the
-        # routed input's and scatter_add's), the sorted scores; eager also the gathered scores and
-        # their fp32 sum (compiled, recomputed)
-        t["routing"] = (8 + 8 + 8 + 4) * sb * k + (0 if train.compile else 4 * sb * k + 4 * sb)
+        # routed input's and scatter_add's), the sorted scores, the gathered scores (topk picks on
+        # the scores plus the load-balancing expert bias, so its values are not them: compiled
+        # too); eager also their fp32 sum (compiled, recomputed)
+        t["routing"] = (8 + 8 + 8 + 4 + 4) * sb * k + (0 if train.compile else 4 * sb)
         t["expert_inputs"] = k * B * sb * h
         # the experts' SwiGLU keeps four tensors compiled too (w1's, silu's, w3's outputs, their
         # product: the partitioner does not recompute silu beside the grouped GEMMs)

@@ -97,13 +97,17 @@ def wave_efficiency(k: KernelSpec, M: int, N: int, taken: int = 0) -> float:
 
 
 def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype: str,
-         accumulate: bool = False) -> Op:
-    """accumulate: C += A·B (beta = 1), which reads the output as well as writing it."""
+         accumulate: bool = False, groups: int = 1, grouped_out: bool = False) -> Op:
+    """accumulate: C += A·B (beta = 1), which reads the output as well as writing it.
+    groups: a grouped GEMM (torch._grouped_mm over `groups` experts, the rows of the reduction
+    or of A split among them) reads every group's B (K x N), or with `grouped_out` (a weight
+    gradient, M x N the weight) writes every group's output: `groups` times that operand."""
     k = gpu.kernels
     assert k is not None
     flop = 2 * M * N * K
     b_in, b_out = DTYPE_BITS[dtype] // 8, DTYPE_BITS[out_dtype] // 8
-    nbytes = (M * K + K * N) * b_in + M * N * b_out * (2 if accumulate else 1)
+    b_groups, out_groups = (1, groups) if grouped_out else (groups, 1)
+    nbytes = (M * K + b_groups * K * N) * b_in + out_groups * M * N * b_out * (2 if accumulate else 1)
     rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
     fixed = k.gemm_fixed_s or 0.0
     core = max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm)
@@ -114,12 +118,15 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
 
 
 def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, act: str,
-           backward: bool) -> list[Op]:
-    """A linear layer y = x Wᵀ over T tokens: one GEMM forward, dX and dW backward."""
+           backward: bool, groups: int = 1) -> list[Op]:
+    """A linear layer y = x Wᵀ over T tokens: one GEMM forward, dX and dW backward. groups:
+    `groups` experts' weights (n_out x n_in each) over the T rows between them, as one grouped
+    GEMM each way (gemm's `groups`)."""
     if not backward:
-        return [gemm(gpu, name, T, n_out, n_in, dtype, act)]
-    return [gemm(gpu, f"{name} dX", T, n_in, n_out, dtype, act),
-            gemm(gpu, f"{name} dW", n_out, n_in, T, dtype, "fp32" if dtype == "fp8" else act)]
+        return [gemm(gpu, name, T, n_out, n_in, dtype, act, groups=groups)]
+    return [gemm(gpu, f"{name} dX", T, n_in, n_out, dtype, act, groups=groups),
+            gemm(gpu, f"{name} dW", n_out, n_in, T, dtype, "fp32" if dtype == "fp8" else act,
+                 groups=groups, grouped_out=True)]
 
 
 def eager_norm(gpu: GPUSpec) -> float:
@@ -128,6 +135,43 @@ def eager_norm(gpu: GPUSpec) -> float:
     benchmarks/published/kernels/liger-norms.csv; docs/formulas.md section 6."""
     k = gpu.kernels
     return (k.eager_norm_efficiency if k is not None and k.eager_norm_efficiency else 1.0)
+
+
+# torch.compile's generated row-reduction kernels on H100 80GB HBM3 (PyTorch 2.7.1, default mode,
+# bf16): model bytes (each input read once, each output written once) / time, by the reduction
+# width N, at 32K rows (16K at 131K, 8K at 262K). Dao-AILab/quack media/
+# bf16_kernel_benchmarks_single_row.svg at c8ec317 (the figure of its blog post "Getting
+# memory-bound kernels to speed-of-light", media/2025-07-10-membound-sol.md), the
+# torch.compile series read from the figure's own vector coordinates against its y axis (0 to
+# 3350 GB/s): benchmarks/published/kernels/quack-torch-compile-h100.csv. As shares of H100's
+# peak (3350 GB/s), applied to every GPU's peak (an assumption off H100), never above its copy rate.
+COMPILED_ROW_BW_H100: dict[str, tuple[tuple[int, float], ...]] = {
+    "norm": ((256, 1278e9), (512, 1576e9), (1024, 1948e9), (2048, 2185e9), (4096, 2303e9),
+             (8192, 1947e9), (16384, 1814e9), (32768, 1776e9), (65536, 1534e9),
+             (131072, 1503e9), (262144, 1498e9)),
+    "cross-entropy": ((256, 340e9), (512, 585e9), (1024, 875e9), (2048, 1163e9), (4096, 1396e9),
+                      (8192, 1553e9), (16384, 1648e9), (32768, 1700e9), (65536, 1479e9),
+                      (131072, 1226e9), (262144, 1226e9)),
+}
+H100_PEAK_BYTES_PER_S = 3.35e12
+
+
+def compiled_row_pace(gpu: GPUSpec, kind: str, width: int) -> float:
+    """The share of the copy rate a torch.compile-generated row reduction (a norm, with the
+    residual add it fuses; the cross-entropy over the vocabulary) reaches at this reduction
+    width: COMPILED_ROW_BW_H100 interpolated in log2(width), clamped at its ends, as a share of
+    the HBM peak; at most 1. docs/formulas.md section 6."""
+    k = gpu.kernels
+    assert k is not None
+    pts = COMPILED_ROW_BW_H100[kind]
+    x = math.log2(max(pts[0][0], min(pts[-1][0], width)))
+    for (w0, b0), (w1, b1) in zip(pts, pts[1:]):
+        if x <= math.log2(w1):
+            f = (x - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
+            bw = b0 + f * (b1 - b0)
+            break
+    share = bw / H100_PEAK_BYTES_PER_S
+    return min(1.0, share * gpu.hbm_bytes_per_s / k.hbm_achieved_bytes_per_s)
 
 
 def repeat(op: Op, n: int) -> Op:

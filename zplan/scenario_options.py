@@ -247,6 +247,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.float8 and o.float8_recipe.startswith("rowwise") and not o.float8_all_gather:
         raise UsageError(f"--no-float8-all-gather: --float8-recipe {o.float8_recipe} gathers in the "
                          "param dtype already (torchao's float8 all-gather is tensorwise's): drop it")
+    if o.float8 and model.num_experts and o.float8_recipe != "te-delayed":
+        raise UsageError(f"--float8 with {model.name}'s experts: torchao's float8 converter leaves "
+                         "grouped experts in 16 bits, and zplan does not price a block of float8 and "
+                         "16-bit weights; drop --float8 for an MoE model")
     if o.float8 and o.float8_recipe == "te-delayed":
         if not o.float8_all_gather:
             raise UsageError("--no-float8-all-gather is torchao's switch; TransformerEngine "

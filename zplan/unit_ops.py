@@ -62,24 +62,27 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     for name, o, i, r in _linears(sc):
         if only is None or name.split()[0] in only:
             T = tokens * r  # an expert's GEMMs run over the k routed copies of each token
+            experts = m.num_experts if r > 1 else 1
+            # torchao's float8 converter leaves GroupedExperts alone: the experts stay in 16 bits
+            f8 = t.float8 and experts == 1
             if t.autocast:  # the weight, and the input where it is fp32 (the norm's output;
                 # compiled, that cast is fused into the norm's kernel)
                 from_stream = name.split()[0] in ("wq", "wk", "wv", "w1", "w3") and not (
                     m.qkv_fused and name in ("wk", "wv")) and not t.compile
                 cast_elems += o * i + (T * i if from_stream else 0)
                 casts += 1 + from_stream
-            if backward and t.float8 and not t.te_float8:
+            if backward and f8 and not t.te_float8:
                 # torchao: dW written in the weight's dtype; rowwise-gw-hp runs it in 16 bits
                 dw = act if t.float8_recipe == "rowwise-gw-hp" else lin
                 ops += [K.linear(gpu, name, T, o, i, lin, act, True)[0],
                         K.gemm(gpu, f"{name} dW", o, i, T, dw, act)]
             else:
-                ops += K.linear(gpu, name, T, o, i, lin, act, backward)
+                ops += K.linear(gpu, name, T, o, i, lin if f8 else act, act, backward, groups=experts)
             # a fused q/k/v linear casts its input once (charged on wq)
             T_in = 0 if m.qkv_fused and name in ("wk", "wv") else T
-            if t.te_float8:
+            if t.te_float8 and f8:
                 ops.append(float8_te_casts(gpu, name, T_in, T, o, i, B, backward, m.qkv_fused))
-            elif t.float8:
+            elif f8:
                 ops += torchao_float8_casts(gpu, t, name, T_in, T, o, i, backward, m.qkv_fused)
     T = tokens
     if m.num_experts and (only is None or "w1" in only):  # the router runs before the experts,
@@ -87,11 +90,10 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
         # PyTorch leaves TF32 off for matmuls by default (an fp32 GEMM on the CUDA cores)
         ops += K.linear(gpu, "router (fp32)", T, m.num_experts, h, "fp32", "fp32", backward)
         if t.autocast:  # autocast casts every expert's weights (the grouped linears above cast
-            # one expert's each), and the router's weight and input to fp32
-            E = m.num_experts
+            # one expert's each); the gate's fp32 autocast casts nothing (fp32 weights, and the
+            # norm's output is fp32 under autocast)
             expert = (3 if m.mlp == "swiglu" else 2) * h * f  # one expert's weights
-            cast_elems += (E - 1) * expert + E * h + (0 if t.compile else T * h)  # + the router's
-            casts += 1 + (0 if t.compile else 1)
+            cast_elems += (m.num_experts - 1) * expert
     if with_attention:
         if t.flash_attention:
             ops.append(K.attention(gpu, s, q, T, backward, t.attention_kernel, m.head_dim, act))
@@ -127,23 +129,36 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     biases = _bias_widths(m)
     if backward and biases:  # autograd's addmm backward: grad_bias = grad_out.sum(0), one kernel each
         rows.append(("bias gradients", sum(biases), len(biases)))
-    ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern)
+    # compiled, each norm is one generated row reduction with the residual add it follows
+    ops += [K.memory(gpu, n, per * (S if "residual" in n else B) * T, kern,
+                     _norm_pace(gpu, t, h) if n.startswith("norms") else 1.0)
             for n, per, kern in rows if per]
     if m.num_experts:
         ops += moe_layer_ops(sc, backward)
     if not t.compile:
         per, kern = norm_bytes(t, S, backward)
-        ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t)))
+        ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t, h)))
     if m.qk_norm:  # over q's and k's heads, in the activation dtype (compiled: one generated kernel
         # each); CUDA autocast runs rms_norm in fp32: its input cast up, its output cast back
         fp32 = t.autocast and not t.compile  # compiled, the casts fuse into the norm's kernel
         per, kern = norm_bytes(t, 4 if fp32 else B, backward)
-        ops.append(K.memory(gpu, "q/k " + _norm_name(m, t), per * (q + kv) * T, 2 * kern, _norm_pace(gpu, t)))
+        ops.append(K.memory(gpu, "q/k " + _norm_name(m, t), per * (q + kv) * T, 2 * kern,
+                            _norm_pace(gpu, t, m.head_dim)))
         if fp32:
             ops.append(K.memory(gpu, "q/k norm casts (autocast)", 2 * (B + 4) * (q + kv) * T, 4))
     if casts:
         ops.append(K.memory(gpu, "autocast casts", (B + S) * cast_elems, casts))
     return ops
+
+
+def sort_bytes(n: int, key_range: int) -> int:
+    """HBM bytes of cub's radix sort of n (int64 key, int64 value) pairs: one pass per 8 key
+    bits, each reading and writing the 16-byte pairs. key_range 64 stands for a full 64-bit key
+    (torch.sort/argsort of int64: every bit); index_put's sort of row indices (aten/src/ATen/
+    native/cuda/Indexing.cu, index_put_with_sort_kernel) sorts only the bits of the largest
+    row index of the tensor it writes."""
+    bits = 64 if key_range == 64 else max(1, (key_range - 1).bit_length())
+    return 32 * n * -(-bits // 8)
 
 
 def moe_layer_ops(sc: Scenario, backward: bool) -> Ops:
@@ -153,10 +168,11 @@ def moe_layer_ops(sc: Scenario, backward: bool) -> Ops:
     16-bit element B, E experts. Derivation: docs/formulas.md section 6, "MoE layer".
 
     Forward: the gate's fp32 copies of its input and weight (autocast to fp32; compiled, the norm
-    writes the fp32 copy beside its output), routing (scores 8TE, topk 4TE + 12Tk, the routing map
-    2TE, the scores gathered and normalised, the sorted scores and token indices: 88Tk + 16T),
-    two sorts of N int64 keys with int64 values (argsort; the deterministic scatter_add's
-    index_put sorts its indices: cub radix sort, 8 passes of 32 B per key), the tokens gathered into expert order (read and write N·D·B), the
+    writes the fp32 copy beside its output), routing (scores 8TE, the load-balancing expert bias
+    added 8TE, topk 4TE + 12Tk, the routing map 2TE, the scores gathered, normalised and scaled
+    by route_scale, the sorted scores and token indices: 96Tk + 16T), two sorts of N int64 pairs
+    (argsort over every key bit; the deterministic scatter_add's index_put over the bits of T:
+    sort_bytes), the tokens gathered into expert order (read and write N·D·B), the
     scores applied in fp32 (eager: to fp32, mul, back: (2B + 16)·ND in 3 kernels; compiled one
     kernel, 2B·ND) and the combine (`deterministic_scatter_add`, out of place: zeros T·D, its
     clone 2·T·D, the accumulation reading N·D and reading and writing T·D: 5B·TD + B·ND).
@@ -165,22 +181,21 @@ def moe_layer_ops(sc: Scenario, backward: bool) -> Ops:
     compiled one kernel reading the gradient and the saved output, writing one: 3B·ND), the
     experts' two input gradients summed (3B·ND; compiled, fused into the scatter), the gather's
     backward (index_put accumulating into zeros, out of place: B·ND + 5B·TD; compiled 3B·TD), the
-    routing's backward (the sorted scores' index_put, the normalisation, topk's scatter and the
-    softmax: 32TE + 110Tk) with two sorts (both index_puts accumulate in sorted order), and the
-    gate's gradient casts back to 16 bits."""
+    routing's backward (the sorted scores' index_put, the scale and normalisation, topk's scatter
+    and the softmax: 32TE + 118Tk) with two sorts (both index_puts accumulate in sorted order,
+    over the bits of N and of T), and the gate's gradient casts back to 16 bits."""
     m, t, gpu = sc.model, sc.train, sc.hw.gpu
     T, B, D = t.seq_len * t.micro_batch, _b(t.precision.param), m.hidden
     E, k = m.num_experts, m.experts_per_token
     N, c = T * k, t.compile
-    sort = 2 * 8 * 16 * N  # cub's radix sort: 8 passes, each reading and writing a 16-byte pair
     gate_casts = 0 if t.autocast else (B + 4) * E * D + (4 if c else B + 4) * T * D
     if not backward:
-        routing = 14 * T * E + 88 * T * k + 16 * T + 2 * sort
+        routing = 22 * T * E + 96 * T * k + 16 * T + sort_bytes(N, 64) + sort_bytes(N, T)
         moved = (2 * B + (2 * B if c else 2 * B + 16) + B) * N * D + 5 * B * T * D
         return [K.memory(gpu, "MoE gate casts to fp32", gate_casts, 0 if c or t.autocast else 2),
                 K.memory(gpu, "MoE routing + sorts", routing, 14 if c else 32),
                 K.memory(gpu, "MoE dispatch + combine", moved, 5 if c else 8)]
-    routing = 32 * T * E + 110 * T * k + 2 * sort
+    routing = 32 * T * E + 118 * T * k + sort_bytes(N, N) + sort_bytes(N, T)
     moved = ((2 * B + 3 * B + 2 * B) * N * D + 3 * B * T * D if c
              else (2 * B + (2 * B + 32) + 3 * B + B) * N * D + 5 * B * T * D)
     return [K.memory(gpu, "MoE gate gradient casts", 0 if t.autocast else (4 + B) * (E + T) * D,
@@ -217,11 +232,15 @@ def _norm_name(m, t) -> str:
     return ("RMSNorm" if m.norm == "rmsnorm" else "LayerNorm") + ("" if _fused(t) else " (composite fp32)")
 
 
-def _norm_pace(gpu, t) -> float:
-    """The share of the copy rate a norm's kernels reach: PyTorch's native fused norm kernel
-    (layer_norm, rms_norm) at the preset's measured eager_norm_efficiency; a composite norm's
-    elementwise kernels and a compiled (generated) one at the copy rate (docs/formulas.md 6)."""
-    return K.eager_norm(gpu) if t.fused_norm and not t.compile else 1.0
+def _norm_pace(gpu, t, width: int) -> float:
+    """The share of the copy rate a norm's kernels reach over rows of `width`: PyTorch's native
+    fused norm kernel (layer_norm, rms_norm) at the preset's measured eager_norm_efficiency; a
+    compiled (generated) one at torch.compile's measured rate for that width
+    (kernels.compiled_row_pace); a composite norm's elementwise kernels at the copy rate
+    (docs/formulas.md 6)."""
+    if t.compile:
+        return K.compiled_row_pace(gpu, "norm", width)
+    return K.eager_norm(gpu) if t.fused_norm else 1.0
 
 
 def _fused(t) -> bool:
@@ -251,7 +270,7 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     # outside the blocks runs eager; torch.compile(model) generates it with the rest
     tn = t if t.compile_scope == "model" else t.model_copy(update={"compile": False})
     per, kern = norm_bytes(tn, S, backward)
-    ops = [K.memory(gpu, "final " + _norm_name(m, tn), per * h * T, kern, _norm_pace(gpu, tn))]
+    ops = [K.memory(gpu, "final " + _norm_name(m, tn), per * h * T, kern, _norm_pace(gpu, tn, h))]
     if t.autocast:  # the head's input (unless compiled) and weight, their gradients back in backward
         ops.append(K.memory(gpu, "autocast casts", (B + S) * ((0 if t.compile else T * h) + V * h),
                             1 if t.compile else 2))
@@ -267,7 +286,9 @@ def _head(sc: Scenario, backward: bool) -> Ops:
         per, kern = (22 * V, 4) if backward else (14 * V, 3)
     else:
         per, kern = (4 * B * V, 3) if backward else (2 * B * V, 2)
-    ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern))
+    # compiled, inductor's row reductions over the vocabulary run at their measured rate
+    pace = K.compiled_row_pace(gpu, "cross-entropy", V) if t.compile_loss else 1.0
+    ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern, pace))
     return ops
 
 
