@@ -141,3 +141,28 @@ def test_the_experts_run_on_k_routed_copies_of_each_token():
         assert next(o.bytes for o in ops if o.name == "SwiGLU") == rec.swiglu
         router = [o for o in ops if o.name.startswith("router")]
         assert router and all("fp32" in o.name for o in router)
+
+
+def test_a_grouped_gemm_moves_every_experts_weights():
+    """torch._grouped_mm reads all E experts' weights forward and for dX, and dW writes all E
+    gradients: the planner's grouped linears carry E x the weight bytes (a dense linear's once)."""
+    from zplan import kernels as K
+
+    gpu = presets.gpu("h100-sxm")
+    T, o, i, E = 4096, 768, 2048, 128
+    one = K.linear(gpu, "w1", T, o, i, "bf16", "bf16", True)
+    grouped = K.linear(gpu, "w1", T, o, i, "bf16", "bf16", True, groups=E)
+    for a, b in zip(one, grouped):
+        assert a.flop == b.flop
+        assert b.bytes - a.bytes == (E - 1) * o * i * 2
+    fwd = K.linear(gpu, "w1", T, o, i, "bf16", "bf16", False, groups=E)[0]
+    assert fwd.bytes == (T * i + E * i * o + T * o) * 2
+
+
+def test_float8_is_refused_for_an_moe_model(capsys):
+    """torchao's float8 converter leaves grouped experts in 16 bits: zplan refuses the mix."""
+    from tests.helpers import cli
+
+    r = cli(capsys, "estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--float8")
+    assert r.returncode == 2 and "--float8 with qwen3-30b-a3b's experts" in r.stderr
+    assert "drop --float8" in r.stderr and "Traceback" not in r.stderr

@@ -158,7 +158,8 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
                     f"fwd/bwd x s/(s+{k.attention_half_seq:g})")
         else:
             attn = "attention as GEMMs + softmax (no flash kernel)"
-        fixed = f" + {k.gemm_fixed_s * 1e6:g} us each" if k.gemm_fixed_s else ""
+        fixed = (f" + {k.gemm_fixed_s * 1e6:g} us each" if k.gemm_fixed_s else "") + (
+            f" + {k.gemm_wave_s * 1e6:g} us per wave" if k.gemm_wave_s else "")
         out = [f"## 7. Compute from kernels (docs/formulas.md section 6): GEMM {K.gemm_rate(hw.gpu, k, t.precision.param) / 1e12:,.0f} "
                f"TFLOP/s x wave efficiency{fixed}, {attn}, "
                f"HBM {k.hbm_achieved_bytes_per_s / 1e9:,.0f} GB/s"

@@ -81,6 +81,12 @@ def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
     return gpu.flops(dtype) * frac
 
 
+def waves(k: KernelSpec, M: int, N: int, taken: int = 0) -> int:
+    """Waves of output tiles over the SMs not taken: ceil(tiles / free SMs)."""
+    tiles = math.ceil(M / k.gemm_tile_m) * math.ceil(N / k.gemm_tile_n)
+    return math.ceil(tiles / (k.sm_count - taken))
+
+
 def wave_efficiency(k: KernelSpec, M: int, N: int, taken: int = 0) -> float:
     """tiles / (waves x SMs): the output tiles run in waves over the SMs not taken (by a
     collective's kernels), each wave as long as on the whole GPU. A GEMM of fewer tiles than
@@ -109,11 +115,13 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
     b_groups, out_groups = (1, groups) if grouped_out else (groups, 1)
     nbytes = (M * K + b_groups * K * N) * b_in + out_groups * M * N * b_out * (2 if accumulate else 1)
     rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
-    fixed = k.gemm_fixed_s or 0.0
+    fixed, per_wave = k.gemm_fixed_s or 0.0, k.gemm_wave_s or 0.0
     core = max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm)
-    t = max(core + fixed, k.kernel_floor_s)
-    beside = max(max(flop / (rate * wave_efficiency(k, M, N, taken_sms(k))),
-                     nbytes / hbm * _slower(k), core * _measured(k)) + fixed, k.kernel_floor_s)
+    t = max(core + fixed + per_wave * waves(k, M, N), k.kernel_floor_s)
+    taken = taken_sms(k)
+    beside = max(max(flop / (rate * wave_efficiency(k, M, N, taken)),
+                     nbytes / hbm * _slower(k), core * _measured(k))
+                 + fixed + per_wave * waves(k, M, N, taken), k.kernel_floor_s)
     return Op(name, "gemm", 1, flop, nbytes, t, beside)
 
 

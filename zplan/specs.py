@@ -127,6 +127,10 @@ class KernelSpec(Spec):
         None, ge=0, le=1e-3, description="GPU time of one GEMM kernel beyond its FLOPs and bytes "
         "(pipeline fill, last wave, epilogue), from a per-shape measurement; None: not measured, "
         "counted as 0 (the kernel floor still bounds a GEMM from below)")
+    gemm_wave_s: float | None = Field(
+        None, ge=0, le=1e-4, description="GPU time a GEMM adds per wave of output tiles over the "
+        "SMs (each tile's pipeline fill and epilogue), from the same per-shape measurement as "
+        "gemm_fixed_s; None: not measured, counted as 0")
     nccl_sm_fraction: float = Field(
         0.0, ge=0, lt=1, description="share of the SMs NCCL's kernels hold while they run "
         "(one block per channel): compute beside a collective runs this much slower")
