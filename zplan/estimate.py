@@ -203,7 +203,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
             "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: DeepSpeed's published "
-            "runs on 32 H100 measured 12-21% slower than overlap predicts, their communication "
+            "runs on 32 H100 measured 13-23% slower than overlap predicts, their communication "
             "adding nearly serially (docs/accuracy-notes.md 9aa, 9ac, 9af)")
     if zero3:
         out["zero_init"] = {

@@ -27,7 +27,7 @@
   its launch floor is not slowed. Where the preset has a kernel-level measurement of compute
   beside a collective (collective_slowdown: NCCL's SMs, its HBM traffic and the power it draws
   together), a kernel's time beside it is at least that factor x its time alone (a GEMM's fixed
-  time and the launch floor excepted): a large GEMM beside an all-gather, 1.43x on H100 (inferred
+  time and the launch floor excepted): a large GEMM beside an all-gather, 1.39x on H100 (inferred
   from pytorch/pytorch PR 172714's measured sequential and overlapped times with zplan's own
   times alone, which add up to the sequential within 0.9%; other splits of it give 1.3-1.6),
   1.76x on A100 (NVIDIA/nccl issue 1428's kernel durations), where the SMs' share alone says
@@ -82,9 +82,10 @@ def gemm_rate(gpu: GPUSpec, k: KernelSpec, dtype: str) -> float:
 
 
 def waves(k: KernelSpec, M: int, N: int, taken: int = 0) -> int:
-    """Waves of output tiles over the SMs not taken: ceil(tiles / free SMs)."""
+    """Waves of output tiles over the SMs not taken: ceil(tiles / free SMs); one where the GEMM
+    has fewer tiles than the GPU has SMs (it fills the SMs it has: wave_efficiency)."""
     tiles = math.ceil(M / k.gemm_tile_m) * math.ceil(N / k.gemm_tile_n)
-    return math.ceil(tiles / (k.sm_count - taken))
+    return 1 if tiles < k.sm_count else math.ceil(tiles / (k.sm_count - taken))
 
 
 def wave_efficiency(k: KernelSpec, M: int, N: int, taken: int = 0) -> float:
@@ -116,12 +117,13 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
     nbytes = (M * K + b_groups * K * N) * b_in + out_groups * M * N * b_out * (2 if accumulate else 1)
     rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
     fixed, per_wave = k.gemm_fixed_s or 0.0, k.gemm_wave_s or 0.0
-    core = max(flop / (rate * wave_efficiency(k, M, N)), nbytes / hbm)
-    t = max(core + fixed + per_wave * waves(k, M, N), k.kernel_floor_s)
+    Mt = M * groups if grouped_out else M  # a grouped weight gradient: every group's output tiles
+    core = max(flop / (rate * wave_efficiency(k, Mt, N)), nbytes / hbm)
+    t = max(core + fixed + per_wave * waves(k, Mt, N), k.kernel_floor_s)
     taken = taken_sms(k)
-    beside = max(max(flop / (rate * wave_efficiency(k, M, N, taken)),
+    beside = max(max(flop / (rate * wave_efficiency(k, Mt, N, taken)),
                      nbytes / hbm * _slower(k), core * _measured(k))
-                 + fixed + per_wave * waves(k, M, N, taken), k.kernel_floor_s)
+                 + fixed + per_wave * waves(k, Mt, N, taken), k.kernel_floor_s)
     return Op(name, "gemm", 1, flop, nbytes, t, beside)
 
 
@@ -152,7 +154,8 @@ def eager_norm(gpu: GPUSpec) -> float:
 # memory-bound kernels to speed-of-light", media/2025-07-10-membound-sol.md), the
 # torch.compile series read from the figure's own vector coordinates against its y axis (0 to
 # 3350 GB/s): benchmarks/published/kernels/quack-torch-compile-h100.csv. As shares of H100's
-# peak (3350 GB/s), applied to every GPU's peak (an assumption off H100), never above its copy rate.
+# copy rate (the h100-sxm preset's 2903 GB/s), applied to every GPU's copy rate (an assumption off
+# H100; a calibrated preset's measured copy rate too), never above it.
 COMPILED_ROW_BW_H100: dict[str, tuple[tuple[int, float], ...]] = {
     "norm": ((256, 1278e9), (512, 1576e9), (1024, 1948e9), (2048, 2185e9), (4096, 2303e9),
              (8192, 1947e9), (16384, 1814e9), (32768, 1776e9), (65536, 1534e9),
@@ -161,16 +164,14 @@ COMPILED_ROW_BW_H100: dict[str, tuple[tuple[int, float], ...]] = {
                       (8192, 1553e9), (16384, 1648e9), (32768, 1700e9), (65536, 1479e9),
                       (131072, 1226e9), (262144, 1226e9)),
 }
-H100_PEAK_BYTES_PER_S = 3.35e12
+H100_COPY_BYTES_PER_S = 2.903e12  # h100-sxm's hbm_achieved_bytes_per_s, the rates' reference
 
 
 def compiled_row_pace(gpu: GPUSpec, kind: str, width: int) -> float:
     """The share of the copy rate a torch.compile-generated row reduction (a norm, with the
     residual add it fuses; the cross-entropy over the vocabulary) reaches at this reduction
     width: COMPILED_ROW_BW_H100 interpolated in log2(width), clamped at its ends, as a share of
-    the HBM peak; at most 1. docs/formulas.md section 6."""
-    k = gpu.kernels
-    assert k is not None
+    H100's copy rate; at most 1. docs/formulas.md section 6."""
     pts = COMPILED_ROW_BW_H100[kind]
     x = math.log2(max(pts[0][0], min(pts[-1][0], width)))
     for (w0, b0), (w1, b1) in zip(pts, pts[1:]):
@@ -178,8 +179,7 @@ def compiled_row_pace(gpu: GPUSpec, kind: str, width: int) -> float:
             f = (x - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
             bw = b0 + f * (b1 - b0)
             break
-    share = bw / H100_PEAK_BYTES_PER_S
-    return min(1.0, share * gpu.hbm_bytes_per_s / k.hbm_achieved_bytes_per_s)
+    return min(1.0, bw / H100_COPY_BYTES_PER_S)
 
 
 def repeat(op: Op, n: int) -> Op:

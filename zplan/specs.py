@@ -124,8 +124,8 @@ class KernelSpec(Spec):
     kernel_floor_s: float = Field(ge=0, description="least time of one kernel as eager "
                                   "PyTorch issues it (launch and dispatch)")
     gemm_fixed_s: float | None = Field(
-        None, ge=0, le=1e-3, description="GPU time of one GEMM kernel beyond its FLOPs and bytes "
-        "(pipeline fill, last wave, epilogue), from a per-shape measurement; None: not measured, "
+        None, ge=0, le=1e-3, description="GPU time of one GEMM kernel beyond its FLOPs, bytes and "
+        "waves (launch, the last wave's tail), from a per-shape measurement; None: not measured, "
         "counted as 0 (the kernel floor still bounds a GEMM from below)")
     gemm_wave_s: float | None = Field(
         None, ge=0, le=1e-4, description="GPU time a GEMM adds per wave of output tiles over the "

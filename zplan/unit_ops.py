@@ -142,8 +142,10 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
         # each); CUDA autocast runs rms_norm in fp32: its input cast up, its output cast back
         fp32 = t.autocast and not t.compile  # compiled, the casts fuse into the norm's kernel
         per, kern = norm_bytes(t, 4 if fp32 else B, backward)
+        # compiled: at the copy rate (quack's narrowest measured width, 256, is a 16 MB problem:
+        # its rate says the size, not the width; q/k norms run over T x heads rows)
         ops.append(K.memory(gpu, "q/k " + _norm_name(m, t), per * (q + kv) * T, 2 * kern,
-                            _norm_pace(gpu, t, m.head_dim)))
+                            1.0 if t.compile else _norm_pace(gpu, t, m.head_dim)))
         if fp32:
             ops.append(K.memory(gpu, "q/k norm casts (autocast)", 2 * (B + 4) * (q + kv) * T, 4))
     if casts:
@@ -286,8 +288,10 @@ def _head(sc: Scenario, backward: bool) -> Ops:
         per, kern = (22 * V, 4) if backward else (14 * V, 3)
     else:
         per, kern = (4 * B * V, 3) if backward else (2 * B * V, 2)
-    # compiled, inductor's row reductions over the vocabulary run at their measured rate
-    pace = K.compiled_row_pace(gpu, "cross-entropy", V) if t.compile_loss else 1.0
+    # compiled, inductor's forward is row reductions over the vocabulary, at their measured rate
+    # (its backward is one pointwise kernel: the copy rate)
+    compiled = t.compile_loss and not t.fused_loss and not t.logits_fp32 and not backward
+    pace = K.compiled_row_pace(gpu, "cross-entropy", V) if compiled else 1.0
     ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern, pace))
     return ops
 
