@@ -176,8 +176,19 @@ def test_nccl_scoping_on_cpu_and_the_api_group(run_zplan, tmp_path):
 
     plan = _plan(run_zplan, tmp_path / "plan.json", "zero3")
     out = tmp_path / "res.json"
-    mp.start_processes(_rank, args=(2, free_port(), str(plan), str(out), free_port()), nprocs=2, join=True,
-                       start_method="spawn")
+    for attempt in range(3):  # a free port can be taken before the rendezvous binds it (another
+        # test's processes, or the same port handed out twice): only that is retried
+        port = free_port()
+        api_port = free_port()
+        while api_port == port:
+            api_port = free_port()
+        try:
+            mp.start_processes(_rank, args=(2, port, str(plan), str(out), api_port), nprocs=2, join=True,
+                               start_method="spawn")
+            break
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
     res = json.loads(out.read_text())
     assert "No backend type associated with device type cpu" in res["nccl_scoped"]
     assert res["api_backend"] == "cpu:gloo,cuda:gloo"
