@@ -153,14 +153,17 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
     return ops
 
 
-def sort_bytes(n: int, key_range: int) -> int:
+def sort_bytes(n: int, key_bits: int) -> int:
     """HBM bytes of cub's radix sort of n (int64 key, int64 value) pairs: one pass per 8 key
-    bits, each reading and writing the 16-byte pairs. key_range 64 stands for a full 64-bit key
-    (torch.sort/argsort of int64: every bit); index_put's sort of row indices (aten/src/ATen/
-    native/cuda/Indexing.cu, index_put_with_sort_kernel) sorts only the bits of the largest
-    row index of the tensor it writes."""
-    bits = 64 if key_range == 64 else max(1, (key_range - 1).bit_length())
-    return 32 * n * -(-bits // 8)
+    bits, each reading and writing the 16-byte pairs. torch.sort/argsort of int64 sorts all 64
+    bits; index_put's sort of row indices (aten/src/ATen/native/cuda/Indexing.cu,
+    index_put_with_sort_kernel) only the bits of the largest row index (index_bits)."""
+    return 32 * n * -(-key_bits // 8)
+
+
+def index_bits(rows: int) -> int:
+    """Bits of the largest row index of a tensor of `rows` rows (at least 1)."""
+    return max(1, (rows - 1).bit_length())
 
 
 def moe_layer_ops(sc: Scenario, backward: bool) -> Ops:
@@ -192,12 +195,12 @@ def moe_layer_ops(sc: Scenario, backward: bool) -> Ops:
     N, c = T * k, t.compile
     gate_casts = 0 if t.autocast else (B + 4) * E * D + (4 if c else B + 4) * T * D
     if not backward:
-        routing = 22 * T * E + 96 * T * k + 16 * T + sort_bytes(N, 64) + sort_bytes(N, T)
+        routing = 22 * T * E + 96 * T * k + 16 * T + sort_bytes(N, 64) + sort_bytes(N, index_bits(T))
         moved = (2 * B + (2 * B if c else 2 * B + 16) + B) * N * D + 5 * B * T * D
         return [K.memory(gpu, "MoE gate casts to fp32", gate_casts, 0 if c or t.autocast else 2),
                 K.memory(gpu, "MoE routing + sorts", routing, 14 if c else 32),
                 K.memory(gpu, "MoE dispatch + combine", moved, 5 if c else 8)]
-    routing = 32 * T * E + 118 * T * k + sort_bytes(N, N) + sort_bytes(N, T)
+    routing = 32 * T * E + 118 * T * k + sort_bytes(N, index_bits(N)) + sort_bytes(N, index_bits(T))
     moved = ((2 * B + 3 * B + 2 * B) * N * D + 3 * B * T * D if c
              else (2 * B + (2 * B + 32) + 3 * B + B) * N * D + 5 * B * T * D)
     return [K.memory(gpu, "MoE gate gradient casts", 0 if t.autocast else (4 + B) * (E + T) * D,
