@@ -852,15 +852,44 @@ def test_selective_recompute_is_wk_wo_w3_and_the_pointwise_ops():
     assert not [o for o in ops if o.kind == "attention"]
 
 
-def test_calibrate_fixed_time_is_the_intercept_of_its_sweep(monkeypatch):
-    """gemm_fixed_s fits t = L + 2mnK / R through the sweep's per-GEMM times: given times made
-    from a known L and R (and from an R alone, L = 0), it returns that L."""
+@pytest.mark.parametrize("preset, arch", [("h100-sxm", "sm_90"), ("b200", "sm_100")])
+def test_calibrate_fits_the_presets_gemm_times_from_xlas_measured_table(monkeypatch, preset, arch):
+    """calibrate's GEMM sweep, its kernel times taken from XLA's measured table (an outside
+    measurement) for the sweep's shapes the table holds, fits the fixed and per-wave times the
+    preset carries (fitted by a grid search on log error, _form_fit) within 0.3 us each."""
     from zplan import calibrate
 
-    for L, R in ((7.8e-6, 7e14), (0.0, 3e14), (2.5e-5, 1.2e15)):
-        monkeypatch.setattr(calibrate, "_gemm_seconds",
-                            lambda device, M, N, K, seconds, L=L, R=R: L + 2 * M * N * K / R)
-        assert calibrate.gemm_fixed_s(None) == pytest.approx(L, abs=1e-12)
+    gpu = presets.gpu(preset)
+    k = gpu.kernels
+    table = {(m, n, kk): 2 * m * n * kk / fl for m, n, kk, fl in _xla_rows(arch)}
+    mn = [p for p in calibrate.GEMM_SWEEP_MN if (*p, 1024) in table]
+    assert len(mn) == 3  # 8192^2 is beyond the table
+    monkeypatch.setattr(calibrate, "_gemm_seconds", lambda d, M, N, K, s: table[(M, N, K)])
+    fixed, per_wave = calibrate.gemm_time_constants(None, k.sm_count, k.hbm_achieved_bytes_per_s, mn=mn)
+    assert fixed == pytest.approx(k.gemm_fixed_s, abs=3e-7)
+    assert per_wave == pytest.approx(k.gemm_wave_s, abs=3e-7)
+
+
+def test_calibrate_gemm_fit_recovers_known_times_and_rate():
+    """Times written from known constants (compute-bound: 2MNK over the rate x the tiles' share
+    of the waves' slots; bytes-bound: the operands at the copy rate) come back: the two times
+    to 2%, the rate to 0.5% (its grid); no per-wave time when none was put in."""
+    from zplan import calibrate
+
+    sms, hbm = 132, 3e12
+
+    def t(M, N, K, rate, fixed, per):
+        tiles = math.ceil(M / 128) * math.ceil(N / 256)
+        w = 1 if tiles < sms else math.ceil(tiles / sms)
+        eff = 1.0 if tiles < sms else tiles / (w * sms)
+        return max(2 * M * N * K / (rate * eff), (M * K + K * N + M * N) * 2 / hbm) + fixed + per * w
+
+    shapes = [(m, n, kk) for m, n in calibrate.GEMM_SWEEP_MN for kk in calibrate.GEMM_SWEEP_K]
+    for rate, fixed, per in ((7e14, 6e-6, 8e-7), (3e14, 1.2e-5, 0.0), (1.5e15, 4.6e-6, 1.5e-6)):
+        got = calibrate.fit_gemm_times([(*s, t(*s, rate, fixed, per)) for s in shapes], sms, hbm)
+        assert got[0] == pytest.approx(fixed, rel=0.02)
+        assert got[1] == pytest.approx(per, rel=0.02, abs=5e-8)
+        assert got[2] == pytest.approx(rate, rel=0.005)
 
 
 def test_calibrate_eager_norm_efficiency_is_bytes_over_time_at_the_copy_rate(monkeypatch):
@@ -920,12 +949,14 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
     cpu = torch.device("cpu")
     rates = calibrate.gemm_rates(cpu, shapes=((128, 128, 128),), seconds=0.05)
     floor = calibrate.kernel_floor_s(cpu, n=50)
-    fixed = calibrate.gemm_fixed_s(cpu, m=64, n=64, ks=(64, 128, 256), seconds=0.05)
-    assert rates[(128, 128, 128)] > 1e6 and 0 < floor < 0.01 and math.isfinite(fixed) and fixed >= 0
+    fixed, per_wave = calibrate.gemm_time_constants(cpu, 1, 1e10, mn=((64, 64), (128, 64)),
+                                                    ks=(64, 128), seconds=0.05)
+    assert rates[(128, 128, 128)] > 1e6 and 0 < floor < 0.01
+    assert math.isfinite(fixed) and fixed >= 0 and math.isfinite(per_wave) and per_wave >= 0
     k = {"gemm_flops": {"bf16": 5e14}, "sm_count": 132, "attention_forward_flops": 3e14,
          "attention_backward_flops": 2.5e14, "attention_half_seq": 300.0,
          "hbm_achieved_bytes_per_s": 2.9e12, "eager_norm_efficiency": 0.671,
-         "kernel_floor_s": 5e-6, "gemm_fixed_s": 7.5e-6,
+         "kernel_floor_s": 5e-6, "gemm_fixed_s": 7.5e-6, "gemm_wave_s": 9e-7,
          "nccl_sm_fraction": 0.121, "rank_speed_spread": 0.0123,
          "source": 'zplan calibrate: "quoted" shapes 8192x8192x8192: 700'}
     gpu = {"name": "mine", "memory_bytes": 10**10, "peak_flops": {"fp32": 6e13, "bf16": 9e14},
@@ -937,7 +968,8 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
                                    "host_ram_bytes": 10, "source": "s"})
     spec = presets.gpu(str(g))
     assert spec.kernels.gemm_flops["bf16"] == 5e14 and spec.kernels.nccl_sm_fraction == 0.121
-    assert spec.kernels.gemm_fixed_s == 7.5e-6 and spec.kernels.eager_norm_efficiency == 0.671
+    assert spec.kernels.gemm_fixed_s == 7.5e-6 and spec.kernels.gemm_wave_s == 9e-7
+    assert spec.kernels.eager_norm_efficiency == 0.671
     assert spec.kernels.rank_speed_spread == 0.0123
 
 

@@ -293,17 +293,59 @@ def gemm_rates(device, shapes=((8192, 8192, 8192), (4096, 4096, 4096), (16384, 4
     return {(M, N, K): 2 * M * N * K / _gemm_seconds(device, M, N, K, seconds) for M, N, K in shapes}
 
 
-def gemm_fixed_s(device, m: int = 4096, n: int = 4096, ks=(1024, 2048, 4096, 8192),
-                 seconds: float = 0.5) -> float:
-    """GPU seconds one GEMM kernel takes beyond its FLOPs: the intercept of a least-squares line
-    t = L + 2mnK / R through the per-GEMM times of an (m, n, K) sweep, each run back to back.
-    The shapes keep every GEMM compute-bound and in whole waves, so only K, and the fixed time,
-    change (zplan/kernels.py, gemm)."""
-    xs = [2 * m * n * k for k in ks]
-    ts = [_gemm_seconds(device, m, n, k, seconds) for k in ks]
-    mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
-    return max(0.0, mt - slope * mx)
+# gemm_time_constants' sweep: output shapes of 2, 4 and 16 waves of 128 x 256 tiles on a 132-SM
+# GPU (the first three are those of XLA's measured table that fill the SMs; docs/formulas.md
+# section 6), each at every K.
+GEMM_SWEEP_MN = ((2048, 4096), (4096, 2048), (4096, 4096), (8192, 8192))
+GEMM_SWEEP_K = (256, 512, 1024, 2048, 4096)
+
+
+def fit_gemm_times(samples: list[tuple[int, int, int, float]], sm_count: int, hbm_bytes_per_s: float,
+                   tile_m: int = 128, tile_n: int = 256) -> tuple[float, float, float]:
+    """(fixed_s, per_wave_s, rate) of zplan's GEMM time (kernels.gemm: max(FLOPs at the rate x
+    the waves' efficiency, bytes at the copy rate) + fixed + per wave x waves) fitted to bf16
+    GEMM times (M, N, K, seconds): for each rate in 0.5% steps, the two times by least squares
+    on relative error (weights 1/t^2), both at least 0; the rate whose fit misses least in
+    log(time) is kept. The rate is a nuisance parameter (a sweep's short runs may hold another
+    clock than the sustained gemm_flops): only the two times go into the preset."""
+    from types import SimpleNamespace
+
+    from .kernels import wave_efficiency, waves
+
+    k = SimpleNamespace(gemm_tile_m=tile_m, gemm_tile_n=tile_n, sm_count=sm_count)
+    rows = [(2 * M * N * K / wave_efficiency(k, M, N), (M * K + K * N + M * N) * 2 / hbm_bytes_per_s,
+             waves(k, M, N), t) for M, N, K, t in samples]
+    top = max(2 * M * N * K / t for M, N, K, t in samples)  # the sweep's best achieved rate
+    best = None
+    for step in range(100, 400):
+        rate = top * step / 200
+        base = [max(work / rate, byt) for work, byt, _, _ in rows]
+        w = [1 / t ** 2 for *_, t in rows]
+        r = [t - b for b, (*_, t) in zip(base, rows)]
+        x = [wv for _, _, wv, _ in rows]
+        sw, sx, sxx = sum(w), sum(a * b for a, b in zip(w, x)), sum(a * b * b for a, b in zip(w, x))
+        sr, sxr = sum(a * b for a, b in zip(w, r)), sum(a * b * c for a, b, c in zip(w, x, r))
+        det = sw * sxx - sx * sx
+        fixed, per = ((sxx * sr - sx * sxr) / det, (sw * sxr - sx * sr) / det) if det > 0 else (sr / sw, 0.0)
+        if per < 0:
+            fixed, per = sr / sw, 0.0
+        if fixed < 0:
+            fixed, per = 0.0, max(0.0, sxr / sxx)
+        fixed = max(0.0, fixed)
+        err = sum(math.log((b + fixed + per * wv) / t) ** 2 for b, (_, _, wv, t) in zip(base, rows))
+        if best is None or err < best[0]:
+            best = (err, fixed, per, rate)
+    return best[1], best[2], best[3]
+
+
+def gemm_time_constants(device, sm_count: int, hbm_bytes_per_s: float, mn=GEMM_SWEEP_MN,
+                        ks=GEMM_SWEEP_K, seconds: float = 0.5) -> tuple[float, float]:
+    """The GPU preset's gemm_fixed_s and gemm_wave_s, measured: every (M, N) of the sweep at every
+    K, each run back to back for `seconds`, fitted in zplan's own GEMM form (fit_gemm_times),
+    as the h100/b200 presets' times were fitted to XLA's measured table."""
+    samples = [(m, n, k, _gemm_seconds(device, m, n, k, seconds)) for m, n in mn for k in ks]
+    fixed, per_wave, _ = fit_gemm_times(samples, sm_count, hbm_bytes_per_s)
+    return fixed, per_wave
 
 
 def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
@@ -384,6 +426,7 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
     hbm = memory_bandwidth(device, nbytes=1 << 30)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     half = float(f"{_seq_half(device, fwd):.3g}")
+    fixed, per_wave = gemm_time_constants(device, int(sms), hbm)
     shapes = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for (m, n, k), r in rates.items())
     return {
         "gemm_flops": {"bf16": float(f"{max(rates.values()):.4g}")},
@@ -394,12 +437,13 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
         "hbm_achieved_bytes_per_s": float(f"{hbm:.4g}"),
         "eager_norm_efficiency": round(eager_norm_efficiency(device, hbm), 3),
         "kernel_floor_s": float(f"{kernel_floor_s(device):.3g}"),
-        "gemm_fixed_s": float(f"{gemm_fixed_s(device):.3g}"),
+        "gemm_fixed_s": float(f"{fixed:.3g}"),
+        "gemm_wave_s": float(f"{per_wave:.3g}"),
         "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
         "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
                   f"at s=4096, head dim 128; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
-                  f"tiny-kernel loop; GEMM time against K at "
-                  f"4096 x 4096 (intercept)",
+                  f"tiny-kernel loop; GEMM fixed and per-wave times fitted over "
+                  f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}",
     }
 
 
