@@ -1,18 +1,21 @@
 """Predicted against measured on the public validation set (benchmarks/published/*.toml).
 
-Usage: python benchmarks/published_accuracy.py [--markdown [FILE]] [--rows ID ...]
+Usage: python benchmarks/published_accuracy.py [--markdown [FILE]] [--summary [FILE]] [--rows ID ...]
 
 For every row it builds the scenario through the library with the row's facts only (model, GPU,
 GPU count and per node, strategy, micro-batch, accumulation, sequence, checkpointing, dtypes, the
 HSDP shard size, the attention and norm kernels) and zplan's DEFAULT assumptions, then compares tokens/s per GPU and peak memory.
 Rows zplan cannot express (tensor, pipeline, context parallelism; an unstated checkpointing
 fraction) are listed with the reason and kept out of the statistics. --markdown writes
-docs/accuracy.md. The set is a test set: nothing here may be tuned to it.
+docs/accuracy.md; --summary presets/public_accuracy.json, the per-GPU summary `zplan estimate`
+prints beside its predictions (zplan/public_accuracy.py). The set is a test set: nothing here may be
+tuned to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass, replace
@@ -31,7 +34,8 @@ from zplan.scenario_options import FIELDS, ScenarioOptions, build  # noqa: E402
 
 CLUSTER = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "hgx-h200", "B200": "dgx-b200", "GB200": "gb200-nvl72",
            "MI300X": "mi300x-node"}
-COMMAND = "python benchmarks/published_accuracy.py --markdown"
+COMMAND = "python benchmarks/published_accuracy.py --markdown --summary"
+SUMMARY = ROOT / "presets" / "public_accuracy.json"
 
 
 @dataclass(frozen=True)
@@ -188,10 +192,42 @@ def group_table(results: list[Result], metric: str) -> list[tuple[str, str, tupl
     return out
 
 
+def _errors_summary(errs: list[float]) -> dict | None:
+    """rows, mean |error|, the 90th percentile of |error| (nearest rank) and the mean signed
+    error (+: predicted above measured), as fractions rounded to 0.1%."""
+    if not errs:
+        return None
+    a = sorted(abs(e) for e in errs)
+    return {"rows": len(errs), "mean_abs": round(sum(a) / len(a), 3),
+            "p90_abs": round(a[math.ceil(0.9 * len(a)) - 1], 3), "bias": round(sum(errs) / len(errs), 3)}
+
+
+def summary(results: list[Result]) -> dict:
+    """What `zplan estimate` prints beside its predictions: for each GPU preset the set's rows
+    were predicted with (those on a variant of it, such as a power-capped board, included), and
+    over every scored row, how far tokens/s and peak memory were from the measurements."""
+    scored = [r for r in results if r.row.expressible and not r.error]
+
+    def block(rs: list[Result]) -> dict:
+        return {m: _errors_summary([e for e in (getattr(r, f"{m}_err") for r in rs) if e is not None])
+                for m in ("tokens", "memory")}
+
+    return {"generated_by": COMMAND, "report": "docs/accuracy.md", "all": block(scored),
+            "gpus": {g: block([r for r in scored if r.row.gpu == g]) for g in sorted({r.row.gpu for r in scored})}}
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", nargs="?", const=str(ROOT / "docs" / "accuracy.md"), default=None,
                     help="write the report as Markdown (default docs/accuracy.md)")
+    ap.add_argument("--summary", nargs="?", const=str(SUMMARY), default=None,
+                    help="write the per-GPU summary estimate prints (default presets/public_accuracy.json)")
     ap.add_argument("--rows", nargs="+", metavar="ID", help="only these row ids")
     a = ap.parse_args(argv)
     rows = load()
@@ -209,10 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                            if r.memory_compared_to and r.row.memory is not None})
         text = accuracy_report.markdown(results, groups, COMMAND, "; ".join(compared))
         out = Path(a.markdown)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out)
+        write_atomically(out, text)
         print(f"wrote {out}")
+    if a.summary:
+        if a.rows:
+            print("--summary is of the whole set: drop --rows", file=sys.stderr)
+            return 2
+        write_atomically(Path(a.summary), json.dumps(summary(results), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {a.summary}")
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from . import activation_memory
+from . import activation_memory, public_accuracy
 from .comm import Collective, collectives
 from .compute import Timing, timing
 from .memory import Memory, memory
@@ -266,8 +266,18 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
             "activations": dict(activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32)),
         },
         "assumptions": assumptions(sc, tuple(r.name for r in results)),
+        "public_accuracy": measured_error(sc),
         "strategies": [r.as_dict() for r in results],
     }
+
+
+def measured_error(sc: Scenario) -> dict | None:
+    """How far the public set's predictions were from its measurements on this scenario's GPU
+    preset (over all its runs where none used it; zplan/public_accuracy.py); None for CPU ranks,
+    which the set has no runs of."""
+    if sc.hw.gpu.device != "gpu":
+        return None
+    return public_accuracy.for_gpu(sc.hw.gpu.name)
 
 
 def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:

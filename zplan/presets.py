@@ -37,6 +37,11 @@ def _shipped_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "presets"
 
 
+def shipped_file(name: str) -> Path:
+    """A data file shipped beside the presets (public_accuracy.json)."""
+    return _shipped_dir() / name
+
+
 def _search_dirs(extra: tuple[str, ...] = ()) -> list[Path]:
     dirs = [Path(d) for d in extra]
     env = os.environ.get("ZPLAN_PRESETS")

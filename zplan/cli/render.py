@@ -7,7 +7,8 @@ import os
 import shutil
 import sys
 
-from ..estimate import TIGHT_FREE_FRACTION, StrategyEstimate
+from ..estimate import TIGHT_FREE_FRACTION, StrategyEstimate, measured_error
+from ..public_accuracy import sentence
 from ..scenario import Scenario
 from ..units import GiB, fmt_bytes, fmt_count, fmt_s
 from .textout import Out, TableSpec, escape
@@ -262,5 +263,8 @@ def print_estimate(sc: Scenario, results: list[StrategyEstimate], assumed: dict,
     pick = next((r for r in fsdp if r.name == "zero3"), fsdp[0] if fsdp else None)
     if pick is not None:
         console.print(overlap_table(pick))
+    acc = measured_error(sc)
+    if acc is not None:
+        console.print(escape(sentence(sc.hw.gpu.name, acc)))
     assumptions_lines(console, assumed)
 
