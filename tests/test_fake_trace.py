@@ -364,6 +364,68 @@ def test_fp32_logits_from_the_model_are_priced_against_the_tracker(tmp_path, kep
     assert traced == planned == (2 * 2 * 1024 * 32000 if kept else 0)
 
 
+DEEP = """name = "deep-small"
+num_layers = 8
+hidden = 512
+ffn_hidden = 1792
+num_heads = 8
+num_kv_heads = 8
+vocab_size = 4096
+max_seq_len = 4096
+source = "test: many blocks, a small vocabulary (the cache outweighs the logits)"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", ["full", "none"])  # selective agrees too (by hand)
+def test_a_returned_kv_cache_is_priced_against_the_tracker(tmp_path, checkpointing):
+    """The model returns every layer's keys and values (--kv-cache, Hugging Face's use_cache),
+    held as the loop holds its output: until backward returns, dropped before it (full only), or
+    into the next forward (--outputs-until-next-forward, traced over two steps). FSDPMemTracker
+    on the trainer: the planner agrees within 1% and in phase in every case (to the byte in how
+    much the cache adds), and with the loop holding the output, full checkpointing's peak grows
+    by the whole cache, 8 layers x (keys
+    after RoPE + values) = 8 x 2 x 1024 x 2 x 512 x 2 B, where no recomputation's attention
+    keeps them anyway (none: no growth)."""
+    pytest.importorskip("torch")
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "deep.toml"
+    path.write_text(DEEP)
+    cases = {"base": {}, "held": {"kv_cache": True},
+             "next": {"kv_cache": True, "outputs_until_next_forward": True}}
+    if checkpointing == "full":
+        cases["dropped"] = {"kv_cache": True, "logits_kept": False}
+    cells = {k: fake_trace.fake_cell(str(path), 4, 1024, 2, checkpointing, "zero3", **o) for k, o in cases.items()}
+    for cell in cells.values():
+        assert abs(cell.error) < 0.01 and cell.predicted_phase == cell.traced_phase, cell
+    grew = {k: (c.traced_bytes - cells["base"].traced_bytes, c.predicted_bytes - cells["base"].predicted_bytes)
+            for k, c in cells.items()}
+    cache = 8 * 2 * 1024 * 2 * 512 * 2
+    assert grew["held"] == ((cache, cache) if checkpointing == "full" else (0, 0))
+    assert grew["next"][0] > grew["held"][0] >= 0  # the previous output on top
+
+
+@pytest.mark.slow
+def test_hugging_faces_shifted_loss_copy_is_priced_against_the_tracker(tmp_path):
+    """Hugging Face's loss on `logits[..., :-1, :].contiguous()` of the model's fp32 logits
+    (--loss-shifted-copy), with the cache held into the next forward so that the loss's forward
+    is the peak: traced and planned agree within 0.1% and in phase, and both grow by one fp32
+    logit tensor (the planner counts every position; the copy has one fewer a sequence)."""
+    pytest.importorskip("torch")
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "deep.toml"
+    path.write_text(DEEP.replace("num_layers = 8", "num_layers = 12"))  # the loss's forward peaks either way
+    base = {"logits_fp32": True, "kv_cache": True, "outputs_until_next_forward": True}
+    cells = [fake_trace.fake_cell(str(path), 4, 2048, 2, "full", "zero3", **base, loss_shifted_copy=s)
+             for s in (False, True)]
+    for cell in cells:
+        assert abs(cell.error) < 0.001 and cell.predicted_phase == cell.traced_phase == "loss", cell
+    assert cells[1].predicted_bytes - cells[0].predicted_bytes == 4 * 2 * 2048 * 4096
+    assert abs(cells[1].traced_bytes - cells[0].traced_bytes - 4 * 2 * 2047 * 4096) < 1024  # a 0-d loss apart
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("embed_head_unit", ["separate", "root-kept"])
 def test_a_last_block_kept_gathered_is_priced_against_the_tracker(tmp_path, monkeypatch, embed_head_unit):

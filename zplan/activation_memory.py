@@ -324,6 +324,40 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     raise ValueError(mode)
 
 
+def kv_cache_bytes(m: ModelSpec, train: TrainSpec) -> int:
+    """What one block's entry of the cache the model returns (TrainSpec.kv_cache, Hugging Face's
+    use_cache in training) keeps referenced: the keys after RoPE, a new tensor (without RoPE a
+    view of the key projection's output), and the values, a view of the value projection's
+    output; views keep their whole storage, so with q, k and v as one linear the cache keeps
+    that linear's whole output (HF's `past_key_value = (key_states, value_states)`,
+    modeling_llama.py; GPT-2's `present = (key, value)` from `c_attn(...).split`).
+    Derivation: docs/formulas.md section 3."""
+    B, sb, kv = act_dtype_bytes(train), train.seq_len * train.micro_batch, m.kv_hidden
+    if m.qkv_fused:
+        return B * sb * (m.q_hidden + 2 * kv) + (B * sb * kv if m.position == "rope" else 0)
+    return 2 * B * sb * kv
+
+
+def kv_cache_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
+    """Of a block's cache entry (kv_cache_bytes), what the block keeps for its backward anyway
+    under recomputation `mode` (block_saved_bytes counts it), so the cache adds nothing while the
+    block's activations live: all of it without recomputation ("none", "attention": the
+    attention kernel saves its q, k and v, the cache's own tensors); nothing under "full" (the
+    block keeps its input alone); under "selective" the value storage where the policy keeps the
+    value projection's output (the fused q/k/v output), and the keys where they are a view of a
+    kept output (no RoPE), never RoPE's output, which is recomputed."""
+    if mode in ("none", "attention"):
+        return kv_cache_bytes(m, train)
+    if mode != "selective":
+        return 0
+    B, sb, kv = act_dtype_bytes(train), train.seq_len * train.micro_batch, m.kv_hidden
+    names = policy.selective_saved_matmuls(m.mlp, bool(m.num_experts), m.qkv_fused)
+    if m.qkv_fused:
+        return B * sb * (m.q_hidden + 2 * kv) if "wqkv" in names else 0
+    rope = m.position == "rope"
+    return (B * sb * kv if "wv" in names else 0) + (B * sb * kv if "wk" in names and not rope else 0)
+
+
 def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, ...] | None:
     """The tensors of over 1 MiB one block keeps from its forward to its backward under `mode`,
     bytes, in forward order, as block_activation_terms and block_saved_bytes count them (their
@@ -410,7 +444,10 @@ def _model_upcast_loss_steps(train: TrainSpec, B: int) -> tuple[tuple[str, str, 
     output, the backward is the upcast's (the input gradient cast back to B bytes by the model's
     copy). Compiled or fused: the kernel saves the fp32 logits and writes their fp32 gradient,
     which the model's copy casts back -- after the kernel's saved logits are freed, where the
-    loop holds none."""
+    loop holds none. With `loss_shifted_copy` (Hugging Face's shift of the logits, eager), the
+    loss's forward holds the shifted copy beside the logits and log_softmax's output until it
+    returns, and its backward a zero-filled gradient of the whole logits (SliceBackward0) with
+    the shifted one copied in, before the upcast's backward casts it back."""
     steps = [("forward", "+", "head output", B), ("forward", "+", "logits", 4),
              ("forward", "-", "head output", B)]
     if train.loss_fused:
@@ -418,12 +455,21 @@ def _model_upcast_loss_steps(train: TrainSpec, B: int) -> tuple[tuple[str, str, 
         if train.logits_unreferenced:  # the kernel's saved logits go when its backward returns,
             steps.append(("backward", "-", "logits", 4))  # before the model's copy casts back
         return tuple(steps + [("backward", "+", "logits grad", B), ("backward", "-", "fp32 logits grad", 4)])
+    shifted = train.loss_shifted_copy  # HF's `logits[..., :-1, :].contiguous()`: one logit fewer a sequence
+    if shifted:
+        steps.append(("forward", "+", "shifted logits", 4))
     steps.append(("forward", "+", "log_softmax", 4))
+    if shifted:  # a local of the loss, gone when it returns
+        steps.append(("forward", "-", "shifted logits", 4))
     if train.logits_dropped:
         steps.append(("forward", "-", "logits", 4))
-    return tuple(steps + [("backward", "+", "nll grad", 4), ("backward", "+", "log_softmax grad", 4),
-                          ("backward", "-", "nll grad", 4), ("backward", "-", "log_softmax", 4),
-                          ("backward", "+", "logits grad", B), ("backward", "-", "log_softmax grad", 4)])
+    steps += [("backward", "+", "nll grad", 4), ("backward", "+", "log_softmax grad", 4),
+              ("backward", "-", "nll grad", 4), ("backward", "-", "log_softmax", 4)]
+    if shifted:  # the slice's backward: a zero-filled gradient of the whole logits, the shifted one copied in
+        steps += [("backward", "+", "slice grad", 4), ("backward", "-", "log_softmax grad", 4),
+                  ("backward", "+", "logits grad", B), ("backward", "-", "slice grad", 4)]
+        return tuple(steps)
+    return tuple(steps + [("backward", "+", "logits grad", B), ("backward", "-", "log_softmax grad", 4)])
 
 
 def kept_logit_bytes(train: TrainSpec) -> int:

@@ -90,6 +90,49 @@ class Activations:
     act_bytes: int  # bytes per activation element (the param dtype)
     kept_logit_bytes: int  # bytes per logit the loop keeps (activation_memory.kept_logit_bytes)
     stream_bytes: int  # one hidden-state tensor (s·b·h) in the residual stream's dtype
+    cache: tuple[int, ...] = ()  # per unit, the cache the model returns (TrainSpec.kv_cache)
+    cache_saved: tuple[int, ...] = ()  # per unit, of that, what `saved` counts already
+
+
+class HeldOutputs:
+    """What the output the loop holds adds at each event, beyond the activations counted: the
+    model's cache (TrainSpec.kv_cache: activation_memory.kv_cache_bytes per block), less what the
+    blocks keep for backward anyway while they keep it (kv_cache_saved_bytes); and, where the
+    loop holds a micro-batch's output until the next forward returns
+    (TrainSpec.outputs_until_next_forward), the previous micro-batch's logits and cache through
+    this one's forward and loss, and this one's through the optimizer step. Unit indices are in
+    forward order. docs/formulas.md section 3."""
+
+    def __init__(self, train: TrainSpec, acts: Activations):
+        n = len(acts.saved)
+        cache = acts.cache or (0,) * n
+        saved = acts.cache_saved or (0,) * n
+        self.total = sum(cache)
+        self.extra_upto = [0, *accumulate(c - k for c, k in zip(cache, saved))]
+        self.saved_upto = [0, *accumulate(saved)]
+        self.held = train.logits_kept  # the loop holds the output until backward returns (at least)
+        logits = 0 if train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
+        self.previous = self.total + logits if train.outputs_until_next_forward else 0
+
+    def forward(self, i: int) -> int:
+        """After unit i's forward: the caches made so far, and the previous output."""
+        return self.extra_upto[i + 1] + self.previous
+
+    def loss(self, phase: str) -> int:
+        """The whole cache; in the loss's forward the previous output too (the loss inside the
+        forward); in its backward only while the loop holds the output."""
+        if phase == "forward":
+            return self.extra_upto[-1] + self.previous
+        return self.extra_upto[-1] if self.held else 0
+
+    def backward(self, j: int, done: bool = False) -> int:
+        """In unit j's backward (`done`: after it, at its reduce-scatter): the cache, less what
+        the units not yet through backward still keep as their activations."""
+        return self.total - self.saved_upto[j if done else j + 1] if self.held else 0
+
+    def optimizer(self) -> int:
+        """The step's own output, held into the next forward."""
+        return self.previous
 
 
 def activations(sc: Scenario) -> Activations:
@@ -109,12 +152,15 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     sbh = t.seq_len * t.micro_batch * m.hidden
     none_b = activation_memory.block_saved_bytes(m, t, "none")
     temp_b = activation_memory.block_backward_temp_bytes(m, t)
-    saved, extra, temp = [], [], []
+    saved, extra, temp, cache, cache_saved = [], [], [], [], []
     for u in units:
         if u.blocks == 0:
             head = u.name != "embed" and u.matmul_params > 0
             saved.append(activation_memory.head_saved_bytes(m, t) if head else 0)
             extra.append(0)
+            if t.kv_cache:
+                cache.append(0)
+                cache_saved.append(0)
             # the embedding's output gradient; the norm's output and input gradients (under
             # autocast both in the stream's dtype: the head's 16-bit input gradient is cast back)
             temp.append(S * sbh if not head else 2 * S * sbh)
@@ -124,11 +170,14 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
         saved.append(sum(per))
         extra.append(max(none_b - p for p in per))
         temp.append(temp_b)
+        if t.kv_cache:
+            cache.append(u.blocks * activation_memory.kv_cache_bytes(m, t))
+            cache_saved.append(sum(activation_memory.kv_cache_saved_bytes(m, t, md) for md in modes))
     linear = activation_memory.linear_loss_bytes(m, t)
     logits = 0 if t.linear_loss != "none" else t.seq_len * t.micro_batch * m.vocab_size
     return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
                        activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B,
-                       activation_memory.kept_logit_bytes(t), S * sbh)
+                       activation_memory.kept_logit_bytes(t), S * sbh, tuple(cache), tuple(cache_saved))
 
 
 @dataclass(frozen=True)
@@ -226,6 +275,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     logits_b = acts.logits_elems * acts.act_bytes  # the head's output, and the logits' gradient
     # the logits stay referenced until backward ends, unless the loop drops them first
     logits_ref = 0 if sc.train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
+    out = HeldOutputs(sc.train, acts)  # the model's cache, the previous output (kv_cache)
     # with accumulation and a reduce every micro-batch, the later micro-batches find every
     # sharded gradient allocated (the reduce-scatter output is added into it)
     later = sc.train.grad_accum > 1 and not accum_b
@@ -247,13 +297,13 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b, grads=all_grads,
                       gathered=held_b + kept + kept_last(i) + moving[i] + copy_in(i),
                       all_gather=unshard(i) + nxt(i),
-                      unsharded_grads=accum_b, activations=act))
+                      unsharded_grads=accum_b, activations=act + out.forward(i)))
         if not prefetch and not one_rank and i + 1 < n:
             nxt_kept = kept + (moving[i] if not reshard else 0)
             ev.append(_ev("forward", f"all-gather {sc.units[i + 1].name}", state=state_b,
                           grads=all_grads, gathered=held_b + nxt_kept + kept_last(i + 1),
                           all_gather=unshard(i) + unshard(i + 1),
-                          unsharded_grads=accum_b, activations=act))
+                          unsharded_grads=accum_b, activations=act + out.forward(i)))
     # the root (held) reshards after its forward too when resharding (the trainer passes
     # reshard_after_forward to the root as well) and gathers again in its pre-backward, unless
     # it stays gathered (policy.stays_gathered: FSDP1's kept root). A linear
@@ -289,10 +339,10 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         ev.append(_ev("loss", f"loss {phase}", state=state_b, grads=all_grads, gathered=at_loss,
                       all_gather=last_ag if phase == "forward" else 0, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
-                      + acts.linear_loss[phase]))
+                      + acts.linear_loss[phase] + out.loss(phase)))
     if root_head and not linear:
         root = sc.units[head].name
-        loss_grad = saved_upto[n] + logits_ref + logits_b  # the logits and their gradient
+        loss_grad = saved_upto[n] + logits_ref + logits_b + out.loss("backward")  # the logits and their gradient
         if reshard and not kept_at_loss[head]:
             # the root's pre-backward (a hook on its output) gathers it again: copy-out
             ev.append(_ev("backward", f"gather {root} again", state=state_b, grads=all_grads,
@@ -310,7 +360,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         name = sc.units[j].name
         gath = held_b + moving[j] + (0 if reshard else moving_upto[j]) + kept_last(j)
         before = saved_upto[j] + logits_ref
-        act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j]
+        act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j] + out.backward(j)
         if j == n - 1 and not root_head:
             act += logits_b  # the logits' gradient (the head's own unit)
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
@@ -326,7 +376,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # held root's too, are resharded just before (FSDPParamGroup.post_backward:
         # reshard_after_backward, True by default, then foreach_reduce)
         at_reduce = dict(state=state_b, gathered=gath - (gathered[j] if held[j] else moving[j]),
-                         all_gather=prv(j), activations=before + acts.stream_bytes)
+                         all_gather=prv(j), activations=before + acts.stream_bytes + out.backward(j, done=True))
         others = hold if j != head else 0  # the held head's gradient, waiting for the root's reduce
         ev.append(_ev("backward", f"reduce-scatter {name}", grads=grads_at(j + 1),
                       # accumulating (reduce skipped before), the unit's new gradients were added
@@ -343,7 +393,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                           unsharded_grads=max(0, accum_b - reduce_in[j]) + others,
                           reduce_scatter=2 * reduce_in[j], **at_reduce))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
-                  activations=opt_temp_b))
+                  activations=opt_temp_b + out.optimizer()))
     return ev
 
 
@@ -371,10 +421,13 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     kept_upto = [0, *accumulate(casts.kept)]
     kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
     made = {**kw, "gathered": static_b + sum(casts.made)}
-    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.kept_logit_bytes, **made)]
+    out = HeldOutputs(sc.train, acts)  # the model's cache, the previous output (kv_cache)
+    ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.kept_logit_bytes
+              + out.forward(n - 1), **made)]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
-                      + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase],
+                      + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase]
+                      + out.loss(phase),
                       **(made if phase == "forward" else {**kw, "gathered": static_b + kept_upto[n] + casts.until_head})))
     saved_upto = [0, *accumulate(acts.saved)]
     if compiled is None:  # eager: every gradient accumulated as soon as it is made
@@ -395,7 +448,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     # eager where the tied root is in no compiled graph (per-block compile leaves it eager)
     wait = tied_head_grad_wait(sc) if graph_of[0] is None else (0, 0)
     for j in reversed(ends):
-        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_ref
+        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_ref + out.backward(j)
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
@@ -406,11 +459,12 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
             label = sc.units[g.start].name + (f"..{sc.units[g.stop - 1].name}" if len(g) > 1 else "")
             ev.append(_ev("backward", f"backward graph of {label} returns",
                           activations=saved_upto[j] + logits_ref + sum(end_temp[g.start:g.stop])
+                          + out.backward(j, done=True)
                           + (acts.stream_bytes if j else 0),  # and its input's gradient
                           **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])
                              + wait[0]}))
     step_kw = kw if step_gathered_b is None else {**kw, "gathered": step_gathered_b}
-    ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b, **step_kw))
+    ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b + out.optimizer(), **step_kw))
     return ev
 
 

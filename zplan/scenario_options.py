@@ -74,6 +74,9 @@ class ScenarioOptions:
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
+    kv_cache: bool = False  # the model returns its keys and values (TrainSpec)
+    loss_shifted_copy: bool = False  # the loss on a shifted copy of the fp32 logits (TrainSpec)
+    outputs_until_next_forward: bool = False  # the loop holds an output into the next forward (TrainSpec)
     last_block_kept: bool = False  # FSDP keeps the last block gathered after forward (TrainSpec)
     float8: bool = False
     float8_recipe: str = "tensorwise"  # with float8: tensorwise | rowwise | rowwise-gw-hp | te-delayed (TrainSpec)
@@ -190,6 +193,18 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.logits_fp32 and o.linear_loss != "none":
         raise UsageError(f"--logits-fp32: --linear-loss {o.linear_loss} never makes the logits "
                          "whole: drop --logits-fp32")
+    if o.loss_shifted_copy and not o.logits_fp32:
+        raise UsageError("--loss-shifted-copy prices Hugging Face's loss on the model's fp32 logits: "
+                         "add --logits-fp32 (those versions upcast in the model)")
+    if o.loss_shifted_copy and (o.fused_loss or (o.compile and not o.eager_loss)):
+        raise UsageError("--loss-shifted-copy prices an eager loss: drop --fused-loss, or add "
+                         "--eager-loss with --compile")
+    if o.outputs_until_next_forward and not o.logits_kept:
+        raise UsageError("--outputs-until-next-forward holds the output past backward, --no-logits-kept "
+                         "drops it before: drop one")
+    if o.outputs_until_next_forward and o.linear_loss != "none":
+        raise UsageError(f"--outputs-until-next-forward: --linear-loss {o.linear_loss} returns no logits: "
+                         "drop one")
     if o.logits_fp32 and not o.loss_fp32:
         raise UsageError("--logits-fp32: a model that returns fp32 logits gives the loss fp32 "
                          "logits: drop --no-loss-fp32")
@@ -279,7 +294,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

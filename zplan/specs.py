@@ -407,6 +407,23 @@ class TrainSpec(Spec):
         "gets fp32 logits and a loop that keeps them keeps them in fp32; False: the head's dtype, "
         "the loss upcasts its own copy. Hugging Face transformers' ...ForCausalLM before 4.45 "
         "upcast too but computed the loss inside the model on a shifted copy, which is not priced")
+    kv_cache: bool = Field(
+        False, description="the model returns every layer's keys and values with its logits (Hugging "
+        "Face's use_cache, on in training unless HF's own gradient checkpointing is enabled): each "
+        "layer's post-RoPE keys and its values stay referenced for as long as the loop holds the "
+        "output (`logits_kept`, `outputs_until_next_forward`); False: none returned")
+    loss_shifted_copy: bool = Field(
+        False, description="the loss runs on a shifted contiguous copy of the model's fp32 logits "
+        "(`shift_logits = logits[..., :-1, :].contiguous()`: Hugging Face transformers' causal-LM "
+        "loss in the versions that shift the logits, 4.31 for one; later ones shift the labels): "
+        "one more fp32 logit tensor in the loss's forward, and a zero-filled one in its backward; "
+        "needs logits_fp32 (those versions upcast in the model) and an eager loss")
+    outputs_until_next_forward: bool = Field(
+        False, description="the loop holds a micro-batch's output (logits, and the cache with "
+        "`kv_cache`) until the next forward returns: `outputs = model(**batch)` at the top of the "
+        "loop, the loss computed inside the model (Hugging Face with labels), so the previous "
+        "output is alive through the next forward and its loss; False: until backward returns "
+        "(`logits_kept`) or not at all")
     deepspeed_defaults: bool = Field(
         False, description="zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their "
         "defaults (each submodule's parameters gathered as it runs, 5e7 elements prefetched, "
@@ -522,6 +539,14 @@ class TrainSpec(Spec):
                              "layout) gathers module by module")
         if self.logits_fp32 and self.linear_loss != "none":
             raise ValueError(f"logits_fp32: linear_loss {self.linear_loss} never makes the logits whole")
+        if self.loss_shifted_copy and not (self.logits_fp32 and not self.loss_fused):
+            raise ValueError("loss_shifted_copy prices Hugging Face's eager loss on the model's fp32 "
+                             "logits: it needs logits_fp32 and no compiled or fused loss")
+        if self.outputs_until_next_forward and not self.logits_kept:
+            raise ValueError("outputs_until_next_forward holds the output past backward: it needs "
+                             "logits_kept (drop --no-logits-kept)")
+        if self.outputs_until_next_forward and self.linear_loss != "none":
+            raise ValueError(f"outputs_until_next_forward: linear_loss {self.linear_loss} returns no logits")
         if self.layout == "zero" and not self.reduce_every_microbatch:
             # engine.py no_sync asserts not zero_optimization_partition_gradients(); stages 0-1
             # reduce at the accumulation boundary anyway

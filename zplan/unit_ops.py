@@ -296,6 +296,9 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     compiled = t.compile_loss and not t.fused_loss and not t.logits_fp32 and not backward
     pace = K.compiled_row_pace(gpu, "cross-entropy", V) if compiled else 1.0
     ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern, pace))
+    if t.loss_shifted_copy:  # HF's shift: a contiguous fp32 copy; backward, a zero fill and the copy back in
+        ops.append(K.memory(gpu, "shifted logits" + (" backward" if backward else " (copy)"),
+                            (12 if backward else 8) * V * T, 2 if backward else 1))
     return ops
 
 

@@ -93,6 +93,8 @@ def header(console: Out, sc: Scenario, unit: str) -> None:
 # when set, flag when cleared); the header names them so the figures say what they assume
 _RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", None, "--no-logits-kept"),
               ("logits_fp32", "--logits-fp32", None), ("last_block_kept", "--last-block-kept", None),
+              ("kv_cache", "--kv-cache", None), ("loss_shifted_copy", "--loss-shifted-copy", None),
+              ("outputs_until_next_forward", "--outputs-until-next-forward", None),
               ("linear_loss", "--linear-loss", None), ("fused_loss", "--fused-loss", None),
               ("fused_swiglu", "--fused-swiglu", None), ("attention_kernel", "--attention-kernel", None),
               ("optimizer_kernels", "--optimizer-kernels", None), ("compile", "--compile", None),

@@ -83,6 +83,7 @@ def trace_peak(plan, steps: int = 1, reserved: bool = False) -> dict:
         # dtype first, and a fake parameter cannot be swapped (the mode holds weak references)
         with torch.device("meta"):
             model = Transformer(plan.model)
+        model.return_cache(plan.train.kv_cache)
         with FakeTensorMode(allow_non_fake_inputs=True), propagation_outside_trace():
             par = parallelize(model, plan, device, mesh=mesh)
             # the plan's AdamW (fake_cell plans single-tensor: a multi-tensor peak is inflated
@@ -93,19 +94,22 @@ def trace_peak(plan, steps: int = 1, reserved: bool = False) -> dict:
             if reserved:
                 tracker.allocations = []
             t = plan.train
+            held = None  # the output a loop holds into the next forward (outputs_until_next_forward)
             with tracker:
                 for step in range(steps):
                     for micro in range(t.grad_accum):
                         x = torch.randint(0, plan.model.vocab_size, (t.micro_batch, t.seq_len))
                         sync = micro == t.grad_accum - 1 or t.reduce_every_microbatch
-                        loss, logits = forward_loss(par, t, x, x, sync)  # the loop's own code
+                        loss, kept = forward_loss(par, t, x, x, sync)  # the loop's own code
+                        held = kept if t.outputs_until_next_forward else None
                         loss.backward()
-                        del logits, loss
+                        del kept, loss
                         if micro < t.grad_accum - 1:
                             tracker.reset_mod_stats()
                     optim.step()
                     optim.zero_grad(set_to_none=True)
                     tracker.reset_mod_stats()
+            del held
             snap = tracker.get_tracker_snapshot("peak")
         per = next(iter(snap.values()))
         out: dict = {str(getattr(k, "value", k)): int(v) for k, v in per.items()}
@@ -181,7 +185,8 @@ def fake_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpoint
     sc, r = planned_cell(*args, **options)
     t0 = time.perf_counter()
     peak = trace_peak(make_plan(sc, strategy, world * micro_batch * grad_accum, r),
-                      steps=RESERVE_STEPS if reserved else 1, reserved=reserved)
+                      steps=RESERVE_STEPS if reserved else (2 if sc.train.outputs_until_next_forward else 1),
+                      reserved=reserved)
     phase = peak.pop("phase")
     both = None
     if reserved:

@@ -94,6 +94,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device("meta"):
             model = Transformer(plan.model)
+        model.return_cache(plan.train.kv_cache)
         if cfg.deterministic and plan.strategy in ("ddp", "zero1"):
             from ..errors import UsageError
 
@@ -112,6 +113,7 @@ class Trainer:
         self.batches = Prefetcher(self.data, self.rank, self.world, plan.global_batch, t.micro_batch,
                                   t.grad_accum, self.device)
         self.step = 0
+        self._held = None  # TrainSpec.outputs_until_next_forward: the last output, until the next forward returns
         self.clock = StepClock(self.device)
         self.backend = started_backend()
 
@@ -121,9 +123,11 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(A):
             x, y = self.batches.get(self.step, micro)
-            loss, logits = forward_loss(self.par, t, x, y, sync=micro == A - 1 or t.reduce_every_microbatch)
+            loss, kept = forward_loss(self.par, t, x, y, sync=micro == A - 1 or t.reduce_every_microbatch)
+            # the previous output is released only now, after this forward returned
+            self._held = kept if t.outputs_until_next_forward else None
             loss.backward()
-            del logits  # not carried into the next micro-batch's forward
+            del kept  # carried into the next forward only where the plan holds it (self._held)
             total += loss.detach()
             if self._tracking is not None and micro < A - 1:
                 self._tracking.reset_mod_stats()  # the tracker refuses a second forward otherwise

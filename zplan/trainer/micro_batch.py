@@ -23,19 +23,29 @@ def micro_batch_context(p: Parallelized, sync: bool, device_type: str) -> contex
 
 
 def forward_loss(p: Parallelized, train, x: torch.Tensor, y: torch.Tensor,
-                 sync: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 sync: bool) -> tuple[torch.Tensor, object]:
     """The micro-batch's loss divided by the accumulation steps, and the logits that stay
     referenced until its backward ends, as the planner prices the loss (memory_timeline.py;
     fp32 where the plan's model returns fp32 logits, `TrainSpec.logits_fp32`):
     None where the plan drops them (`TrainSpec.logits_kept` false: torchtitan's `del pred`) or
-    never makes them whole (the chunked linear loss computes the loss in the head). `sync`
-    says whether this micro-batch's backward reduces gradients."""
+    never makes them whole (the chunked linear loss computes the loss in the head); with
+    `TrainSpec.kv_cache`, (logits, the model's keys and values), the output the loop holds.
+    `sync` says whether this micro-batch's backward reduces gradients."""
     A = train.grad_accum
     with micro_batch_context(p, sync, x.device.type):
         if train.linear_loss == "chunked":
             return p.model(x, y) / A, None
-        logits = p.model(x)
+        logits, cache = p.model(x), None
+        if train.kv_cache:  # the model returns its keys and values too (Hugging Face's use_cache)
+            logits, cache = logits
         if train.logits_fp32:  # the model's own upcast (torchtitan's `self.output(h).float()`)
             logits = logits.float()
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
-    return loss, (logits if train.logits_kept else None)
+        if train.loss_shifted_copy:  # Hugging Face's `logits[..., :-1, :].contiguous()` (the last position dropped)
+            shifted = logits[:, :-1].contiguous()
+            loss = F.cross_entropy(shifted.view(-1, shifted.shape[-1]), y[:, :-1].reshape(-1)) / A
+            del shifted
+        else:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
+    if not train.logits_kept:
+        return loss, None
+    return loss, ((logits, cache) if train.kv_cache else logits)

@@ -62,12 +62,13 @@ class Attention(nn.Module):
         # Qwen3's q_norm and k_norm: each head of q and k normalized before RoPE
         self.q_norm, self.k_norm = (RMSNorm(m.head_dim), RMSNorm(m.head_dim)) if m.qk_norm else (None, None)
         self.checkpoint_core = False  # Megatron-style selective recomputation of the core
+        self.return_cache = False  # TrainSpec.kv_cache: also return the keys (after RoPE) and values
 
     def core(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=self.n_kv != self.n_heads)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
         # CUDA autocast runs rms_norm in fp32: cast back, so RoPE and attention run in q's dtype
@@ -85,7 +86,10 @@ class Attention(nn.Module):
             o = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             o = self.core(q, k, v)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        out = self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        # Hugging Face's `past_key_value = (key_states, value_states)`: the RoPE output and a view
+        # of the value projection's output (activation_memory.kv_cache_bytes)
+        return (out, k, v) if self.return_cache else out
 
 
 class FeedForward(nn.Module):
@@ -110,9 +114,15 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(m.hidden)
         self.feed_forward = FeedForward(m)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x: torch.Tensor):
+        """The block's output; with the attention's `return_cache`, (output, keys, values): the
+        cache is the block's output, so a recomputation (checkpoint) discards its own."""
+        a = self.attention(self.attention_norm(x))
+        a, kv = (a[0], a[1:]) if isinstance(a, tuple) else (a, ())
+        h = x + a
+        del a  # freed at the add, as a temporary would be (the block's memory order: tests/test_forward_holes.py)
+        h = h + self.feed_forward(self.ffn_norm(h))
+        return (h, *kv) if kv else h
 
 
 class Head(nn.Linear):
@@ -141,16 +151,27 @@ class Transformer(nn.Module):
         self.output = Head(m.hidden, m.vocab_size, bias=False)
         if m.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.cache_on = False  # return_cache
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def return_cache(self, on: bool = True) -> None:
+        """Return every layer's keys and values with the logits (TrainSpec.kv_cache, Hugging
+        Face's use_cache in training): forward then answers (logits, cache)."""
+        for layer in self.layers:
+            layer.attention.return_cache = on
+        self.cache_on = on
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """The logits; with `targets`, the mean cross-entropy from the head's chunked linear
-        loss instead (no logits kept)."""
+        loss instead (no logits kept); with return_cache, (that, the layers' (keys, values))."""
         h = self.tok_embeddings(tokens)
+        cache = []
         for layer in self.layers:
             h = layer(h)
-        if targets is None:
-            return self.output(self.norm(h))
-        return self.output(self.norm(h), targets)
+            if isinstance(h, tuple):
+                h, kv = h[0], h[1:]
+                cache.append(kv)
+        out = self.output(self.norm(h)) if targets is None else self.output(self.norm(h), targets)
+        return (out, cache) if self.cache_on else out
 
 
 def param_seed(name: str, seed: int) -> int:
