@@ -257,6 +257,24 @@ def test_calibrate_ranks_0_is_refused_not_the_default(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flag", ["--kv-cache", "--outputs-until-next-forward", "--loss-shifted-copy"])
+def test_verify_hugging_face_loop_flags_go_with_fake(capsys, flag):
+    """The real matrix runs zplan's plain loop: the Hugging Face loop's flags trace with --fake."""
+    pytest.importorskip("torch")
+    rc, _, err = cli(capsys, "verify", flag)
+    assert rc == 2 and flag in one_error(err) and "add --fake" in one_error(err)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--loss-shifted-copy",), "add --logits-fp32"),
+    (("--outputs-until-next-forward", "--no-logits-kept"), "drop one"),
+    (("--loss-shifted-copy", "--logits-fp32", "--fused-loss"), "drop --fused-loss"),
+])
+def test_hugging_face_loop_flags_refuse_what_cannot_be(capsys, args, needle):
+    rc, _, err = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", *args)
+    assert rc == 2 and needle in one_error(err), err
+
+
 def test_flags_next_to_a_plan_are_refused_not_dropped(capsys, tmp_path):
     plan = tmp_path / "plan.json"
     assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", str(plan))[0] == 0

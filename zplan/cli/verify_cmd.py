@@ -73,6 +73,9 @@ def verify(
     embed_head_unit: Annotated[str, typer.Option(help="--fake: where embedding and head sit: separate | head-kept | root | root-kept (torchtitan 2024: root-kept)")] = "separate",
     logits_fp32: Annotated[bool, typer.Option(help="--fake: the model returns fp32 logits (torchtitan until 2024-10)")] = False,
     last_block_kept: Annotated[bool, typer.Option(help="--fake: the last block stays gathered from its forward to its backward (torchtitan 2024-03..2025-07)")] = False,
+    kv_cache: Annotated[bool, typer.Option(help="--fake: the model returns every layer's keys and values (Hugging Face's use_cache in training)")] = False,
+    outputs_until_next_forward: Annotated[bool, typer.Option(help="--fake: the loop holds each output until the next forward returns (`outputs = model(**batch)`; two steps traced)")] = False,
+    loss_shifted_copy: Annotated[bool, typer.Option(help="--fake: the loss on a shifted copy of the fp32 logits (transformers 4.31; with --logits-fp32)")] = False,
 ) -> None:
     """Short real trainings, predicted against measured; exit 1 past tolerance.
 
@@ -85,13 +88,16 @@ def verify(
         return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance,
                             checkpointing or ["none"], linear_loss, reserved, expandable_segments,
                             logits_kept, embed_head_unit, logits_fp32=logits_fp32,
-                            last_block_kept=last_block_kept)
+                            last_block_kept=last_block_kept, kv_cache=kv_cache,
+                            outputs_until_next_forward=outputs_until_next_forward,
+                            loss_shifted_copy=loss_shifted_copy)
     if linear_loss != "none":
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
     if (reserved or expandable_segments or not logits_kept or embed_head_unit != "separate"
-            or logits_fp32 or last_block_kept):
+            or logits_fp32 or last_block_kept or kv_cache or outputs_until_next_forward or loss_shifted_copy):
         raise UsageError("--reserved, --expandable-segments, --no-logits-kept, --embed-head-unit, "
-                         "--logits-fp32 and --last-block-kept go with --fake: add --fake")
+                         "--logits-fp32, --last-block-kept, --kv-cache, --outputs-until-next-forward "
+                         "and --loss-shifted-copy go with --fake: add --fake")
     import tempfile
     from pathlib import Path
 
@@ -251,7 +257,8 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase;
     with `reserved`, the planner's reserved bytes against the caching allocator simulated over
     the traced steps' tensors (printed, not judged: the planner packs all but the loss's).
-    `options`: further ScenarioOptions the trainer runs too (logits_fp32, last_block_kept)."""
+    `options`: further ScenarioOptions the trainer runs too (logits_fp32, last_block_kept,
+    kv_cache, outputs_until_next_forward, loss_shifted_copy)."""
     from ..specs import CHECKPOINTING
     from typing import get_args
 
