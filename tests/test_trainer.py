@@ -59,13 +59,13 @@ def test_launch_without_arguments_trains_and_compares(run_zplan, tmp_path):
 
 
 def test_zero3_matches_ddp(run_zplan, tmp_path):
-    """The same weights after 4 steps, DDP and FSDP2; each model also returns its keys and
-    values (--kv-cache, Hugging Face's use_cache), which the zero3 loop holds into the next
-    forward (--outputs-until-next-forward): memory only, the arithmetic is unchanged."""
-    flags = {"ddp": ("--kv-cache",), "zero3": ("--kv-cache", "--outputs-until-next-forward")}
+    """The same weights after 4 steps, DDP and FSDP2; the FSDP2 model also returns its keys
+    and values (--kv-cache, Hugging Face's use_cache), which its loop holds into the next forward
+    (--outputs-until-next-forward): memory only, the arithmetic is unchanged."""
+    flags = {"ddp": (), "zero3": ("--kv-cache", "--outputs-until-next-forward")}
     for s in ("ddp", "zero3"):
         plan = make_plan(run_zplan, tmp_path / f"{s}.json", s, 2, 8, "fp32", *flags[s])
-        assert plan["train"]["kv_cache"] and plan["train"]["outputs_until_next_forward"] == (s == "zero3")
+        assert plan["train"]["kv_cache"] == plan["train"]["outputs_until_next_forward"] == (s == "zero3")
         rep, _ = launch(run_zplan, tmp_path / f"{s}.json", tmp_path / s, 4, save_every=4)
         assert rep["strategy"] == s
         assert rep["measured"]["elements_per_step"] == rep["predicted"]["elements_per_step"]

@@ -131,6 +131,8 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     if mode == "selective":
         kept = set(policy.selective_saved_matmuls(m.mlp))
         kept |= {"attn", "lse"} if policy.SELECTIVE_SAVES_ATTENTION else set()
+    if train.kv_cache:  # the cache the block returns keeps RoPE's k and the value projection's output
+        kept |= {"k", "wv"}
     steps = _norm_steps("norm1", train, sb * m.hidden, B)
     steps += [("+", "wq", Q), ("+", "wk", KV), ("+", "wv", KV)]
     # RoPE's rotated q and k (trainer/model.py apply_rope); its half-size temporaries, made and
@@ -366,10 +368,11 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
     q, k, v, the attention output, the MLP's input and hidden tensors; full: the block's input;
     selective: its input, the outputs the policy saves and the attention output. None where the
     terms are not split into tensors (MoE, dropout, attention without a flash kernel, compiled,
-    float8, autocast, every-k and attention modes). q/k norms keep their inputs (the q and k
-    projections' outputs) as the block's norms keep theirs."""
+    float8, autocast, a returned cache (kv_cache: held past the block's backward), every-k and
+    attention modes). q/k norms keep their inputs (the q and k projections' outputs) as the
+    block's norms keep theirs."""
     if (m.num_experts or m.dropout or not train.flash_attention or train.compile or train.float8
-            or train.autocast or mode not in ("none", "full", "selective")):
+            or train.autocast or train.kv_cache or mode not in ("none", "full", "selective")):
         return None
     sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
     h, q, kv = m.hidden, m.q_hidden, m.kv_hidden
@@ -421,16 +424,24 @@ def loss_steps(train: TrainSpec, loss_fp32: bool = True) -> tuple[tuple[str, str
         return (("forward", "+", "logits", B), ("backward", "+", "logits grad", B))
     L = 4 if loss_fp32 else B
     upcast = 4 if loss_fp32 and B != 4 else 0
+    shifted = L if train.loss_shifted_copy else 0  # fp32 logits from the model (B = 4 here): _model_upcast_loss_steps
     steps = [("forward", "+", "logits", B)]
     if upcast:
         steps.append(("forward", "+", "fp32 logits", upcast))
+    if shifted:
+        steps.append(("forward", "+", "shifted logits", shifted))
     steps.append(("forward", "+", "log_softmax", L))
+    if shifted:
+        steps.append(("forward", "-", "shifted logits", shifted))
     if upcast:
         steps.append(("forward", "-", "fp32 logits", upcast))
     if train.logits_dropped:
         steps.append(("forward", "-", "logits", B))
     steps += [("backward", "+", "nll grad", L), ("backward", "+", "log_softmax grad", L),
               ("backward", "-", "nll grad", L), ("backward", "-", "log_softmax", L)]
+    if shifted:  # the slice's backward: the whole logits' gradient, zero-filled, the shifted one copied in
+        steps += [("backward", "+", "slice grad", shifted), ("backward", "-", "log_softmax grad", L)]
+        return tuple(steps)  # (no cast back: the logits are fp32, the slice's gradient is theirs)
     if upcast:
         steps += [("backward", "+", "logits grad", B), ("backward", "-", "log_softmax grad", L)]
     return tuple(steps)
@@ -549,9 +560,15 @@ def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True)
     recompute = max(none_b - p for p in per)
     head = head_saved_bytes(m, train)
     lg = logits_bytes(m, train, loss_fp32)
-    return {
-        "blocks_saved": saved,
-        "head_inputs": head,
-        "loss_or_recompute": max(lg, recompute),
-        "total": saved + head + max(lg, recompute),
-    }
+    out = {"blocks_saved": saved, "head_inputs": head, "loss_or_recompute": max(lg, recompute)}
+    extra = 0
+    if train.kv_cache:  # what the returned cache adds beyond what the blocks keep (kv_cache_saved_bytes)
+        out["kv_cache"] = sum(kv_cache_bytes(m, train) - kv_cache_saved_bytes(m, train, block_mode(train, i, L))
+                              for i in range(L))
+        extra += out["kv_cache"]
+    if train.outputs_until_next_forward:  # the previous micro-batch's logits and cache, held
+        out["previous_output"] = ((L * kv_cache_bytes(m, train) if train.kv_cache else 0)
+                                  + train.seq_len * train.micro_batch * m.vocab_size * kept_logit_bytes(train))
+        extra += out["previous_output"]
+    out["total"] = saved + head + max(lg, recompute) + extra
+    return out

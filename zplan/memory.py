@@ -590,7 +590,8 @@ def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
     if (activation_memory.block_kept_tensors(m, t, t.checkpointing) is None
             or activation_memory.block_kept_tensors(m, t, "none") is None):
         return ("the block's kept tensors are not split one by one here (MoE, compiled or float8 "
-                "blocks, dropout, attention without a flash kernel, autocast, every-k)")
+                "blocks, dropout, attention without a flash kernel, autocast, every-k, a returned "
+                "cache)")
     pb = DTYPE_BITS[t.precision.param] // 8
     if sc.hw.gpu.memory_bytes - sc.assume.cuda_context_bytes < 2 * sc.params * pb:
         return "no room to flatten beside the parameters: DeepSpeed flattens on the host"

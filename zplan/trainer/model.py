@@ -159,6 +159,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.return_cache = on
         self.cache_on = on
+        if on:  # the cache is views (RoPE's k transposed, v of the value projection), as Hugging
+            # Face's are; FSDP2 warns about a unit returning a view on every forward of every rank
+            import warnings
+
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor",
+                                    category=UserWarning)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """The logits; with `targets`, the mean cross-entropy from the head's chunked linear
