@@ -59,3 +59,15 @@ def test_a_malformed_summary_is_ignored_not_misread():
     y = public_accuracy.for_gpu("y", data)
     assert y["scope"] == "all" and y["tokens"] == good and y["memory"] is None
     assert "peak memory: no measurement" in public_accuracy.sentence("y", y)
+
+
+def test_recommend_carries_the_figures_for_its_gpu(capsys):
+    """recommend's winner comes with the same figures, in its text and its JSON."""
+    want = _shipped()["gpus"]["a100-80gb"]["tokens"]
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "a100-80gb",
+            "--cluster", "dgx-a100", "--json")
+    got = json.loads(r.stdout)["public_accuracy"]
+    assert got["scope"] == "a100-80gb" and got["tokens"] == want
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "a100-80gb",
+            "--cluster", "dgx-a100")
+    assert f"over {want['rows']} runs" in " ".join(r.stdout.split())

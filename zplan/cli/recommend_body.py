@@ -139,7 +139,7 @@ def _launch_note(plan, written: str) -> str:
 
 
 def _json(rec, plan, top: int) -> dict:
-    from ..estimate import SCHEMA_VERSION
+    from ..estimate import SCHEMA_VERSION, measured_error
 
     from ..plan import planned_train
 
@@ -161,5 +161,6 @@ def _json(rec, plan, top: int) -> dict:
         "lost": rec.lost,
         "rejected": [{"family": f, "reason": r} for f, r in rec.rejected.items()],
         "flags": rec.flags,
+        "public_accuracy": measured_error(rec.winner.sc),
         "plan": plan.model_dump(),
     }

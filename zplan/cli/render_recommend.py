@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from ..estimate import TIGHT_FREE_FRACTION
+from ..estimate import TIGHT_FREE_FRACTION, measured_error
+from ..public_accuracy import sentence
 from ..recommend import Recommendation
 from ..units import fmt_bytes, fmt_s
 from .render import add_columns, bar, make_console, new_table
@@ -34,6 +35,9 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
         console.print(f"  all-gathers hidden in forward for {hidden} of {len(t.units) - 1} units after the first")
     for f in rec.flags:
         console.print(f"[yellow]  note: {escape(f)}[/]")
+    acc = measured_error(sc)
+    if acc is not None:
+        console.print("  " + escape(sentence(sc.hw.gpu.name, acc)))
     if top:
         console.print(runners_up(rec, top, wide))
     console.print("[bold]Each strategy family:[/]")
