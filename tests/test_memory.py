@@ -409,6 +409,41 @@ def test_a_checkpointed_blocks_first_forward_against_pytorch_memtracker(mode, ml
         assert activation_memory.forward_transient_bytes(m, fused)[0] == freed - largest
 
 
+def test_ligers_loss_tensors_fit_none_of_the_forwards_freed_blocks_below_64k():
+    """Liger's fused linear cross-entropy on Llama 3.1 8B, one sequence, full checkpointing. Its
+    tensors at 8k, as Liger-Kernel v0.8.0's ops/fused_linear_cross_entropy.py allocates them
+    (grad_input b·s·h, grad_weight V·h in the weight's bf16, a 256-token chunk's logits, the
+    weight gradient's product and its fp32 copy): 64, 1002, 62.625, 1002 and 2004 MiB. At 32k
+    and 64k its weight-sized ones exceed every block a checkpointed block's forward frees
+    (SwiGLU's three s x 14336 tensors and the normed input), while the input gradient and a
+    chunk's logits take two of them: the replay (CachingAllocator, classic segments: the
+    forward's tensors made and freed, then Liger's in order) reserves exactly
+    forward_residue_bytes beside the live bytes, which memory._forward_residue adds to the
+    default stream's reserve at the loss."""
+    from zplan import activation_memory as am, presets
+    from zplan.caching_allocator import CachingAllocator
+
+    m = presets.model("llama-3.1-8b")
+    mib = 1 << 20
+    t8 = TrainSpec(seq_len=8192, micro_batch=1, checkpointing="full", linear_loss="liger")
+    assert [b / mib for b in am.liger_loss_tensors(m, t8)] == [64, 1002, 62.625, 1002, 2004]
+    for s in (32768, 65536):
+        t = TrainSpec(seq_len=s, micro_batch=1, checkpointing="full", linear_loss="liger")
+        transient, largest = am.forward_transient_bytes(m, t)
+        tensors = am.liger_loss_tensors(m, t)
+        sim = CachingAllocator()
+        freed = [s * 14336 * 2] * 3 + [s * 4096 * 2]  # the block's working set (bf16)
+        assert sum(freed) == transient and max(freed) == largest
+        for i, b in enumerate(freed):
+            sim.malloc(("fwd", i), b)
+        for i in range(len(freed)):
+            sim.free(("fwd", i))
+        for i, b in enumerate(tensors):
+            sim.malloc(("loss", i), b)
+        cached_beside = sim.reserved_bytes - sim.allocated_bytes
+        assert cached_beside == allocator.forward_residue_bytes(transient, largest, list(tensors), False), s
+
+
 def test_the_forwards_freed_blocks_the_loss_cannot_use():
     """forward_residue_bytes: with classic segments the forward's freed blocks stay reserved
     beside a loss whose tensors are all larger; a loss tensor that fits one takes it; with

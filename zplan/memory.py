@@ -533,15 +533,17 @@ def _forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int
     """allocator.forward_residue_bytes for this scenario: the loss's requests are its own
     tensors (activation_memory.loss_steps); the head's around it are not: the loss simulation
     places them already (the input gradient in a block the loss freed; the weights and their
-    gradients, vocabulary-sized, fit no block a block unit's weights left). None where the loss
-    is a linear one
-    (its chunks fit the freed blocks). What the forward leaves cached is simulated tensor by
+    gradients, vocabulary-sized, fit no block a block unit's weights left). A linear loss: the
+    trainer's chunked one, none (its chunks fit the freed blocks); Liger's, its weight-sized
+    tensors (activation_memory.liger_loss_tensors) fit none below 64k tokens of Llama 3 8B, so
+    the freed working set stays reserved beside them. What the forward leaves cached is simulated tensor by
     tensor where the block's order is derived (_forward_holes), else one block's freed working
     set (activation_memory.forward_transient_bytes). Returns (the residue, the part of it in
     segments wholly free, which the allocator releases before it fails a cudaMalloc): a hole
     shares its segment with a kept tensor and is not released; one block's freed working set is
     its own segments."""
-    if logits_elems <= 0:
+    liger = sc.train.linear_loss == "liger"
+    if logits_elems <= 0 and not liger:
         return 0, 0
     holes = _forward_holes(sc, st)
     if holes is None:
@@ -551,8 +553,11 @@ def _forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int
         transient, largest, whole = holes
     if not transient:
         return 0, 0
-    loss = [per * logits_elems for _, op, _, per in activation_memory.loss_steps(sc.train, sc.assume.loss_fp32)
-            if op == "+"]
+    if liger:
+        loss = list(activation_memory.liger_loss_tensors(sc.model, sc.train))
+    else:
+        loss = [per * logits_elems for _, op, _, per in activation_memory.loss_steps(sc.train, sc.assume.loss_fp32)
+                if op == "+"]
     residue = allocator.forward_residue_bytes(transient, largest, loss, sc.assume.expandable_segments)
     return residue, min(whole, residue)
 
@@ -655,6 +660,8 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
                                                    sc.assume.expandable_segments, head)
     residue, residue_releasable = _forward_residue(sc, st, acts.logits_elems)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
+    if sc.train.linear_loss == "liger":  # its tensors are in the loss event's live bytes already
+        floor = allocator.default_stream_floor(start, 0, 0, residue, beside=True)
     peaks = dict(alloc.stream_peaks)
     cache_unused, cache_free = _param_block_cache(sc, st)
     reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
@@ -670,8 +677,10 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     # its packed peak; the allocator releases those and retries before it fails a cudaMalloc
     # (slower, no out-of-memory)
     loss_packed = loss_reserved - loss_releasable
-    packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
-        start, loss_b, loss_packed, residue - residue_releasable)) + cache_unused - cache_free
+    packed_floor = (allocator.default_stream_floor(start, 0, 0, residue - residue_releasable, beside=True)
+                    if sc.train.linear_loss == "liger" else
+                    allocator.default_stream_floor(start, loss_b, loss_packed, residue - residue_releasable))
+    packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, packed_floor) + cache_unused - cache_free
     packed = beside_step(packed)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
