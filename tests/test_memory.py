@@ -414,12 +414,14 @@ def test_ligers_loss_tensors_fit_none_of_the_forwards_freed_blocks_below_64k():
     tensors at 8k, as Liger-Kernel v0.8.0's ops/fused_linear_cross_entropy.py allocates them
     (grad_input b·s·h, grad_weight V·h in the weight's bf16, a 256-token chunk's logits, the
     weight gradient's product and its fp32 copy): 64, 1002, 62.625, 1002 and 2004 MiB. At 32k
-    and 64k its weight-sized ones exceed every block a checkpointed block's forward frees
-    (SwiGLU's three s x 14336 tensors and the normed input), while the input gradient and a
-    chunk's logits take two of them: the replay (CachingAllocator, classic segments: the
-    forward's tensors made and freed, then Liger's in order) reserves exactly
-    forward_residue_bytes beside the live bytes, which memory._forward_residue adds to the
-    default stream's reserve at the loss."""
+    its weight-sized ones exceed every block a checkpointed block's forward frees (SwiGLU's
+    three s x 14336 tensors, 896 MiB, and the normed input), while the input gradient and a
+    chunk's logits take two of them; at 64k the 1002 MiB ones fit the 1792 MiB blocks too. Either
+    way the replay (CachingAllocator, classic segments: the forward's tensors made and freed,
+    then Liger's in order) reserves exactly forward_residue_bytes beside the live bytes, which
+    memory._forward_residue adds to the default stream's reserve at the loss, on top of the
+    head's and the end of backward's (allocator.default_stream_floor: either reserve alone
+    raises the floor)."""
     from zplan import activation_memory as am, presets
     from zplan.caching_allocator import CachingAllocator
 
@@ -442,6 +444,11 @@ def test_ligers_loss_tensors_fit_none_of_the_forwards_freed_blocks_below_64k():
             sim.malloc(("loss", i), b)
         cached_beside = sim.reserved_bytes - sim.allocated_bytes
         assert cached_beside == allocator.forward_residue_bytes(transient, largest, list(tensors), False), s
+    start = Event("loss", "loss forward", {"activations": 100 * mib, "all_gather": 7 * mib})
+    assert allocator.default_stream_floor(start, 0, 0, 5 * mib) == 105 * mib  # the residue alone
+    assert allocator.default_stream_floor(start, 0, 3 * mib, 0) == 103 * mib  # the loss's reserve alone
+    assert allocator.default_stream_floor(start, 0, 3 * mib, 5 * mib) == 108 * mib
+    assert allocator.default_stream_floor(start, 0, 0, 0) == 0 == allocator.default_stream_floor(None, 0, 3, 5)
 
 
 def test_the_forwards_freed_blocks_the_loss_cannot_use():

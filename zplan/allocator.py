@@ -358,17 +358,13 @@ def all_gather_stream_reserved(forward: list[int], backward: list[int], expandab
 
 
 def default_stream_floor(start: Event | None, loss_bytes: int, loss_reserved: int,
-                         forward_residue: int = 0, beside: bool = False) -> int:
+                         forward_residue: int = 0) -> int:
     """The default stream's reserve through the loss: what it holds besides the loss's tensors
     when the loss begins (`start`, the "loss forward" event, less the loss's own `loss_bytes`),
     the forward's cached blocks the loss cannot use (forward_residue_bytes), and the loss's own
-    reserve on top (0 where no event is the loss's). `beside`: the loss's tensors are counted in
-    `start` already (a linear loss, whose tensors the event holds): what it holds and the
-    residue, wherever there is a residue."""
-    if beside:
-        return 0 if start is None or not forward_residue else (
-            sum(b for k, b in start.live.items() if STREAM[k] == "default") + forward_residue)
-    if start is None or not loss_reserved:
+    reserve on top; 0 where no event is the loss's or neither reserve exists. A linear loss
+    makes no logits (`loss_bytes` 0): its tensors are in `start`'s live bytes already."""
+    if start is None or not (loss_reserved or forward_residue):
         return 0
     held = sum(b for k, b in start.live.items() if STREAM[k] == "default") - loss_bytes
     return max(held, 0) + forward_residue + loss_reserved

@@ -660,8 +660,6 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
                                                    sc.assume.expandable_segments, head)
     residue, residue_releasable = _forward_residue(sc, st, acts.logits_elems)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
-    if sc.train.linear_loss == "liger":  # its tensors are in the loss event's live bytes already
-        floor = allocator.default_stream_floor(start, 0, 0, residue, beside=True)
     peaks = dict(alloc.stream_peaks)
     cache_unused, cache_free = _param_block_cache(sc, st)
     reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
@@ -677,10 +675,8 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     # its packed peak; the allocator releases those and retries before it fails a cudaMalloc
     # (slower, no out-of-memory)
     loss_packed = loss_reserved - loss_releasable
-    packed_floor = (allocator.default_stream_floor(start, 0, 0, residue - residue_releasable, beside=True)
-                    if sc.train.linear_loss == "liger" else
-                    allocator.default_stream_floor(start, loss_b, loss_packed, residue - residue_releasable))
-    packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, packed_floor) + cache_unused - cache_free
+    packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
+        start, loss_b, loss_packed, residue - residue_releasable)) + cache_unused - cache_free
     packed = beside_step(packed)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
