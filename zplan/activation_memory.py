@@ -540,8 +540,8 @@ def linear_loss_bytes(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         return {"kept": 0, "forward": 0, "backward": 0}
     c = policy.loss_chunk_tokens(T, V, h)
     kept = B * V * h
-    if train.linear_loss == "liger":
-        temp = B * c * V + B * V * h + (4 * V * h if B != 4 else 0) + 4 * T
+    if train.linear_loss == "liger":  # the chunk's logits, the update's product and fp32 copy
+        temp = sum(liger_loss_tensors(m, train)[2:]) + 4 * T
     else:
         temp = B * c * V + (4 * c * V if B != 4 else 8 * c)
     # under autocast the head's input is cast before the loss (trainer/linear_loss.py): its fp32
