@@ -96,7 +96,11 @@ def test_muon_under_sharding_is_flagged_and_priced():
     sc = scenario(model="llama-3.1-8b", gpus=16)
     muon = estimate_one(scenario(model="llama-3.1-8b", gpus=16, optimizer="muon"), "zero3")
     adam = estimate_one(sc, "zero3")
-    assert muon.elements_per_step - adam.elements_per_step == sc.params
+    # the gather moves the blocks' matrices only (AdamW steps embedding, head and norms on
+    # their shards): per block q and o (h x h), k and v (kv x h), three h x ffn (SwiGLU)
+    m = sc.model
+    block_matrices = 2 * m.hidden * m.hidden + 2 * m.kv_hidden * m.hidden + 3 * m.hidden * m.ffn_hidden
+    assert muon.elements_per_step - adam.elements_per_step == m.num_layers * block_matrices
 
 
 def test_global_batch_must_divide():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from . import policy
+from . import muon, policy
 from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduces_after_backward
 from .nccl import collective_time, contiguous_shape, strided_shape
 from .scenario import Scenario
@@ -270,8 +270,9 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     if t.optimizer == "muon" and policy.optimizer_splits_matrices(st, t.layout) and N > 1:
         # Muon orthogonalises whole matrices: each sharded update gathers its matrix first, over
         # the group that shards the optimizer state (HSDP: its shard group)
+        # (Muon's matrices only: AdamW steps the embedding, head and gains on their shards)
         D, g = (_shapes(sc, st)[:2]) if st.fsdp else (N, g_world)
-        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", psi, p.param, D, g, 1))
+        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", muon.matrix_elements(sc), p.param, D, g, 1))
     if not st.fsdp:
         torch = t.layout == "torch"
         ddp_bucket = sc.assume.ddp_bucket_bytes

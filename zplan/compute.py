@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from . import arch
 from . import kernels as K
-from . import unit_ops
+from . import muon, unit_ops
 from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
 from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_tensor_sizes
@@ -221,11 +221,15 @@ def optimizer_ops(sc: Scenario, st: Strategy) -> list[K.Op]:
         return []
     D = sc.shard_degree(st.hsdp) if st.optim_sharded else 1
     steps = optimizer_tensor_sizes(sc, D, zero1=st.name == "zero1")
-    if sc.train.layout == "zero":  # DeepSpeed clips its flat fp32 partition
-        return unit_ops.optimizer_ops(sc, steps)
-    # the torch layout clips every local gradient: full under ddp and zero1 (DDP's gradients)
+    # the torch layout clips every local gradient: full under ddp and zero1 (DDP's gradients);
+    # DeepSpeed clips its flat fp32 partition
     Dg = sc.shard_degree(st.hsdp) if st.grads_sharded else 1
-    return unit_ops.optimizer_ops(sc, steps, optimizer_tensor_sizes(sc, Dg))
+    grads = None if sc.train.layout == "zero" else optimizer_tensor_sizes(sc, Dg)
+    if sc.train.optimizer == "muon":  # Muon over the blocks' matrices, AdamW over the rest:
+        # the slowest rank's step (ZeroRedundancyOptimizer's ranks run different matrices)
+        return max((unit_ops.optimizer_ops(sc, steps, grads, muon_split=h)
+                    for h in muon.holdings(sc, st.name, D)), key=K.total)
+    return unit_ops.optimizer_ops(sc, steps, grads)
 
 
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from . import activation_memory, allocator, arch, policy
+from . import activation_memory, allocator, arch, muon, policy
 from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
 from .deepspeed import reduce_stream_bytes
 from . import memory_timeline as mt
@@ -59,7 +59,8 @@ class Memory:
 
 def optimizer_state_bytes(elements: int, optimizer: str, dtype: str) -> int:
     """AdamW: m and v. SGD: momentum. 8-bit Adam: two uint8 states plus one fp32 absmax per
-    block of 2048 (Dettmers et al. 2022, block-wise quantization). Muon: momentum only."""
+    block of 2048 (Dettmers et al. 2022, block-wise quantization). Muon: momentum only (of the
+    tensors it steps: model_state gives the rest AdamW's two, zplan/muon.py)."""
     if optimizer == "adamw":
         return 2 * nbytes(elements, dtype)
     if optimizer in ("sgd", "muon"):
@@ -153,7 +154,12 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
         grads_b = nbytes(flat(st.grads_sharded or boundary_only), p.param)
         master_b = 0 if p.master == p.param else nbytes(flat(st.optim_sharded), p.master)
         opt_elems = flat(st.optim_sharded)
-    opt_b = optimizer_state_bytes(opt_elems, t.optimizer, p.optimizer)
+    if t.optimizer == "muon":  # Muon over the blocks' matrices, AdamW over the rest (zplan/muon.py)
+        opt_b = max(optimizer_state_bytes(sum(mine), "muon", p.optimizer)
+                    + optimizer_state_bytes(sum(adamw), "adamw", p.optimizer)
+                    for mine, adamw, _ in muon.holdings(sc, st.name, D if st.optim_sharded else 1))
+    else:
+        opt_b = optimizer_state_bytes(opt_elems, t.optimizer, p.optimizer)
     # What padding each unit to a multiple of D adds to the sharded state on this rank.
     sharded_b = sum(b for b, on in ((params_b, st.params_sharded), (grads_b, st.grads_sharded),
                                      (master_b + opt_b, st.optim_sharded)) if on)

@@ -18,8 +18,10 @@ Derivation: docs/formulas.md, section 6.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from . import kernels as K
-from . import policy
+from . import muon, policy
 from .arch import Unit
 from .comm import gathers_for_recompute, regathered
 from .scenario import Scenario
@@ -509,7 +511,8 @@ def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, b
     return [K.memory(gpu, f"{name} {what}", nbytes, kernels) for what, nbytes, kernels in ops if nbytes]
 
 
-def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | None = None) -> Ops:
+def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | None = None,
+                  muon_split: tuple[list[int], list[int], list] | None = None) -> Ops:
     """The optimizer step over this rank's state, `local_sizes` the element counts of the tensors
     it steps: gradient clipping first (`grad_clip_ops`, over `grad_sizes`, the local gradients,
     default `local_sizes`: every rank's whole gradients under ddp and zero1), then AdamW as the run's implementation
@@ -527,8 +530,22 @@ def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | 
     tensors = sum(1 for n in local_sizes if n)
     local_elems = sum(local_sizes)
     ops = grad_clip_ops(sc, local_sizes if grad_sizes is None else grad_sizes)
+    if t.optimizer == "muon" and muon_split is not None:
+        muon_sizes, adamw_sizes, matrices = muon_split
+        return ops + _adamw_ops(sc, adamw_sizes) + muon_ops(sc, muon_sizes, matrices)
     if t.optimizer not in ("adamw", "adam8bit"):
         return ops + [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
+    return ops + _adamw_ops(sc, local_sizes)
+
+
+def _adamw_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
+    """AdamW over these tensors as the run launches it (optimizer_ops)."""
+    gpu, t = sc.hw.gpu, sc.train
+    tensors = sum(1 for n in local_sizes if n)
+    local_elems = sum(local_sizes)
+    if not local_elems:
+        return []
+    ops: Ops = []
     P, S = _b(t.precision.master), _b(t.precision.optimizer)
     if t.layout == "torch":
         if t.optimizer_kernels == "fused":
@@ -545,6 +562,65 @@ def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | 
         ops.append(K.memory(gpu, "weight copy (master to 16-bit)",
                             (P + _b(t.precision.param)) * local_elems, 1))
     return ops
+
+
+# torch.optim.Muon's elementwise ops per tensor (_single_tensor_muon, PyTorch 2.9-2.13): the
+# momentum's lerp_ (G + 2S), the Nesterov lerp into a new tensor (2G + S), the bf16 copy (G + 2),
+# its norm (2) and division (2 + 2), the decoupled weight decay's mul_ (2P) and the update's add_
+# (2P + 2): 4G + 3S + 4P + 10 bytes per element, in 8 launches (norm, clamp counted).
+MUON_ELEMENTWISE_KERNELS = 8
+
+
+def muon_elementwise_bytes(G: int, S: int, P: int) -> int:
+    """Bytes per element of Muon's elementwise work (MUON_ELEMENTWISE_KERNELS' comment)."""
+    return 4 * G + 3 * S + 4 * P + 10
+
+
+def muon_ops(sc: Scenario, local_sizes: list[int], matrices: list) -> Ops:
+    """Muon's step on this rank (zplan/muon.py): its elementwise work over the tensors it holds
+    and Newton-Schulz over the matrices it orthogonalises, each step three bf16 GEMMs
+    (muon.newton_schulz_gemms), summed into one Op."""
+    gpu, t = sc.hw.gpu, sc.train
+    P, S = _b(t.precision.master), _b(t.precision.optimizer)
+    tensors = sum(1 for n in local_sizes if n)
+    ops: Ops = []
+    if tensors:
+        ops.append(K.memory(gpu, "Muon (momentum, update)", muon_elementwise_bytes(P, S, P) * sum(local_sizes),
+                            MUON_ELEMENTWISE_KERNELS * tensors))
+    if matrices:
+        ops.append(_newton_schulz(gpu, tuple(matrices)))
+    if t.layout == "zero" and t.precision.master != t.precision.param and tensors:
+        ops.append(K.memory(gpu, "weight copy (master to 16-bit, Muon's)",
+                            (P + _b(t.precision.param)) * sum(local_sizes), 1))
+    return ops
+
+
+_NS_CACHE: dict = {}  # (id(gpu), shape) -> (gpu, its 15 GEMMs' sums): the gpu pins the id
+
+
+def _ns_one(gpu, shape) -> tuple:
+    key = (id(gpu), shape)
+    hit = _NS_CACHE.get(key)
+    if hit is None:
+        if len(_NS_CACHE) > 4096:
+            _NS_CACHE.clear()
+        gs = [K.gemm(gpu, "ns", M, N, Kd, "bf16", "bf16", accumulate=acc)
+              for M, N, Kd, acc in muon.newton_schulz_gemms(*shape)]
+        hit = _NS_CACHE[key] = (gpu, sum(g.kernels for g in gs), sum(g.flop for g in gs),
+                                sum(g.bytes for g in gs), sum(g.seconds for g in gs),
+                                sum(g.contended_s for g in gs))
+    return hit[1:]
+
+
+def _newton_schulz(gpu, matrices: tuple) -> K.Op:
+    kernels = flop = nbytes = 0
+    seconds = contended = 0.0
+    for shape, count in Counter(matrices).items():
+        k, f, b, t, c = _ns_one(gpu, shape)
+        kernels, flop, nbytes = kernels + count * k, flop + count * f, nbytes + count * b
+        seconds, contended = seconds + count * t, contended + count * c
+    return K.Op(f"Muon Newton-Schulz ({muon.NS_STEPS} steps, {len(matrices)} matrices)", "gemm",
+                kernels, flop, nbytes, seconds, contended)
 
 
 def grad_clip_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
