@@ -73,6 +73,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         checkpoint_wraps_unit=row.checkpoint_wraps_unit,
         linear_loss=row.linear_loss, fused_swiglu=row.fused_swiglu, qkv_fused=True if row.qkv_fused else None,
         norm_output_fp32=row.norm_output_fp32, optimizer_kernels=row.optimizer_kernels,
+        optimizer=row.optimizer,
         grad_clip=row.grad_clip, zero_init=row.zero_init, embed_head_unit=row.embed_head_unit,
         deepspeed_defaults=row.deepspeed_defaults, deepspeed_param_groups=row.deepspeed_param_groups,
         logits_kept=row.logits_kept,

@@ -2,6 +2,7 @@
 figures and hand counts of the bytes eager PyTorch moves."""
 
 import csv
+from dataclasses import replace
 import math
 from pathlib import Path
 
@@ -957,7 +958,7 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
          "attention_backward_flops": 2.5e14, "attention_half_seq": 300.0,
          "hbm_achieved_bytes_per_s": 2.9e12, "eager_norm_efficiency": 0.671,
          "kernel_floor_s": 5e-6, "gemm_fixed_s": 7.5e-6, "gemm_wave_s": 9e-7,
-         "nccl_sm_fraction": 0.121, "rank_speed_spread": 0.0123,
+         "nccl_sm_fraction": 0.121, "rank_speed_spread": 0.0123, "unaligned_gemm_slowdown": 1.42,
          "source": 'zplan calibrate: "quoted" shapes 8192x8192x8192: 700'}
     gpu = {"name": "mine", "memory_bytes": 10**10, "peak_flops": {"fp32": 6e13, "bf16": 9e14},
            "hbm_bytes_per_s": 3e12, "host_link_bytes_per_s": 5e10, "measured": True,
@@ -971,6 +972,7 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
     assert spec.kernels.gemm_fixed_s == 7.5e-6 and spec.kernels.gemm_wave_s == 9e-7
     assert spec.kernels.eager_norm_efficiency == 0.671
     assert spec.kernels.rank_speed_spread == 0.0123
+    assert spec.kernels.unaligned_gemm_slowdown == 1.42
 
 
 def test_calibrated_spread_is_the_ranks_standard_deviation_over_their_median():
@@ -1307,3 +1309,52 @@ def test_slowest_rank_is_shown_where_the_step_is(capsys):
     t = out["strategies"][0]["time"]
     assert t["slowest_rank_s"] > 0 and t["breakdown"]["slowest_rank"] == t["slowest_rank_s"]
     assert out["assumptions"]["slowest_rank"]["value"] == spread
+
+
+def test_a_measured_unaligned_slowdown_slows_only_gemms_with_unaligned_widths():
+    """With a preset's unaligned_gemm_slowdown of 2 (no fixed or per-wave time, no floor), the
+    GPT-2 head's three GEMMs (vocabulary 50257) take twice as long and no other GEMM changes;
+    the token count (an odd micro-batch of rows) is no leading dimension and slows nothing."""
+    from tests.helpers import scenario
+    from zplan import unit_ops
+
+    def head_and_block(slowdown, tokens):
+        sc = scenario(model="gpt2-124m", gpus=1, seq_len=tokens)
+        k = sc.hw.gpu.kernels.model_copy(update={"unaligned_gemm_slowdown": slowdown, "gemm_fixed_s": 0.0,
+                                                 "gemm_wave_s": 0.0, "kernel_floor_s": 0.0})
+        sc = replace(sc, hw=sc.hw.model_copy(update={"gpu": sc.hw.gpu.model_copy(update={"kernels": k})}))
+        ops = {}
+        for u in sc.units:
+            for bwd in (False, True):
+                for o in unit_ops.unit_ops(sc, u, bwd):
+                    if o.kind == "gemm":
+                        ops[(u.name, o.name)] = o.seconds
+        return ops
+
+    for tokens in (1024, 1023):
+        fast, slow = head_and_block(None, tokens), head_and_block(2.0, tokens)
+        head = [key for key in fast if key[1].startswith("output")]
+        assert len(head) == 3
+        for key, t in fast.items():
+            assert slow[key] == pytest.approx(2 * t if key in head else t), key
+
+
+def test_calibrate_measures_the_unaligned_slowdown_per_flop(monkeypatch):
+    """calibrate's factor is the head's time per FLOP at the odd vocabulary over that at the
+    padded one: times proportional to the vocabulary give 1; 1.5x slower per column at 50257
+    gives 1.5; a faster odd shape (a CPU's caches) is held at 1. On this CPU it runs."""
+    import torch
+
+    from zplan import calibrate
+
+    monkeypatch.setattr(calibrate, "_head_gemm_seconds", lambda d, t, v, h, s: v * 1e-6)
+    assert calibrate.unaligned_gemm_slowdown(None) == pytest.approx(1.0)
+    monkeypatch.setattr(calibrate, "_head_gemm_seconds",
+                        lambda d, t, v, h, s: v * 1e-6 * (1.5 if v % 8 else 1.0))
+    assert calibrate.unaligned_gemm_slowdown(None) == pytest.approx(1.5)
+    monkeypatch.setattr(calibrate, "_head_gemm_seconds",
+                        lambda d, t, v, h, s: v * 1e-6 * (0.5 if v % 8 else 1.0))
+    assert calibrate.unaligned_gemm_slowdown(None) == 1.0
+    monkeypatch.undo()
+    f = calibrate.unaligned_gemm_slowdown(torch.device("cpu"), tokens=64, vocab=257, hidden=64, seconds=0.03)
+    assert 1.0 <= f <= 20.0

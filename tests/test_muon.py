@@ -87,10 +87,36 @@ def test_who_orthogonalises_what():
     every = sum(2 * M * N * K for s in muon.matrices(sc) for M, N, K, _ in muon.newton_schulz_gemms(*s))
     assert ns("ddp") == every == ns("zero3")
     assert 0 < ns("zero1") < every / 4
-    ranks = muon.holdings(sc, "zero1", 8)
-    assert sorted(sum(r[0]) + sum(r[1]) for r in ranks)[-1] == sum(optimizer_tensor_sizes(sc, 8, zero1=True))
     # every matrix is some rank's, once
     assert sorted(x for r in muon.zero1_ranks(sc) for _, mats in r for x in mats) == sorted(muon.matrices(sc))
+
+
+def test_zero1_ranks_are_zero_redundancy_optimizers_partition():
+    """One ZeroRedundancyOptimizer over two groups, Muon's matrices first (MuonWithAuxAdam):
+    torch's own _partition_parameters (run on the trainer's model built on the meta device)
+    gives the fullest rank the state zplan counts, and the slowest rank the Newton-Schulz FLOPs
+    zplan charges."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from zplan.trainer.model import Transformer
+
+    sc = scenario(model="llama-3.2-1b", gpus=8, optimizer="muon", param_dtype="fp32",
+                  optimizer_dtype="fp32", layout="torch")
+    with torch.device("meta"):
+        named = list(Transformer(sc.model).named_parameters())
+    z = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+    z.world_size, z._partition_parameters_cache = 8, []
+    z.param_groups = [{"params": [p for n, p in named if _block_matrix(n, p)]},
+                      {"params": [p for n, p in named if not _block_matrix(n, p)]}]
+    ranks = z._partition_parameters()
+    state = [sum(4 * p.numel() for p in r[0]["params"]) + sum(8 * p.numel() for p in r[1]["params"])
+             for r in ranks]
+    ns = [sum(5 * (4 * min(p.shape) ** 2 * max(p.shape) + 2 * min(p.shape) ** 3) for p in r[0]["params"])
+          for r in ranks]
+    assert model_state(sc, strategy("zero1")).optimizer_bytes == max(state)
+    ops = optimizer_ops(sc.for_strategy(False), strategy("zero1"))
+    assert sum(o.flop for o in ops if o.kind == "gemm") == max(ns)
 
 
 def test_muon_step_time_grows_with_the_matrices_not_the_tokens():
@@ -129,3 +155,41 @@ def test_elementwise_bytes_are_what_torch_muon_moves():
     with counter:
         opt.step()
     assert counter.bytes == muon_elementwise_bytes(4, 4, 4) * p.numel()
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (64, 160), (256, 256)])
+def test_step_temporaries_are_what_memtracker_sees(shape):
+    """PyTorch's MemTracker over one torch.optim.Muon step: the peak beyond the gradient and the
+    momentum (what lives before the step) is the model's temporaries for that matrix."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    p = torch.nn.Parameter(torch.randn(*shape))
+    p.grad = torch.randn(*shape)
+    opt = torch.optim.Muon([p])
+    opt.step()  # the momentum buffer exists before the measured step
+    tracker = MemTracker()
+    tracker.track_external(p, opt)
+    with tracker:
+        opt.step()
+    peak = tracker.get_tracker_snapshot("peak")
+    (dev,) = peak.keys()
+    before = 2 * p.numel() * 4  # gradient and momentum, fp32
+    assert peak[dev]["Total"] - before == muon.step_temp_bytes(muon.counted([shape]), 4, 0)
+
+
+def test_muon_is_not_offered_with_cpu_offload():
+    """The CPU optimizers offload runs are AdamW's: Muon's Newton-Schulz has no CPU step priced, so
+    both offload strategies say why instead of a step without it; the rest are estimated."""
+    for name in ("offload-opt", "offload-all"):
+        e = est(name, model="llama-3.2-1b", gpus=8, optimizer="muon")
+        assert e.memory is None and "Newton-Schulz" in e.unavailable
+    assert est("zero2", model="llama-3.2-1b", gpus=8, optimizer="muon").timing is not None
+
+
+def test_an_efficiency_prices_newton_schulz_at_its_flop_rate():
+    """With --efficiency (no kernel model) the step still carries Newton-Schulz's FLOPs at the
+    efficiency's rate: Llama 3.1 8B's ~0.7 PFLOP on an H100 at half of 989 TFLOP/s, over a second."""
+    e = est("zero3", model="llama-3.1-8b", gpus=8, optimizer="muon", efficiency=0.5)
+    flop = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in muon.matrices(scenario(model="llama-3.1-8b")))
+    assert e.timing.optimizer_s == pytest.approx(flop / (0.5 * 989e12), rel=0.02)

@@ -197,3 +197,23 @@ def test_an_moe_estimate_states_how_its_experts_are_priced(capsys):
     assert "routing balanced" in a["experts"]["meaning"] and "One measured MoE run" in a["experts"]["meaning"]
     r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json")
     assert "experts" not in json.loads(r.stdout)["assumptions"]
+
+
+def test_an_unaligned_gemm_dimension_is_named_with_the_assumptions(capsys, tmp_path):
+    """GPT-2's vocabulary of 50257 is not a multiple of 8: the estimate names it (unpriced, with the
+    end-to-end figures that show what it costs); a padded copy of the same model, and Llama,
+    name nothing; an odd FFN width is named too."""
+    from tests.helpers import cli
+    r = cli(capsys, "estimate", "--model", "gpt2-124m", "--gpus", "8", "--seq-len", "1024", "--json")
+    a = json.loads(r.stdout)["assumptions"]["unaligned_gemms"]
+    assert a["value"] == "vocab 50,257" and "50304" in a["flag"] and "13.7%" in a["meaning"]
+    padded = tmp_path / "gpt2-padded.toml"
+    text = presets.shipped_file("models/gpt2-124m.toml").read_text()
+    padded.write_text(text.replace("vocab_size = 50257", "vocab_size = 50304"))
+    for model in (str(padded), "llama-3.1-8b"):
+        r = cli(capsys, "estimate", "--model", model, "--gpus", "8", "--seq-len", "1024", "--json")
+        assert "unaligned_gemms" not in json.loads(r.stdout)["assumptions"]
+    odd = tmp_path / "odd-ffn.toml"
+    odd.write_text(text.replace("vocab_size = 50257", "vocab_size = 50304").replace("ffn_hidden = 3072", "ffn_hidden = 3071"))
+    r = cli(capsys, "estimate", "--model", str(odd), "--gpus", "8", "--seq-len", "1024", "--json")
+    assert json.loads(r.stdout)["assumptions"]["unaligned_gemms"]["value"] == "ffn_hidden 3,071"

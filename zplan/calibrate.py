@@ -348,6 +348,41 @@ def gemm_time_constants(device, sm_count: int, hbm_bytes_per_s: float, mn=GEMM_S
     return fixed, per_wave
 
 
+def _head_gemm_seconds(device, tokens: int, vocab: int, hidden: int, seconds: float) -> float:
+    """Seconds of an output head's three bf16 GEMMs, as a linear runs them (logits = x Wᵀ,
+    dX = dY W, dW = dYᵀ x), each run back to back for `seconds` / 3."""
+    import torch
+
+    dt = torch.bfloat16
+    x = torch.randn(tokens, hidden, device=device, dtype=dt)
+    w = torch.randn(vocab, hidden, device=device, dtype=dt)
+    dy = torch.randn(tokens, vocab, device=device, dtype=dt)
+    total = 0.0
+    for f in (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x):
+        f()
+        _sync(device)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 3:
+            for _ in range(3):
+                f()
+            _sync(device)
+            n += 3
+        total += (time.perf_counter() - t0) / n
+    return total
+
+
+def unaligned_gemm_slowdown(device, tokens: int = 8192, vocab: int = 50257, hidden: int = 1024,
+                            seconds: float = 1.0) -> float:
+    """How many times longer, per FLOP, an output head's GEMMs run at a vocabulary that is not a
+    multiple of 8 (its rows not 16-byte aligned in bf16: GPT-2's 50257) than at the same
+    vocabulary padded to a multiple of 64 (nanoGPT's 50304): the GPU preset's
+    unaligned_gemm_slowdown, at least 1, at most 20."""
+    padded = -(-vocab // 64) * 64
+    t_odd = _head_gemm_seconds(device, tokens, vocab, hidden, seconds) / vocab
+    t_pad = _head_gemm_seconds(device, tokens, padded, hidden, seconds) / padded
+    return min(20.0, max(1.0, t_odd / t_pad))
+
+
 def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
                     reps: int = 10, batch: int = 1) -> tuple[float, float]:
     """Causal scaled_dot_product_attention forward and backward FLOP/s, counted as the flash-attn
@@ -438,11 +473,13 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
         "eager_norm_efficiency": round(eager_norm_efficiency(device, hbm), 3),
         "kernel_floor_s": float(f"{kernel_floor_s(device):.3g}"),
         "gemm_fixed_s": float(f"{fixed:.3g}"),
+        "unaligned_gemm_slowdown": round(unaligned_gemm_slowdown(device), 3),
         "gemm_wave_s": float(f"{per_wave:.3g}"),
         "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
         "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
                   f"at s=4096, head dim 128; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
-                  f"tiny-kernel loop; GEMM fixed and per-wave times fitted over "
+                  f"tiny-kernel loop; an output head's three GEMMs at vocabulary 50257 against "
+                  f"50304 (8192 tokens, width 1024); GEMM fixed and per-wave times fitted over "
                   f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}",
     }
 

@@ -209,9 +209,14 @@ def _optimizer_s(sc: Scenario, st: Strategy, mem: Memory) -> float:
     if st.offload_optimizer:  # the CPU runs the step: offload_s
         return 0.0
     if not uses_kernel_model(sc):
-        # memory-bound: reads and writes every byte of the local state once
+        # memory-bound: reads and writes every byte of the local state once; Muon's
+        # Newton-Schulz at the efficiency's FLOP rate on the rank that runs the most
         local = mem.params_bytes + mem.grads_bytes + mem.master_bytes + mem.optimizer_bytes
-        return 2 * local / sc.hw.gpu.hbm_bytes_per_s
+        ns = 0.0
+        if sc.train.optimizer == "muon":
+            D = sc.shard_degree(st.hsdp) if st.optim_sharded else 1
+            ns = max(muon.newton_schulz_flop(h[3]) for h in muon.holdings(sc, st.name, D)) / _flop_rate(sc)
+        return 2 * local / sc.hw.gpu.hbm_bytes_per_s + ns
     return K.total(optimizer_ops(sc, st))
 
 

@@ -82,6 +82,9 @@ class StrategyEstimate:
 
 
 def unavailable_reason(sc: Scenario, name: str) -> str | None:
+    if name in ("offload-opt", "offload-all") and sc.train.optimizer == "muon":
+        return ("Muon's step is Newton-Schulz GEMMs, which the CPU optimizers offload runs (DeepSpeed's "
+                "CPU-Adam, torch's CPU AdamW) do not run: offload with --optimizer adamw")
     if name == "offload-opt" and sc.train.layout == "torch":
         return "FSDP2 offloads parameters and optimizer together (CPUOffloadPolicy); optimizer-only offload is DeepSpeed's (plan with --for deepspeed, or estimate with --layout zero)"
     if sc.train.layout == "zero" and sc.train.deepspeed_defaults and name in ("zero3-noreshard", "hsdp"):
@@ -227,6 +230,24 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         + (f"; not priced here: {why_not}" if why_not else "") if one else
                         "decay/no-decay groups, or DeepSpeed before 0.19: the parameters' own blocks "
                         "do not stay cached")}
+    unaligned = unaligned_gemm_dims(sc.model)
+    if unaligned and sc.hw.gpu.kernels is not None:
+        slow = sc.hw.gpu.kernels.unaligned_gemm_slowdown
+        out["unaligned_gemms"] = {
+            "value": ", ".join(f"{name} {n:,}" for name, n in unaligned),
+            "flag": "pad the model (GPT-2's vocabulary: 50304, a multiple of 64); zplan calibrate "
+                    "measures the slowdown on your GPU",
+            "meaning": "GEMM dimensions that are not a multiple of 8 (16 bytes in 16-bit) leave rows "
+                       "unaligned, which cuBLAS runs on slower kernels (NVIDIA, Matrix Multiplication "
+                       "Background User's Guide, Tensor Core requirements); "
+                       + (f"priced at this GPU's measured {slow:g}x (GPU preset [kernels] "
+                          "unaligned_gemm_slowdown). " if slow else
+                          "priced as if aligned: this GPU preset has no measurement of it, and no "
+                          "kernel-level one at such shapes was found. ")
+                       + "End to end, padding GPT-2's "
+                       "vocabulary 50257 -> 50304 measured 13.7% more tokens/s on one A100; the "
+                       "public set's GPT-2 124M runs on H100 step 9-47% slower than zplan predicts "
+                       "with 50257, within 11% with 50304 (docs/accuracy-notes.md 9bc)"}
     if sc.model.num_experts:
         m = sc.model
         out["experts"] = {
@@ -269,6 +290,23 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
         "public_accuracy": measured_error(sc),
         "strategies": [r.as_dict() for r in results],
     }
+
+
+def unaligned_gemm_dims(m) -> list[tuple[str, int]]:
+    """The model's GEMM dimensions that are not a multiple of 8 elements (the vocabulary, the
+    widths of the block's linears): each is a leading dimension of some GEMM of a training step
+    (a weight's rows or columns, or its output's), unaligned to 16 bytes in a 16-bit dtype."""
+    if m.total_params is not None:
+        return []
+    dims = [("vocab", m.vocab_size), ("hidden", m.hidden), ("ffn_hidden", m.ffn_hidden),
+            ("q width", m.q_hidden), ("kv width", m.kv_hidden)]
+    seen: set = set()
+    out = []
+    for name, n in dims:
+        if n % 8 and (name, n) not in seen:
+            seen.add((name, n))
+            out.append((name, n))
+    return out
 
 
 def measured_error(sc: Scenario) -> dict | None:

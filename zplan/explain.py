@@ -52,6 +52,13 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
         offloaded = st.offload_params if label == "weights" else st.offload_optimizer
         where = " (on the host: offload)" if offloaded and val == 0 else ""
         out.append(f"{label:16s} = {count:,} elements{' (sharded)' if sharded else ''} -> {_gb(val)}{where}")
+    if t.optimizer == "muon" and not st.offload_optimizer:
+        from . import muon
+        from .memory import muon_state_bytes
+        h = max(muon.holdings(sc, st.name, D if st.optim_sharded else 1),
+                key=lambda h: muon_state_bytes(h, p.optimizer))
+        out.append(f"  of which Muon's momentum for the blocks' matrices {h[0]:,} x {b(p.optimizer)} B, "
+                   f"AdamW's two states for the rest {sum(h[2]):,} x {2 * b(p.optimizer)} B (zplan/muon.py)")
     out.append(f"model state      = {_gb(mem.model_state_bytes)}  (= {mem.model_state_bytes / max(1, psi):.3f} bytes/param;"
                f" padding costs {_gb(mem.padding_bytes)})")
     if mem.host_bytes_per_rank:

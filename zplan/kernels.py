@@ -103,12 +103,25 @@ def wave_efficiency(k: KernelSpec, M: int, N: int, taken: int = 0) -> float:
     return tiles / (waves * k.sm_count)
 
 
+def aligned(dtype: str, *widths: int) -> bool:
+    """Whether rows of these widths start on 16-byte boundaries in this dtype (a multiple of 8
+    elements in 16-bit): what cuBLAS's fast kernels need of every leading dimension (NVIDIA,
+    Matrix Multiplication Background User's Guide, Tensor Core requirements)."""
+    per = max(1, 16 * 8 // DTYPE_BITS[dtype])
+    return all(w % per == 0 for w in widths)
+
+
 def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype: str,
-         accumulate: bool = False, groups: int = 1, grouped_out: bool = False) -> Op:
+         accumulate: bool = False, groups: int = 1, grouped_out: bool = False,
+         widths_aligned: bool | None = None) -> Op:
     """accumulate: C += A·B (beta = 1), which reads the output as well as writing it.
     groups: a grouped GEMM (torch._grouped_mm over `groups` experts, the rows of the reduction
     or of A split among them) reads every group's B (K x N), or with `grouped_out` (a weight
-    gradient, M x N the weight) writes every group's output: `groups` times that operand."""
+    gradient, M x N the weight) writes every group's output: `groups` times that operand.
+    widths_aligned: whether the widths it reads and writes (the leading dimensions: a linear's
+    in and out features, never its token count) are 16-byte aligned (`aligned`; None: all three
+    dimensions are taken as widths). Where not, and the preset has a measured
+    unaligned_gemm_slowdown, the GEMM's FLOP- and byte-bound time is that many times longer."""
     k = gpu.kernels
     assert k is not None
     flop = 2 * M * N * K
@@ -118,6 +131,9 @@ def gemm(gpu: GPUSpec, name: str, M: int, N: int, K: int, dtype: str, out_dtype:
     rate, hbm = gemm_rate(gpu, k, dtype), k.hbm_achieved_bytes_per_s
     fixed, per_wave = k.gemm_fixed_s or 0.0, k.gemm_wave_s or 0.0
     Mt = M * groups if grouped_out else M  # a grouped weight gradient: every group's output tiles
+    ok = aligned(dtype, M, N, K) if widths_aligned is None else widths_aligned
+    slow = k.unaligned_gemm_slowdown if (k.unaligned_gemm_slowdown and not ok) else 1.0
+    rate, hbm = rate / slow, hbm / slow
     core = max(flop / (rate * wave_efficiency(k, Mt, N)), nbytes / hbm)
     t = max(core + fixed + per_wave * waves(k, Mt, N), k.kernel_floor_s)
     taken = taken_sms(k)
@@ -132,11 +148,12 @@ def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, a
     """A linear layer y = x Wᵀ over T tokens: one GEMM forward, dX and dW backward. groups:
     `groups` experts' weights (n_out x n_in each) over the T rows between them, as one grouped
     GEMM each way (gemm's `groups`)."""
+    ok = aligned(dtype, n_out, n_in)  # the token count is no leading dimension of the three
     if not backward:
-        return [gemm(gpu, name, T, n_out, n_in, dtype, act, groups=groups)]
-    return [gemm(gpu, f"{name} dX", T, n_in, n_out, dtype, act, groups=groups),
+        return [gemm(gpu, name, T, n_out, n_in, dtype, act, groups=groups, widths_aligned=ok)]
+    return [gemm(gpu, f"{name} dX", T, n_in, n_out, dtype, act, groups=groups, widths_aligned=ok),
             gemm(gpu, f"{name} dW", n_out, n_in, T, dtype, "fp32" if dtype == "fp8" else act,
-                 groups=groups, grouped_out=True)]
+                 groups=groups, grouped_out=True, widths_aligned=ok)]
 
 
 def eager_norm(gpu: GPUSpec) -> float:

@@ -70,6 +70,13 @@ def optimizer_state_bytes(elements: int, optimizer: str, dtype: str) -> int:
     raise ValueError(optimizer)
 
 
+def muon_state_bytes(holding, dtype: str) -> int:
+    """One rank's state under --optimizer muon (muon.holdings): Muon's momentum for its matrices,
+    AdamW's two states for the rest."""
+    elems, _, adamw, _ = holding
+    return optimizer_state_bytes(elems, "muon", dtype) + optimizer_state_bytes(sum(adamw), "adamw", dtype)
+
+
 def zero1_torch_max_rank(sc: Scenario) -> int:
     """Elements of optimizer state on the fullest rank under ZeroRedundancyOptimizer."""
     return sum(zero1_torch_partition(sc))
@@ -155,9 +162,7 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
         master_b = 0 if p.master == p.param else nbytes(flat(st.optim_sharded), p.master)
         opt_elems = flat(st.optim_sharded)
     if t.optimizer == "muon":  # Muon over the blocks' matrices, AdamW over the rest (zplan/muon.py)
-        opt_b = max(optimizer_state_bytes(sum(mine), "muon", p.optimizer)
-                    + optimizer_state_bytes(sum(adamw), "adamw", p.optimizer)
-                    for mine, adamw, _ in muon.holdings(sc, st.name, D if st.optim_sharded else 1))
+        opt_b = max(muon_state_bytes(h, p.optimizer) for h in muon.holdings(sc, st.name, D if st.optim_sharded else 1))
     else:
         opt_b = optimizer_state_bytes(opt_elems, t.optimizer, p.optimizer)
     # What padding each unit to a multiple of D adds to the sharded state on this rank.
@@ -236,6 +241,13 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
         opt_temp = mt.optimizer_temp_bytes(max(steps, default=0), sum(steps), t, t.layout)
         if t.layout == "zero" and st.optim_sharded:
             opt_temp = deepspeed_step_temp_bytes(sum(steps), st.params_sharded, p)
+        if t.optimizer == "muon":  # Newton-Schulz's temporaries (AdamW's for the rest: fused, none),
+            # on the rank whose state and temporaries together are largest: ms holds the largest state
+            gather_b = DTYPE_BITS[p.param] // 8 if policy.optimizer_splits_matrices(st, t.layout) else 0
+            both = [muon_state_bytes(h, p.optimizer)
+                    + muon.step_temp_bytes(h[3], DTYPE_BITS[p.master] // 8, gather_b)
+                    for h in muon.holdings(sc, st.name, D if st.optim_sharded else 1)]
+            opt_temp = max(opt_temp, max(both, default=0) - ms.optimizer_bytes)
     shards = ms.unit_shards
     padded = [x * D for x in shards]  # Scenario.padded_elems
     if t.layout == "torch" and st.fsdp:

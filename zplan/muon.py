@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from functools import lru_cache
 
 from . import arch
@@ -51,7 +52,7 @@ def _as_matrices(m, unit: arch.Unit, shape: Shape) -> list[Shape]:
 
 def matrices(sc: Scenario) -> list[Shape]:
     """Every matrix Muon orthogonalises, whole."""
-    return list(_matrices(sc.model, tuple(sc.units)))
+    return [shape for shape, n in _matrix_counts(sc.model, tuple(sc.units)) for _ in range(n)]
 
 
 def matrix_elements(sc: Scenario) -> int:
@@ -60,16 +61,39 @@ def matrix_elements(sc: Scenario) -> int:
 
 
 @lru_cache(maxsize=256)
-def _matrices(m, units: tuple) -> tuple[Shape, ...]:
-    return tuple(x for u in units for s in u.shapes for x in _as_matrices(m, u, s))
+def _unit_kinds(m, units: tuple) -> tuple[tuple[arch.Unit, int], ...]:
+    """One unit of each kind (the blocks repeat: same shapes, inside a block or not) and how many."""
+    kinds: dict = {}
+    for u in units:
+        key = (u.blocks > 0, u.shapes)
+        first, n = kinds.get(key, (u, 0))
+        kinds[key] = (first, n + 1)
+    return tuple(kinds.values())
+
+
+@lru_cache(maxsize=256)
+def _matrix_counts(m, units: tuple) -> Counted:
+    c: Counter = Counter()
+    for u, n in _unit_kinds(m, units):
+        for s in u.shapes:
+            for x in _as_matrices(m, u, s):
+                c[x] += n
+    return tuple(sorted(c.items()))
 
 
 @lru_cache(maxsize=256)
 def _matrix_elements(m, units: tuple) -> int:
-    return sum(math.prod(s) for u in units for s in u.shapes if is_matrix(m, u, s))
+    return sum(n * math.prod(s) for u, n in _unit_kinds(m, units) for s in u.shapes if is_matrix(m, u, s))
 
 
-Holding = tuple[list[int], list[int], list[Shape]]  # Muon's tensors, AdamW's, matrices it runs
+Counted = tuple[tuple[Shape, int], ...]  # distinct matrix shapes and how many of each
+# One rank's optimizer: (Muon's elements, Muon's tensors, AdamW's tensors' sizes, matrices it runs)
+Holding = tuple[int, int, tuple[int, ...], Counted]
+
+
+def counted(shapes) -> Counted:
+    """The distinct shapes of these matrices with how many of each (a stable order)."""
+    return tuple(sorted(Counter(shapes).items()))
 
 
 def zero1_ranks(sc: Scenario) -> list[list[tuple[int, list[Shape]]]]:
@@ -77,17 +101,22 @@ def zero1_ranks(sc: Scenario) -> list[list[tuple[int, list[Shape]]]]:
     return _zero1_ranks(sc.model, tuple(sc.units), sc.n)
 
 
+@lru_cache(maxsize=64)
 def _zero1_ranks(m, units: tuple, n: int) -> list[list[tuple[int, list[Shape]]]]:
-    """Every rank's parameters under ZeroRedundancyOptimizer, (elements, its matrices if Muon's):
-    whole parameters, largest first, each to the rank holding the fewest elements so far (the
-    same greedy rule as memory.zero1_torch_partition)."""
+    """Every rank's parameters under ZeroRedundancyOptimizer, (elements, its matrices if Muon's),
+    for one optimizer over two parameter groups, Muon's matrices first and AdamW's rest (Muon's
+    MuonWithAuxAdam; torch.optim.Muon takes 2-D tensors only):
+    torch/distributed/optim/zero_redundancy_optimizer.py `_partition_parameters` sorts each group's
+    parameters largest first and gives each to the rank holding the fewest elements so far, the
+    running totals shared across the groups."""
     tagged = [(math.prod(s), _as_matrices(m, u, s)) for u in units for s in u.shapes]
     held: list[list[tuple[int, list[Shape]]]] = [[] for _ in range(n)]
     loads = [(0, r) for r in range(n)]
-    for size, mats in sorted(tagged, key=lambda t: t[0], reverse=True):
-        load, r = heapq.heappop(loads)
-        held[r].append((size, mats))
-        heapq.heappush(loads, (load + size, r))
+    for group in ([t for t in tagged if t[1]], [t for t in tagged if not t[1]]):
+        for size, mats in sorted(group, key=lambda t: t[0], reverse=True):
+            load, r = heapq.heappop(loads)
+            held[r].append((size, mats))
+            heapq.heappush(loads, (load + size, r))
     return held
 
 
@@ -97,41 +126,66 @@ def owns_whole_parameters(sc: Scenario, strategy: str) -> bool:
     return strategy == "zero1" and sc.train.layout == "torch" and sc.n > 1
 
 
-def holdings(sc: Scenario, strategy: str, D: int) -> list[Holding]:
-    """What one rank's optimizer steps, (Muon's tensors, AdamW's tensors, the matrices it runs
-    Newton-Schulz on), one entry per kind of rank (the step and the memory take the worst):
+def holdings(sc: Scenario, strategy: str, D: int) -> tuple[Holding, ...]:
+    """What one rank's optimizer steps, (Muon's elements and tensors, AdamW's tensors, the
+    matrices it runs Newton-Schulz on, counted), one entry per kind of rank (the step and the
+    memory take the worst):
     - DDP (D = 1): every parameter whole, every matrix;
     - ZeroRedundancyOptimizer: each rank its own whole parameters and only their matrices
       (one entry per kind of rank: they differ);
     - FSDP2: each parameter's dim-0 shard, every matrix (gathered whole);
     - DeepSpeed: its flat partition in the model's proportion (its ranges cut across
       parameters: one part each), every matrix (gathered whole).
-    Element counts follow memory.optimizer_tensor_sizes (and Scenario.shard_elems)."""
+    Element counts follow Scenario.shard_elems. Cached: the tuples are shared, not to be changed."""
     zero1 = owns_whole_parameters(sc, strategy)
-    return [(list(a), list(b), list(c)) for a, b, c in
-            _holdings(sc.model, tuple(sc.units), sc.train.layout, sc.n if zero1 else 0, D)]
+    return _holdings(sc.model, tuple(sc.units), sc.train.layout, sc.n if zero1 else 0, D)
 
 
 @lru_cache(maxsize=1024)
-def _holdings(m, units: tuple, layout: str, zero1_ranks: int, D: int) -> tuple:
+def _holdings(m, units: tuple, layout: str, zero1_ranks: int, D: int) -> tuple[Holding, ...]:
     if zero1_ranks:
         kinds: dict = {}
         for r in _zero1_ranks(m, units, zero1_ranks):
-            h = (tuple(n for n, mats in r if mats), tuple(n for n, mats in r if not mats),
-                 tuple(x for _, mats in r for x in mats))
-            kinds.setdefault(tuple(tuple(sorted(x)) for x in h), h)
+            mine = [n for n, mats in r if mats]
+            h = (sum(mine), len(mine), tuple(sorted(n for n, mats in r if not mats)),
+                 counted(x for _, mats in r for x in mats))
+            kinds.setdefault(h, h)
         return tuple(kinds.values())
-    every = _matrices(m, units)
+    every = _matrix_counts(m, units)
     if layout == "zero" and D > 1:
         flat = sum(ceil_div(u.numel, D) for u in units)  # Scenario.shard_elems, zero layout
         part = flat * _matrix_elements(m, units) // max(1, sum(u.numel for u in units))
-        return (((part,), (flat - part,), every),)
-    mine: list[int] = []
+        return ((part, 1, (flat - part,), every),)
+    elems = tensors = 0
     adamw: list[int] = []
-    for u in units:
+    for u, n in _unit_kinds(m, units):
         for s in u.shapes:
-            (mine if is_matrix(m, u, s) else adamw).append(ceil_div(s[0], D) * math.prod(s[1:]))
-    return ((tuple(mine), tuple(adamw), every),)
+            size = ceil_div(s[0], D) * math.prod(s[1:])
+            if is_matrix(m, u, s):
+                elems, tensors = elems + n * size, tensors + n
+            else:
+                adamw += [size] * n
+    return ((elems, tensors, tuple(adamw), every),)
+
+
+@lru_cache(maxsize=4096)
+def step_temp_bytes(matrices: Counted, grad_bytes: int, gather_bytes: int) -> int:
+    """The largest of torch.optim.Muon's temporaries over these matrices (rows x cols; m, n the
+    short and long side), alive together in Newton-Schulz's last addmm: the Nesterov update (a
+    new tensor in the gradient's dtype, rows x cols), the bf16 X being read and the one being
+    written (2mn each), A = X Xt and B (2m² each): G·mn + 4mn + 4m²; plus, where the state is
+    sharded, the matrix gathered whole (in the gather's dtype) to be orthogonalised."""
+    best = 0
+    for (rows, cols), _ in matrices:
+        m, n = min(rows, cols), max(rows, cols)
+        best = max(best, (grad_bytes + gather_bytes) * m * n + 4 * m * n + 4 * m * m)
+    return best
+
+
+def newton_schulz_flop(matrices: Counted) -> int:
+    """FLOPs of orthogonalising these matrices (newton_schulz_gemms: 2MNK each)."""
+    return sum(count * sum(2 * M * N * K for M, N, K, _ in newton_schulz_gemms(*shape))
+               for shape, count in matrices)
 
 
 def newton_schulz_gemms(rows: int, cols: int, steps: int = NS_STEPS) -> list[tuple[int, int, int, bool]]:

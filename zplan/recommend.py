@@ -23,7 +23,7 @@ from .memory import memory
 from .scenario import Scenario
 from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
 from .strategies import STRATEGIES, effective
-from .units import fmt_bytes, fmt_s
+from .units import fmt_bytes, fmt_s, nbytes
 
 CHECKPOINTING = ("none", "selective", "every-k", "full")
 EVERY_K = (2, 4)  # every-k's k values the search tries (and the scenario's own)
@@ -365,13 +365,18 @@ def _flags(base: Scenario, w: Candidate) -> list[str]:
     flags = []
     t = base.train
     if t.optimizer in WHOLE_MATRIX_OPTIMIZERS and policy.optimizer_splits_matrices(effective(w.family, t.layout), t.layout):
-        psi, n = base.params, base.n
+        from . import muon
+        from .compute import optimizer_ops
+        elems = muon.matrix_elements(base)
+        ns = sum(o.seconds for o in optimizer_ops(w.sc.for_strategy(w.result.strategy.fsdp), w.result.strategy)
+                 if o.kind == "gemm")
         flags.append(
             f"{t.optimizer} needs whole matrices, but {w.family} shards flat buffers "
-            f"(zero layout) or dim 0 (FSDP2), splitting them; priced instead as per-parameter "
-            f"sharding: each update gathers its whole matrix, +{psi:,} elements "
-            f"({fmt_bytes(psi * 2)} in bf16) of all-gather per step, and the fullest rank holds "
-            f"more than 1/{n} of the state (greedy whole-parameter partition)")
+            f"(zero layout) or dim 0 (FSDP2), splitting them: each step gathers every matrix whole "
+            f"(+{elems:,} elements, {fmt_bytes(nbytes(elems, t.precision.param))} in {t.precision.param}, "
+            f"exposed) and every rank runs "
+            f"Newton-Schulz on every matrix ({fmt_s(ns)} a step, priced); in the torch layout "
+            f"zero1 (ZeroRedundancyOptimizer) owns whole parameters, each matrix run on one rank")
     reentrant = _reentrant_note(w)
     if reentrant:
         flags.append(reentrant)

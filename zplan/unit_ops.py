@@ -18,8 +18,6 @@ Derivation: docs/formulas.md, section 6.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from . import kernels as K
 from . import muon, policy
 from .arch import Unit
@@ -77,7 +75,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
                 # torchao: dW written in the weight's dtype; rowwise-gw-hp runs it in 16 bits
                 dw = act if t.float8_recipe == "rowwise-gw-hp" else lin
                 ops += [K.linear(gpu, name, T, o, i, lin, act, True)[0],
-                        K.gemm(gpu, f"{name} dW", o, i, T, dw, act)]
+                        K.gemm(gpu, f"{name} dW", o, i, T, dw, act, widths_aligned=K.aligned(dw, o, i))]
             else:
                 ops += K.linear(gpu, name, T, o, i, lin if f8 else act, act, backward, groups=experts)
             # a fused q/k/v linear casts its input once (charged on wq)
@@ -332,9 +330,11 @@ def _linear_loss(sc: Scenario, backward: bool) -> Ops:
     for rows, n in ((c, T // c), (T % c, 1)):
         if not rows or not n:
             continue
-        chunk = [K.gemm(gpu, "output logits (chunked)", rows, V, h, act, act),
-                 K.gemm(gpu, "output dX (chunked)", rows, h, V, act, act),
-                 K.gemm(gpu, "output dW (chunked)", V, h, rows, act, act, accumulate=not liger)]
+        ok = K.aligned(act, V, h)  # a chunk's row count is no leading dimension
+        chunk = [K.gemm(gpu, "output logits (chunked)", rows, V, h, act, act, widths_aligned=ok),
+                 K.gemm(gpu, "output dX (chunked)", rows, h, V, act, act, widths_aligned=ok),
+                 K.gemm(gpu, "output dW (chunked)", V, h, rows, act, act, accumulate=not liger,
+                        widths_aligned=ok)]
         if liger:
             per, kern = 3 * B, 1
             w_b, w_k = ((B + 4) + (2 * B + 4), 2) if B != 4 else (3 * B, 1)
@@ -512,7 +512,7 @@ def torchao_float8_casts(gpu, t, name: str, T_in: int, T: int, o: int, i: int, b
 
 
 def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | None = None,
-                  muon_split: tuple[list[int], list[int], list] | None = None) -> Ops:
+                  muon_split: tuple | None = None) -> Ops:
     """The optimizer step over this rank's state, `local_sizes` the element counts of the tensors
     it steps: gradient clipping first (`grad_clip_ops`, over `grad_sizes`, the local gradients,
     default `local_sizes`: every rank's whole gradients under ddp and zero1), then AdamW as the run's implementation
@@ -530,9 +530,9 @@ def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | 
     tensors = sum(1 for n in local_sizes if n)
     local_elems = sum(local_sizes)
     ops = grad_clip_ops(sc, local_sizes if grad_sizes is None else grad_sizes)
-    if t.optimizer == "muon" and muon_split is not None:
-        muon_sizes, adamw_sizes, matrices = muon_split
-        return ops + _adamw_ops(sc, adamw_sizes) + muon_ops(sc, muon_sizes, matrices)
+    if t.optimizer == "muon" and muon_split is not None:  # muon.holdings' entry for this rank
+        elems, tensors, adamw_sizes, matrices = muon_split
+        return ops + _adamw_ops(sc, list(adamw_sizes)) + muon_ops(sc, elems, tensors, matrices)
     if t.optimizer not in ("adamw", "adam8bit"):
         return ops + [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
     return ops + _adamw_ops(sc, local_sizes)
@@ -576,22 +576,21 @@ def muon_elementwise_bytes(G: int, S: int, P: int) -> int:
     return 4 * G + 3 * S + 4 * P + 10
 
 
-def muon_ops(sc: Scenario, local_sizes: list[int], matrices: list) -> Ops:
-    """Muon's step on this rank (zplan/muon.py): its elementwise work over the tensors it holds
-    and Newton-Schulz over the matrices it orthogonalises, each step three bf16 GEMMs
-    (muon.newton_schulz_gemms), summed into one Op."""
+def muon_ops(sc: Scenario, elems: int, tensors: int, matrices) -> Ops:
+    """Muon's step on this rank (zplan/muon.py): its elementwise work over the `tensors` it
+    holds (`elems` elements) and Newton-Schulz over the matrices it orthogonalises ((shape,
+    count) pairs), each step three bf16 GEMMs (muon.newton_schulz_gemms), summed into one Op."""
     gpu, t = sc.hw.gpu, sc.train
     P, S = _b(t.precision.master), _b(t.precision.optimizer)
-    tensors = sum(1 for n in local_sizes if n)
     ops: Ops = []
-    if tensors:
-        ops.append(K.memory(gpu, "Muon (momentum, update)", muon_elementwise_bytes(P, S, P) * sum(local_sizes),
+    if tensors and elems:
+        ops.append(K.memory(gpu, "Muon (momentum, update)", muon_elementwise_bytes(P, S, P) * elems,
                             MUON_ELEMENTWISE_KERNELS * tensors))
     if matrices:
-        ops.append(_newton_schulz(gpu, tuple(matrices)))
-    if t.layout == "zero" and t.precision.master != t.precision.param and tensors:
+        ops.append(_newton_schulz(gpu, matrices))
+    if t.layout == "zero" and t.precision.master != t.precision.param and elems:
         ops.append(K.memory(gpu, "weight copy (master to 16-bit, Muon's)",
-                            (P + _b(t.precision.param)) * sum(local_sizes), 1))
+                            (P + _b(t.precision.param)) * elems, 1))
     return ops
 
 
@@ -612,14 +611,15 @@ def _ns_one(gpu, shape) -> tuple:
     return hit[1:]
 
 
-def _newton_schulz(gpu, matrices: tuple) -> K.Op:
+def _newton_schulz(gpu, matrices) -> K.Op:
+    """matrices: (shape, count) pairs (muon.counted)."""
     kernels = flop = nbytes = 0
     seconds = contended = 0.0
-    for shape, count in Counter(matrices).items():
+    for shape, count in matrices:
         k, f, b, t, c = _ns_one(gpu, shape)
         kernels, flop, nbytes = kernels + count * k, flop + count * f, nbytes + count * b
         seconds, contended = seconds + count * t, contended + count * c
-    return K.Op(f"Muon Newton-Schulz ({muon.NS_STEPS} steps, {len(matrices)} matrices)", "gemm",
+    return K.Op(f"Muon Newton-Schulz ({muon.NS_STEPS} steps, {sum(c for _, c in matrices)} matrices)", "gemm",
                 kernels, flop, nbytes, seconds, contended)
 
 
