@@ -1358,3 +1358,18 @@ def test_calibrate_measures_the_unaligned_slowdown_per_flop(monkeypatch):
     monkeypatch.undo()
     f = calibrate.unaligned_gemm_slowdown(torch.device("cpu"), tokens=64, vocab=257, hidden=64, seconds=0.03)
     assert 1.0 <= f <= 20.0
+
+
+def test_a_float8_weight_gradients_token_count_is_a_leading_dimension():
+    """_scaled_mm takes a float8 dW's operands contiguous along the tokens: with a measured
+    slowdown, 1000 tokens (not a multiple of 16) slow that GEMM alone; in bf16 they slow nothing."""
+    gpu = presets.gpu("h100-sxm")
+    k = gpu.kernels.model_copy(update={"unaligned_gemm_slowdown": 2.0, "gemm_fixed_s": 0.0,
+                                       "gemm_wave_s": 0.0, "kernel_floor_s": 0.0})
+    slow = gpu.model_copy(update={"kernels": k})
+    fast = gpu.model_copy(update={"kernels": k.model_copy(update={"unaligned_gemm_slowdown": None})})
+    for dtype, slowed in (("fp8", [False, False, True]), ("bf16", [False, False, False])):
+        ops = [K.linear(g, "w", 1000, 4096, 4096, dtype, "bf16", b) for g in (fast, slow) for b in (False, True)]
+        fast_ops, slow_ops = ops[0] + ops[1], ops[2] + ops[3]
+        for f, s, on in zip(fast_ops, slow_ops, slowed):
+            assert s.seconds == pytest.approx(2 * f.seconds if on else f.seconds), (dtype, f.name)

@@ -365,3 +365,11 @@ def test_the_segment_free_memo_answers_as_a_cold_computation(monkeypatch, family
     assert warm.memory.reserved_bytes != first.memory.reserved_bytes
     a100 = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, micro_batch=2, gpu="a100-80gb")
     assert estimate_one(a100, family).timing.step_s > 1.5 * first.timing.step_s
+
+
+def test_an_unaligned_vocabulary_is_flagged_with_the_winner():
+    """GPT-2's vocabulary of 50257 is not a multiple of 8: recommend says its GEMMs are unpriced
+    and how to fix it; Llama's is aligned and says nothing of it."""
+    r = rec(64, model="gpt2-124m", gpus=8, seq_len=1024)
+    assert any(f.startswith("vocab 50,257: not a multiple of 8") and "50304" in f for f in r.flags)
+    assert not any("multiple of 8" in f for f in rec(64, model="llama-3.2-1b", gpus=8).flags)

@@ -230,15 +230,15 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         + (f"; not priced here: {why_not}" if why_not else "") if one else
                         "decay/no-decay groups, or DeepSpeed before 0.19: the parameters' own blocks "
                         "do not stay cached")}
-    unaligned = unaligned_gemm_dims(sc.model)
+    unaligned = unaligned_gemm_dims(sc.model, sc.train.precision.param)
     if unaligned and sc.hw.gpu.kernels is not None:
         slow = sc.hw.gpu.kernels.unaligned_gemm_slowdown
         out["unaligned_gemms"] = {
             "value": ", ".join(f"{name} {n:,}" for name, n in unaligned),
             "flag": "pad the model (GPT-2's vocabulary: 50304, a multiple of 64); zplan calibrate "
                     "measures the slowdown on your GPU",
-            "meaning": "GEMM dimensions that are not a multiple of 8 (16 bytes in 16-bit) leave rows "
-                       "unaligned, which cuBLAS runs on slower kernels (NVIDIA, Matrix Multiplication "
+            "meaning": "GEMM widths whose rows are not 16-byte aligned (in 16-bit: not a multiple of 8) "
+                       "cuBLAS runs on slower kernels (NVIDIA, Matrix Multiplication "
                        "Background User's Guide, Tensor Core requirements); "
                        + (f"priced at this GPU's measured {slow:g}x (GPU preset [kernels] "
                           "unaligned_gemm_slowdown). " if slow else
@@ -246,8 +246,8 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                           "kernel-level one at such shapes was found. ")
                        + "End to end, padding GPT-2's "
                        "vocabulary 50257 -> 50304 measured 13.7% more tokens/s on one A100; the "
-                       "public set's GPT-2 124M runs on H100 step 9-47% slower than zplan predicts "
-                       "with 50257, within 11% with 50304 (docs/accuracy-notes.md 9bc)"}
+                       "public set's GPT-2 124M runs on H100 reach 9-47% fewer tokens/s than zplan "
+                       "predicts with 50257, within 11% of it with 50304 (docs/accuracy-notes.md 9bc)"}
     if sc.model.num_experts:
         m = sc.model
         out["experts"] = {
@@ -292,10 +292,14 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
     }
 
 
-def unaligned_gemm_dims(m) -> list[tuple[str, int]]:
-    """The model's GEMM dimensions that are not a multiple of 8 elements (the vocabulary, the
-    widths of the block's linears): each is a leading dimension of some GEMM of a training step
-    (a weight's rows or columns, or its output's), unaligned to 16 bytes in a 16-bit dtype."""
+def unaligned_gemm_dims(m, dtype: str = "bf16") -> list[tuple[str, int]]:
+    """The model's GEMM widths (the vocabulary, the widths of the block's linears) whose rows are
+    not 16-byte aligned in the GEMMs' dtype (`kernels.aligned`: 8 elements in 16-bit, 4 in
+    fp32): each is a leading dimension of some GEMM of a training step (a weight's rows or
+    columns, or its output's). Float8 linears (16 elements) and the attention math path's
+    sequence are priced by `kernels.gemm` but not named here."""
+    from .kernels import aligned
+
     if m.total_params is not None:
         return []
     dims = [("vocab", m.vocab_size), ("hidden", m.hidden), ("ffn_hidden", m.ffn_hidden),
@@ -303,7 +307,7 @@ def unaligned_gemm_dims(m) -> list[tuple[str, int]]:
     seen: set = set()
     out = []
     for name, n in dims:
-        if n % 8 and (name, n) not in seen:
+        if not aligned(dtype, n) and (name, n) not in seen:
             seen.add((name, n))
             out.append((name, n))
     return out

@@ -148,12 +148,14 @@ def linear(gpu: GPUSpec, name: str, T: int, n_out: int, n_in: int, dtype: str, a
     """A linear layer y = x Wᵀ over T tokens: one GEMM forward, dX and dW backward. groups:
     `groups` experts' weights (n_out x n_in each) over the T rows between them, as one grouped
     GEMM each way (gemm's `groups`)."""
-    ok = aligned(dtype, n_out, n_in)  # the token count is no leading dimension of the three
+    ok = aligned(dtype, n_out, n_in)  # the token count is no leading dimension of these...
+    # ...but for a float8 dW, whose operands _scaled_mm takes contiguous along the tokens
+    ok_dw = aligned(dtype, n_out, n_in, T) if dtype == "fp8" else ok
     if not backward:
         return [gemm(gpu, name, T, n_out, n_in, dtype, act, groups=groups, widths_aligned=ok)]
     return [gemm(gpu, f"{name} dX", T, n_in, n_out, dtype, act, groups=groups, widths_aligned=ok),
             gemm(gpu, f"{name} dW", n_out, n_in, T, dtype, "fp32" if dtype == "fp8" else act,
-                 groups=groups, grouped_out=True, widths_aligned=ok)]
+                 groups=groups, grouped_out=True, widths_aligned=ok_dw)]
 
 
 def eager_norm(gpu: GPUSpec) -> float:

@@ -18,7 +18,8 @@ from functools import lru_cache
 from . import policy
 from .errors import PlanError, UsageError
 from .parse import check_choice
-from .estimate import TIGHT_FREE_FRACTION, StrategyEstimate, estimate_one, fits, unavailable_reason
+from .estimate import (TIGHT_FREE_FRACTION, StrategyEstimate, estimate_one, fits, unaligned_gemm_dims,
+                       unavailable_reason)
 from .memory import memory
 from .scenario import Scenario
 from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
@@ -377,6 +378,12 @@ def _flags(base: Scenario, w: Candidate) -> list[str]:
             f"exposed) and every rank runs "
             f"Newton-Schulz on every matrix ({fmt_s(ns)} a step, priced); in the torch layout "
             f"zero1 (ZeroRedundancyOptimizer) owns whole parameters, each matrix run on one rank")
+    unaligned = unaligned_gemm_dims(base.model, t.precision.param)
+    if unaligned and base.hw.gpu.kernels is not None and not base.hw.gpu.kernels.unaligned_gemm_slowdown:
+        flags.append(f"{', '.join(f'{n} {v:,}' for n, v in unaligned)}: not a multiple of 8, so cuBLAS runs "
+                     f"those GEMMs on slower kernels, not priced here (unpadded GPT-2 124M runs reach 9-47% "
+                     f"fewer tokens/s than zplan predicts: docs/accuracy-notes.md 9bc); pad the model (vocabulary "
+                     f"50304), or measure it with zplan calibrate")
     reentrant = _reentrant_note(w)
     if reentrant:
         flags.append(reentrant)

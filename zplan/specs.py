@@ -135,7 +135,8 @@ class KernelSpec(Spec):
         None, ge=1, le=20, description="how many times longer a 16-bit GEMM takes when a width it "
         "reads or writes is not a multiple of 8 elements (rows not 16-byte aligned: GPT-2's "
         "vocabulary of 50257), measured by zplan calibrate at a head-like shape against the "
-        "padded one; None: not measured, priced as aligned (estimate's unaligned_gemms says so)")
+        "padded one, eager (torch.compile's pad_mm may pad some such GEMMs itself); None: not "
+        "measured, priced as aligned (estimate's unaligned_gemms says so)")
     nccl_sm_fraction: float = Field(
         0.0, ge=0, lt=1, description="share of the SMs NCCL's kernels hold while they run "
         "(one block per channel): compute beside a collective runs this much slower")

@@ -75,7 +75,8 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
                 # torchao: dW written in the weight's dtype; rowwise-gw-hp runs it in 16 bits
                 dw = act if t.float8_recipe == "rowwise-gw-hp" else lin
                 ops += [K.linear(gpu, name, T, o, i, lin, act, True)[0],
-                        K.gemm(gpu, f"{name} dW", o, i, T, dw, act, widths_aligned=K.aligned(dw, o, i))]
+                        K.gemm(gpu, f"{name} dW", o, i, T, dw, act,  # fp8 runs dW on T-contiguous operands
+                               widths_aligned=K.aligned(dw, o, i, *((T,) if dw == "fp8" else ())))]
             else:
                 ops += K.linear(gpu, name, T, o, i, lin if f8 else act, act, backward, groups=experts)
             # a fused q/k/v linear casts its input once (charged on wq)
