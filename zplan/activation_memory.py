@@ -106,6 +106,13 @@ def _norm_steps(tag: str, train: TrainSpec, sbh: int, B: int) -> list[tuple[str,
             ("-", tag + ".c", 0)]
 
 
+def expands_kv(m: ModelSpec, train: TrainSpec) -> bool:
+    """Whether the attention kernel gets keys and values copied to every query head
+    (TrainSpec.attention_expands_kv; Hugging Face's repeat_kv returns its input where each
+    key/value head serves one query head: nothing then changes)."""
+    return train.attention_expands_kv and m.num_kv_heads < m.num_heads
+
+
 def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str, int], ...] | None:
     """One checkpointed block's first forward, tensor by tensor, in the order the trainer's block
     (trainer/model.py) makes and frees them: ("+", name, bytes) allocates, ("-", name, 0) frees;
@@ -118,11 +125,11 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     is not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
     projection, q/k norms, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
     without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
-    other than full or selective."""
+    other than full or selective, and attention fed copied keys and values (expands_kv)."""
     mode = train.checkpointing
     if (mode not in ("full", "selective") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
             or m.qk_norm or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
-            or train.te_float8 or train.fused_swiglu or train.autocast):
+            or train.te_float8 or train.fused_swiglu or train.autocast or expands_kv(m, train)):
         return None
     sb, B = train.seq_len * train.micro_batch, act_dtype_bytes(train)
     H, KV, F = B * sb * m.hidden, B * sb * m.kv_hidden, B * sb * m.ffn_hidden
@@ -214,7 +221,9 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         # the norms read the residual stream: under autocast in the master dtype
         "norm_inputs": 2 * ((S if train.compile else norm_saved_per_token(train, S)) * sb * h + stats),
         "qkv_input": B * sb * h,
-        "q_k_v": B * sb * (q + 2 * kv),
+        # the attention kernel keeps q, k and v; with expands_kv k and v are its q-wide copies
+        # (Hugging Face's repeat_kv), RoPE's k and the value projection's output then freed
+        "q_k_v": B * sb * (q + 2 * (q if expands_kv(m, train) else kv)),
         # a flash kernel's output is (b, s, h, d) in memory (SDPA's flash allocates it like q,
         # which RoPE leaves (b, s, h, d) in HF, torchtitan and the trainer): the projection keeps
         # a (b, s, h·d) view of what the kernel saved (HF's `reshape(...).contiguous()` and
@@ -348,8 +357,8 @@ def kv_cache_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     block keeps its input alone); under "selective" the value storage where the policy keeps the
     value projection's output (the fused q/k/v output), and the keys where they are a view of a
     kept output (no RoPE), never RoPE's output, which is recomputed."""
-    if mode in ("none", "attention"):
-        return kv_cache_bytes(m, train)
+    if mode in ("none", "attention"):  # with copies (expands_kv) the kernel keeps those instead
+        return 0 if expands_kv(m, train) else kv_cache_bytes(m, train)
     if mode != "selective":
         return 0
     B, sb, kv = act_dtype_bytes(train), train.seq_len * train.micro_batch, m.kv_hidden
@@ -372,7 +381,7 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
     attention modes). q/k norms keep their inputs (the q and k projections' outputs) as the
     block's norms keep theirs."""
     if (m.num_experts or m.dropout or not train.flash_attention or train.compile or train.float8
-            or train.autocast or train.kv_cache or mode not in ("none", "full", "selective")):
+            or train.autocast or train.kv_cache or expands_kv(m, train) or mode not in ("none", "full", "selective")):
         return None
     sb, B, S = train.seq_len * train.micro_batch, act_dtype_bytes(train), stream_dtype_bytes(train)
     h, q, kv = m.hidden, m.q_hidden, m.kv_hidden

@@ -75,6 +75,7 @@ class ScenarioOptions:
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
     kv_cache: bool = False  # the model returns its keys and values (TrainSpec)
+    attention_expands_kv: bool = False  # keys and values copied to every query head (TrainSpec)
     loss_shifted_copy: bool = False  # the loss on a shifted copy of the fp32 logits (TrainSpec)
     outputs_until_next_forward: bool = False  # the loop holds an output into the next forward (TrainSpec)
     last_block_kept: bool = False  # FSDP keeps the last block gathered after forward (TrainSpec)
@@ -294,7 +295,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

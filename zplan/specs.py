@@ -418,6 +418,12 @@ class TrainSpec(Spec):
         "Face's use_cache, on in training unless HF's own gradient checkpointing is enabled): each "
         "layer's post-RoPE keys and its values stay referenced for as long as the loop holds the "
         "output (`logits_kept`, `outputs_until_next_forward`); False: none returned")
+    attention_expands_kv: bool = Field(
+        False, description="the attention copies each key/value head to every query head that shares "
+        "it before the kernel (Hugging Face's repeat_kv ahead of SDPA: transformers before it passed "
+        "enable_gqa, and later ones wherever an attention mask is passed, i.e. padded batches), so "
+        "the kernel saves keys and values q heads wide; False: grouped keys and values reach the "
+        "kernel (SDPA's enable_gqa, flash-attn, the trainer's default). Eager attention only")
     loss_shifted_copy: bool = Field(
         False, description="the loss runs on a shifted contiguous copy of the model's fp32 logits "
         "(`shift_logits = logits[..., :-1, :].contiguous()`: Hugging Face transformers' causal-LM "
@@ -548,6 +554,9 @@ class TrainSpec(Spec):
         if self.loss_shifted_copy and not (self.logits_fp32 and not self.loss_fused):
             raise ValueError("loss_shifted_copy prices Hugging Face's eager loss on the model's fp32 "
                              "logits: it needs logits_fp32 and no compiled or fused loss")
+        if self.attention_expands_kv and self.compile:
+            raise ValueError("attention_expands_kv prices eager attention: under torch.compile the "
+                             "partitioner may recompute the copies instead of keeping them (drop --compile)")
         if self.outputs_until_next_forward and not self.logits_kept:
             raise ValueError("outputs_until_next_forward holds the output past backward: it needs "
                              "logits_kept (drop --no-logits-kept)")

@@ -76,6 +76,7 @@ def verify(
     kv_cache: Annotated[bool, typer.Option(help="--fake: the model returns every layer's keys and values (Hugging Face's use_cache in training)")] = False,
     outputs_until_next_forward: Annotated[bool, typer.Option(help="--fake: the loop holds each output until the next forward returns (`outputs = model(**batch)`; two steps traced)")] = False,
     loss_shifted_copy: Annotated[bool, typer.Option(help="--fake: the loss on a shifted copy of the fp32 logits (transformers 4.31; with --logits-fp32)")] = False,
+    attention_expands_kv: Annotated[bool, typer.Option(help="--fake: keys and values copied to every query head before attention (Hugging Face's repeat_kv ahead of SDPA)")] = False,
 ) -> None:
     """Short real trainings, predicted against measured; exit 1 past tolerance.
 
@@ -90,14 +91,15 @@ def verify(
                             logits_kept, embed_head_unit, logits_fp32=logits_fp32,
                             last_block_kept=last_block_kept, kv_cache=kv_cache,
                             outputs_until_next_forward=outputs_until_next_forward,
-                            loss_shifted_copy=loss_shifted_copy)
+                            loss_shifted_copy=loss_shifted_copy, attention_expands_kv=attention_expands_kv)
     if linear_loss != "none":
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
     if (reserved or expandable_segments or not logits_kept or embed_head_unit != "separate"
-            or logits_fp32 or last_block_kept or kv_cache or outputs_until_next_forward or loss_shifted_copy):
+            or logits_fp32 or last_block_kept or kv_cache or outputs_until_next_forward or loss_shifted_copy
+            or attention_expands_kv):
         raise UsageError("--reserved, --expandable-segments, --no-logits-kept, --embed-head-unit, "
-                         "--logits-fp32, --last-block-kept, --kv-cache, --outputs-until-next-forward "
-                         "and --loss-shifted-copy go with --fake: add --fake")
+                         "--logits-fp32, --last-block-kept, --kv-cache, --outputs-until-next-forward, "
+                         "--loss-shifted-copy and --attention-expands-kv go with --fake: add --fake")
     import tempfile
     from pathlib import Path
 
@@ -258,7 +260,7 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     with `reserved`, the planner's reserved bytes against the caching allocator simulated over
     the traced steps' tensors (printed, not judged: the planner packs all but the loss's).
     `options`: further ScenarioOptions the trainer runs too (logits_fp32, last_block_kept,
-    kv_cache, outputs_until_next_forward, loss_shifted_copy)."""
+    kv_cache, outputs_until_next_forward, loss_shifted_copy, attention_expands_kv)."""
     from ..specs import CHECKPOINTING
     from typing import get_args
 

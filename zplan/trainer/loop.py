@@ -95,6 +95,7 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(plan.model)
         model.return_cache(plan.train.kv_cache)
+        model.expand_kv(plan.train.attention_expands_kv)
         if cfg.deterministic and plan.strategy in ("ddp", "zero1"):
             from ..errors import UsageError
 

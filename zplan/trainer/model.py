@@ -63,8 +63,14 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = (RMSNorm(m.head_dim), RMSNorm(m.head_dim)) if m.qk_norm else (None, None)
         self.checkpoint_core = False  # Megatron-style selective recomputation of the core
         self.return_cache = False  # TrainSpec.kv_cache: also return the keys (after RoPE) and values
+        self.expand_kv = False  # TrainSpec.attention_expands_kv: copy k and v to every query head
 
     def core(self, q, k, v):
+        if self.expand_kv and self.n_kv != self.n_heads:
+            # Hugging Face's repeat_kv: each key/value head copied to the query heads sharing it,
+            # in SDPA's grouping (query head i reads key/value head i // (heads / kv heads))
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=self.n_kv != self.n_heads)
 
@@ -152,6 +158,12 @@ class Transformer(nn.Module):
         if m.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.cache_on = False  # return_cache
+
+    def expand_kv(self, on: bool = True) -> None:
+        """Copy keys and values to every query head before attention (TrainSpec.attention_expands_kv,
+        Hugging Face's repeat_kv ahead of SDPA): the same result, the kernel keeping the copies."""
+        for layer in self.layers:
+            layer.attention.expand_kv = on
 
     def return_cache(self, on: bool = True) -> None:
         """Return every layer's keys and values with the logits (TrainSpec.kv_cache, Hugging
