@@ -61,3 +61,14 @@ def test_the_copies_traffic_is_what_the_ops_move():
     mha = scenario(model="llama-2-7b", attention_expands_kv=True)
     assert not activation_memory.expands_kv(mha.model, mha.train)
     assert not [o for o in unit_ops._block(mha.for_strategy(True), False) if "repeat_kv" in o.name]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "attention"])
+def test_every_recomputation_reruns_the_copies(mode):
+    """Full, selective (SDPA's saved k and v come from an op its policy does not keep) and the
+    checkpointed attention core all make the copies again in backward: their recompute prices
+    them once per block."""
+    sc = scenario(model="tiny", gpus=1, checkpointing=mode, attention_expands_kv=True).for_strategy(True)
+    block = next(u for u in sc.units if u.blocks)
+    ops, _ = unit_ops.recompute_ops(sc, block)
+    assert sum("repeat_kv" in o.name for o in ops) == 1

@@ -514,7 +514,7 @@ def test_a_units_gradients_are_freed_before_its_reduce_scatter_output(monkeypatc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective", "attention"])
 def test_keys_and_values_copied_to_every_query_head_are_priced_against_the_tracker(tmp_path, checkpointing):
     """Hugging Face's repeat_kv ahead of SDPA (--attention-expands-kv) on a grouped-query model
     (8 query heads, 2 key/value heads): FSDPMemTracker on the trainer and the planner agree within
@@ -534,10 +534,15 @@ def test_keys_and_values_copied_to_every_query_head_are_priced_against_the_track
     # of the selective model here, not of the copies: both grow alike below)
     tolerance = 0.015 if checkpointing == "selective" else 0.01
     for cell in cells:
-        assert abs(cell.error) < tolerance and cell.predicted_phase == cell.traced_phase, cell
+        # attention: the recomputed core's copies put the planner's backward a hair (0.4%) above
+        # its loss, where the trace's loss stays highest; the peaks agree within 1%
+        assert abs(cell.error) < tolerance and (checkpointing == "attention"
+                                                or cell.predicted_phase == cell.traced_phase), cell
     traced, predicted = (cells[1].traced_bytes - cells[0].traced_bytes,
                          cells[1].predicted_bytes - cells[0].predicted_bytes)
-    if checkpointing == "none":
+    if checkpointing == "attention":  # the checkpointed core keeps RoPE's k and v, not the copies
+        assert traced == 0 and 0 <= predicted < 2 * 2 * 1024 * (512 - 128) * 2
+    elif checkpointing == "none":
         assert traced == predicted == 8 * 2 * 2 * 1024 * (512 - 128) * 2
     else:  # only the block being recomputed holds them: one block's, to the byte
         assert traced == predicted == 2 * 2 * 1024 * (512 - 128) * 2

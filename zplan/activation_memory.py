@@ -315,8 +315,10 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     S = stream_dtype_bytes(train)
     if mode == "full":
         return S * sb * h  # the block's input only
-    if mode == "attention":  # Megatron's selective: the attention core is recomputed
-        return sum(v for k, v in full.items() if k not in ("attn_softmax", "attn_dropout"))
+    if mode == "attention":  # Megatron's selective: the attention core is recomputed, the
+        # copies of k and v (expands_kv) with it: the checkpoint keeps RoPE's k and v, kv wide
+        copies = 2 * B * sb * (m.q_hidden - m.kv_hidden) if expands_kv(m, train) else 0
+        return sum(v for k, v in full.items() if k not in ("attn_softmax", "attn_dropout")) - copies
     if mode == "selective":
         # torchtitan op-level SAC (zplan/policy.py): the block's input, the outputs of the saved
         # matmuls and of the attention kernel; pointwise ops are recomputed. An MoE block keeps
@@ -357,8 +359,10 @@ def kv_cache_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     block keeps its input alone); under "selective" the value storage where the policy keeps the
     value projection's output (the fused q/k/v output), and the keys where they are a view of a
     kept output (no RoPE), never RoPE's output, which is recomputed."""
-    if mode in ("none", "attention"):  # with copies (expands_kv) the kernel keeps those instead
+    if mode == "none":  # with copies (expands_kv) the kernel keeps those instead
         return 0 if expands_kv(m, train) else kv_cache_bytes(m, train)
+    if mode == "attention":  # the checkpointed core keeps its inputs: q, RoPE's k and v
+        return kv_cache_bytes(m, train)
     if mode != "selective":
         return 0
     B, sb, kv = act_dtype_bytes(train), train.seq_len * train.micro_batch, m.kv_hidden

@@ -420,10 +420,11 @@ class TrainSpec(Spec):
         "output (`logits_kept`, `outputs_until_next_forward`); False: none returned")
     attention_expands_kv: bool = Field(
         False, description="the attention copies each key/value head to every query head that shares "
-        "it before the kernel (Hugging Face's repeat_kv ahead of SDPA: transformers before it passed "
-        "enable_gqa, and later ones wherever an attention mask is passed, i.e. padded batches), so "
+        "it before the kernel (Hugging Face's repeat_kv ahead of SDPA: transformers before 4.54, or "
+        "torch before 2.5, and later releases wherever a 4-D mask reaches SDPA: padded batches, "
+        "sliding-window layers; an all-ones mask is dropped first; HF's eager attention always), so "
         "the kernel saves keys and values q heads wide; False: grouped keys and values reach the "
-        "kernel (SDPA's enable_gqa, flash-attn, the trainer's default). Eager attention only")
+        "kernel (SDPA's enable_gqa, flash-attn, the trainer's default). Uncompiled attention only")
     loss_shifted_copy: bool = Field(
         False, description="the loss runs on a shifted contiguous copy of the model's fp32 logits "
         "(`shift_logits = logits[..., :-1, :].contiguous()`: Hugging Face transformers' causal-LM "

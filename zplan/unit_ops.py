@@ -105,10 +105,12 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
                 ops.append(K.gemm(gpu, "attention QKᵀ", s * heads, s, m.head_dim, act, act))
                 ops.append(K.gemm(gpu, "attention AV", s * heads, m.head_dim, s, act, act))
             ops.append(K.memory(gpu, "attention softmax", 4 * m.num_heads * s * T * B, 3))
-        if expands_kv(m, t):
-            # repeat_kv's copies of k and v to every query head (each reads kv, writes q wide);
-            # backward sums their gradients back over the heads that share them (reads q, writes kv)
-            ops.append(K.memory(gpu, "k/v copies to the query heads (repeat_kv)", 2 * T * B * (q + m.kv_hidden), 2))
+    if expands_kv(m, t):
+        # repeat_kv's copies of k and v to every query head (each reads kv, writes q wide);
+        # backward sums their gradients back over the heads that share them (reads q, writes kv).
+        # Outside with_attention: selective recomputation reruns the copies (SDPA's saved k and v
+        # come from an op its policy does not keep) though not the attention kernel
+        ops.append(K.memory(gpu, "k/v copies to the query heads (repeat_kv)", 2 * T * B * (q + m.kv_hidden), 2))
     if not with_memory:
         return ops
     swiglu = m.mlp == "swiglu"
