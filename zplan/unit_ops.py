@@ -23,7 +23,7 @@ from . import muon, policy
 from .activation_memory import expands_kv
 from .arch import Unit
 from .comm import gathers_for_recompute, regathered
-from .scenario import Scenario
+from .scenario import PinnedMemo, Scenario
 from .strategies import Strategy
 from .units import DTYPE_BITS
 
@@ -602,21 +602,16 @@ def muon_ops(sc: Scenario, elems: int, tensors: int, matrices) -> Ops:
     return ops
 
 
-_NS_CACHE: dict = {}  # (id(gpu), shape) -> (gpu, its 15 GEMMs' sums): the gpu pins the id
+_NS_CACHE = PinnedMemo()  # (id(gpu), shape) -> its Newton-Schulz GEMMs' sums
 
 
 def _ns_one(gpu, shape) -> tuple:
-    key = (id(gpu), shape)
-    hit = _NS_CACHE.get(key)
-    if hit is None:
-        if len(_NS_CACHE) > 4096:
-            _NS_CACHE.clear()
+    def make() -> tuple:
         gs = [K.gemm(gpu, "ns", M, N, Kd, "bf16", "bf16", accumulate=acc)
               for M, N, Kd, acc in muon.newton_schulz_gemms(*shape)]
-        hit = _NS_CACHE[key] = (gpu, sum(g.kernels for g in gs), sum(g.flop for g in gs),
-                                sum(g.bytes for g in gs), sum(g.seconds for g in gs),
-                                sum(g.contended_s for g in gs))
-    return hit[1:]
+        return (sum(g.kernels for g in gs), sum(g.flop for g in gs), sum(g.bytes for g in gs),
+                sum(g.seconds for g in gs), sum(g.contended_s for g in gs))
+    return _NS_CACHE.get((id(gpu), shape), gpu, make)
 
 
 def _newton_schulz(gpu, matrices) -> K.Op:
