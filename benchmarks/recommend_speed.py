@@ -12,7 +12,7 @@ import time
 
 from zplan.scenario_options import ScenarioOptions, build
 from zplan.errors import PlanError
-from zplan.recommend import search
+from zplan.recommend import plan_for_runner, search
 
 CASES = [
     dict(model="llama-3.1-8b", gpus="8", global_batch=64),
@@ -26,7 +26,9 @@ CASES = [
 def main() -> None:
     for case in CASES:
         gb = case.pop("global_batch")
-        sc = build(ScenarioOptions(**case))
+        opts = ScenarioOptions(**case)
+        plan_for_runner(opts, None)  # the layout the CLI plans in (zplan's trainer: torch)
+        sc = build(opts)
         t0 = time.perf_counter()
         try:
             r = search(sc, gb)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from . import activation_memory, public_accuracy
 from .comm import Collective, collectives
 from .compute import Timing, timing
-from .memory import Memory, memory
+from .memory import Memory, allocated_bytes, memory
 from .scenario import Scenario, SegmentFreeMemo
 from .strategies import STRATEGIES, Strategy, effective
 from .units import GB
@@ -144,7 +144,10 @@ def fits(sc: Scenario, name: str, usable_bytes: int | None = None) -> bool:
     `usable_bytes` of GPU memory where given. The one fit test of estimate and recommend."""
     if unavailable_reason(sc, name):
         return False
-    return _fits(sc, memory(sc, effective(name, sc.train.layout)), usable_bytes)[0]
+    st = effective(name, sc.train.layout)
+    if usable_bytes is not None and allocated_bytes(sc, st) + sc.assume.cuda_context_bytes > usable_bytes:
+        return False  # the whole reserve must fit, and it is never below the allocated peak
+    return _fits(sc, memory(sc, st), usable_bytes)[0]
 
 
 def estimate(sc: Scenario, names: list[str] | None = None) -> list[StrategyEstimate]:

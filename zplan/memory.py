@@ -663,6 +663,14 @@ def _allocation(sc: Scenario, st: Strategy) -> _Allocation:
     return _ALLOCATIONS.get(sc, st, make)
 
 
+def allocated_bytes(sc: Scenario, st: Strategy) -> int:
+    """memory(sc, st).allocated_bytes from the step's events alone, without the allocator
+    model: what the reserve is never below (reserved_from_peaks answers at least the allocated
+    peak). recommend asks it first: most configurations it tries fail on it."""
+    sc = sc.for_strategy(st.fsdp)
+    return _allocation(sc, st).top.total_bytes
+
+
 def memory(sc: Scenario, st: Strategy) -> Memory:
     """Peak memory per GPU (bytes) over the step's timeline, allocated and reserved, and host
     memory for offload, for one strategy."""
