@@ -337,6 +337,55 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     raise ValueError(mode)
 
 
+@lru_cache(maxsize=4096)
+def block_recompute_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
+    """What one block under `mode` holds in its own backward beyond what it kept from its
+    forward (block_saved_bytes): the tensors its recomputation makes again, those a block
+    without recomputation keeps (block_saved_bytes "none") other than the ones the mode kept
+    and the recomputation reads instead, less what the replay drops of what the mode kept. A
+    difference of sets, not of byte counts: under full checkpointing the kept input is among a
+    block's own saved tensors only where its norm keeps its input (a fused or compiled norm; the
+    composite one keeps an fp32 copy); under selective checkpointing (torch.utils.checkpoint's
+    policy, early stop on) the kept value projection, first MLP projection, attention output and
+    logsumexp are what the recomputed graph reads, while the kept input, the query projection's
+    output (RoPE's input, where nothing else keeps it) and the down projection's output are not
+    among a block's own saved tensors, and the replay takes the query projection's output back
+    from the policy's cache and drops it after RoPE (the down projection is never replayed), as
+    it drops the value projection's output after copying it to the query heads (expands_kv).
+    FSDPMemTracker on the trainer (tests/test_fake_trace.py): the peak in a block's backward to
+    the byte less the token ids, with the query heads wider than the hidden size and not.
+    Where the sets are not derived (compiled blocks, float8 linears, MoE, a fused q/k/v
+    projection, attention without a flash kernel, autocast, dropout, no early stop, Megatron's
+    attention mode), the difference of the byte counts."""
+    none_b = block_saved_bytes(m, train, "none")
+    kept = block_saved_bytes(m, train, mode)
+    if mode == "none":
+        return 0
+    derived = not (train.compile or train.float8 or train.te_float8 or m.num_experts or m.qkv_fused
+                   or not train.flash_attention or train.autocast or m.dropout
+                   or not policy.early_stop_applies(train))
+    if mode not in ("full", "selective") or not derived:
+        return none_b - kept
+    B, S, sb = act_dtype_bytes(train), stream_dtype_bytes(train), train.seq_len * train.micro_batch
+    norm_keeps_input = train.fused_norm
+    x = S * sb * m.hidden if norm_keeps_input else 0  # the kept input, among the block's own saves
+    if mode == "full":
+        return none_b - x
+    # the query projection's output is a saved tensor of the block's own only where RoPE does
+    # not consume it: learned positions (attention keeps q), or a fused q-norm keeping its input
+    q_pre = B * sb * m.q_hidden
+    q_kept = (m.position != "rope" and not m.qk_norm) or (m.qk_norm and norm_keeps_input)
+    # the value projection's output: read by the attention, or, with its keys and values copied
+    # to every query head (expands_kv), copied and dropped by the replay as q's is after RoPE
+    names = policy.selective_saved_matmuls(m.mlp, False, False)
+    v = B * sb * m.kv_hidden * ("wv" in names)
+    copied = expands_kv(m, train)
+    reused = x + (q_pre if q_kept else 0) + (0 if copied else v) + B * sb * m.ffn_hidden * ("w1" in names)
+    if policy.SELECTIVE_SAVES_ATTENTION:
+        reused += B * sb * m.q_hidden + 4 * m.num_heads * sb
+    return none_b - reused - (0 if q_kept else q_pre) - (v if copied else 0)
+
+
 def kv_cache_bytes(m: ModelSpec, train: TrainSpec) -> int:
     """What one block's entry of the cache the model returns (TrainSpec.kv_cache, Hugging Face's
     use_cache in training) keeps referenced: the keys after RoPE, a new tensor (without RoPE a
@@ -578,10 +627,9 @@ def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True)
     the blocks and the head keep, and the larger of the loss and one block's recomputation. The
     step's peak combines these with the other pieces event by event (memory_timeline)."""
     L = m.num_layers
-    none_b = block_saved_bytes(m, train, "none")
     per = [block_saved_bytes(m, train, block_mode(train, i, L)) for i in range(L)]
     saved = sum(per)
-    recompute = max(none_b - p for p in per)
+    recompute = max(block_recompute_bytes(m, train, block_mode(train, i, L)) for i in range(L))
     head = head_saved_bytes(m, train)
     lg = logits_bytes(m, train, loss_fp32)
     out = {"blocks_saved": saved, "head_inputs": head, "loss_or_recompute": max(lg, recompute)}

@@ -150,7 +150,6 @@ def _decoder_activations(m, t: TrainSpec, loss_fp32: bool) -> Activations:
 def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     B, S = activation_memory.act_dtype_bytes(t), activation_memory.stream_dtype_bytes(t)
     sbh = t.seq_len * t.micro_batch * m.hidden
-    none_b = activation_memory.block_saved_bytes(m, t, "none")
     temp_b = activation_memory.block_backward_temp_bytes(m, t)
     saved, extra, temp, cache, cache_saved = [], [], [], [], []
     for u in units:
@@ -168,7 +167,7 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
         modes = [activation_memory.block_mode(t, i, m.num_layers) for i in range(u.first_block, u.first_block + u.blocks)]
         per = [activation_memory.block_saved_bytes(m, t, md) for md in modes]
         saved.append(sum(per))
-        extra.append(max(none_b - p for p in per))
+        extra.append(max(activation_memory.block_recompute_bytes(m, t, md) for md in set(modes)))
         temp.append(temp_b)
         if t.kv_cache:
             cache.append(u.blocks * activation_memory.kv_cache_bytes(m, t))
