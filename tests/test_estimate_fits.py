@@ -22,23 +22,28 @@ def test_fits_agrees_with_the_full_estimate(opts):
     assert answers == {name: estimate_one(sc, name).fits for name in STRATEGIES}
 
 
-@pytest.mark.parametrize("layout", ["torch", "zero"])
-def test_within_a_usable_size_fits_answers_what_the_whole_memory_model_does(layout):
+@pytest.mark.parametrize("layout, fragmentation", [("torch", None), ("zero", None), ("torch", 0.0)])
+def test_within_a_usable_size_fits_answers_what_the_whole_memory_model_does(layout, fragmentation):
     """recommend's fit test (a usable size given) answers no from the allocated peak alone where
     that is over: the same answer as the full model (reserve, allocator, context) on a grid of
-    micro-batches, checkpointing and strategies, at usable sizes around each one's own total."""
+    micro-batches, checkpointing and strategies, at usable sizes around each one's own allocated
+    peak and total (a flat --fragmentation of 0 makes them meet)."""
     from zplan.estimate import _fits, unavailable_reason
     from zplan.memory import memory
     from zplan.strategies import effective
 
-    base = build(ScenarioOptions(model="llama-3.1-8b", gpus="16", seq_len=4096, layout=layout))
+    base = build(ScenarioOptions(model="llama-3.1-8b", gpus="16", seq_len=4096, layout=layout,
+                                 fragmentation=fragmentation))
     seen = set()
     for mb in (1, 2, 4, 8):
         for ckpt in ("none", "selective", "full"):
             sc = replace(base, train=base.train.model_copy(update={"micro_batch": mb, "checkpointing": ckpt}))
             for name in STRATEGIES:
                 m = memory(sc, effective(name, layout))
-                for usable in (m.allocated_bytes, m.total_bytes - 1, m.total_bytes, 2 * m.total_bytes):
+                context = sc.assume.cuda_context_bytes
+                between = (m.allocated_bytes + context + m.total_bytes) // 2  # reserve over, allocated not
+                for usable in (m.allocated_bytes, m.allocated_bytes + context - 1, m.allocated_bytes + context,
+                               between, m.total_bytes - 1, m.total_bytes, 2 * m.total_bytes):
                     got = fits(sc, name, usable)
                     assert got == (not unavailable_reason(sc, name) and _fits(sc, m, usable)[0]), (mb, ckpt, name, usable)
                     seen.add(got)

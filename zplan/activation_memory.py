@@ -343,17 +343,18 @@ def block_recompute_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     forward (block_saved_bytes): the tensors its recomputation makes again, those a block
     without recomputation keeps (block_saved_bytes "none") other than the ones the mode kept
     and the recomputation reads instead, less what the replay drops of what the mode kept. A
-    difference of sets, not of byte counts: under full checkpointing the kept input is among a
-    block's own saved tensors only where its norm keeps its input (a fused or compiled norm; the
-    composite one keeps an fp32 copy); under selective checkpointing (torch.utils.checkpoint's
-    policy, early stop on) the kept value projection, first MLP projection, attention output and
-    logsumexp are what the recomputed graph reads, while the kept input, the query projection's
-    output (RoPE's input, where nothing else keeps it) and the down projection's output are not
-    among a block's own saved tensors, and the replay takes the query projection's output back
-    from the policy's cache and drops it after RoPE (the down projection is never replayed), as
-    it drops the value projection's output after copying it to the query heads (expands_kv).
-    FSDPMemTracker on the trainer (tests/test_fake_trace.py): the peak in a block's backward to
-    the byte less the token ids, with the query heads wider than the hidden size and not.
+    difference of sets, not of byte counts. Full checkpointing keeps the block's input, which
+    is among a block's own saved tensors only where its norm keeps its input: a fused norm, or
+    a composite one on an fp32 stream (`x.float()` is then the input itself; on a 16-bit stream
+    it keeps an fp32 copy). Selective checkpointing (torch.utils.checkpoint's policy, early stop
+    on) keeps the input and the outputs of wq, wv, w1 (w2: SwiGLU), the attention and its
+    logsumexp: the recomputed graph reads the input (where the norm keeps it), wv's, w1's, the
+    attention's and the logsumexp as they are; wq's it either reads (where nothing transforms
+    it first) or the replay takes back from the policy's cache and drops after RoPE, and wv's
+    likewise after copying it to every query head (expands_kv): either way those bytes are
+    not new. w2's is never replayed (early stop) and stays. FSDPMemTracker on the trainer
+    (tests/test_fake_trace.py): the peak in a block's backward to the byte less the token ids,
+    bf16 and fp32, with the query heads wider than the hidden size and not.
     Where the sets are not derived (compiled blocks, float8 linears, MoE, a fused q/k/v
     projection, attention without a flash kernel, autocast, dropout, no early stop, Megatron's
     attention mode), the difference of the byte counts."""
@@ -367,23 +368,14 @@ def block_recompute_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     if mode not in ("full", "selective") or not derived:
         return none_b - kept
     B, S, sb = act_dtype_bytes(train), stream_dtype_bytes(train), train.seq_len * train.micro_batch
-    norm_keeps_input = train.fused_norm
-    x = S * sb * m.hidden if norm_keeps_input else 0  # the kept input, among the block's own saves
+    x = S * sb * m.hidden if train.fused_norm or S == 4 else 0  # the kept input, if the norm keeps it
     if mode == "full":
         return none_b - x
-    # the query projection's output is a saved tensor of the block's own only where RoPE does
-    # not consume it: learned positions (attention keeps q), or a fused q-norm keeping its input
-    q_pre = B * sb * m.q_hidden
-    q_kept = (m.position != "rope" and not m.qk_norm) or (m.qk_norm and norm_keeps_input)
-    # the value projection's output: read by the attention, or, with its keys and values copied
-    # to every query head (expands_kv), copied and dropped by the replay as q's is after RoPE
     names = policy.selective_saved_matmuls(m.mlp, False, False)
-    v = B * sb * m.kv_hidden * ("wv" in names)
-    copied = expands_kv(m, train)
-    reused = x + (q_pre if q_kept else 0) + (0 if copied else v) + B * sb * m.ffn_hidden * ("w1" in names)
+    read = sum(B * sb * w for w in arch.matmul_widths(m, tuple(n for n in names if n != "w2")))
     if policy.SELECTIVE_SAVES_ATTENTION:
-        reused += B * sb * m.q_hidden + 4 * m.num_heads * sb
-    return none_b - reused - (0 if q_kept else q_pre) - (v if copied else 0)
+        read += B * sb * m.q_hidden + 4 * m.num_heads * sb
+    return none_b - x - read
 
 
 def kv_cache_bytes(m: ModelSpec, train: TrainSpec) -> int:

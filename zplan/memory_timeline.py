@@ -92,6 +92,9 @@ class Activations:
     stream_bytes: int  # one hidden-state tensor (s·b·h) in the residual stream's dtype
     cache: tuple[int, ...] = ()  # per unit, the cache the model returns (TrainSpec.kv_cache)
     cache_saved: tuple[int, ...] = ()  # per unit, of that, what `saved` counts already
+    # per unit, what its first block keeps (the last of its blocks through backward); `saved`
+    # for a unit of one block or none
+    first_block_saved: tuple[int, ...] = ()
 
 
 class HeldOutputs:
@@ -151,11 +154,12 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     B, S = activation_memory.act_dtype_bytes(t), activation_memory.stream_dtype_bytes(t)
     sbh = t.seq_len * t.micro_batch * m.hidden
     temp_b = activation_memory.block_backward_temp_bytes(m, t)
-    saved, extra, temp, cache, cache_saved = [], [], [], [], []
+    saved, extra, temp, cache, cache_saved, first = [], [], [], [], [], []
     for u in units:
         if u.blocks == 0:
             head = u.name != "embed" and u.matmul_params > 0
             saved.append(activation_memory.head_saved_bytes(m, t) if head else 0)
+            first.append(saved[-1])
             extra.append(0)
             if t.kv_cache:
                 cache.append(0)
@@ -167,6 +171,7 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
         modes = [activation_memory.block_mode(t, i, m.num_layers) for i in range(u.first_block, u.first_block + u.blocks)]
         per = [activation_memory.block_saved_bytes(m, t, md) for md in modes]
         saved.append(sum(per))
+        first.append(per[0])
         extra.append(max(activation_memory.block_recompute_bytes(m, t, md) for md in set(modes)))
         temp.append(temp_b)
         if t.kv_cache:
@@ -176,7 +181,8 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     logits = 0 if t.linear_loss != "none" else t.seq_len * t.micro_batch * m.vocab_size
     return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
                        activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B,
-                       activation_memory.kept_logit_bytes(t), S * sbh, tuple(cache), tuple(cache_saved))
+                       activation_memory.kept_logit_bytes(t), S * sbh, tuple(cache), tuple(cache_saved),
+                       tuple(first))
 
 
 @dataclass(frozen=True)
@@ -368,6 +374,17 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       grads=grads_at(j + 1), gathered=gath, all_gather=prv(j),
                       unsharded_grads=accum_b + first_grad[j] + hold + (tied_sum if j == head else 0),
                       reduce_scatter=prev_rs, activations=act))
+        k = sc.units[j].blocks
+        if k > 1:
+            # its first block's backward, the unit's last: the other blocks' saved tensors are
+            # gone, their weight gradients are all there (unsharded until the unit's
+            # reduce-scatter; accumulating, added into the accumulated ones in place)
+            done = 0 if accum_b else unsharded_grad[j] * (k - 1) // k
+            ev.append(_ev("backward", f"backward {name} (its first block)", state=state_b,
+                          grads=grads_at(j + 1), gathered=gath, all_gather=prv(j),
+                          unsharded_grads=accum_b + done + first_grad[j] + hold,
+                          reduce_scatter=prev_rs,
+                          activations=act - acts.saved[j] + acts.first_block_saved[j]))
         # reduce-scatter, at its copy-in: the unit's unsharded gradients copied into the
         # reduce-scatter input (the previous one is released first); its output, the sharded
         # gradient, is allocated only once they are freed (_fsdp_collectives.foreach_reduce:
