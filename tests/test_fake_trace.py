@@ -595,3 +595,27 @@ def test_a_unit_of_several_blocks_peaks_in_its_first_blocks_backward(tmp_path, c
     token_ids = 8 * 1024
     assert cell.predicted_phase == cell.traced_phase == "backward", cell
     assert token_ids <= cell.traced_bytes - cell.predicted_bytes <= token_ids + 1024, cell
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing, blocks_per_unit, grad_accum, reduce_dtype",
+                         [("full", 2, 2, "fp32"), ("selective", 1, 3, "fp32"), ("full", 2, 3, "bf16")])
+def test_accumulating_without_a_reduce_is_priced_micro_batch_by_micro_batch(tmp_path, checkpointing, blocks_per_unit,
+                                                                              grad_accum, reduce_dtype):
+    """--reduce-last-only: FSDP2 keeps each unit's accumulated gradients unsharded (in the reduce
+    dtype) until the last micro-batch, whose reduce-scatters free them unit by unit as the
+    sharded ones are made; before it no sharded gradient exists, and in the param dtype autograd
+    adds a unit's new gradients into the accumulated ones in place. The planner counted every
+    accumulated gradient beside the sharded ones of the units already reduced (+10% here) and
+    a new weight gradient where autograd accumulates in place. FSDPMemTracker on the trainer:
+    to the byte but for the token ids."""
+    pytest.importorskip("torch")
+    from zplan.trainer import fake_trace
+
+    path = tmp_path / "gqa.toml"
+    path.write_text(DEEP.replace("num_kv_heads = 8", "num_kv_heads = 2").replace("vocab_size = 4096", "vocab_size = 1024"))
+    cell = fake_trace.fake_cell(str(path), 4, 1024, 1, checkpointing, "zero3", grad_accum=grad_accum,
+                                blocks_per_unit=blocks_per_unit, reduce_last_only=True, reduce_dtype=reduce_dtype)
+    token_ids = 8 * 1024
+    assert cell.predicted_phase == cell.traced_phase == "backward", cell
+    assert token_ids <= cell.traced_bytes - cell.predicted_bytes <= token_ids + 1024, cell

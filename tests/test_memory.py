@@ -626,7 +626,16 @@ def test_the_roots_head_gradient_beside_accumulated_gradients(reduce, held):
     ev = {e.label: e for e in timeline(sc, effective("zero3", "torch"))}
     rb = {"fp32": 4, "bf16": 2}[reduce]
     hold = 2 * V_H if held else 0
-    assert ev["backward blocks.1"].live["unsharded_grads"] == rb * LLAMA31_8B_PARAMS + 2 * MLP_W + hold
+    # a micro-batch before the last (every unit's accumulated gradients there): in the reduce
+    # dtype the new weight gradient goes into .grad in place, in another it is a new tensor
+    new = 2 * MLP_W if held else 0
+    before = ev["backward blocks.1, a micro-batch before the last"].live["unsharded_grads"]
+    assert before == rb * LLAMA31_8B_PARAMS + new + hold
+    # the last micro-batch: blocks.2 onwards are reduced, their accumulated gradients freed; the
+    # root's (embedding, norm, head), blocks.0's and blocks.1's remain
+    block = (LLAMA31_8B_PARAMS - 2 * V_H - 4096) // 32
+    last = ev["backward blocks.1"].live["unsharded_grads"]
+    assert last == rb * (2 * V_H + 4096 + 2 * block) + new + hold
     # the head's own backward: its new weight gradient beside the accumulated ones
     assert ev["backward head (in embed+head)"].live["unsharded_grads"] == rb * LLAMA31_8B_PARAMS + 2 * V_H
 
@@ -735,8 +744,14 @@ def test_a_tied_roots_embedding_backward_holds_the_out_of_place_sum(loss, sums):
     for accum in ({}, dict(grad_accum=2, reduce_last_only=True, reduce_dtype="bf16")):
         sc = _sc(model="llama-3.2-1b", seq_len=512, checkpointing="full", linear_loss=loss, **accum)
         ev = {e.label: e for e in timeline(sc, effective("zero3", "torch"))}
-        accum_b = 2 * arch.param_count(sc.model) if accum else 0  # unsharded, in bf16
+        # accumulating, in the last micro-batch every other unit is reduced (its accumulated
+        # gradients freed) by the embedding's backward: the root's own remain, in bf16
+        root = VH2 + 2 * 2048  # the tied embedding and the final norm, in bf16
+        accum_b = root if accum else 0
         assert ev["backward embed+head"].live["unsharded_grads"] - accum_b == (2 + sums) * VH2, accum
+        if accum:  # the first micro-batch: the other units' accumulated gradients, not the root's
+            before = ev["backward embed+head, a micro-batch before the last"].live["unsharded_grads"]
+            assert before - (2 * arch.param_count(sc.model) - root) == (2 + sums) * VH2
 
 
 @pytest.mark.slow

@@ -241,7 +241,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 reduce_in: list[int],
                 sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int,
                 one_rank_copy: list[int] | None = None,
-                reduce_out: list[int] | None = None) -> list[Event]:
+                reduce_out: list[int] | None = None, accum: list[int] | None = None) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
 
     `one_rank_copy` given: a shard group of one rank, where FSDP2 issues no all-gather and
@@ -250,7 +250,15 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     all-gather output, none prefetched; each parameter's all-gather input (its param-dtype copy;
     per unit, `one_rank_copy` at its largest parameter) lives while it is copied in, at the
     unit's unshard, on the default stream (wait_for_unshard runs on the current stream; torch
-    2.13 _fsdp_param_group.py), so it is counted with the gathered weights."""
+    2.13 _fsdp_param_group.py), so it is counted with the gathered weights.
+
+    `accum` given (accumulation without a reduce until the last micro-batch: `accum_b` in all,
+    per unit): every unit's accumulated gradients are there through the forwards and the loss;
+    in a unit's backward, in the last micro-batch those of the units not yet through backward
+    (the others were reduced and freed: FSDP2's post_backward clears each unit's accumulated
+    gradient after its reduce-scatter) beside the reduced ones' sharded gradients; in a micro-
+    batch before it, no sharded gradient, and the accumulated ones of every unit from the second
+    micro-batch on (of the units already through backward in the first)."""
     n = len(gathered)
     one_rank = one_rank_copy is not None
     gloo_copy = gloo_reduce_scatter_copies_its_input(sc) and not one_rank and reduce_out is not None
@@ -286,6 +294,10 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     later = sc.train.grad_accum > 1 and not accum_b
     grads_at = (lambda k: grads_upto[n]) if later else (lambda k: grads_upto[n] - grads_upto[k])  # noqa: E731
     all_grads = grads_upto[n] if later else 0  # through forward and the loss, too
+    acc_upto = [0, *accumulate(accum)] if accum else [0] * (n + 1)  # accumulated of units < i
+    in_place_acc = bool(accum) and sc.train.precision.reduce == sc.train.precision.param
+    # before the last micro-batch: every unit's from the second on, else the units through backward
+    skipping = (lambda j: accum_b if sc.train.grad_accum > 2 else accum_b - acc_upto[j + 1]) if accum else None  # noqa: E731
     ev: list[Event] = []
     for i in ends:
         # its compute, after the copy-out of its all-gather into its unsharded parameters (the
@@ -369,22 +381,36 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         if j == n - 1 and not root_head:
             act += logits_b  # the logits' gradient (the head's own unit)
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
-        # at its largest, early in the unit's backward: one weight's gradient so far
-        ev.append(_ev("backward", f"backward {name}", state=state_b,
-                      grads=grads_at(j + 1), gathered=gath, all_gather=prv(j),
-                      unsharded_grads=accum_b + first_grad[j] + hold + (tied_sum if j == head else 0),
-                      reduce_scatter=prev_rs, activations=act))
+        # accumulating without a reduce: the last micro-batch (the reduced units' accumulated
+        # gradients freed, their sharded ones made) and, apart, one before it (no sharded one)
+        # (`fresh`: the unit's gradients are new tensors, in the first micro-batch; accumulating
+        # in the param dtype autograd adds them into the accumulated ones in place after it)
+        # (a tied weight's gradients wait in autograd's buffer and are summed before its one
+        # AccumulateGrad: new tensors whatever the dtype)
+        acc_now = acc_upto[j + 1] if accum else accum_b
+        in_place_j = in_place_acc and not (tied and j == head)
+        variants = [(grads_at(j + 1), acc_now, "", not in_place_j)]
+        if accum:
+            variants.append((0, skipping(j), ", a micro-batch before the last",
+                             not in_place_j or sc.train.grad_accum == 2))
         k = sc.units[j].blocks
-        if k > 1:
-            # its first block's backward, the unit's last: the other blocks' saved tensors are
-            # gone, their weight gradients are all there (unsharded until the unit's
-            # reduce-scatter; accumulating, added into the accumulated ones in place)
-            done = 0 if accum_b else unsharded_grad[j] * (k - 1) // k
-            ev.append(_ev("backward", f"backward {name} (its first block)", state=state_b,
-                          grads=grads_at(j + 1), gathered=gath, all_gather=prv(j),
-                          unsharded_grads=accum_b + done + first_grad[j] + hold,
-                          reduce_scatter=prev_rs,
-                          activations=act - acts.saved[j] + acts.first_block_saved[j]))
+        for grads_j, acc_j, when, fresh in variants:
+            # at its largest, early in the unit's backward: one weight's gradient so far
+            ev.append(_ev("backward", f"backward {name}{when}", state=state_b,
+                          grads=grads_j, gathered=gath, all_gather=prv(j),
+                          unsharded_grads=acc_j + (first_grad[j] if fresh else 0) + hold
+                          + (tied_sum if j == head else 0),
+                          reduce_scatter=prev_rs if not when else 0, activations=act))
+            if k > 1:
+                # its first block's backward, the unit's last: the other blocks' saved tensors
+                # are gone, their weight gradients are all there (unsharded until the unit's
+                # post-backward)
+                done = unsharded_grad[j] * (k - 1) // k if fresh else 0
+                ev.append(_ev("backward", f"backward {name} (its first block){when}", state=state_b,
+                              grads=grads_j, gathered=gath, all_gather=prv(j),
+                              unsharded_grads=acc_j + done + (first_grad[j] if fresh else 0) + hold,
+                              reduce_scatter=prev_rs if not when else 0,
+                              activations=act - acts.saved[j] + acts.first_block_saved[j]))
         # reduce-scatter, at its copy-in: the unit's unsharded gradients copied into the
         # reduce-scatter input (the previous one is released first); its output, the sharded
         # gradient, is allocated only once they are freed (_fsdp_collectives.foreach_reduce:
@@ -397,7 +423,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         ev.append(_ev("backward", f"reduce-scatter {name}", grads=grads_at(j + 1),
                       # accumulating (reduce skipped before), the unit's new gradients were added
                       # into its accumulated ones (accum_b), which are what is copied in
-                      unsharded_grads=accum_b + (0 if accum_b else unsharded_grad[j]) + others,
+                      unsharded_grads=(acc_upto[j + 1] if accum else accum_b + (0 if accum_b else unsharded_grad[j])) + others,
                       reduce_scatter=reduce_in[j], **at_reduce))
         if gloo_copy and reduce_in[j]:
             # gloo, at the collective: the unit's unsharded (or accumulated) gradients freed
@@ -406,7 +432,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
             # (gloo_reduce_scatter_copies_its_input)
             ev.append(_ev("backward", f"reduce-scatter {name} (gloo's copy)",
                           grads=grads_at(j + 1) + reduce_out[j],
-                          unsharded_grads=max(0, accum_b - reduce_in[j]) + others,
+                          unsharded_grads=(acc_upto[j] if accum else max(0, accum_b - reduce_in[j])) + others,
                           reduce_scatter=2 * reduce_in[j], **at_reduce))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   activations=opt_temp_b + out.optimizer()))
