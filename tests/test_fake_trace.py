@@ -546,6 +546,21 @@ def test_keys_and_values_copied_to_every_query_head_are_priced_against_the_track
         assert traced == predicted == 2 * 2 * 1024 * (512 - 128) * 2
 
 
+def _small_gqa_model(tmp_path):
+    """DEEP with 2 key/value heads and a vocabulary of 1024 (the blocks, not the loss, peak)."""
+    path = tmp_path / "gqa.toml"
+    path.write_text(DEEP.replace("num_kv_heads = 8", "num_kv_heads = 2").replace("vocab_size = 4096", "vocab_size = 1024"))
+    return path
+
+
+def _backward_peak_to_the_token_ids(cell, micro_batch: int, seq_len: int = 1024) -> None:
+    """The planner's peak is the tracker's, in backward, to the byte but for the batch's token
+    ids (8 B a token, which the planner does not count) and the loss's scalars."""
+    token_ids = 8 * seq_len * micro_batch
+    assert cell.predicted_phase == cell.traced_phase == "backward", cell
+    assert token_ids <= cell.traced_bytes - cell.predicted_bytes <= token_ids + 1024, cell
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["gqa", "gqa-head-96", "fp32"])
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
@@ -570,9 +585,7 @@ def test_a_recomputed_blocks_backward_peak_is_the_trackers_to_the_token_ids(tmp_
     dtypes = dict(param_dtype="fp32", reduce_dtype="fp32") if shape == "fp32" else {}
     for micro_batch in (1, 2):
         cell = fake_trace.fake_cell(str(path), 4, 1024, micro_batch, checkpointing, "zero3", **dtypes)
-        token_ids = 8 * 1024 * micro_batch
-        assert cell.predicted_phase == cell.traced_phase == "backward", cell
-        assert token_ids <= cell.traced_bytes - cell.predicted_bytes <= token_ids + 1024, cell
+        _backward_peak_to_the_token_ids(cell, micro_batch)
 
 
 @pytest.mark.slow
@@ -588,13 +601,10 @@ def test_a_unit_of_several_blocks_peaks_in_its_first_blocks_backward(tmp_path, c
     pytest.importorskip("torch")
     from zplan.trainer import fake_trace
 
-    path = tmp_path / "gqa.toml"
-    path.write_text(DEEP.replace("num_kv_heads = 8", "num_kv_heads = 2").replace("vocab_size = 4096", "vocab_size = 1024"))
+    path = _small_gqa_model(tmp_path)
     cell = fake_trace.fake_cell(str(path), 4, 1024, 1, checkpointing, "zero3", grad_accum=grad_accum,
                                 blocks_per_unit=blocks_per_unit)
-    token_ids = 8 * 1024
-    assert cell.predicted_phase == cell.traced_phase == "backward", cell
-    assert token_ids <= cell.traced_bytes - cell.predicted_bytes <= token_ids + 1024, cell
+    _backward_peak_to_the_token_ids(cell, 1)
 
 
 @pytest.mark.slow
@@ -612,10 +622,7 @@ def test_accumulating_without_a_reduce_is_priced_micro_batch_by_micro_batch(tmp_
     pytest.importorskip("torch")
     from zplan.trainer import fake_trace
 
-    path = tmp_path / "gqa.toml"
-    path.write_text(DEEP.replace("num_kv_heads = 8", "num_kv_heads = 2").replace("vocab_size = 4096", "vocab_size = 1024"))
+    path = _small_gqa_model(tmp_path)
     cell = fake_trace.fake_cell(str(path), 4, 1024, 1, checkpointing, "zero3", grad_accum=grad_accum,
                                 blocks_per_unit=blocks_per_unit, reduce_last_only=True, reduce_dtype=reduce_dtype)
-    token_ids = 8 * 1024
-    assert cell.predicted_phase == cell.traced_phase == "backward", cell
-    assert token_ids <= cell.traced_bytes - cell.predicted_bytes <= token_ids + 1024, cell
+    _backward_peak_to_the_token_ids(cell, 1)

@@ -263,9 +263,8 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
             [g * pb for g in padded], [x * pb for x in _largest_params(sc, 1)],
             [g * rb for g in padded],
             [x * grad_store for x in shards],
-            st.reshard_after_forward, accum_b, opt_temp, one_rank_copy=one_copy if D == 1 else None,
-            reduce_out=[x * rb for x in shards],
-            accum=[nbytes(u.numel, p.reduce) for u in sc.units] if accum_b else None)
+            st.reshard_after_forward, [nbytes(u.numel, p.reduce) for u in sc.units] if accum_b else None,
+            opt_temp, one_rank_copy=one_copy if D == 1 else None, reduce_out=[x * rb for x in shards])
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
     # DeepSpeed ZeRO-3 releases every gathered parameter at the end of backward
     # (PartitionedParameterCoordinator.release_and_reset_all): none is gathered at the step

@@ -239,9 +239,9 @@ def _run_ends(sig: list) -> list[int]:
 def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[int],
                 held: list[bool], unsharded_grad: list[int], first_grad: list[int],
                 reduce_in: list[int],
-                sharded_grad: list[int], reshard: bool, accum_b: int, opt_temp_b: int,
+                sharded_grad: list[int], reshard: bool, accum: list[int] | None, opt_temp_b: int,
                 one_rank_copy: list[int] | None = None,
-                reduce_out: list[int] | None = None, accum: list[int] | None = None) -> list[Event]:
+                reduce_out: list[int] | None = None) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
 
     `one_rank_copy` given: a shard group of one rank, where FSDP2 issues no all-gather and
@@ -252,14 +252,15 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     unit's unshard, on the default stream (wait_for_unshard runs on the current stream; torch
     2.13 _fsdp_param_group.py), so it is counted with the gathered weights.
 
-    `accum` given (accumulation without a reduce until the last micro-batch: `accum_b` in all,
-    per unit): every unit's accumulated gradients are there through the forwards and the loss;
+    `accum` given (accumulation without a reduce until the last micro-batch: the accumulated
+    gradients' bytes per unit): every unit's accumulated gradients are there through the forwards and the loss;
     in a unit's backward, in the last micro-batch those of the units not yet through backward
     (the others were reduced and freed: FSDP2's post_backward clears each unit's accumulated
     gradient after its reduce-scatter) beside the reduced ones' sharded gradients; in a micro-
     batch before it, no sharded gradient, and the accumulated ones of every unit from the second
     micro-batch on (of the units already through backward in the first)."""
     n = len(gathered)
+    accum_b = sum(accum) if accum else 0
     one_rank = one_rank_copy is not None
     gloo_copy = gloo_reduce_scatter_copies_its_input(sc) and not one_rank and reduce_out is not None
     prefetch = sc.train.prefetch and not one_rank
@@ -381,12 +382,11 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         if j == n - 1 and not root_head:
             act += logits_b  # the logits' gradient (the head's own unit)
         prev_rs = reduce_in[j + 1] if j + 1 < n else 0
-        # accumulating without a reduce: the last micro-batch (the reduced units' accumulated
-        # gradients freed, their sharded ones made) and, apart, one before it (no sharded one)
-        # (`fresh`: the unit's gradients are new tensors, in the first micro-batch; accumulating
-        # in the param dtype autograd adds them into the accumulated ones in place after it)
-        # (a tied weight's gradients wait in autograd's buffer and are summed before its one
-        # AccumulateGrad: new tensors whatever the dtype)
+        # accumulating without a reduce, two variants: the last micro-batch (the reduced units'
+        # accumulated gradients freed, their sharded ones made) and one before it (no sharded
+        # one). `fresh`: the unit's gradients are new tensors (in the param dtype autograd adds
+        # them into the accumulated ones in place, but in the first micro-batch and for a tied
+        # weight, whose gradients are summed in autograd's buffer before its AccumulateGrad)
         acc_now = acc_upto[j + 1] if accum else accum_b
         in_place_j = in_place_acc and not (tied and j == head)
         variants = [(grads_at(j + 1), acc_now, "", not in_place_j)]
