@@ -203,7 +203,8 @@ def test_graph_end_events_hold_both_gradient_sets():
     ms = memory(sc, st)
     logits_b = 8 * TINY.vocab_size * 2
     embed_b = TINY.vocab_size * TINY.hidden * 4
-    assert end[0].total_bytes == ms.model_state_bytes + grads_b + logits_b + embed_b
+    ids_b = 2 * 8 * 8  # the micro-batch's input ids and labels, int64, still referenced
+    assert end[0].total_bytes == ms.model_state_bytes + grads_b + logits_b + embed_b + ids_b
     assert ms.allocated_bytes >= end[0].total_bytes
     # per-block graphs: the last block's graph returns that block's gradients, with the
     # activations the units before it saved

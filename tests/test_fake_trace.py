@@ -553,24 +553,23 @@ def _small_gqa_model(tmp_path):
     return path
 
 
-def _backward_peak_to_the_token_ids(cell, micro_batch: int, seq_len: int = 1024) -> None:
-    """The planner's peak is the tracker's, in backward, to the byte but for the batch's token
-    ids (8 B a token, which the planner does not count) and the loss's scalars."""
-    token_ids = 8 * seq_len * micro_batch
+def _backward_peak_to_the_loss_scalars(cell) -> None:
+    """The planner's peak is the tracker's, in backward, to the byte but for the loss's scalars
+    (under 1 KiB); the batch's input ids and labels (16 B a token) included."""
     assert cell.predicted_phase == cell.traced_phase == "backward", cell
-    assert token_ids <= cell.traced_bytes - cell.predicted_bytes <= token_ids + 1024, cell
+    assert 0 <= cell.traced_bytes - cell.predicted_bytes <= 1024, cell
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["gqa", "gqa-head-96", "fp32"])
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
-def test_a_recomputed_blocks_backward_peak_is_the_trackers_to_the_token_ids(tmp_path, checkpointing, shape):
+def test_a_recomputed_blocks_backward_peak_is_the_trackers(tmp_path, checkpointing, shape):
     """The peak in a recomputed block's backward, where what the block kept and what its
     recomputation makes again meet (activation_memory.block_recompute_bytes): the composite norm
     keeps an fp32 copy, not the kept input; selective's replay drops the query projection's
     output and never replays the down projection. FSDPMemTracker on the trainer (8 blocks, 8
     query heads over 2 key/value heads, of 64 and of 96: q wider than the hidden size) agrees to
-    the byte but for the batch's token ids (8 B a token) and the loss's scalars; counted as
+    the byte but for the loss's scalars; counted as
     byte differences, the recomputation missed the kept input (full) or that and the down
     projection's output (selective): 2-4 MiB here. In fp32 (8 key/value heads: fp32 refuses
     grouped ones) the composite norm's `x.float()` is the input itself, which it then keeps."""
@@ -585,7 +584,7 @@ def test_a_recomputed_blocks_backward_peak_is_the_trackers_to_the_token_ids(tmp_
     dtypes = dict(param_dtype="fp32", reduce_dtype="fp32") if shape == "fp32" else {}
     for micro_batch in (1, 2):
         cell = fake_trace.fake_cell(str(path), 4, 1024, micro_batch, checkpointing, "zero3", **dtypes)
-        _backward_peak_to_the_token_ids(cell, micro_batch)
+        _backward_peak_to_the_loss_scalars(cell)
 
 
 @pytest.mark.slow
@@ -597,14 +596,14 @@ def test_a_unit_of_several_blocks_peaks_in_its_first_blocks_backward(tmp_path, c
     (the gradients outweigh a block's kept input); the planner counted only the first block
     through backward and missed a block's gradients less its input (5.8 MiB here, 2.6%).
     FSDPMemTracker on the trainer, 8 blocks in units of 2 or 3 (a last one of 2), with and
-    without accumulation: to the byte but for the token ids."""
+    without accumulation: to the byte but for the loss's scalars."""
     pytest.importorskip("torch")
     from zplan.trainer import fake_trace
 
     path = _small_gqa_model(tmp_path)
     cell = fake_trace.fake_cell(str(path), 4, 1024, 1, checkpointing, "zero3", grad_accum=grad_accum,
                                 blocks_per_unit=blocks_per_unit)
-    _backward_peak_to_the_token_ids(cell, 1)
+    _backward_peak_to_the_loss_scalars(cell)
 
 
 @pytest.mark.slow
@@ -618,11 +617,11 @@ def test_accumulating_without_a_reduce_is_priced_micro_batch_by_micro_batch(tmp_
     adds a unit's new gradients into the accumulated ones in place. The planner counted every
     accumulated gradient beside the sharded ones of the units already reduced (+10% here) and
     a new weight gradient where autograd accumulates in place. FSDPMemTracker on the trainer:
-    to the byte but for the token ids."""
+    to the byte but for the loss's scalars."""
     pytest.importorskip("torch")
     from zplan.trainer import fake_trace
 
     path = _small_gqa_model(tmp_path)
     cell = fake_trace.fake_cell(str(path), 4, 1024, 1, checkpointing, "zero3", grad_accum=grad_accum,
                                 blocks_per_unit=blocks_per_unit, reduce_last_only=True, reduce_dtype=reduce_dtype)
-    _backward_peak_to_the_token_ids(cell, 1)
+    _backward_peak_to_the_loss_scalars(cell)

@@ -23,9 +23,9 @@ def _events(strategy: str):
 
 def test_reduce_scatter_of_the_first_block_holds_logits_not_its_weights():
     ev = _events("zero3")["reduce-scatter blocks.0"]
-    # nothing saved before block 0 (the embedding keeps its integer input only); bf16 logits and
-    # the residual stream's gradient
-    assert ev.live["activations"] == 2 * S * V + 2 * S * H
+    # nothing saved before block 0 (the embedding keeps its integer input only, which with the
+    # labels the loop holds: int64); bf16 logits and the residual stream's gradient
+    assert ev.live["activations"] == 2 * S * V + 2 * S * H + 2 * 8 * S
     assert ev.live.get("gathered", 0) == 0  # block 0 resharded, nothing else gathered under zero3
 
 
@@ -34,7 +34,8 @@ def test_backward_of_a_block_holds_the_logits():
     acts = activations(sc)  # per unit: embeddings, blocks.0, ...
     ev = {e.label: e for e in timeline(sc, effective("zero3", "torch"))}["backward blocks.0"]
     own = acts.saved[0] + acts.saved[1] + acts.recompute[1] + acts.backward_temp[1]
-    assert ev.live["activations"] - own == 2 * S * V  # the bf16 logits, still referenced
+    # the bf16 logits, still referenced; the micro-batch's input ids and labels (int64)
+    assert ev.live["activations"] - own == 2 * S * V + 2 * 8 * S
 
 
 # ------------------------------------------------- gloo's reduce-scatter clones its input

@@ -353,7 +353,7 @@ def block_recompute_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     it first) or the replay takes back from the policy's cache and drops after RoPE, and wv's
     likewise after copying it to every query head (expands_kv): either way those bytes are
     not new. w2's is never replayed (early stop) and stays. FSDPMemTracker on the trainer
-    (tests/test_fake_trace.py): the peak in a block's backward to the byte less the token ids,
+    (tests/test_fake_trace.py): the peak in a block's backward to the byte less the loss's scalars,
     bf16 and fp32, with the query heads wider than the hidden size and not.
     Where the sets are not derived (compiled blocks, float8 linears, MoE, a fused q/k/v
     projection, attention without a flash kernel, autocast, dropout, no early stop, Megatron's
@@ -537,6 +537,21 @@ def _model_upcast_loss_steps(train: TrainSpec, B: int) -> tuple[tuple[str, str, 
     return tuple(steps + [("backward", "+", "logits grad", B), ("backward", "-", "log_softmax grad", 4)])
 
 
+BATCH_ID_TENSORS = 2  # the input ids and the labels, each a (micro_batch, seq_len) tensor
+BATCH_ID_BYTES = 8  # int64: what a tokenizer and torch.randint produce, and nn.Embedding indexes with
+
+
+def batch_ids_bytes(train: TrainSpec) -> int:
+    """The micro-batch on the GPU: its input ids and labels, int64 (8 B a token each), from the
+    host-to-device copy before the forward until the last backward returns; gone at the
+    optimizer step. zplan's trainer (trainer/data.py Prefetcher.get: x and y, copied to the
+    device per micro-batch, locals of the micro-batch loop) and torchtitan's loop
+    (input_dict["input"] and labels, moved to the device in train_step) both hold two;
+    nn.Embedding's backward and cross_entropy save them by reference, no copy. PyTorch's
+    FSDPMemTracker counts them (tests/test_fake_trace.py)."""
+    return BATCH_ID_TENSORS * BATCH_ID_BYTES * train.seq_len * train.micro_batch
+
+
 def kept_logit_bytes(train: TrainSpec) -> int:
     """Bytes per logit of the logits a loop keeps (and a compiled or fused loss saves): the
     head's dtype, 4 where the model returns them in fp32 (`TrainSpec.logits_fp32`)."""
@@ -624,8 +639,9 @@ def activation_breakdown(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True)
     recompute = max(block_recompute_bytes(m, train, block_mode(train, i, L)) for i in range(L))
     head = head_saved_bytes(m, train)
     lg = logits_bytes(m, train, loss_fp32)
-    out = {"blocks_saved": saved, "head_inputs": head, "loss_or_recompute": max(lg, recompute)}
-    extra = 0
+    out = {"blocks_saved": saved, "head_inputs": head, "loss_or_recompute": max(lg, recompute),
+           "batch_ids": batch_ids_bytes(train)}
+    extra = out["batch_ids"]
     if train.kv_cache:  # what the returned cache adds beyond what the blocks keep (kv_cache_saved_bytes)
         out["kv_cache"] = sum(kv_cache_bytes(m, train) - kv_cache_saved_bytes(m, train, block_mode(train, i, L))
                               for i in range(L))

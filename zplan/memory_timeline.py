@@ -95,11 +95,13 @@ class Activations:
     # per unit, what its first block keeps (the last of its blocks through backward); `saved`
     # for a unit of one block or none
     first_block_saved: tuple[int, ...] = ()
+    batch_ids: int = 0  # the micro-batch's input ids and labels (activation_memory.batch_ids_bytes)
 
 
 class HeldOutputs:
-    """What the output the loop holds adds at each event, beyond the activations counted: the
-    model's cache (TrainSpec.kv_cache: activation_memory.kv_cache_bytes per block), less what the
+    """What the loop holds at each event, beyond the activations counted: through the micro-
+    batch's forward, loss and backward its token ids (Activations.batch_ids), gone at the
+    optimizer step; the model's cache (TrainSpec.kv_cache: activation_memory.kv_cache_bytes per block), less what the
     blocks keep for backward anyway while they keep it (kv_cache_saved_bytes); and, where the
     loop holds a micro-batch's output until the next forward returns
     (TrainSpec.outputs_until_next_forward), the previous micro-batch's logits and cache through
@@ -116,22 +118,23 @@ class HeldOutputs:
         self.held = train.logits_kept  # the loop holds the output until backward returns (at least)
         logits = 0 if train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
         self.previous = self.total + logits if train.outputs_until_next_forward else 0
+        self.ids = acts.batch_ids
 
     def forward(self, i: int) -> int:
         """After unit i's forward: the caches made so far, and the previous output."""
-        return self.extra_upto[i + 1] + self.previous
+        return self.ids + self.extra_upto[i + 1] + self.previous
 
     def loss(self, phase: str) -> int:
         """The whole cache; in the loss's forward the previous output too (the loss inside the
         forward); in its backward only while the loop holds the output."""
         if phase == "forward":
-            return self.extra_upto[-1] + self.previous
-        return self.extra_upto[-1] if self.held else 0
+            return self.ids + self.extra_upto[-1] + self.previous
+        return self.ids + (self.extra_upto[-1] if self.held else 0)
 
     def backward(self, j: int, done: bool = False) -> int:
         """In unit j's backward (`done`: after it, at its reduce-scatter): the cache, less what
         the units not yet through backward still keep as their activations."""
-        return self.total - self.saved_upto[j if done else j + 1] if self.held else 0
+        return self.ids + (self.total - self.saved_upto[j if done else j + 1] if self.held else 0)
 
     def optimizer(self) -> int:
         """The step's own output, held into the next forward."""
@@ -182,7 +185,7 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
                        activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B,
                        activation_memory.kept_logit_bytes(t), S * sbh, tuple(cache), tuple(cache_saved),
-                       tuple(first))
+                       tuple(first), activation_memory.batch_ids_bytes(t))
 
 
 @dataclass(frozen=True)

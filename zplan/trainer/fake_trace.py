@@ -99,14 +99,17 @@ def trace_peak(plan, steps: int = 1, reserved: bool = False) -> dict:
             with tracker:
                 for step in range(steps):
                     for micro in range(t.grad_accum):
-                        x = torch.randint(0, plan.model.vocab_size, (t.micro_batch, t.seq_len))
+                        # input ids and labels, two tensors as the loop's (Prefetcher.get)
+                        x, y = (torch.randint(0, plan.model.vocab_size, (t.micro_batch, t.seq_len))
+                                for _ in range(2))
                         sync = micro == t.grad_accum - 1 or t.reduce_every_microbatch
-                        loss, kept = forward_loss(par, t, x, x, sync)  # the loop's own code
+                        loss, kept = forward_loss(par, t, x, y, sync)  # the loop's own code
                         held = kept if t.outputs_until_next_forward else None
                         loss.backward()
                         del kept, loss
                         if micro < t.grad_accum - 1:
                             tracker.reset_mod_stats()
+                    del x, y  # the loop's are locals of its micro-batch loop, gone at the step
                     optim.step()
                     optim.zero_grad(set_to_none=True)
                     tracker.reset_mod_stats()
