@@ -282,7 +282,36 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         t["mlp_input"] = (2 if m.mlp == "swiglu" and not m.num_experts else 1) * B * sb * h
     if train.te_float8:
         _te_float8_saves(t, m, sb, B)
+    elif compiled_float8_recasts(m, train):
+        _compiled_float8_saves(t, m, sb, B)
     return t
+
+
+def compiled_float8_recasts(m: ModelSpec, train: TrainSpec) -> bool:
+    """Whether torch.compile's partitioner saves a block's linear inputs as torchao's float8
+    casts do (_compiled_float8_saves): compiled torchao linears whose weight gradient is a
+    float8 GEMM (tensorwise and rowwise; rowwise-gw-hp's is 16-bit and reads the 16-bit inputs,
+    which are then kept as without float8), a dense MLP (torchao leaves grouped experts in 16
+    bits), a flash kernel, no autocast or dropout (not traced)."""
+    return (train.compile and train.float8 and train.float8_recipe in ("tensorwise", "rowwise")
+            and not m.num_experts and train.flash_attention and not train.autocast and not m.dropout)
+
+
+def _compiled_float8_saves(t: dict[str, int], m: ModelSpec, sb: int, B: int) -> None:
+    """torch.compile over torchao's float8 linears (compiled_float8_recasts): the backward's
+    weight-gradient GEMMs read each linear's input in float8, which the min-cut partitioner
+    (torch/_functorch/partitioners.py, inductor's) makes again in backward from what the block
+    keeps anyway where it can: the norms' outputs (q/k/v's and the MLP's inputs) from the kept
+    residual stream and per-row statistics, the down projection's input from the kept w1 (and
+    w3) outputs; none is kept. The output projection's input, the attention kernel's output (kept
+    for the kernel's backward in 16 bits), is kept a second time as its float8 cast (1 byte per
+    element). The scales are scalars (tensorwise) or a row vector (rowwise), not counted.
+    PyTorch's partitioner on the trainer's block with torchao 0.18's Float8Linear
+    (tests/test_memory.py): 16-bit inputs 2 x B·sbh and B·sbf fewer, a float8 sbq more."""
+    t["qkv_input"] = 0
+    t["mlp_input"] = 0
+    t["mlp_hidden"] -= B * sb * m.ffn_hidden
+    t["attn_out_proj_input"] = sb * m.q_hidden
 
 
 def _te_float8_saves(t: dict[str, int], m: ModelSpec, sb: int, B: int) -> None:
