@@ -862,6 +862,43 @@ def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp, recipe):
         assert bf16 - planned == 2 * 2 * s * m.hidden + 2 * s * m.ffn_hidden - s * m.q_hidden
 
 
+@pytest.mark.slow  # compiling takes about half a minute on 2 cores
+@pytest.mark.parametrize("mlp, recipe", [("swiglu", None), ("gelu", None), ("swiglu", "tensorwise")])
+def test_compiled_selective_block_keeps_what_backward_reads(mlp, recipe):
+    """The trainer's selective policy under torch.compile: the partitioner keeps a saved
+    matmul's output only where backward reads it, so SwiGLU's w2 output (which flows into the
+    residual add alone) is dropped; eager keeps it. torchao's float8 linears change nothing
+    here: the policy sees their matmuls as it sees bf16 ones, and every cast is recomputed."""
+    torch = pytest.importorskip("torch")
+
+    from tests.helpers import saved_storages
+    from zplan.trainer.model import Transformer
+    from zplan.trainer.parallel import apply_checkpointing
+
+    m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
+                  vocab_size=64, mlp=mlp)
+    model = Transformer(m).to(torch.bfloat16)
+    if recipe is not None:
+        pytest.importorskip("torchao")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model.layers[0], config=Float8LinearConfig.from_recipe_name(recipe))
+    apply_checkpointing(model, "selective", 2)
+    block = model.layers[0]
+    s = 64
+    x = torch.randn(1, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+    saved, pack = saved_storages(block)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.compile(block, backend="aot_eager_decomp_partition")(x)
+    t = TrainSpec(seq_len=s, fused_norm=False, compile=True, checkpointing="selective",
+                  float8=recipe is not None)
+    planned = activation_memory.block_saved_bytes(m, t, "selective")
+    assert 0 <= sum(saved.values()) - planned < 1024, (sum(saved.values()), planned)
+    eager = activation_memory.block_saved_bytes(m, TrainSpec(seq_len=s, fused_norm=False,
+                                                             checkpointing="selective"), "selective")
+    assert eager - planned == (2 * s * m.hidden if mlp == "swiglu" else 0)  # eager keeps w2's output
+
+
 @pytest.mark.parametrize("impl", ["functional", "torchtitan-module"])
 def test_composite_norm_saves_against_pytorch_memtracker(impl):
     """What an unfused RMSNorm keeps for backward beside its per-row rstd: F.rms_norm's CPU

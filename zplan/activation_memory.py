@@ -354,9 +354,13 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
         # no expert tensor (policy.selective_saved_matmuls) but its router's topk, which the save
         # list names: the values (fp32, the router's scores) and int64 indices, k per token.
         # Compiled, the partitioner keeps a saved op's output only where backward reads it: topk's
-        # values are dropped (the router's scores are gathered again), its indices kept.
+        # values are dropped (the router's scores are gathered again), its indices kept; so is
+        # SwiGLU's w2 output (PyTorch's partitioner on the trainer's block, tests/test_memory.py).
         moe = bool(m.num_experts)
         names = policy.selective_saved_matmuls(m.mlp, moe, m.qkv_fused)
+        if train.compile:  # backward never reads the down projection's output (it flows into
+            # the residual add alone): the partitioner drops it, float8 linears or not
+            names = tuple(n for n in names if n != "w2")
         saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, names))
         if policy.SELECTIVE_SAVES_ATTENTION:
             saved += B * sb * m.q_hidden + (4 * m.num_heads * sb if train.flash_attention else 0)
