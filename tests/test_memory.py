@@ -822,53 +822,10 @@ def test_optimizer_temporaries_against_pytorch_memtracker(kernels):
     assert (peak - before > 0) == (kernels != "fused")  # the oracle sees what is claimed
 
 
-@pytest.mark.slow  # compiling takes about a minute on 2 cores
-@pytest.mark.parametrize("mlp, recipe", [("swiglu", None), ("gelu", None), ("swiglu", "tensorwise"),
-                                         ("gelu", "tensorwise"), ("swiglu", "rowwise"),
-                                         ("swiglu", "rowwise-gw-hp")])
-def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp, recipe):
-    """torch.compile's partitioner (inductor's), without inductor's code generation; with
-    torchao's float8 linears (`recipe`) converted as torchtitan converts them. Under the recipes
-    whose weight gradient is a float8 GEMM the partitioner casts the norms' outputs and the down
-    projection's input again in backward instead of keeping them, and keeps the attention
-    output's float8 cast (activation_memory._compiled_float8_saves); the scales (a few bytes, a
-    row vector under rowwise) are all the trace holds beyond the plan."""
-    torch = pytest.importorskip("torch")
-
-    from zplan.trainer.model import Block
-
-    m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
-                  vocab_size=64, mlp=mlp)
-    from tests.helpers import saved_storages
-
-    block = Block(m).to(torch.bfloat16)
-    if recipe is not None:
-        pytest.importorskip("torchao")
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name(
-            {"rowwise-gw-hp": "rowwise_with_gw_hp"}.get(recipe, recipe)))
-    s = 64
-    x = torch.randn(1, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
-    saved, pack = saved_storages(block)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.compile(block, backend="aot_eager_decomp_partition")(x)
-    t = TrainSpec(seq_len=s, fused_norm=False, compile=True, float8=recipe is not None,
-                  float8_recipe=recipe or "tensorwise")
-    planned = activation_memory.block_saved_bytes(m, t, "none")
-    assert 0 <= sum(saved.values()) - planned < 1024, (sum(saved.values()), planned)
-    if recipe in ("tensorwise", "rowwise"):  # the oracle sees fewer 16-bit inputs than without float8
-        bf16 = activation_memory.block_saved_bytes(m, TrainSpec(seq_len=s, fused_norm=False, compile=True), "none")
-        assert bf16 - planned == 2 * 2 * s * m.hidden + 2 * s * m.ffn_hidden - s * m.q_hidden
-
-
-@pytest.mark.slow  # compiling takes about half a minute on 2 cores
-@pytest.mark.parametrize("mlp, recipe", [("swiglu", None), ("gelu", None), ("swiglu", "tensorwise")])
-def test_compiled_selective_block_keeps_what_backward_reads(mlp, recipe):
-    """The trainer's selective policy under torch.compile: the partitioner keeps a saved
-    matmul's output only where backward reads it, so SwiGLU's w2 output (which flows into the
-    residual add alone) is dropped; eager keeps it. torchao's float8 linears change nothing
-    here: the policy sees their matmuls as it sees bf16 ones, and every cast is recomputed."""
+def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: int = 64):
+    """(model, bytes): what the trainer's block (one layer, bf16) saves for backward under
+    torch.compile's partitioner (inductor's, without its code generation), with torchao's float8
+    linears (`recipe`, converted as torchtitan converts them) and the trainer's checkpointing."""
     torch = pytest.importorskip("torch")
 
     from tests.helpers import saved_storages
@@ -882,18 +839,51 @@ def test_compiled_selective_block_keeps_what_backward_reads(mlp, recipe):
         pytest.importorskip("torchao")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model.layers[0], config=Float8LinearConfig.from_recipe_name(recipe))
-    apply_checkpointing(model, "selective", 2)
+        convert_to_float8_training(model.layers[0], config=Float8LinearConfig.from_recipe_name(
+            {"rowwise-gw-hp": "rowwise_with_gw_hp"}.get(recipe, recipe)))
+    apply_checkpointing(model, checkpointing, 2)
     block = model.layers[0]
-    s = 64
     x = torch.randn(1, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
     saved, pack = saved_storages(block)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         torch.compile(block, backend="aot_eager_decomp_partition")(x)
+    return m, sum(saved.values())
+
+
+@pytest.mark.slow  # compiling takes about a minute on 2 cores
+@pytest.mark.parametrize("mlp, recipe", [("swiglu", None), ("gelu", None), ("swiglu", "tensorwise"),
+                                         ("gelu", "tensorwise"), ("swiglu", "rowwise"),
+                                         ("swiglu", "rowwise-gw-hp")])
+def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp, recipe):
+    """torch.compile's partitioner, with torchao's float8 linears (`recipe`). Under the recipes
+    whose weight gradient is a float8 GEMM the partitioner casts the norms' outputs and the down
+    projection's input again in backward instead of keeping them, and keeps the attention
+    output's float8 cast (activation_memory._compiled_float8_saves); the scales (a few bytes, a
+    row vector under rowwise) are all the trace holds beyond the plan."""
+    s = 64
+    m, traced = _compiled_block_saved(mlp, recipe, "none", s)
+    t = TrainSpec(seq_len=s, fused_norm=False, compile=True, float8=recipe is not None,
+                  float8_recipe=recipe or "tensorwise")
+    planned = activation_memory.block_saved_bytes(m, t, "none")
+    assert 0 <= traced - planned < 1024, (traced, planned)
+    if recipe in ("tensorwise", "rowwise"):  # the oracle sees fewer 16-bit inputs than without float8
+        bf16 = activation_memory.block_saved_bytes(m, TrainSpec(seq_len=s, fused_norm=False, compile=True), "none")
+        assert bf16 - planned == 2 * 2 * s * m.hidden + 2 * s * m.ffn_hidden - s * m.q_hidden
+
+
+@pytest.mark.slow  # compiling takes about half a minute on 2 cores
+@pytest.mark.parametrize("mlp, recipe", [("swiglu", None), ("gelu", None), ("swiglu", "tensorwise")])
+def test_compiled_selective_block_keeps_what_backward_reads(mlp, recipe):
+    """The trainer's selective policy under torch.compile: the partitioner keeps a saved
+    matmul's output only where backward reads it, so SwiGLU's w2 output (which flows into the
+    residual add alone) is dropped; eager keeps it. torchao's float8 linears change nothing
+    here: the policy sees their matmuls as it sees bf16 ones, and every cast is recomputed."""
+    s = 64
+    m, traced = _compiled_block_saved(mlp, recipe, "selective", s)
     t = TrainSpec(seq_len=s, fused_norm=False, compile=True, checkpointing="selective",
                   float8=recipe is not None)
     planned = activation_memory.block_saved_bytes(m, t, "selective")
-    assert 0 <= sum(saved.values()) - planned < 1024, (sum(saved.values()), planned)
+    assert 0 <= traced - planned < 1024, (traced, planned)
     eager = activation_memory.block_saved_bytes(m, TrainSpec(seq_len=s, fused_norm=False,
                                                              checkpointing="selective"), "selective")
     assert eager - planned == (2 * s * m.hidden if mlp == "swiglu" else 0)  # eager keeps w2's output
