@@ -822,10 +822,36 @@ def test_optimizer_temporaries_against_pytorch_memtracker(kernels):
     assert (peak - before > 0) == (kernels != "fused")  # the oracle sees what is claimed
 
 
-def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: int = 64):
+def _fused_qkv_attention(torch, m):
+    """The trainer's attention with q, k and v as one linear split into views (litgpt's
+    CausalSelfAttention.attn, torchtitan's FusedQKVLinear), RoPE on q and k as the trainer's."""
+    from torch import nn
+
+    from zplan.trainer import model as tm
+
+    class FusedQKV(tm.Attention):
+        def __init__(self):
+            super().__init__(m)
+            del self.wq, self.wk, self.wv
+            self.wqkv = nn.Linear(m.hidden, m.q_hidden + 2 * m.kv_hidden, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.wqkv(x).split((m.q_hidden, m.kv_hidden, m.kv_hidden), dim=-1)
+            q, k = q.reshape(b, s, self.n_heads, self.head_dim), k.reshape(b, s, self.n_kv, self.head_dim)
+            v = v.reshape(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+            cos, sin = tm._rope(s, self.head_dim, x.device, q.dtype)
+            q, k = tm.apply_rope(q, cos, sin).transpose(1, 2), tm.apply_rope(k, cos, sin).transpose(1, 2)
+            return self.wo(self.core(q, k, v).transpose(1, 2).reshape(b, s, -1))
+    return FusedQKV()
+
+
+def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: int = 64,
+                          qkv_fused: bool = False, compiled: bool = True):
     """(model, bytes): what the trainer's block (one layer, bf16) saves for backward under
-    torch.compile's partitioner (inductor's, without its code generation), with torchao's float8
-    linears (`recipe`, converted as torchtitan converts them) and the trainer's checkpointing."""
+    torch.compile's partitioner (inductor's, without its code generation; eager where not
+    `compiled`), with torchao's float8 linears (`recipe`, converted as torchtitan converts them),
+    the trainer's checkpointing and, with `qkv_fused`, one q/k/v linear."""
     torch = pytest.importorskip("torch")
 
     from tests.helpers import saved_storages
@@ -833,8 +859,11 @@ def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: i
     from zplan.trainer.parallel import apply_checkpointing
 
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
-                  vocab_size=64, mlp=mlp)
-    model = Transformer(m).to(torch.bfloat16)
+                  vocab_size=64, mlp=mlp, qkv_fused=qkv_fused)
+    model = Transformer(m)
+    if qkv_fused:
+        model.layers[0].attention = _fused_qkv_attention(torch, m)
+    model = model.to(torch.bfloat16)
     if recipe is not None:
         pytest.importorskip("torchao")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -846,7 +875,7 @@ def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: i
     x = torch.randn(1, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
     saved, pack = saved_storages(block)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.compile(block, backend="aot_eager_decomp_partition")(x)
+        (torch.compile(block, backend="aot_eager_decomp_partition") if compiled else block)(x)
     return m, sum(saved.values())
 
 
@@ -869,6 +898,21 @@ def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp, recipe):
     if recipe in ("tensorwise", "rowwise"):  # the oracle sees fewer 16-bit inputs than without float8
         bf16 = activation_memory.block_saved_bytes(m, TrainSpec(seq_len=s, fused_norm=False, compile=True), "none")
         assert bf16 - planned == 2 * 2 * s * m.hidden + 2 * s * m.ffn_hidden - s * m.q_hidden
+
+
+@pytest.mark.slow  # compiling takes about half a minute on 2 cores
+@pytest.mark.parametrize("compiled, recipe", [(False, None), (True, None), (True, "tensorwise")])
+def test_a_fused_qkv_projection_with_rope_keeps_its_whole_output(compiled, recipe):
+    """q, k and v as views of one linear's output, RoPE making q and k new tensors: the attention
+    kernel saves RoPE's q and k and the view v, which keeps the whole fused output; eager and
+    compiled the block keeps that output and RoPE's q and k (B·sb(q + kv) beyond q, k and v:
+    activation_memory.fused_qkv_rope_extra_bytes; litgpt's Llama 2 7B at seq 4096, 2 GB)."""
+    s = 64
+    m, traced = _compiled_block_saved("swiglu", recipe, "none", s, qkv_fused=True, compiled=compiled)
+    t = TrainSpec(seq_len=s, fused_norm=False, compile=compiled, float8=recipe is not None)
+    planned = activation_memory.block_saved_bytes(m, t, "none")
+    assert 0 <= traced - planned < 1024, (traced, planned)
+    assert activation_memory.fused_qkv_rope_extra_bytes(m, t) == 2 * s * (m.q_hidden + m.kv_hidden)
 
 
 @pytest.mark.slow  # compiling takes about half a minute on 2 cores

@@ -177,7 +177,9 @@ def block_backward_temp_bytes(m: ModelSpec, train: TrainSpec) -> int:
     k = m.experts_per_token if m.num_experts else 1
     branches = 3 if m.mlp == "swiglu" else 2
     temp = k * branches * B * sb * m.ffn_hidden + stream_dtype_bytes(train) * sb * m.hidden
-    if not train.fused_swiglu:  # the down projection's input, freed before the branches are made
+    if not train.fused_swiglu and not compiled_float8_recasts(m, train):
+        # the down projection's input, freed before the branches are made (compiled float8
+        # linears keep none: it is made again in backward, and lives through its GEMMs)
         temp -= k * (1 if train.te_float8 else B) * sb * m.ffn_hidden
     if train.te_float8:  # the widest linear's output gradient cast to float8 and transposed
         temp += 2 * sb * max(m.ffn_hidden, m.q_hidden + 2 * m.kv_hidden if m.qkv_fused else max(m.hidden, m.q_hidden))
@@ -223,7 +225,7 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         "qkv_input": B * sb * h,
         # the attention kernel keeps q, k and v; with expands_kv k and v are its q-wide copies
         # (Hugging Face's repeat_kv), RoPE's k and the value projection's output then freed
-        "q_k_v": B * sb * (q + 2 * (q if expands_kv(m, train) else kv)),
+        "q_k_v": B * sb * (q + 2 * (q if expands_kv(m, train) else kv)) + fused_qkv_rope_extra_bytes(m, train),
         # a flash kernel's output is (b, s, h, d) in memory (SDPA's flash allocates it like q,
         # which RoPE leaves (b, s, h, d) in HF, torchtitan and the trainer): the projection keeps
         # a (b, s, h·d) view of what the kernel saved (HF's `reshape(...).contiguous()` and
@@ -292,9 +294,11 @@ def compiled_float8_recasts(m: ModelSpec, train: TrainSpec) -> bool:
     casts do (_compiled_float8_saves): compiled torchao linears whose weight gradient is a
     float8 GEMM (tensorwise and rowwise; rowwise-gw-hp's is 16-bit and reads the 16-bit inputs,
     which are then kept as without float8), a dense MLP (torchao leaves grouped experts in 16
-    bits), a flash kernel, no autocast or dropout (not traced)."""
+    bits), a flash kernel, no autocast, dropout or Liger SwiGLU (an opaque kernel whose output
+    the partitioner cannot make again; none traced)."""
     return (train.compile and train.float8 and train.float8_recipe in ("tensorwise", "rowwise")
-            and not m.num_experts and train.flash_attention and not train.autocast and not m.dropout)
+            and not m.num_experts and train.flash_attention and not train.autocast and not m.dropout
+            and not train.fused_swiglu)
 
 
 def _compiled_float8_saves(t: dict[str, int], m: ModelSpec, sb: int, B: int) -> None:
@@ -447,6 +451,20 @@ def kv_cache_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     return (B * sb * kv if "wv" in names else 0) + (B * sb * kv if "wk" in names and not rope else 0)
 
 
+def fused_qkv_rope_extra_bytes(m: ModelSpec, train: TrainSpec) -> int:
+    """What a fused q/k/v projection (ModelSpec.qkv_fused) keeps beyond q, k and v where RoPE
+    makes q and k new tensors: the attention kernel saves RoPE's q and k and v, a view of the
+    fused output, whose whole storage (q + 2kv wide) the view keeps; so the block keeps that
+    storage and RoPE's q and k (q + kv). Without RoPE (MPT's ALiBi, GPT-2's learned positions)
+    q, k and v are all views of the one storage: nothing more; with the key/value heads copied
+    to the query heads (expands_kv) the kernel saves the copies and not the view. Eager and
+    compiled alike (the partitioner keeps the view too): PyTorch's partitioner and saved-tensor
+    hooks on the trainer's block with a fused projection (tests/test_memory.py)."""
+    if not m.qkv_fused or m.position != "rope" or expands_kv(m, train):
+        return 0
+    return act_dtype_bytes(train) * train.seq_len * train.micro_batch * (m.q_hidden + m.kv_hidden)
+
+
 def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, ...] | None:
     """The tensors of over 1 MiB one block keeps from its forward to its backward under `mode`,
     bytes, in forward order, as block_activation_terms and block_saved_bytes count them (their
@@ -475,8 +493,9 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
         def norm(width: int, b: int) -> list[int]:
             return [b * sb * width] if train.fused_norm else [4 * sb * width, (norm_saved_per_token(train, b) - 4) * sb * width]
         qk = norm(q, B) + norm(kv, B) if m.qk_norm else []
-        out = norm(h, S) + [terms["qkv_input"]] + qk + [B * sb * q, B * sb * kv, B * sb * kv,
-                                                      terms["attn_output"], terms["attn_out_proj_input"]]
+        fused = [B * sb * (q + 2 * kv)] if fused_qkv_rope_extra_bytes(m, train) else []  # the fused output, whole
+        out = norm(h, S) + [terms["qkv_input"]] + qk + fused + [B * sb * q, B * sb * kv] + ([] if fused else [B * sb * kv]) + [
+            terms["attn_output"], terms["attn_out_proj_input"]]
         out += norm(h, S) + [terms["mlp_input"]]
         out += [B * sb * m.ffn_hidden] * (terms["mlp_hidden"] // (B * sb * m.ffn_hidden))
     return tuple(b for b in out if b > 1 << 20)
@@ -577,11 +596,12 @@ BATCH_ID_BYTES = 8  # int64: what a tokenizer and torch.randint produce, and nn.
 def batch_ids_bytes(train: TrainSpec) -> int:
     """The micro-batch on the GPU: its input ids and labels, int64 (8 B a token each), from the
     host-to-device copy before the forward until the last backward returns; gone at the
-    optimizer step. zplan's trainer (trainer/data.py Prefetcher.get: x and y, copied to the
-    device per micro-batch, locals of the micro-batch loop) and torchtitan's loop
-    (input_dict["input"] and labels, moved to the device in train_step) both hold two;
-    nn.Embedding's backward and cross_entropy save them by reference, no copy. PyTorch's
-    FSDPMemTracker counts them (tests/test_fake_trace.py)."""
+    optimizer step, as zplan's trainer holds them (trainer/data.py Prefetcher.get: x and y,
+    copied to the device per micro-batch, locals of the micro-batch loop); nn.Embedding's
+    backward and cross_entropy save them by reference, no copy. PyTorch's FSDPMemTracker counts
+    them (tests/test_fake_trace.py). Other loops hold them longer (torchtitan's train_step keeps
+    the last micro-batch's through the optimizer step, recent versions every micro-batch's):
+    not modelled, a few MB at most."""
     return BATCH_ID_TENSORS * BATCH_ID_BYTES * train.seq_len * train.micro_batch
 
 
