@@ -46,6 +46,28 @@ def test_kept_tensors_are_the_blocks_saved_bytes(mode, fused_norm, model):
     assert all(b > MiB for b in kept)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("fused_norm", [True, False])
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-2-7b"])
+def test_recomputed_tensors_are_the_recompute_sets(mode, fused_norm, model):
+    """A checkpointed block's recomputed tensors (the working set the cached parameter blocks
+    take) sum to block_recompute_bytes (held against FSDPMemTracker in tests/test_fake_trace.py)
+    less what is 1 MiB or smaller, and are fewer than the no-recomputation list, which was the
+    working set before: what the mode kept and the replay reads is not made again."""
+    sc = scenario(model=model, gpus=8, seq_len=8192, checkpointing=mode, fused_norm=fused_norm,
+                  layout="zero")
+    m, t = sc.model, sc.train
+    again = activation_memory.block_recompute_tensors(m, t, mode)
+    terms = activation_memory.block_activation_terms(m, t)
+    small = 4 * t.seq_len * 2 + terms["rope_tables"] + (terms["attn_logsumexp"] if mode == "full" else 0)
+    assert sum(again) == activation_memory.block_recompute_bytes(m, t, mode) - small
+    whole = sum(activation_memory.block_kept_tensors(m, t, "none"))
+    # full checkpointing with a composite norm on a 16-bit stream reads nothing it kept: the norm
+    # keeps an fp32 copy of the input, not the input, and the replay makes it again
+    assert sum(again) < whole if fused_norm or mode == "selective" else sum(again) == whole
+    assert activation_memory.block_recompute_tensors(m, t, "none") == ()
+
+
 def _zero2(groups, **kw):
     sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200",
                   deepspeed_param_groups=groups, **kw)

@@ -399,10 +399,7 @@ def block_recompute_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     kept = block_saved_bytes(m, train, mode)
     if mode == "none":
         return 0
-    derived = not (train.compile or train.float8 or train.te_float8 or m.num_experts or m.qkv_fused
-                   or not train.flash_attention or train.autocast or m.dropout
-                   or not policy.early_stop_applies(train))
-    if mode not in ("full", "selective") or not derived:
+    if mode not in ("full", "selective") or not _recompute_sets_derived(m, train):
         return none_b - kept
     B, S, sb = act_dtype_bytes(train), stream_dtype_bytes(train), train.seq_len * train.micro_batch
     x = S * sb * m.hidden if train.fused_norm or S == 4 else 0  # the kept input, if the norm keeps it
@@ -413,6 +410,15 @@ def block_recompute_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
     if policy.SELECTIVE_SAVES_ATTENTION:
         read += B * sb * m.q_hidden + 4 * m.num_heads * sb
     return none_b - x - read
+
+
+def _recompute_sets_derived(m: ModelSpec, train: TrainSpec) -> bool:
+    """Where block_recompute_bytes derives a recomputation's sets (tests/test_fake_trace.py):
+    eager 16-bit linears, a dense MLP, separate q/k/v projections, a flash kernel, no autocast
+    or dropout, early stop."""
+    return not (train.compile or train.float8 or train.te_float8 or m.num_experts or m.qkv_fused
+                or not train.flash_attention or train.autocast or m.dropout
+                or not policy.early_stop_applies(train))
 
 
 def kv_cache_bytes(m: ModelSpec, train: TrainSpec) -> int:
@@ -499,6 +505,31 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
         out += norm(h, S) + [terms["mlp_input"]]
         out += [B * sb * m.ffn_hidden] * (terms["mlp_hidden"] // (B * sb * m.ffn_hidden))
     return tuple(b for b in out if b > 1 << 20)
+
+
+def block_recompute_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, ...] | None:
+    """The tensors of over 1 MiB a checkpointed block's recomputation makes again, bytes, in
+    forward order: the no-recomputation list (block_kept_tensors "none") less what `mode` kept
+    and the replay reads, the sets block_recompute_bytes derives (full: the block's input where
+    the norm keeps it; selective: that, wq's, wv's and w1's outputs and the attention's). None
+    where block_recompute_bytes does not derive the sets or the list does not name them one by
+    one (a fused q/k/v projection, q/k norms): the caller then takes the whole list."""
+    none = block_kept_tensors(m, train, "none")
+    if mode == "none":
+        return ()
+    if none is None or mode not in ("full", "selective") or m.qk_norm or not _recompute_sets_derived(m, train):
+        return None
+    B, S, sb = act_dtype_bytes(train), stream_dtype_bytes(train), train.seq_len * train.micro_batch
+    out = list(none)
+    drop = [S * sb * m.hidden] if train.fused_norm or S == 4 else []  # the kept input, first in the list
+    if mode == "selective":
+        names = [n for n in policy.selective_saved_matmuls(m.mlp) if n != "w2"]
+        drop += [B * sb * w for w in arch.matmul_widths(m, tuple(names))]
+        drop += [B * sb * m.q_hidden] if policy.SELECTIVE_SAVES_ATTENTION else []
+    for b in drop:
+        if b > 1 << 20:
+            out.remove(b)
+    return tuple(out)
 
 
 def loss_steps(train: TrainSpec, loss_fp32: bool = True) -> tuple[tuple[str, str, str, int], ...]:

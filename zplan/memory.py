@@ -588,14 +588,16 @@ def _param_block_cache(sc: Scenario, st: Strategy) -> tuple[int, int]:
     (stage_1_and_2.py: free memory after empty_cache, the parameters and the CUDA context
     resident, at least the flat buffer's 2 Psi bytes). The step's tensors: each block's kept
     tensors (activation_memory.block_kept_tensors) and, under checkpointing, one block's
-    recomputed tensors on top. (0, 0) where not priced (_cache_unpriced says why)."""
+    recomputed tensors on top (activation_memory.block_recompute_tensors). (0, 0) where not priced (_cache_unpriced says why)."""
     t, m = sc.train, sc.model
     if (t.layout != "zero" or st.params_sharded or not st.optim_sharded or t.deepspeed_param_groups != "one"
             or _cache_unpriced(sc, st)):
         return 0, 0
     pb = DTYPE_BITS[t.precision.param] // 8
     kept = activation_memory.block_kept_tensors(m, t, t.checkpointing)
-    working = () if t.checkpointing == "none" else activation_memory.block_kept_tensors(m, t, "none")
+    working = activation_memory.block_recompute_tensors(m, t, t.checkpointing)
+    if working is None:  # the sets not derived: the whole no-recomputation list, a bound
+        working = activation_memory.block_kept_tensors(m, t, "none")
     params = tuple(math.prod(s) * pb for u in sc.units for s in u.shapes)  # model order
     return _cached_blocks(params, kept, working, m.num_layers)
 
