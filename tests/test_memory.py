@@ -839,6 +839,8 @@ def _fused_qkv_attention(torch, m):
             b, s, _ = x.shape
             q, k, v = self.wqkv(x).split((m.q_hidden, m.kv_hidden, m.kv_hidden), dim=-1)
             q, k = q.reshape(b, s, self.n_heads, self.head_dim), k.reshape(b, s, self.n_kv, self.head_dim)
+            if self.q_norm is not None:  # Qwen3's q/k norms, on views of the fused output
+                q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
             v = v.reshape(b, s, self.n_kv, self.head_dim).transpose(1, 2)
             cos, sin = tm._rope(s, self.head_dim, x.device, q.dtype)
             q, k = tm.apply_rope(q, cos, sin).transpose(1, 2), tm.apply_rope(k, cos, sin).transpose(1, 2)
@@ -847,11 +849,13 @@ def _fused_qkv_attention(torch, m):
 
 
 def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: int = 64,
-                          qkv_fused: bool = False, compiled: bool = True):
+                          qkv_fused: bool = False, compiled: bool = True, qk_norm: bool = False,
+                          expand_kv: bool = False):
     """(model, bytes): what the trainer's block (one layer, bf16) saves for backward under
     torch.compile's partitioner (inductor's, without its code generation; eager where not
     `compiled`), with torchao's float8 linears (`recipe`, converted as torchtitan converts them),
-    the trainer's checkpointing and, with `qkv_fused`, one q/k/v linear."""
+    the trainer's checkpointing and, with `qkv_fused`, one q/k/v linear (`qk_norm`: Qwen3's
+    q/k norms; `expand_kv`: keys and values copied to the query heads, TrainSpec.attention_expands_kv)."""
     torch = pytest.importorskip("torch")
 
     from tests.helpers import saved_storages
@@ -859,10 +863,11 @@ def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: i
     from zplan.trainer.parallel import apply_checkpointing
 
     m = ModelSpec(name="t", num_layers=1, hidden=256, ffn_hidden=704, num_heads=4, num_kv_heads=2,
-                  vocab_size=64, mlp=mlp, qkv_fused=qkv_fused)
+                  vocab_size=64, mlp=mlp, qkv_fused=qkv_fused, qk_norm=qk_norm)
     model = Transformer(m)
     if qkv_fused:
         model.layers[0].attention = _fused_qkv_attention(torch, m)
+    model.layers[0].attention.expand_kv = expand_kv
     model = model.to(torch.bfloat16)
     if recipe is not None:
         pytest.importorskip("torchao")
@@ -874,6 +879,10 @@ def _compiled_block_saved(mlp: str, recipe: str | None, checkpointing: str, s: i
     block = model.layers[0]
     x = torch.randn(1, s, m.hidden, dtype=torch.bfloat16, requires_grad=True)
     saved, pack = saved_storages(block)
+    # dynamo caches compiled frames per code object: after its recompile limit (the same Block
+    # and Attention code compiled for many modules in one worker) it would run the block eager,
+    # silently; start each trace from an empty cache
+    torch._dynamo.reset()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         (torch.compile(block, backend="aot_eager_decomp_partition") if compiled else block)(x)
     return m, sum(saved.values())
@@ -901,18 +910,41 @@ def test_compiled_block_saves_what_the_min_cut_partitioner_keeps(mlp, recipe):
 
 
 @pytest.mark.slow  # compiling takes about half a minute on 2 cores
-@pytest.mark.parametrize("compiled, recipe", [(False, None), (True, None), (True, "tensorwise")])
-def test_a_fused_qkv_projection_with_rope_keeps_its_whole_output(compiled, recipe):
+@pytest.mark.parametrize("compiled, recipe, qk_norm", [(False, None, False), (True, None, False),
+                                                       (True, "tensorwise", False), (False, None, True),
+                                                       (True, None, True)])
+def test_a_fused_qkv_projection_with_rope_keeps_its_whole_output(compiled, recipe, qk_norm):
     """q, k and v as views of one linear's output, RoPE making q and k new tensors: the attention
     kernel saves RoPE's q and k and the view v, which keeps the whole fused output; eager and
     compiled the block keeps that output and RoPE's q and k (B·sb(q + kv) beyond q, k and v:
-    activation_memory.fused_qkv_rope_extra_bytes; litgpt's Llama 2 7B at seq 4096, 2 GB)."""
+    activation_memory.fused_qkv_rope_extra_bytes; litgpt's Llama 2 7B at seq 4096, 2 GB). With
+    q/k norms that keep their inputs (compiled), those inputs are q's and k's part of the fused
+    output, counted once."""
     s = 64
-    m, traced = _compiled_block_saved("swiglu", recipe, "none", s, qkv_fused=True, compiled=compiled)
+    m, traced = _compiled_block_saved("swiglu", recipe, "none", s, qkv_fused=True, compiled=compiled,
+                                      qk_norm=qk_norm)
     t = TrainSpec(seq_len=s, fused_norm=False, compile=compiled, float8=recipe is not None)
     planned = activation_memory.block_saved_bytes(m, t, "none")
     assert 0 <= traced - planned < 1024, (traced, planned)
-    assert activation_memory.fused_qkv_rope_extra_bytes(m, t) == 2 * s * (m.q_hidden + m.kv_hidden)
+    extra = 0 if qk_norm and compiled else 2 * s * (m.q_hidden + m.kv_hidden)
+    assert activation_memory.fused_qkv_rope_extra_bytes(m, t) == extra
+
+
+@pytest.mark.slow  # compiling takes about half a minute on 2 cores
+@pytest.mark.parametrize("recipe", [None, "tensorwise"])
+def test_compiled_attention_keeps_the_copied_keys_and_values(recipe):
+    """Keys and values copied to the query heads before the kernel (Hugging Face's repeat_kv;
+    litgpt's expand and reshape) under torch.compile: the partitioner keeps the copies, as eager
+    autograd does (--attention-expands-kv was refused with --compile until 2026-12-04, on the
+    guess that the partitioner would make them again in backward)."""
+    s = 64
+    m, traced = _compiled_block_saved("swiglu", recipe, "none", s, expand_kv=True)
+    t = TrainSpec(seq_len=s, fused_norm=False, compile=True, float8=recipe is not None,
+                  attention_expands_kv=True)
+    planned = activation_memory.block_saved_bytes(m, t, "none")
+    assert 0 <= traced - planned < 1024, (traced, planned)
+    plain = activation_memory.block_saved_bytes(m, t.model_copy(update={"attention_expands_kv": False}), "none")
+    assert planned - plain == 2 * 2 * s * (m.q_hidden - m.kv_hidden)  # the copies, q-wide, for k and v
 
 
 @pytest.mark.slow  # compiling takes about half a minute on 2 cores

@@ -463,12 +463,17 @@ def fused_qkv_rope_extra_bytes(m: ModelSpec, train: TrainSpec) -> int:
     fused output, whose whole storage (q + 2kv wide) the view keeps; so the block keeps that
     storage and RoPE's q and k (q + kv). Without RoPE (MPT's ALiBi, GPT-2's learned positions)
     q, k and v are all views of the one storage: nothing more; with the key/value heads copied
-    to the query heads (expands_kv) the kernel saves the copies and not the view. Eager and
-    compiled alike (the partitioner keeps the view too): PyTorch's partitioner and saved-tensor
-    hooks on the trainer's block with a fused projection (tests/test_memory.py)."""
+    to the query heads (expands_kv) the kernel saves the copies and not the view; where q/k
+    norms keep their inputs (compiled, fused, or an fp32 stream), those inputs are q's and k's
+    part of the storage, which qk_norm_inputs counts already. Eager and compiled alike (the
+    partitioner keeps the view too): PyTorch's partitioner and saved-tensor hooks on the
+    trainer's block with a fused projection (tests/test_memory.py)."""
     if not m.qkv_fused or m.position != "rope" or expands_kv(m, train):
         return 0
-    return act_dtype_bytes(train) * train.seq_len * train.micro_batch * (m.q_hidden + m.kv_hidden)
+    B = act_dtype_bytes(train)
+    if m.qk_norm and (train.compile or train.fused_norm or (B == 4 and not train.autocast)):
+        return 0  # the q/k norms keep their inputs, views of the fused output: qk_norm_inputs counts them
+    return B * train.seq_len * train.micro_batch * (m.q_hidden + m.kv_hidden)
 
 
 def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, ...] | None:

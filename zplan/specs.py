@@ -555,9 +555,6 @@ class TrainSpec(Spec):
         if self.loss_shifted_copy and not (self.logits_fp32 and not self.loss_fused):
             raise ValueError("loss_shifted_copy prices Hugging Face's eager loss on the model's fp32 "
                              "logits: it needs logits_fp32 and no compiled or fused loss")
-        if self.attention_expands_kv and self.compile:
-            raise ValueError("attention_expands_kv prices eager attention: under torch.compile the "
-                             "partitioner may recompute the copies instead of keeping them (drop --compile)")
         if self.outputs_until_next_forward and not self.logits_kept:
             raise ValueError("outputs_until_next_forward holds the output past backward: it needs "
                              "logits_kept (drop --no-logits-kept)")
