@@ -62,3 +62,19 @@ def saved_storages(module):
             saved[ptr] = t.untyped_storage().nbytes()
         return t
     return saved, pack
+
+
+def cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU `torch._scaled_mm` takes per-row scales (torchao's rowwise float8
+    recipes): torch 2.13's does; 2.11's asserts per-tensor scales on the CPU backend
+    (aten/src/ATen/native/Blas.cpp), which CUDA does not."""
+    import torch
+
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
