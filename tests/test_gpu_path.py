@@ -376,3 +376,61 @@ def test_calibrate_times_short_kernels_without_the_synchronisation():
     finally:
         mp.undo()
     assert t == pytest.approx(5e-6, rel=0.02)
+
+
+def test_offload_all_materialises_buffers_on_the_compute_device():
+    """A model built on the meta device gets its storage after fully_shard, which moved nothing
+    meta: under offload-all the parameters go to the host (CPUOffloadPolicy keeps the shards
+    there), its buffers to the GPU beside the inputs; otherwise both to the GPU. Fake CUDA
+    tensors stand in for the GPU this machine lacks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zplan.trainer.parallel import materialise
+
+    class WithTable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("freqs", torch.empty(8), persistent=False)
+            self.register_buffer("step", torch.empty(1))
+
+    cuda = torch.device("cuda", 0)
+    for host in (True, False):
+        with torch.device("meta"):
+            m = WithTable()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            materialise(m, host, cuda)
+            assert [b.device for b in m.buffers()] == [cuda, cuda], host
+            assert {p.device for p in m.parameters()} == {torch.device("cpu") if host else cuda}, host
+        assert "step" in m.state_dict() and "freqs" not in m.state_dict()  # persistence kept
+
+
+def test_the_group_waits_as_long_as_said(monkeypatch):
+    """The group's collective timeout is given, not left to torch's default, which depends on
+    the backend string (10 minutes for a bare "nccl", 30 for the mixed group zplan makes);
+    $ZPLAN_COLLECTIVE_TIMEOUT_S sets it, and a bad value is one line naming it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zplan.trainer import distributed as zd
+
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    monkeypatch.delenv(STAND_IN_ENV, raising=False)
+    monkeypatch.delenv(zd.TIMEOUT_ENV, raising=False)
+    started = list(zd._started)
+    try:
+        zd.init_process_group_for("cuda")
+        assert seen == {"backend": "cpu:gloo,cuda:nccl", "timeout": timedelta(minutes=30)}
+        monkeypatch.setenv(zd.TIMEOUT_ENV, "600")
+        zd.init_process_group_for("cpu", world_size=2)
+        assert seen["timeout"] == timedelta(minutes=10) and seen["world_size"] == 2
+        zd.init_process_group_for("cpu", timeout=timedelta(seconds=5))  # a caller's own wins
+        assert seen["timeout"] == timedelta(seconds=5)
+        for bad in ("ten", "0", "-5", "inf", "nan"):
+            monkeypatch.setenv(zd.TIMEOUT_ENV, bad)
+            with pytest.raises(ValueError, match=f"ZPLAN_COLLECTIVE_TIMEOUT_S='{bad}' is not a number"):
+                zd.init_process_group_for("cuda")
+    finally:
+        zd._started[:] = started

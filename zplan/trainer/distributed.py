@@ -14,11 +14,14 @@ CPU collective that would fail under NCCL's scoping fails here too (tests/test_g
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 STAND_IN_ENV = "ZPLAN_STAND_IN_NCCL"
+TIMEOUT_ENV = "ZPLAN_COLLECTIVE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1800
 _started: list[str] = []  # the backend string of the group this process started, if any
 
 
@@ -38,9 +41,32 @@ def init_process_group_for(device: torch.device | str, **kwargs) -> str:
     rank, world size and rendezvous); return the backend string it used."""
     stand_in = os.environ.get(STAND_IN_ENV)
     backend = stand_in_for_nccl(backend_for("cuda"), stand_in) if stand_in else backend_for(device)
+    kwargs.setdefault("timeout", collective_timeout())
     dist.init_process_group(backend, **kwargs)
     _started[:] = [backend]
     return backend
+
+
+def collective_timeout() -> timedelta:
+    """How long a rank waits in one collective before its group gives up (NCCL's watchdog aborts
+    the process): $ZPLAN_COLLECTIVE_TIMEOUT_S seconds, else 30 minutes. Given explicitly, as
+    torch's default hangs on the backend string: 10 minutes for a bare "nccl", 30 for any other
+    (torch/distributed/distributed_c10d.py `_get_default_timeout`, 2.11 and 2.13), so the mixed
+    "cpu:gloo,cuda:nccl" group gets 30 without saying so. 30, not NCCL's 10: a checkpoint of a
+    large model written to slow storage holds every rank at DCP's last collective until the
+    slowest rank's files are written, and a rank that fails is stopped by torchrun long before
+    any timeout; only a true desynchronisation waits it out."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds above 0: "
+                         f"set it to e.g. 600, or unset it for {DEFAULT_TIMEOUT_S}")
+    return timedelta(seconds=seconds)
 
 
 def started_backend() -> str | None:

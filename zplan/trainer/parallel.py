@@ -235,12 +235,28 @@ def shard_units(model: nn.Module, groups: list[list[nn.Module]], plan: Plan,
         for a, b in zip(units, units[1:]):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
-    target = torch.device("cpu") if plan.strategy == "offload-all" else device
-    if any(p.is_meta for p in model.parameters()):
-        model.to_empty(device=target)
-    elif plan.strategy != "offload-all":
-        model.to(target)
+    materialise(model, plan.strategy == "offload-all", device)
     return Parallelized(model, model, True, units, None, deterministic)
+
+
+def materialise(model: nn.Module, host_params: bool, device: torch.device) -> None:
+    """Give a sharded model's meta tensors storage: the parameters on `device`, or on the host
+    under offload-all (CPUOffloadPolicy keeps the shards there), and the buffers on `device`
+    always, as forward reads them beside the inputs. fully_shard moves a module's parameters
+    and buffers to the mesh's device once, skipping meta tensors
+    (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_move_states_to_device`), and nothing
+    moves them later: a model built on the meta device and materialised on the host under
+    offload-all would keep its buffers (rotary tables, for one) there and fail on a GPU at its
+    first forward. A model built with storage was placed by fully_shard already."""
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=torch.device("cpu") if host_params else device)
+        if host_params:
+            for mod in model.modules():
+                for name, buf in list(mod._buffers.items()):
+                    if buf is not None and buf.device != device:
+                        mod._buffers[name] = buf.to(device)
+    elif not host_params:
+        model.to(device)
 
 
 def _torch_before(version: tuple[int, int]) -> bool:
