@@ -416,3 +416,12 @@ def test_the_header_names_the_runs_departures_from_zplans_trainer(run_zplan):
             "--expandable-segments") in text
     plain = run_zplan("estimate", "--model", "llama-3.1-8b", "--gpus", "8")
     assert plain.returncode == 0 and "as run:" not in plain.stdout
+
+
+def test_a_refused_count_shows_a_value_of_its_own_flag(run_zplan):
+    """--gpus -1 is shown a GPU count to write, not a parameter count."""
+    p = run_zplan("estimate", "--model", "llama-3.1-8b", "--gpus", "-1")
+    assert p.returncode == 2
+    assert p.stderr.strip() == "zplan: error: --gpus '-1' must be a positive count; write it like 64"
+    p = run_zplan("estimate", "--params", "-7", "--gpus", "8")
+    assert p.returncode == 2 and "write it like 70e9" in p.stderr

@@ -123,7 +123,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.gpus is None:
         n = gpus_found or cluster.gpus_per_node
     else:
-        n = parse_count(o.gpus, "--gpus", MAX_GPUS, integer=True)
+        n = parse_count(o.gpus, "--gpus", MAX_GPUS, integer=True, example="64")
     if o.model is not None:
         model = presets.model(o.model, extra)
     else:

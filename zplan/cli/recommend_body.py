@@ -80,7 +80,7 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     if gb is not None and gbt is not None:
         raise UsageError("give --global-batch or --global-batch-tokens, not both")
     if gbt is not None:
-        tokens = parse_count(str(gbt), "--global-batch-tokens", integer=True)
+        tokens = parse_count(str(gbt), "--global-batch-tokens", integer=True, example="4M or 4194304")
         if tokens % sc.train.seq_len:
             raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {sc.train.seq_len}")
         batch = tokens // sc.train.seq_len
@@ -88,7 +88,7 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
             raise UsageError(f"--global-batch-tokens {tokens} is {batch} sequences of {sc.train.seq_len} "
                              f"tokens, not a multiple of {sc.n} GPUs; use a multiple of {sc.n * sc.train.seq_len}")
     elif gb is not None:
-        batch = parse_count(str(gb), "--global-batch", integer=True)
+        batch = parse_count(str(gb), "--global-batch", integer=True, example="256")
     else:
         batch = DEFAULT_PER_GPU * sc.n
         used.append(f"global batch {batch} sequences ({DEFAULT_PER_GPU} per GPU; --global-batch to change)")
