@@ -61,6 +61,22 @@ def test_nothing_fits_is_an_honest_no():
         rec(2, model="llama-3.1-405b", gpus=2)
 
 
+def test_a_sequence_no_gpu_count_fits_is_told_to_shorten():
+    """One 1M-token sequence's activations (2 TB at full checkpointing) exceed a GPU however the
+    state is sharded: neither more GPUs nor an 8-bit optimizer state can help, a shorter
+    sequence can; the oracle is the activations' own size against the GPU."""
+    sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=1_000_000, checkpointing="full")
+    m = sc.model  # full checkpointing keeps each block's bf16 input: 262 GB, whatever N
+    assert m.num_layers * 1_000_000 * m.hidden * 2 > sc.hw.gpu.memory_bytes
+    with pytest.raises(PlanError) as e:
+        rec(8, model="llama-3.1-8b", gpus=8, seq_len=1_000_000)
+    msg = str(e.value)
+    assert "try a shorter --seq-len" in msg and "--gpus" not in msg.split("try")[-1]
+    assert "adam8bit" not in msg
+    with pytest.raises(PlanError, match="adam8bit"):  # where a GPU count fits, the state is worth shrinking
+        rec(2, model="llama-3.1-405b", gpus=2, layout="torch")
+
+
 def test_deepspeed_without_zero_init_is_refused_where_the_whole_model_does_not_fit_one_gpu():
     """70B in bf16 is 141 GB: deepspeed.initialize would move it whole to each 85.5 GB GPU
     before partitioning (memory.setup_events), whatever the step needs; built under

@@ -423,8 +423,12 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
         hints.append("--zero-init (the model built under deepspeed.zero.Init)")
     if (base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw"
             and base.train.layout == "torch"  # DeepSpeed's config names no 8-bit Adam (export)
+            and n is not None  # where no GPU count fits, sharding leaves no state to shrink
             and not any(SETUP_PEAK in r for r in rejected.values())):  # 8-bit Adam cannot help there
         hints.append("--optimizer adam8bit")
+    if n is None and base.train.micro_batch * base.train.seq_len > 1:
+        hints.append("a shorter --seq-len (one sequence's activations at full checkpointing exceed "
+                     "the GPU whatever the GPU count: zplan plans no context parallelism)")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
     tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
     return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "
