@@ -434,3 +434,133 @@ def test_the_group_waits_as_long_as_said(monkeypatch):
                 zd.init_process_group_for("cuda")
     finally:
         zd._started[:] = started
+
+
+def test_calibrated_gemms_are_timed_in_batches_not_per_sync(monkeypatch):
+    """A sync every few GEMMs leaves the device idle after each batch, which a 14 us GEMM counts
+    in full (and the fit of gemm_fixed_s then takes as the GEMM's own). The clock is faked: a
+    GEMM takes 5 us, a device sync 30 us; the time per GEMM must be the GEMM's, within 2%."""
+    from types import SimpleNamespace
+
+    from zplan import calibrate
+
+    clock = {"t": 0.0}
+
+    class Operand:
+        def __matmul__(self, other):
+            clock["t"] += 5e-6
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(calibrate, "_sync", lambda d: clock.__setitem__("t", clock["t"] + 30e-6))
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: Operand())
+    t = calibrate._gemm_seconds(SimpleNamespace(type="cuda"), 2048, 4096, 256, 0.1)
+    assert t == pytest.approx(5e-6, rel=0.02)
+
+
+def test_calibrated_attention_runs_sdpas_flash_kernel(monkeypatch):
+    """The presets' attention constants are FlashAttention-2's as SDPA runs it; SDPA may pick
+    cuDNN's attention on Hopper, so on a GPU calibrate holds SDPA to its flash backend. The
+    context is checked for what it enables (torch.backends flags: no GPU needed), and every
+    timed call is made inside it."""
+    import torch.nn.functional as F
+
+    from zplan import calibrate
+
+    with calibrate._flash_backend(torch.device("cuda", 0)):
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert not (torch.backends.cuda.cudnn_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+                    or torch.backends.cuda.math_sdp_enabled())
+    assert torch.backends.cuda.math_sdp_enabled()  # restored
+    inside = {"now": False, "calls": []}
+    real_sdpa = F.scaled_dot_product_attention
+
+    class Held:
+        def __enter__(self):
+            inside["now"] = True
+
+        def __exit__(self, *exc):
+            inside["now"] = False
+
+    monkeypatch.setattr(calibrate, "_flash_backend", lambda device: Held())
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: inside["calls"].append(inside["now"]) or real_sdpa(*a, **k))
+    calibrate.attention_rates(torch.device("cpu"), seq=64, heads=2, head_dim=16, reps=1)
+    assert inside["calls"] and all(inside["calls"])
+
+
+@pytest.mark.parametrize("half", [0.0, 300.0, 2000.0])
+def test_calibrated_attention_ramp_reproduces_both_measurements(half):
+    """calibrate measures SDPA at s=512 and 4096 and writes the long-sequence rate and the ramp's
+    half length; the planner's attention op (kernels.attention), given them, must give back both
+    measured rates (storing the s=4096 rate as the long-sequence one made s=4096 6% slow)."""
+    from zplan import calibrate, kernels, presets
+
+    limit = 600e12
+    rate = {s: limit * s / (s + half) for s in (512, 4096)}  # what the GPU measured
+    got_half, got_limit = calibrate.seq_half(512, rate[512], 4096, rate[4096])
+    gpu = presets.gpu("h200")
+    gpu = gpu.model_copy(update={"kernels": gpu.kernels.model_copy(update={
+        "attention_forward_flops": got_limit, "attention_half_seq": got_half})})
+    for s, measured in rate.items():
+        op = kernels.attention(gpu, s, 2048, 8 * s, backward=False)
+        assert op.flop / op.seconds == pytest.approx(measured, rel=1e-9)
+    assert calibrate.seq_half(512, 100e12, 4096, 900e12) == (calibrate.SEQ_HALF_MAX, pytest.approx(
+        900e12 * (4096 + calibrate.SEQ_HALF_MAX) / 4096))  # faster than the form allows: bounded
+
+
+def _calibrated_h200(tmp_path, spread=None):
+    """A preset as calibrate writes it on an H200 (its measured figures made up; the identity and
+    the float8 rate as calibrate adds them), loaded back as the planner loads it."""
+    from zplan import calibrate
+
+    kernels = {"gemm_flops": {"bf16": 7.6e14}, "sm_count": 132, "attention_forward_flops": 5.9e14,
+               "attention_backward_flops": 4.4e14, "attention_half_seq": 300.0,
+               "hbm_achieved_bytes_per_s": 4.2e12, "kernel_floor_s": 4e-6, "nccl_sm_fraction": 0.121,
+               "source": "made up"}
+    gpu = {"name": "measured", "memory_bytes": 150754820096, "peak_flops": {"fp32": 5.0e13, "bf16": 7.6e14},
+           "hbm_bytes_per_s": 4.2e12, "host_link_bytes_per_s": 5.0e10, "measured": True, "source": "made up",
+           "kernels": kernels}
+    calibrate.record_spread(kernels, spread, 8)
+    calibrate.keep_identity(gpu, "h200")
+    cluster = {"name": "measured", "gpu": "measured", "gpus_per_node": 8,
+               "intra_node_busbw_bytes_per_s": 3.6e11, "inter_node_busbw_bytes_per_s": 3.6e10,
+               "intra_node_latency_s": 2e-5, "inter_node_latency_s": 8e-5, "host_ram_bytes": 2**40,
+               "source": "made up"}
+    calibrate.write_presets(tmp_path, "measured", gpu, cluster)
+    return gpu
+
+
+def test_a_calibrated_preset_stays_the_gpu_it_was_measured_on(tmp_path, monkeypatch, run_zplan):
+    """A preset calibrate wrote on an H200 keeps its identity: FlashAttention-3 and float8 plan
+    on it (float8 at the h200 preset's achieved fp8 GEMM rate, which calibrate does not measure),
+    and its plans pass the trainer's GPU check on an H200 (the device name is faked)."""
+    from zplan import presets
+    from zplan.plan import load
+    from zplan.trainer.plan_check import check_plan
+
+    gpu = _calibrated_h200(tmp_path)
+    assert gpu["peak_flops"]["fp8"] == presets.gpu("h200").kernels.gemm_flops["fp8"]
+    flags = ("--presets", str(tmp_path), "--gpu", "measured", "--cluster", "measured", "--model",
+             "llama-3.2-1b", "--gpus", "1", "--layout", "torch", "--strategy", "zero3")
+    for extra in (["--float8"], ["--attention-kernel", "flash3"], ["--attention-kernel", "flex"]):
+        p = run_zplan("estimate", *flags, *extra)
+        assert p.returncode == 0, (extra, p.stderr)
+    p = run_zplan("recommend", *flags, "--write", str(tmp_path / "plan.json"))
+    assert p.returncode == 0, p.stderr
+    plan = load(str(tmp_path / "plan.json"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert check_plan(plan, 1, True, builtin_model=True) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert "the plan is for measured" in check_plan(plan, 1, True, builtin_model=True)
+
+
+def test_a_noisy_gpu_speed_spread_is_not_written(tmp_path):
+    """A spread above the preset's 10% bound (a throttled or shared GPU) is said in the source,
+    not written: the preset still loads."""
+    from zplan import presets
+
+    _calibrated_h200(tmp_path, spread=0.23)
+    g = presets.gpu(str(tmp_path / "gpus" / "measured.toml"))
+    assert g.kernels.rank_speed_spread is None and "23.0% over 8 GPUs" in g.kernels.source
+    _calibrated_h200(tmp_path / "b", spread=0.02)  # a folder of its own: presets are cached by path
+    assert presets.gpu(str(tmp_path / "b" / "gpus" / "measured.toml")).kernels.rank_speed_spread == 0.02

@@ -225,6 +225,44 @@ def rank_speed_spread(per_rank_s: list[float]) -> float | None:
     return statistics.pstdev([t / med for t in per_rank_s])
 
 
+def record_spread(kernels: dict, spread: float | None, world: int) -> None:
+    """Put a measured rank_speed_spread into a preset's [kernels] table where it is the part's
+    own: within the preset's bound of 10% (KernelSpec); above it a GPU of the node is throttled
+    or shared, which the source says instead (a preset with it would not load)."""
+    if spread is None:
+        return
+    if spread <= 0.1:
+        kernels["rank_speed_spread"] = float(f"{spread:.3g}")
+        kernels["source"] += f"; GPU speed spread: one 8192^3 GEMM on each of {world} GPUs at once"
+    else:
+        kernels["source"] += (f"; GPU speed spread measured {spread:.1%} over {world} GPUs, above the "
+                              f"10% a healthy node shows (a throttled or shared GPU): not written")
+
+
+def keep_identity(gpu: dict, base: str | None) -> None:
+    """A measured GPU preset stays the part it was measured on: `base`, the preset of the GPU's
+    own name (hardware.preset_for), decides which attention kernels run there and which GPU its
+    plans are for (GPUSpec.family); and the float8 GEMM rate, which calibrate does not measure,
+    is the base preset's achieved one (its [kernels] gemm_flops.fp8, from that preset's source),
+    said so in the source. Without a base (a GPU zplan has no preset for) nothing is added."""
+    if base is None:
+        return
+    from . import presets
+    from .errors import UsageError
+
+    gpu["base"] = base
+    try:
+        b = presets.gpu(base)
+    except UsageError:  # a base without a preset file adds nothing more
+        return
+    fp8 = b.kernels.gemm_flops.get("fp8") if b.kernels is not None else None
+    if fp8 and "fp8" not in gpu["peak_flops"]:
+        gpu["peak_flops"]["fp8"] = fp8
+        if "kernels" in gpu:
+            gpu["kernels"]["gemm_flops"]["fp8"] = fp8
+            gpu["kernels"]["source"] += f"; fp8 GEMM not measured: the {base} preset's achieved {fp8 / 1e12:.0f} TFLOP/s"
+
+
 def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str = "gloo") -> dict:
     """Seconds per collective per message size (bytes of the full tensor)."""
     import torch
@@ -269,20 +307,28 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _gemm_seconds(device, M: int, N: int, K: int, seconds: float) -> float:
-    """Seconds per bf16 (M, K) x (K, N) GEMM, run back to back (a sync every 5) for `seconds`."""
+def _gemm_seconds(device, M: int, N: int, K: int, seconds: float, min_batch_s: float = 0.02) -> float:
+    """Seconds per bf16 (M, K) x (K, N) GEMM, run back to back for `seconds`, synchronised once
+    per batch of at least `min_batch_s` of GEMMs (as _timeit batches): a sync every few GEMMs
+    would leave the device idle after each one, which a 14 us GEMM would count in full and the
+    fit of gemm_fixed_s would take as the GEMM's own time."""
     import torch
 
     a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
     b = torch.randn(K, N, device=device, dtype=torch.bfloat16)
     a @ b
     _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    _sync(device)
+    batch = max(5, min(100_000, math.ceil(min_batch_s / max((time.perf_counter() - t0) / 5, 1e-9))))
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        for _ in range(5):
+        for _ in range(batch):
             a @ b
         _sync(device)
-        n += 5
+        n += batch
     return (time.perf_counter() - t0) / n
 
 
@@ -394,16 +440,31 @@ def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 12
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
                for _ in range(3))
     fwd_flop = batch * 4 * seq * seq * heads * head_dim // 2
-    t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    g = torch.randn_like(o)
+    with _flash_backend(device):
+        t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        g = torch.randn_like(o)
 
-    def fb():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(g)
+        def fb():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(g)
 
-    t_fb = _timeit(fb, device, reps)
+        t_fb = _timeit(fb, device, reps)
     return fwd_flop / t_f, 2.5 * fwd_flop / max(t_fb - t_f, 1e-9)
+
+
+def _flash_backend(device):
+    """On a GPU, SDPA held to its FlashAttention-2 kernel: the presets' attention constants are
+    FlashAttention-2's as SDPA runs it, and SDPA may otherwise pick cuDNN's attention, which
+    recent PyTorch prefers on Hopper with a new cuDNN (torch/nn/attention, SDPBackend; the
+    cuDNN preference of pytorch/pytorch PR 169849). On a CPU, whatever SDPA runs."""
+    import contextlib
+
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
 def _norm_seconds(device, rows: int, width: int, reps: int = 10) -> float:
@@ -460,7 +521,10 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
     fwd, bwd = attention_rates(device)
     hbm = memory_bandwidth(device, nbytes=1 << 30)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    half = float(f"{_seq_half(device, fwd):.3g}")
+    r512, _ = attention_rates(device, seq=512, heads=16, batch=8)
+    half, limit = seq_half(512, r512, 4096, fwd)
+    half = float(f"{half:.3g}")
+    fwd, bwd = limit, bwd * limit / fwd  # the long-sequence rates, which the planner scales by s/(s + half)
     fixed, per_wave = gemm_time_constants(device, int(sms), hbm)
     shapes = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for (m, n, k), r in rates.items())
     return {
@@ -477,20 +541,30 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
         "gemm_wave_s": float(f"{per_wave:.3g}"),
         "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
         "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
-                  f"at s=4096, head dim 128; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
+                  f"(its FlashAttention-2 kernel) at s=4096 and 512, head dim 128, the long-sequence rate and "
+                  f"half length solved from the two; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
                   f"tiny-kernel loop; an output head's three GEMMs at vocabulary 50257 against "
                   f"50304 (8192 tokens, width 1024); GEMM fixed and per-wave times fitted over "
                   f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}",
     }
 
 
-def _seq_half(device, rate_long: float) -> float:
-    """s_half of rate(s) = rate_long · s/(s + s_half), from the forward rate at s = 512 (a batch
-    of 8 sequences: one is a few microseconds of kernel on a GPU, shorter than its launch)."""
-    r512, _ = attention_rates(device, seq=512, heads=16, batch=8)
-    if r512 >= rate_long:
-        return 0.0
-    return 512 * (rate_long / r512 - 1)
+def seq_half(s1: int, r1: float, s2: int, r2: float) -> tuple[float, float]:
+    """(s_half, R) of the planner's attention rate, rate(s) = R · s/(s + s_half) (zplan/kernels.py
+    `attention`), through two measured rates r1 at s1 < s2 and r2 at s2: the two equations
+    r = R · s/(s + s_half) give s_half = (r2 - r1) / (r1/s1 - r2/s2) and R = r2 (s2 + s_half)/s2.
+    Where the shorter sequence runs as fast or faster, no ramp: (0, r2). Calibrate measures s1
+    = 512 over a batch of 8 sequences (one is a few microseconds of kernel on a GPU)."""
+    if r1 >= r2:
+        return 0.0, r2
+    if r1 / s1 <= r2 / s2:  # a rate growing as fast as s or faster: the form's limit, s_half large
+        half = SEQ_HALF_MAX
+    else:
+        half = min(SEQ_HALF_MAX, (r2 - r1) / (r1 / s1 - r2 / s2))
+    return half, r2 * (s2 + half) / s2
+
+
+SEQ_HALF_MAX = 65536.0  # seq_half's bound, where two rates fit no finite s_half
 
 
 def write_presets(out: Path, name: str, gpu: dict, cluster: dict) -> tuple[Path, Path]:

@@ -331,11 +331,11 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
     padded = padded_head_dim(head_dim, kernel)
     pad = head_dim / padded
     if kernel == "flex":  # refused where no benchmark gives its speed (scenario_options)
-        f, b = flex_speed(gpu.name) or (1.0, 1.0)
+        f, b = flex_speed(gpu.family) or (1.0, 1.0)
     else:
         f, b = ATTENTION_KERNEL_SPEED[kernel]
     if kernel == "flash2":  # small heads run FA2's tiles at lower intensity (measured)
-        f, b = (x * fa2_head_dim_speed(gpu.name, padded) for x in (f, b))
+        f, b = (x * fa2_head_dim_speed(gpu.family, padded) for x in (f, b))
     scale = gpu.flops(dtype) / gpu.flops("bf16") if dtype not in ("bf16", "fp16", "fp8") else 1.0
     return (k.attention_forward_flops * f * pad * scale, k.attention_backward_flops * b * pad * scale)
 

@@ -163,13 +163,13 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
     check_choice(o.attention_kernel, "--attention-kernel", ATTENTION_KERNELS)
-    if o.attention_kernel == "flash3" and not gpu.name.startswith(HOPPER_PRESETS):
+    if o.attention_kernel == "flash3" and not gpu.family.startswith(HOPPER_PRESETS):
         raise UsageError(f"--attention-kernel flash3 (FlashAttention-3) runs on Hopper GPUs "
                          f"({', '.join(HOPPER_PRESETS)}), not {gpu.name}: use flash2")
-    if o.attention_kernel == "flash4" and not gpu.name.startswith(BLACKWELL_PRESETS):
+    if o.attention_kernel == "flash4" and not gpu.family.startswith(BLACKWELL_PRESETS):
         raise UsageError(f"--attention-kernel flash4 (FlashAttention-4) runs on Blackwell GPUs "
                          f"({', '.join(BLACKWELL_PRESETS)}), not {gpu.name}: use flash2")
-    if o.attention_kernel == "flex" and K.flex_speed(gpu.name) is None:
+    if o.attention_kernel == "flex" and K.flex_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel flex (FlexAttention) has published kernel rates for A100, "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
     check_choice(o.optimizer, "--optimizer", ("adamw", "sgd", "adam8bit", "muon"))

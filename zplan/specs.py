@@ -161,6 +161,9 @@ class GPUSpec(Spec):
     hbm_bytes_per_s: float = Field(gt=0, le=MAX_RATE)
     host_link_bytes_per_s: float = Field(gt=0, le=MAX_RATE, description="GPU<->host, one direction")
     measured: bool = Field(False, description="peak_flops are achieved rates from zplan calibrate")
+    base: Name | None = Field(None, description="the preset of the part a measured preset was "
+                              "measured on (zplan calibrate): its family decides which kernels run "
+                              "(FlashAttention-3 on Hopper, ...) and which GPUs its plans are for")
     device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: a CPU rank standing in for a GPU")
     kernels: KernelSpec | None = Field(
         None, description="the per-op kernel model's constants; None: FLOPs x efficiency")
@@ -186,6 +189,11 @@ class GPUSpec(Spec):
                 if getattr(k, f) > self.flops("bf16"):
                     raise ValueError(f"kernels.{f} exceeds the bf16 peak {self.flops('bf16'):.4g}")
         return self
+
+    @property
+    def family(self) -> str:
+        """The preset name that says which part this is: a measured preset's base, else its own."""
+        return self.base or self.name
 
     def flops(self, dtype: str) -> float:
         if dtype in self.peak_flops:

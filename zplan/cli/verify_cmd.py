@@ -165,7 +165,7 @@ def calibrate(
     import torch
 
     from .. import calibrate as cal
-    from ..hardware import detect
+    from ..hardware import detect, preset_for
     from ..parse import check_range
 
     found = detect()
@@ -217,10 +217,8 @@ def calibrate(
             gpu["kernels"]["collective_slowdown"] = float(f"{slowdown:.3g}")
             gpu["kernels"]["source"] += (f"; compute beside a collective: {ov['gemms']} GEMMs of {ov['n']}^3 "
                                          f"beside an all-gather of {ov['nbytes'] / 2**20:g} MiB")
-        spread = link.get("rank_speed_spread")
-        if spread is not None:
-            gpu["kernels"]["rank_speed_spread"] = float(f"{spread:.3g}")
-            gpu["kernels"]["source"] += f"; GPU speed spread: one 8192^3 GEMM on each of {world} GPUs at once"
+        cal.record_spread(gpu["kernels"], link.get("rank_speed_spread"), world)
+        cal.keep_identity(gpu, preset_for(torch.cuda.get_device_name(0)))
     cluster = {"name": name, "gpu": name, "gpus_per_node": int(world),
                "intra_node_busbw_bytes_per_s": float(f"{bw:.4g}"),
                "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),

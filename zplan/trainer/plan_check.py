@@ -22,7 +22,7 @@ def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str
         from ..hardware import preset_for
 
         found = preset_for(torch.cuda.get_device_name())
-        if plan.gpu.name not in (found, "auto") and not os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
+        if plan.gpu.family not in (found, "auto") and not os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
             return (f"the plan is for {plan.gpu.name} but this GPU is {torch.cuda.get_device_name()} "
                     f"({found or 'no preset'}); plan again with --gpu auto, or set ZPLAN_ALLOW_GPU_MISMATCH=1")
     elif plan.gpu.device != "cpu":
