@@ -9,13 +9,16 @@
 #   1. on a machine with a registry:  bash benchmarks/gpu_check.sh --fetch   (py3.12 wheels -> .whl/)
 #   2. on the GPU machine, carrying .whl/:  bash benchmarks/gpu_check.sh
 #   rehearsal on CPU ranks (tiny model, 2 ranks, same steps):  bash benchmarks/gpu_check.sh --cpu-dry
-# DOES, each step under its own timeout (limits add up to 560 s, under 600 s a command; about 4
-#   minutes expected on one H200): environment ->
-#   zplan detect -> the GPU tests (tests/test_gpu_cuda.py, test_gpu_path.py) -> zplan calibrate -> plan
-#   llama-3.2-1b zero3 on 1 GPU (and its estimate with the calibrated preset) -> train with a
-#   checkpoint -> resume from it -> report: predicted (preset and calibrated) against measured.
-# WRITES benchmarks/gpu_check/out/ (report.txt, summary.json, logs, plans, run reports; the
-#   checkpoints are deleted at the end) and copies it to $OUT when that is set. Exit 0 when
+# DOES, each step under its own timeout (limits and kill grace add up to 515 s, under the 600 s
+#   a device command may run; about 4 minutes expected on one H200): environment -> zplan detect
+#   -> the GPU tests (tests/test_gpu_cuda.py, test_gpu_path.py) -> zplan calibrate -> plan
+#   llama-3.2-1b zero3 on 1 GPU (and its estimate with the calibrated preset) -> train it (the
+#   report: predicted, preset and calibrated, against measured) -> a checkpoint and a resume
+#   from it, on the tiny model (DCP over the GPU group; a 1B checkpoint is 15 GB to write).
+# WRITES benchmarks/gpu_check/out/ ($GPU_CHECK_RESULTS, if set; report.txt, summary.json, logs, plans, run reports; the
+#   checkpoints are deleted at the end). With $OUT set (the device tool) it refreshes, after
+#   every step, $OUT/report.txt, summary.json, steps.tsv and gpu_check.tar.gz (every result but
+#   the checkpoints): four files, all there even if the command is killed mid-way. Exit 0 when
 #   every check passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +29,7 @@ case "${1:-}" in
   --fetch) MODE=fetch ;;
   --cpu-dry) MODE=cpu ;;
   "") ;;
-  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
   *) echo "gpu_check.sh: unknown option '$1': use --fetch, --cpu-dry or nothing" >&2; exit 2 ;;
 esac
 
@@ -41,7 +44,7 @@ if [ "$MODE" = fetch ]; then
   exit 0
 fi
 
-RES=$ROOT/benchmarks/gpu_check/out
+RES=${GPU_CHECK_RESULTS:-$ROOT/benchmarks/gpu_check/out}  # another folder: the tests' rehearsal
 rm -rf "$RES"
 mkdir -p "$RES"
 : > "$RES/steps.tsv"
@@ -64,20 +67,32 @@ if [ -n "$missing" ]; then
 fi
 export PYTHONPATH=$ROOT:${PYTHONPATH:-}
 
+# bundle: the results so far into $OUT (when set), at most four files: the device tool returns
+# what is under $OUT even when it kills the command, and no more than eight files
+bundle() {
+  [ -n "${OUT:-}" ] || return 0
+  mkdir -p "$OUT"
+  $PY benchmarks/gpu_check/summarize.py "$RES" > /dev/null 2>&1
+  for f in report.txt summary.json steps.tsv; do [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"; done
+  tar -czf "$OUT/.gpu_check.tar.gz" -C "$RES" --exclude='step_*' --exclude='.tmp-step_*' . 2>/dev/null \
+    && mv "$OUT/.gpu_check.tar.gz" "$OUT/gpu_check.tar.gz"
+}
+
 # step NAME SECONDS CMD...: run CMD with a timeout, its output in $RES/NAME.log; record the exit code
 SCALE=1  # CPU ranks on a shared machine are slow: --cpu-dry triples every limit
 step() {
   local name=$1 limit=$(($2 * SCALE)); shift 2
   local t0=$SECONDS rc
   echo "== $name (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" > "$RES/$name.log" 2>&1
+  timeout --kill-after=5 "$limit" "$@" > "$RES/$name.log" 2>&1
   rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$RES/steps.tsv"
   case "$name:$rc" in
-    plan:0|calibrate:0|estimate-calibrated:0) ;;  # JSON and tables: the report has their figures
+    plan:0|plan-small:0|calibrate:0|estimate-calibrated:0) ;;  # the report has their figures
     *) tail -n 15 "$RES/$name.log" ;;
   esac
   [ "$rc" = 0 ] || echo "   $name failed (exit $rc): see $RES/$name.log"
+  bundle
   return $rc
 }
 
@@ -86,20 +101,22 @@ if [ "$MODE" = cpu ]; then
   SCALE=3
   PLAN=(--model tiny --gpu cpu --cluster cpu-local --gpus 2 --global-batch 4 --seq-len 64
         --context-gib 0 --fragmentation 0)
-  STEPS1=6; STEPS2=12; CAL=(--max-mb 1 --ranks 2)
+  SMALL=("${PLAN[@]}")
+  STEPS=6; CAL=(--max-mb 1 --ranks 2)
 else
   PLAN=(--model llama-3.2-1b --gpu auto --gpus 1 --cluster hgx-h200 --global-batch 8 --seq-len 2048
         --checkpointing none)
-  STEPS1=20; STEPS2=40; CAL=()
+  SMALL=(--model tiny --gpu auto --gpus 1 --cluster hgx-h200 --global-batch 8 --seq-len 256)
+  STEPS=20; CAL=()
   free_kb=$(df -Pk "$RES" | awk 'NR==2 {print $4}')
-  if [ "${free_kb:-0}" -lt $((40 * 1024 * 1024)) ]; then
-    echo "gpu_check.sh: $((free_kb / 1024 / 1024)) GiB free under $RES; one llama-3.2-1b checkpoint needs about 15 GiB (40 GiB asked, to be safe)" >&2
+  if [ "${free_kb:-0}" -lt $((20 * 1024 * 1024)) ]; then
+    echo "gpu_check.sh: $((free_kb / 1024 / 1024)) GiB free under $RES; the llama-3.2-1b run's checkpoint at its end needs about 15 GiB" >&2
     exit 1
   fi
 fi
 
-# env: 45 s, a fresh machine's first import of torch and CUDA initialisation can take tens of seconds
-step env 45 $PY -c "
+# env: 40 s, a fresh machine's first import of torch and CUDA initialisation can take tens of seconds
+step env 40 $PY -c "
 import platform, torch
 print('python', platform.python_version(), '| torch', torch.__version__, '| cuda', torch.version.cuda,
       '| available', torch.cuda.is_available())
@@ -114,12 +131,11 @@ if [ "$MODE" = gpu ] && ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_
 fi
 step detect 15 $PY -m zplan detect
 # the torch.cuda tests (skipped on CPU ranks), then the fast CPU ones of the GPU path
-# a hung test (an NCCL wait) gets its own verdict at 60 s, inside the step's limit
-step gpu-tests 150 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 60 tests/test_gpu_cuda.py; a=\$?; [ \$a = 5 ] && a=0
+# a hung test (an NCCL wait) gets its own verdict at 90 s (60 the CPU ones), inside the step's limit
+step gpu-tests 120 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 90 tests/test_gpu_cuda.py; a=\$?; [ \$a = 5 ] && a=0
   $PY -m pytest -q -p no:cacheprovider --timeout 60 -m 'not slow' tests/test_gpu_path.py && exit \$a"
-step calibrate 90 $PY -m zplan calibrate --output "$RES/presets" --name measured --json "${CAL[@]}"
-[ -s "$RES/calibrate.log" ] && $PY -c "import json,sys; json.loads(open(sys.argv[1]).read())" "$RES/calibrate.log" 2>/dev/null \
-  && cp "$RES/calibrate.log" "$RES/calibrate.json"
+# calibrate's JSON on stdout alone (a warning on stderr goes to the log, not into the JSON)
+step calibrate 75 bash -c "$PY -m zplan calibrate --output '$RES/presets' --name measured --json ${CAL[*]} > '$RES/calibrate.json'"
 step plan 20 $PY -m zplan recommend "${PLAN[@]}" --layout torch --strategy zero3 --write "$RES/plan.json" --top 1
 if [ -f "$RES/presets/gpus/measured.toml" ] && [ -f "$RES/plan.json" ]; then
   # the run's own configuration, estimated with the measured GPU and link
@@ -135,19 +151,22 @@ if [ -f "$RES/presets/gpus/measured.toml" ] && [ -f "$RES/plan.json" ]; then
   read -r -a SAME < <($PY -c "import json, sys; t = json.load(open(sys.argv[1]))['train']
 print('--micro-batch', t['micro_batch'], '--grad-accum', t['grad_accum'], '--checkpointing', t['checkpointing'],
       '--blocks-per-unit', t['blocks_per_unit'], '--param-dtype', t['precision']['param'])" "$RES/plan.json")
-  step estimate-calibrated 20 $PY -m zplan estimate "${CPLAN[@]}" "${SAME[@]}" --presets "$RES/presets" \
-    --layout torch --strategy zero3 --json && cp "$RES/estimate-calibrated.log" "$RES/estimate-calibrated.json"
+  step estimate-calibrated 15 bash -c "$PY -m zplan estimate ${CPLAN[*]} ${SAME[*]} --presets '$RES/presets' \
+    --layout torch --strategy zero3 --json > '$RES/estimate-calibrated.json'"
 fi
 if [ -f "$RES/plan.json" ]; then
-  step train 120 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps $STEPS1 \
-    --save-every $STEPS1 && cp "$RES/run/run_report.json" "$RES/first.json"
-  step resume 100 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps $STEPS2 \
-    --resume
+  step train 75 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps $STEPS
 fi
-rm -rf "$RES"/run/step_* "$RES"/run/.tmp-step_*  # checkpoints: gigabytes, not results
+# a checkpoint and a resume from it over the GPU group, on the tiny model
+step plan-small 15 $PY -m zplan recommend "${SMALL[@]}" --layout torch --strategy zero3 --write "$RES/plan-small.json" --top 1
+if [ -f "$RES/plan-small.json" ]; then
+  step save 45 $PY -m zplan launch --plan "$RES/plan-small.json" --run-dir "$RES/run-small" --steps 6 \
+    --save-every 6 && cp "$RES/run-small/run_report.json" "$RES/first.json"
+  step resume 45 $PY -m zplan launch --plan "$RES/plan-small.json" --run-dir "$RES/run-small" --steps 12 \
+    --resume && cp "$RES/run-small/run_report.json" "$RES/resumed.json"
+fi
+rm -rf "$RES"/run/step_* "$RES"/run/.tmp-step_* "$RES"/run-small/step_* "$RES"/run-small/.tmp-step_*  # checkpoints: not results
 $PY benchmarks/gpu_check/summarize.py "$RES"
 rc=$?
-if [ -n "${OUT:-}" ] && [ "$OUT" != "$RES" ]; then
-  mkdir -p "$OUT" && cp -r "$RES"/. "$OUT"/
-fi
+bundle
 exit $rc

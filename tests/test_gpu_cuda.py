@@ -54,7 +54,7 @@ def _gpu_rank(rank: int, port: int, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(90)
 def test_cuda_group_pinned_prefetch_and_memory(tmp_path):
     import torch.multiprocessing as mp
 
@@ -102,7 +102,7 @@ def _sync_rank(rank: int, port: int, plan: str, out: str) -> None:
                                      if "synchroniz" in str(w.message)]))
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(90)
 def test_cuda_steps_do_not_synchronise_the_host(run_zplan, tmp_path):
     import torch.multiprocessing as mp
 
@@ -118,7 +118,7 @@ def test_cuda_steps_do_not_synchronise_the_host(run_zplan, tmp_path):
     assert json.loads(out.read_text()) == []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(90)
 def test_cuda_trainer_offload_all_one_gpu(run_zplan, tmp_path):
     """The built-in trainer on one GPU under offload-all: CPU DTensor gradients clipped in the
     NCCL run's group; allocated and reserved measured and compared."""
@@ -127,7 +127,7 @@ def test_cuda_trainer_offload_all_one_gpu(run_zplan, tmp_path):
                   "--write", str(tmp_path / "plan.json"), "--json")
     assert p.returncode == 0, p.stderr
     p = run_zplan("launch", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"),
-                  "--steps", "5", timeout=280)
+                  "--steps", "5", timeout=80)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((tmp_path / "run" / "run_report.json").read_text())
     assert rep["device"] == "cuda" and rep["backend"] == "cpu:gloo,cuda:nccl"
@@ -136,7 +136,7 @@ def test_cuda_trainer_offload_all_one_gpu(run_zplan, tmp_path):
 
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(90)
 def test_cuda_chunked_loss_holds_what_the_planner_counts():
     """The trainer's chunked linear loss on a GPU in bf16: the caching allocator's own peak over
     its forward equals activation_memory.linear_loss_bytes (MemTracker sees op outputs only; this

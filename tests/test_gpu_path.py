@@ -9,6 +9,7 @@ and the same failure for a CPU collective when the group lacks a CPU backend.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,7 @@ def test_gpu_check_summary(tmp_path):
               "start_step": 12, "end_step": 20, "losses": [5.0, 4.0], "measured": meas, "predicted": pred}
     (tmp_path / "run" / "run_report.json").write_text(json.dumps(report))
     (tmp_path / "first.json").write_text(json.dumps(dict(report, start_step=0, end_step=12)))
+    (tmp_path / "resumed.json").write_text(json.dumps(dict(report, start_step=12, end_step=24)))
     estimate = {"strategies": [{"per_gpu": {"total_bytes": 950 * 2**20, "overhead_bytes": 50 * 2**20},
                                 "time": {"step_s": 0.3, "tokens_per_s_per_gpu": 1.0, "mfu": 0.1},
                                 "comm": {"bytes_per_step": 10}}]}  # zplan estimate --json's shape
@@ -564,3 +566,42 @@ def test_a_noisy_gpu_speed_spread_is_not_written(tmp_path):
     assert g.kernels.rank_speed_spread is None and "23.0% over 8 GPUs" in g.kernels.source
     _calibrated_h200(tmp_path / "b", spread=0.02)  # a folder of its own: presets are cached by path
     assert presets.gpu(str(tmp_path / "b" / "gpus" / "measured.toml")).kernels.rank_speed_spread == 0.02
+
+
+def test_gpu_check_fits_one_device_command():
+    """The device tool runs a command for at most 600 s: every step at its limit, with timeout's
+    kill grace, must end inside it; and a CUDA test's own timeout marker (which pytest-timeout
+    puts before the command line's) no longer than the script's --timeout for those tests."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    limits = [int(x) for x in re.findall(r"^\s*step [\w-]+ (\d+) ", script, re.M)]
+    grace = int(re.search(r"--kill-after=(\d+)", script).group(1))
+    assert len(limits) == 10 and sum(limits) + grace * len(limits) <= 540, (limits, grace)
+    per_test = int(re.search(r"--timeout (\d+) tests/test_gpu_cuda.py", script).group(1))
+    marks = [int(m) for m in re.findall(r"@pytest\.mark\.timeout\((\d+)\)",
+                                        (ROOT / "tests" / "test_gpu_cuda.py").read_text())]
+    assert marks and max(marks) <= per_test
+
+
+@pytest.mark.slow  # about a minute: every step of the GPU check on CPU ranks
+def test_gpu_check_rehearsal_leaves_its_results_where_the_device_tool_takes_them(tmp_path):
+    """`gpu_check.sh --cpu-dry` (the same steps on 2 CPU ranks and the tiny model) passes its
+    checks, the resume among them, and leaves in $OUT at most the 8 files the device tool
+    returns: the report, the summary, the steps and one archive of every result."""
+    import subprocess
+    import tarfile
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_RESULTS": str(tmp_path / "res")}
+    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--cpu-dry"], env=env,
+                       capture_output=True, text=True, timeout=540)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    files = sorted(f.name for f in out.iterdir())
+    assert files == ["gpu_check.tar.gz", "report.txt", "steps.tsv", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"] and summary["checks"]["resumed from the checkpoint"]
+    with tarfile.open(out / "gpu_check.tar.gz") as t:
+        names = t.getnames()
+    assert "./calibrate.json" in names and "./run/run_report.json" in names
+    assert not any("/step_" in n for n in names)  # checkpoints are not results

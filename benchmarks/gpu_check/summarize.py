@@ -2,8 +2,9 @@
 
     python benchmarks/gpu_check/summarize.py RESULTS_DIR
 
-reads RESULTS_DIR/{steps.tsv, env.txt, run/run_report.json (the resumed run), first.json (the
-run before it), calibrate.json, estimate-calibrated.json} (any may be missing: a failed step
+reads RESULTS_DIR/{steps.tsv, env.txt, run/run_report.json (the planned model's run),
+first.json and resumed.json (the tiny model's run with a checkpoint, and its resume from it),
+calibrate.json, estimate-calibrated.json} (any may be missing: a failed step
 says so), writes RESULTS_DIR/report.txt and RESULTS_DIR/summary.json, prints the report, and
 exits 1 if a check failed. Standard library only, so it runs whatever the GPU machine lacks.
 Memory in MiB (2^20 bytes); error is (predicted - measured) / measured, as everywhere in zplan.
@@ -76,6 +77,7 @@ def summarize(res: Path) -> tuple[list[str], dict]:
                           "seconds": float(secs) if secs else None})
     report = _load(res / "run" / "run_report.json")
     first = _load(res / "first.json")
+    resumed = _load(res / "resumed.json")
     calibrated = _calibrated(_load(res / "estimate-calibrated.json"))
     cal = _load(res / "calibrate.json")
     lines = [f"zplan GPU check: {res}"]
@@ -111,10 +113,13 @@ def summarize(res: Path) -> tuple[list[str], dict]:
             checks["loss finite"] = all(x == x and abs(x) != float("inf") for x in losses)
         for w in report.get("warnings", []):
             lines.append(f"warning: {w}")
-        if first is not None:
-            checks["resumed from the checkpoint"] = report["start_step"] == first["end_step"] > 0
+
     else:
         checks["run report written"] = False
+    if first is not None or resumed is not None:  # the tiny model's checkpoint, then its resume
+        checks["resumed from the checkpoint"] = (first is not None and resumed is not None
+                                                 and resumed["start_step"] == first["end_step"] > 0
+                                                 and resumed["end_step"] > resumed["start_step"])
     if cal is not None:
         g = cal.get("gpu", {})
         lines.append("calibrated: peak " + ", ".join(f"{k} {v / 1e12:,.1f} TFLOP/s" for k, v in
