@@ -605,3 +605,27 @@ def test_gpu_check_rehearsal_leaves_its_results_where_the_device_tool_takes_them
         names = t.getnames()
     assert "./calibrate.json" in names and "./run/run_report.json" in names
     assert not any("/step_" in n for n in names)  # checkpoints are not results
+
+
+def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset(tmp_path):
+    """With one GPU calibrate measures no collective: the written cluster preset keeps the stock
+    cluster's node shape and links for the base GPU (hgx-h200 for an H200), not the GPU's copy
+    rate as a link, and says so; the file loads back with them."""
+    from zplan import calibrate, presets
+
+    cluster = {"name": "measured", "gpu": "measured", "gpus_per_node": 1,
+               "intra_node_busbw_bytes_per_s": 4.2e12, "inter_node_busbw_bytes_per_s": 4.2e11,
+               "intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0, "link": "nvlink",
+               "host_ram_bytes": 2**40, "cpu_adam_params_per_s": 3e9, "source": "measured by zplan calibrate"}
+    gpu = {"name": "measured", "memory_bytes": 150754820096, "peak_flops": {"fp32": 5e13, "bf16": 7.6e14},
+           "hbm_bytes_per_s": 4.2e12, "host_link_bytes_per_s": 5e10, "measured": True, "source": "s"}
+    calibrate.one_gpu_links(cluster, "h200")
+    calibrate.write_presets(tmp_path, "measured", gpu, cluster)
+    got, stock = presets.cluster(str(tmp_path / "clusters" / "measured.toml")), presets.cluster("hgx-h200")
+    for f in calibrate.LINK_FIELDS:
+        assert getattr(got, f) == getattr(stock, f), f
+    assert got.cpu_adam_params_per_s == 3e9 and "as the hgx-h200 preset's" in got.source
+    bare = {"intra_node_busbw_bytes_per_s": 4.2e12, "source": "s"}  # a GPU zplan has no preset for
+    calibrate.one_gpu_links(bare, None)
+    assert bare == {"intra_node_busbw_bytes_per_s": 4.2e12,
+                    "source": "s; one GPU: no collective measured, the link figures are its copy rate"}

@@ -124,6 +124,8 @@ def _overlap_times(device, dist, full, part, reps: int, agree=None) -> dict:
     m_s = _timeit(lambda: dist.all_gather_into_tensor(full, part), device, reps, agree=agree)
     one = _timeit(lambda: a @ b, device, reps)
     count = max(1, math.ceil(2 * m_s / one))
+    if agree is not None:  # every rank computes beside the all-gather as long: the largest count
+        count = agree(count)
 
     def gemms():
         for _ in range(count):
@@ -261,6 +263,32 @@ def keep_identity(gpu: dict, base: str | None) -> None:
         if "kernels" in gpu:
             gpu["kernels"]["gemm_flops"]["fp8"] = fp8
             gpu["kernels"]["source"] += f"; fp8 GEMM not measured: the {base} preset's achieved {fp8 / 1e12:.0f} TFLOP/s"
+
+
+LINK_FIELDS = ("gpus_per_node", "intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes_per_s",
+               "inter_node_busbw_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s", "base_latency_s",
+               "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s")
+
+
+def one_gpu_links(cluster: dict, base: str | None) -> None:
+    """With one GPU no collective is measured: the cluster preset takes its node shape and link
+    figures from the stock cluster of the base GPU (hgx-h200 for an H200), said so in its
+    source, so that a plan for more GPUs on it is priced as on that node, not at this GPU's copy
+    rate. Without one, the source says the links are not measured."""
+    from . import presets
+
+    stock = next((c for c in (presets.cluster(n) for n in presets.names("clusters"))
+                  if base is not None and c.gpu == base), None)
+    if stock is None:
+        cluster["source"] += "; one GPU: no collective measured, the link figures are its copy rate"
+        return
+    for f in LINK_FIELDS:
+        v = getattr(stock, f)
+        if v is None:
+            cluster.pop(f, None)
+        else:
+            cluster[f] = list(v) if isinstance(v, tuple) else v
+    cluster["source"] += f"; one GPU: no collective measured, node shape and links as the {stock.name} preset's"
 
 
 def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str = "gloo") -> dict:
