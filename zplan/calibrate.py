@@ -549,7 +549,8 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
     fwd, bwd = attention_rates(device)
     hbm = memory_bandwidth(device, nbytes=1 << 30)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    r512, _ = attention_rates(device, seq=512, heads=16, batch=8)
+    # 32 sequences of 512: ~80 us of kernel a call on an H200, longer than the host's launch
+    r512, _ = attention_rates(device, seq=512, heads=16, batch=32)
     half, limit = seq_half(512, r512, 4096, fwd)
     half = float(f"{half:.3g}")
     fwd, bwd = limit, bwd * limit / fwd  # the long-sequence rates, which the planner scales by s/(s + half)
@@ -582,7 +583,8 @@ def seq_half(s1: int, r1: float, s2: int, r2: float) -> tuple[float, float]:
     `attention`), through two measured rates r1 at s1 < s2 and r2 at s2: the two equations
     r = R · s/(s + s_half) give s_half = (r2 - r1) / (r1/s1 - r2/s2) and R = r2 (s2 + s_half)/s2.
     Where the shorter sequence runs as fast or faster, no ramp: (0, r2). Calibrate measures s1
-    = 512 over a batch of 8 sequences (one is a few microseconds of kernel on a GPU)."""
+    = 512 over a batch of 32 sequences (one is a few microseconds of kernel on a GPU, shorter than
+    the host takes to launch an SDPA call)."""
     if r1 >= r2:
         return 0.0, r2
     if r1 / s1 <= r2 / s2:  # a rate growing as fast as s or faster: the form's limit, s_half large
