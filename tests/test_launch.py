@@ -368,6 +368,9 @@ def test_trainer_options_follow_double_dash(capsys, tmp_path):
     (["--resume"], "--resume needs --run-dir"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "several nodes need --run-dir"),
     (["--save-every", "-5"], "--save-every"),
+    (["--no-save", "--save-every", "2"], "--save-every 2 with --no-save"),
+    (["--no-save", "--max-restarts", "1"], "--max-restarts 1 resumes from checkpoints, which --no-save"),
+    (["--no-save", "SCRIPT"], "--save/--no-save is an option of zplan's trainer"),
 ])
 def test_nothing_is_silently_taken_or_dropped(capsys, tmp_path, args, msg):
     script = tmp_path / "train.py"
@@ -379,6 +382,23 @@ def test_nothing_is_silently_taken_or_dropped(capsys, tmp_path, args, msg):
     p = cli(capsys, "launch", "--dry-run", *args)
     assert p.returncode == 2 and msg in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_no_save_reaches_the_trainer_and_asks_no_room(capsys, tmp_path, monkeypatch):
+    """--no-save is passed to the built-in trainer, and the run folder is not asked for a
+    checkpoint's room (a benchmark of a model whose checkpoint would not fit the disk)."""
+    import shutil as sh
+
+    real = sh.disk_usage(tmp_path)
+    monkeypatch.setattr("zplan.launch.run_dir.shutil.disk_usage", lambda p: real._replace(free=10))
+    plan = tmp_path / "p.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
+               "--gpus", "2", "--layout", "torch", "--write", str(plan)).returncode == 0
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"))
+    assert p.returncode == 1 and "checkpoint needs about" in p.stderr, p.stderr
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--no-save")
+    assert p.returncode == 0, p.stderr
+    assert " --no-save" in p.stdout
 
 
 def test_run_directory_is_checked_before_anything_runs(capsys, tmp_path):

@@ -47,8 +47,11 @@ def weights(run_dir, tmp):
 
 
 def test_launch_without_arguments_trains_and_compares(run_zplan, tmp_path):
-    p = run_zplan("launch", "--run-dir", str(tmp_path / "r"), "--steps", "6", timeout=200)
+    """The built-in trainer on a fresh plan, as a benchmark: --no-save writes no checkpoint, not
+    even the one at the end (the others' tests check checkpoints)."""
+    p = run_zplan("launch", "--run-dir", str(tmp_path / "r"), "--steps", "6", "--no-save", timeout=200)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert not list((tmp_path / "r").glob("*step_*"))
     assert "predicted" in p.stdout and "measured" in p.stdout
     rep = json.loads((tmp_path / "r" / "run_report.json").read_text())
     assert rep["losses"][-1] < rep["losses"][0] - 0.3

@@ -71,7 +71,8 @@ def _fresh_plan(model: str, nproc: int | None, nnodes: int, found, global_batch:
 
 
 FRESH_PLAN_FLAGS = ("model", "strategy", "global_batch", "seq_len")
-TRAINER_FLAGS = ("steps", "save_every", "keep", "resume", "data", "log_every")
+TRAINER_FLAGS = ("steps", "save_every", "checkpoints", "keep", "resume", "data", "log_every")
+FLAG_NAMES = {"checkpoints": "--save/--no-save"}  # where a parameter's flag is not its name
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -127,6 +128,8 @@ def launch(
     steps: Annotated[int, typer.Option(help="Built-in trainer: optimizer steps")] = 20,
     save_every: Annotated[int, typer.Option(help="Built-in trainer: checkpoint every N steps (0: only at the end)")] = 0,
     keep: Annotated[int, typer.Option(help="Built-in trainer: keep the newest K checkpoints (0: all)")] = 0,
+    checkpoints: Annotated[bool, typer.Option("--save/--no-save", help="Built-in trainer: write checkpoints "
+                                              "(--no-save: none, not even at the end; a benchmark run)")] = True,
     resume: Annotated[bool, typer.Option(help="Built-in trainer: resume from the newest checkpoint in --run-dir")] = False,
     data: Annotated[Optional[str], typer.Option(help="Built-in trainer: a local text file (default synthetic)")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Built-in trainer: a step line every N steps (default: 10 without a terminal; 0: none)")] = None,
@@ -160,13 +163,19 @@ def launch(
             raise UsageError(f"no such script: {script}; pass a path to your train.py, or none for zplan's trainer")
         for name in TRAINER_FLAGS:
             if _given(ctx, name):
-                raise UsageError(f"--{name.replace('_', '-')} is an option of zplan's trainer; pass your "
+                shown = FLAG_NAMES.get(name, f"--{name.replace('_', '-')}")
+                raise UsageError(f"{shown} is an option of zplan's trainer; pass your "
                                  f"script's own options after {script}")
     if plan is not None:
         for name in FRESH_PLAN_FLAGS:
             if _given(ctx, name):
                 raise UsageError(f"--{name.replace('_', '-')} applies to a fresh plan, and --plan {plan} fixes it; "
                                  f"drop one of them")
+    if not checkpoints and save_every:
+        raise UsageError(f"--save-every {save_every} with --no-save: drop one of them")
+    if not checkpoints and max_restarts:
+        raise UsageError(f"--max-restarts {max_restarts} resumes from checkpoints, which --no-save "
+                         f"does not write: drop one of them")
     if resume and run_dir is None:
         raise UsageError("--resume needs --run-dir: the folder of the run to resume")
     if (nnodes > 1 or slurm) and run_dir is None:
@@ -204,7 +213,7 @@ def launch(
     if slurm:  # the run directory lives on the cluster: refuse only what is wrong from here
         check_run_dir(run, resume=False, create=False)
     else:
-        check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)))
+        check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)) if checkpoints else 0)
     if plan is not None and not found.gpus and not slurm and found.cpu_bf16 is False \
             and p.train.precision.param == "bf16":
         print(f"zplan: note: {plan} computes in bf16 on CPU ranks, but {NO_BF16}; a plan with "
@@ -213,6 +222,7 @@ def launch(
     if script is None:
         extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps), "--save-every", str(save_every),
                  "--keep", str(keep)] + (["--resume"] if resume else []) + (["--data", data] if data else []) + \
+                (["--no-save"] if not checkpoints else []) + \
                 (["--log-every", str(log_every)] if log_every is not None else []) + extra
     opts = tuple(f"--{k}={v}" for k, v in (("log-dir", log_dir), ("redirects", redirects),
                                             ("local-ranks-filter", local_ranks_filter)) if v is not None)

@@ -26,6 +26,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--keep", type=int, default=0, help="keep the newest K checkpoints (0: all)")
+    ap.add_argument("--no-save", action="store_true", help="write no checkpoint, not even at the end")
     ap.add_argument("--ckpt-dir", default="runs/zplan")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--data", default=None, help="a local text file (byte-level tokens); default synthetic")
@@ -53,6 +54,8 @@ def _check_args(args, plan) -> None:
         v = getattr(args, name)
         if v is not None and v < (1 if name == "steps" else 0):
             raise UsageError(f"--{name.replace('_', '-')} {v} must be {'at least 1' if name == 'steps' else '0 or more'}")
+    if args.no_save and args.save_every:
+        raise UsageError(f"--save-every {args.save_every} with --no-save: drop one of them")
     if args.deterministic and plan.strategy in ("ddp", "zero1"):
         raise UsageError(f"--deterministic applies to the FSDP2 strategies, not {plan.strategy}: "
                          f"drop it or plan with --strategy zero3")
@@ -97,7 +100,8 @@ def _main(args: argparse.Namespace) -> int:
     plan = load(path)
     _check_args(args, plan)
     resume = args.resume or restarted()
-    check_run_dir(args.ckpt_dir, resume=args.resume, need_bytes=checkpoint_bytes(arch.param_count(plan.model)))
+    check_run_dir(args.ckpt_dir, resume=args.resume,
+                  need_bytes=0 if args.no_save else checkpoint_bytes(arch.param_count(plan.model)))
     import torch
     import torch.distributed as dist
 
@@ -117,7 +121,7 @@ def _main(args: argparse.Namespace) -> int:
     from .loop import RunConfig, Trainer
     from .run_setup import agree_on_run_dir
 
-    cfg = RunConfig(steps=args.steps, lr=args.lr, seed=args.seed, save_every=args.save_every,
+    cfg = RunConfig(steps=args.steps, lr=args.lr, seed=args.seed, save_every=args.save_every, save=not args.no_save,
                     ckpt_dir=args.ckpt_dir, resume=resume, data=args.data,
                     measure_memory=not args.no_memory, stop_after=args.stop_after,
                     progress=not args.no_progress and sys.stderr.isatty(), clip=args.clip,

@@ -33,6 +33,7 @@ class RunConfig:
     seed: int = 0
     clip: float = 1.0
     save_every: int = 0
+    save: bool = True  # False: no checkpoint at all (a benchmark run)
     ckpt_dir: str = "runs/zplan"
     resume: bool = False
     data: str | None = None
@@ -261,8 +262,8 @@ class Trainer:
         best = 2 if 2 in timed else 1
         times = [self.clock.seconds(a, b) for (a, b), kind in zip(marks, timed) if kind == best]
         peak = self._peak_memory(tracker)
-        if self.step == cfg.steps and not (cfg.save_every and self.step % cfg.save_every == 0):
-            self.save()  # always a checkpoint at the end
+        if cfg.save and self.step == cfg.steps and not (cfg.save_every and self.step % cfg.save_every == 0):
+            self.save()  # a checkpoint at the end, unless none is wanted
         mean_losses = self._mean_over_ranks(losses)
         grad_norms = torch.stack(norms).tolist() if norms else []
         return build_report(self, start, mean_losses, grad_norms, times, peak, counted)
