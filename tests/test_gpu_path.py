@@ -407,7 +407,7 @@ def test_offload_all_materialises_buffers_on_the_compute_device():
         assert "step" in m.state_dict() and "freqs" not in m.state_dict()  # persistence kept
 
 
-def test_the_group_waits_as_long_as_said(monkeypatch):
+def test_the_group_waits_as_long_as_said(monkeypatch, capsys, tmp_path):
     """The group's collective timeout is given, not left to torch's default, which depends on
     the backend string (10 minutes for a bare "nccl", 30 for the mixed group zplan makes);
     $ZPLAN_COLLECTIVE_TIMEOUT_S sets it, and a bad value is one line naming it."""
@@ -415,6 +415,8 @@ def test_the_group_waits_as_long_as_said(monkeypatch):
 
     import torch.distributed as dist
 
+    from tests.helpers import cli
+    from zplan.errors import UsageError
     from zplan.trainer import distributed as zd
 
     seen = {}
@@ -430,10 +432,14 @@ def test_the_group_waits_as_long_as_said(monkeypatch):
         assert seen["timeout"] == timedelta(minutes=10) and seen["world_size"] == 2
         zd.init_process_group_for("cpu", timeout=timedelta(seconds=5))  # a caller's own wins
         assert seen["timeout"] == timedelta(seconds=5)
-        for bad in ("ten", "0", "-5", "inf", "nan"):
+        for bad in ("ten", "0", "-5", "inf", "nan", "1e-9", "1e15"):  # 1e15 s overflows torch's C int
             monkeypatch.setenv(zd.TIMEOUT_ENV, bad)
-            with pytest.raises(ValueError, match=f"ZPLAN_COLLECTIVE_TIMEOUT_S='{bad}' is not a number"):
+            with pytest.raises(UsageError, match=f"ZPLAN_COLLECTIVE_TIMEOUT_S='{bad}' is not a number"):
                 zd.init_process_group_for("cuda")
+        monkeypatch.setenv(zd.TIMEOUT_ENV, "ten")  # the CLI checks it before calibrate spawns ranks
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        p = cli(capsys, "calibrate", "--output", str(tmp_path), "--ranks", "2")
+        assert p.returncode == 2 and "ZPLAN_COLLECTIVE_TIMEOUT_S='ten'" in p.stderr, p.stderr
     finally:
         zd._started[:] = started
 
@@ -506,8 +512,42 @@ def test_calibrated_attention_ramp_reproduces_both_measurements(half):
     for s, measured in rate.items():
         op = kernels.attention(gpu, s, 2048, 8 * s, backward=False)
         assert op.flop / op.seconds == pytest.approx(measured, rel=1e-9)
-    assert calibrate.seq_half(512, 100e12, 4096, 900e12) == (calibrate.SEQ_HALF_MAX, pytest.approx(
-        900e12 * (4096 + calibrate.SEQ_HALF_MAX) / 4096))  # faster than the form allows: bounded
+    # s=512 timed far too slow (its launch, not its kernel): the long rate is held to the GEMM
+    # rate given as the cap, and s=4096's measured rate is still what the planner gives back
+    got_half, got_limit = calibrate.seq_half(512, 20e12, 4096, 500e12, cap=700e12)
+    assert got_limit == 700e12
+    gpu = gpu.model_copy(update={"kernels": gpu.kernels.model_copy(update={
+        "attention_forward_flops": got_limit, "attention_half_seq": got_half})})
+    op = kernels.attention(gpu, 4096, 2048, 8 * 4096, backward=False)
+    assert op.flop / op.seconds == pytest.approx(500e12, rel=1e-9)
+
+
+def test_calibrated_attention_backward_and_the_fallback_kernel(monkeypatch):
+    """The backward rate is measured at s=4096 only; written at the long-sequence limit of the
+    forward's ramp, the planner's backward op gives the measured one back. Where SDPA has no
+    flash kernel for the GPU, the kernel it picks is timed and the source says so."""
+    from zplan import calibrate, kernels, presets
+
+    R, Rb, h = 600e12, 450e12, 400.0
+    asked = []
+
+    def rates(device, seq=4096, heads=16, head_dim=128, reps=10, batch=1, flash=True):
+        asked.append(flash)
+        if flash and device == "no-flash":
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return R * seq / (seq + h), Rb * seq / (seq + h)
+
+    monkeypatch.setattr(calibrate, "attention_rates", rates)
+    fwd, bwd, half, note = calibrate.attention_constants("gpu", cap=800e12)
+    assert (fwd, bwd, half, note) == (pytest.approx(R), pytest.approx(Rb), pytest.approx(h), "")
+    gpu = presets.gpu("h200")
+    gpu = gpu.model_copy(update={"kernels": gpu.kernels.model_copy(update={
+        "attention_forward_flops": fwd, "attention_backward_flops": bwd, "attention_half_seq": half})})
+    op = kernels.attention(gpu, 4096, 2048, 4096, backward=True)
+    assert op.flop / op.seconds == pytest.approx(Rb * 4096 / (4096 + h), rel=1e-9)
+    asked.clear()
+    *_, note = calibrate.attention_constants("no-flash", cap=800e12)
+    assert asked == [True, False, False] and "no FlashAttention kernel" in note
 
 
 def _calibrated_h200(tmp_path, spread=None):
@@ -554,6 +594,18 @@ def test_a_calibrated_preset_stays_the_gpu_it_was_measured_on(tmp_path, monkeypa
     assert check_plan(plan, 1, True, builtin_model=True) is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     assert "the plan is for measured" in check_plan(plan, 1, True, builtin_model=True)
+
+
+def test_only_a_measured_preset_names_a_base():
+    """`base` says which part a measured preset was measured on; on a datasheet preset it would
+    silently change the part's family (FlashAttention-3, the GPU check): refused."""
+    from zplan import presets
+    from zplan.validated import ValidationError
+
+    h100 = presets.gpu("h100-sxm").model_dump()
+    with pytest.raises(ValidationError, match="it needs measured = true"):
+        type(presets.gpu("h100-sxm")).model_validate(dict(h100, base="h200"))
+    assert type(presets.gpu("h100-sxm")).model_validate(dict(h100, base="h200", measured=True)).family == "h200"
 
 
 def test_a_noisy_gpu_speed_spread_is_not_written(tmp_path):
@@ -608,9 +660,9 @@ def test_gpu_check_rehearsal_leaves_its_results_where_the_device_tool_takes_them
 
 
 def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset(tmp_path):
-    """With one GPU calibrate measures no collective: the written cluster preset keeps the stock
-    cluster's node shape and links for the base GPU (hgx-h200 for an H200), not the GPU's copy
-    rate as a link, and says so; the file loads back with them."""
+    """With one GPU calibrate measures no collective: the written cluster preset takes the stock
+    cluster's links for the base GPU (hgx-h200 for an H200), not the GPU's copy rate as a link,
+    keeps this machine's one GPU a node, and says so; the file loads back with them."""
     from zplan import calibrate, presets
 
     cluster = {"name": "measured", "gpu": "measured", "gpus_per_node": 1,
@@ -624,7 +676,8 @@ def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset
     got, stock = presets.cluster(str(tmp_path / "clusters" / "measured.toml")), presets.cluster("hgx-h200")
     for f in calibrate.LINK_FIELDS:
         assert getattr(got, f) == getattr(stock, f), f
-    assert got.cpu_adam_params_per_s == 3e9 and "as the hgx-h200 preset's" in got.source
+    assert got.gpus_per_node == 1 and stock.gpus_per_node == 8  # this machine's node shape
+    assert got.cpu_adam_params_per_s == 3e9 and "links as the hgx-h200 preset's" in got.source
     bare = {"intra_node_busbw_bytes_per_s": 4.2e12, "source": "s"}  # a GPU zplan has no preset for
     calibrate.one_gpu_links(bare, None)
     assert bare == {"intra_node_busbw_bytes_per_s": 4.2e12,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -71,10 +72,26 @@ def test_a_sequence_no_gpu_count_fits_is_told_to_shorten():
     with pytest.raises(PlanError) as e:
         rec(8, model="llama-3.1-8b", gpus=8, seq_len=1_000_000)
     msg = str(e.value)
-    assert "try a shorter --seq-len" in msg and "--gpus" not in msg.split("try")[-1]
-    assert "adam8bit" not in msg
+    m = re.search(r"try --seq-len (\d+) \(zero3 fits it on (\d+) GPUs", msg)
+    assert m and "--gpus" not in msg.split("try")[-1] and "adam8bit" not in msg, msg
+    s, n = int(m.group(1)), int(m.group(2))
+    assert s & (s - 1) == 0 and s < 1_000_000 and n >= 8
+    r = search(scenario(model="llama-3.1-8b", gpus=n, seq_len=s), n, families=["zero3"])  # the hint holds
+    assert r.winner.family == "zero3"
     with pytest.raises(PlanError, match="adam8bit"):  # where a GPU count fits, the state is worth shrinking
         rec(2, model="llama-3.1-405b", gpus=2, layout="torch")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(model="llama-3.1-405b", gpus=8, gpu="rtx-4090", cluster="workstation-4090", seq_len=64),
+    dict(model="llama-3.1-70b", gpus=32, layout="zero", zero_init=False),
+])
+def test_where_the_sequence_is_not_what_fails_no_shorter_one_is_offered(kw):
+    """405B's layers on 24 GB GPUs, or DeepSpeed moving a 70B model whole onto each GPU before
+    partitioning it: no sequence length fits, and none is offered."""
+    with pytest.raises(PlanError) as e:
+        rec(kw["gpus"], **kw)
+    assert "--seq-len" not in str(e.value)
 
 
 def test_deepspeed_without_zero_init_is_refused_where_the_whole_model_does_not_fit_one_gpu():

@@ -12,6 +12,7 @@ OUT/gpus/NAME.toml and OUT/clusters/NAME.toml; use them with --presets OUT --gpu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -265,16 +266,18 @@ def keep_identity(gpu: dict, base: str | None) -> None:
             gpu["kernels"]["source"] += f"; fp8 GEMM not measured: the {base} preset's achieved {fp8 / 1e12:.0f} TFLOP/s"
 
 
-LINK_FIELDS = ("gpus_per_node", "intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes_per_s",
+LINK_FIELDS = ("intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes_per_s",
                "inter_node_busbw_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s", "base_latency_s",
                "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s")
 
 
 def one_gpu_links(cluster: dict, base: str | None) -> None:
-    """With one GPU no collective is measured: the cluster preset takes its node shape and link
-    figures from the stock cluster of the base GPU (hgx-h200 for an H200), said so in its
-    source, so that a plan for more GPUs on it is priced as on that node, not at this GPU's copy
-    rate. Without one, the source says the links are not measured."""
+    """With one GPU no collective is measured: the cluster preset takes its link figures from
+    the stock cluster of the base GPU (hgx-h200 for an H200), said so in its source, so that a
+    plan for more GPUs on it is priced on that node's links, not at this GPU's copy rate; its
+    node shape stays this machine's (one GPU a node: more GPUs are more such nodes, on the
+    stock cluster's network share). Without a stock cluster the source says the links are not
+    measured."""
     from . import presets
 
     stock = next((c for c in (presets.cluster(n) for n in presets.names("clusters"))
@@ -288,7 +291,7 @@ def one_gpu_links(cluster: dict, base: str | None) -> None:
             cluster.pop(f, None)
         else:
             cluster[f] = list(v) if isinstance(v, tuple) else v
-    cluster["source"] += f"; one GPU: no collective measured, node shape and links as the {stock.name} preset's"
+    cluster["source"] += f"; one GPU: no collective measured, links as the {stock.name} preset's"
 
 
 def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str = "gloo") -> dict:
@@ -458,7 +461,7 @@ def unaligned_gemm_slowdown(device, tokens: int = 8192, vocab: int = 50257, hidd
 
 
 def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
-                    reps: int = 10, batch: int = 1) -> tuple[float, float]:
+                    reps: int = 10, batch: int = 1, flash: bool = True) -> tuple[float, float]:
     """Causal scaled_dot_product_attention forward and backward FLOP/s, counted as the flash-attn
     benchmarks do: forward 4·s²·heads·d / 2 per sequence, backward 2.5x that."""
     import torch
@@ -468,7 +471,7 @@ def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 12
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
                for _ in range(3))
     fwd_flop = batch * 4 * seq * seq * heads * head_dim // 2
-    with _flash_backend(device):
+    with _flash_backend(device) if flash else contextlib.nullcontext():
         t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         g = torch.randn_like(o)
@@ -481,13 +484,30 @@ def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 12
     return fwd_flop / t_f, 2.5 * fwd_flop / max(t_fb - t_f, 1e-9)
 
 
+def attention_constants(device, cap: float) -> tuple[float, float, float, str]:
+    """(forward, backward, half length, a note for the source) of the preset's attention: SDPA
+    at s=4096 (one sequence) and s=512 (32 sequences of 512: ~80 us of kernel a call on an H200,
+    longer than the host's launch), the long-sequence rates and the ramp solved from the two
+    (seq_half, the long rate at most `cap`, the bf16 GEMM rate), backward scaled as forward (the
+    planner's ramp is the same for both). Where SDPA has no FlashAttention kernel for this GPU
+    (before sm80, some ROCm builds) the kernel SDPA picks is timed, and the note says so."""
+    note = ""
+    try:
+        fwd, bwd = attention_rates(device)
+        r512, _ = attention_rates(device, seq=512, heads=16, batch=32)
+    except RuntimeError:  # "No available kernel" under the flash-only context
+        fwd, bwd = attention_rates(device, flash=False)
+        r512, _ = attention_rates(device, seq=512, heads=16, batch=32, flash=False)
+        note = "; SDPA has no FlashAttention kernel on this GPU: the kernel it picks was timed"
+    half, limit = seq_half(512, r512, 4096, fwd, cap=cap)
+    return limit, bwd * limit / fwd, half, note
+
+
 def _flash_backend(device):
     """On a GPU, SDPA held to its FlashAttention-2 kernel: the presets' attention constants are
     FlashAttention-2's as SDPA runs it, and SDPA may otherwise pick cuDNN's attention, which
     recent PyTorch prefers on Hopper with a new cuDNN (torch/nn/attention, SDPBackend; the
     cuDNN preference of pytorch/pytorch PR 169849). On a CPU, whatever SDPA runs."""
-    import contextlib
-
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -546,14 +566,10 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
     import torch
 
     rates = gemm_rates(device, seconds=gemm_seconds)
-    fwd, bwd = attention_rates(device)
+    fwd, bwd, half, attention_note = attention_constants(device, cap=max(rates.values()))
+    half = float(f"{half:.3g}")
     hbm = memory_bandwidth(device, nbytes=1 << 30)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    # 32 sequences of 512: ~80 us of kernel a call on an H200, longer than the host's launch
-    r512, _ = attention_rates(device, seq=512, heads=16, batch=32)
-    half, limit = seq_half(512, r512, 4096, fwd)
-    half = float(f"{half:.3g}")
-    fwd, bwd = limit, bwd * limit / fwd  # the long-sequence rates, which the planner scales by s/(s + half)
     fixed, per_wave = gemm_time_constants(device, int(sms), hbm)
     shapes = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for (m, n, k), r in rates.items())
     return {
@@ -574,24 +590,29 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
                   f"half length solved from the two; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
                   f"tiny-kernel loop; an output head's three GEMMs at vocabulary 50257 against "
                   f"50304 (8192 tokens, width 1024); GEMM fixed and per-wave times fitted over "
-                  f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}",
+                  f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}"
+                  + attention_note,
     }
 
 
-def seq_half(s1: int, r1: float, s2: int, r2: float) -> tuple[float, float]:
+def seq_half(s1: int, r1: float, s2: int, r2: float, cap: float | None = None) -> tuple[float, float]:
     """(s_half, R) of the planner's attention rate, rate(s) = R · s/(s + s_half) (zplan/kernels.py
     `attention`), through two measured rates r1 at s1 < s2 and r2 at s2: the two equations
     r = R · s/(s + s_half) give s_half = (r2 - r1) / (r1/s1 - r2/s2) and R = r2 (s2 + s_half)/s2.
-    Where the shorter sequence runs as fast or faster, no ramp: (0, r2). Calibrate measures s1
-    = 512 over a batch of 32 sequences (one is a few microseconds of kernel on a GPU, shorter than
-    the host takes to launch an SDPA call)."""
+    Where the shorter sequence runs as fast or faster, no ramp: (0, r2). R is at most `cap` (an
+    attention kernel does not outrun the GPU's GEMMs; a short sequence timed slow, the launch
+    more than the kernel, would ask more): then s_half keeps r2 exact, s2 (R/r2 - 1)."""
     if r1 >= r2:
         return 0.0, r2
     if r1 / s1 <= r2 / s2:  # a rate growing as fast as s or faster: the form's limit, s_half large
         half = SEQ_HALF_MAX
     else:
         half = min(SEQ_HALF_MAX, (r2 - r1) / (r1 / s1 - r2 / s2))
-    return half, r2 * (s2 + half) / s2
+    limit = r2 * (s2 + half) / s2
+    if cap is not None and limit > cap:
+        limit = max(cap, r2)
+        half = s2 * (limit / r2 - 1)
+    return half, limit
 
 
 SEQ_HALF_MAX = 65536.0  # seq_half's bound, where two rates fit no finite s_half

@@ -408,6 +408,22 @@ def _reentrant_note(w: Candidate) -> str:
             f"before the block's last matmul)")
 
 
+def _longest_fitting_seq(base: Scenario, full, usable_fraction: float) -> tuple[int, int] | None:
+    """The longest power-of-two sequence under the asked one at which zero3 fits some GPU count
+    (micro-batch 1, full checkpointing), with the smallest such count; None where no length
+    does (the state or one layer is what does not fit, not the sequence)."""
+    from .estimate import smallest_n
+
+    s = 1 << ((base.train.seq_len - 1).bit_length() - 1) if base.train.seq_len > 1 else 0
+    while s >= 1:
+        n = smallest_n(base, full.model_copy(update={"seq_len": s}), include_current=True,
+                       usable_fraction=usable_fraction)
+        if n is not None:
+            return s, n
+        s //= 2
+    return None
+
+
 def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict,
                   expandable: Candidate | None = None) -> str:
     from .estimate import smallest_n
@@ -426,9 +442,13 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
             and n is not None  # where no GPU count fits, sharding leaves no state to shrink
             and not any(SETUP_PEAK in r for r in rejected.values())):  # 8-bit Adam cannot help there
         hints.append("--optimizer adam8bit")
-    if n is None and base.train.micro_batch * base.train.seq_len > 1:
-        hints.append("a shorter --seq-len (one sequence's activations at full checkpointing exceed "
-                     "the GPU whatever the GPU count: zplan plans no context parallelism)")
+    if n is None and not any(SETUP_PEAK in r for r in rejected.values()):
+        shorter = _longest_fitting_seq(base, full, 1 - headroom)
+        if shorter is not None:
+            s, at = shorter
+            hints.append(f"--seq-len {s} (zero3 fits it on {at} GPUs, micro-batch 1, full checkpointing; "
+                         f"at {base.train.seq_len} one sequence's activations and loss exceed the GPU "
+                         f"whatever the GPU count: zplan plans no context parallelism)")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
     tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
     return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "

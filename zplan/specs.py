@@ -172,6 +172,13 @@ class GPUSpec(Spec):
     source: str
 
     @model_validator(mode="after")
+    def _base_is_of_a_measured_preset(self) -> GPUSpec:
+        if self.base is not None and not self.measured:
+            raise ValueError(f"base = {self.base!r} names the part a measured preset was measured "
+                             f"on (zplan calibrate writes it): it needs measured = true")
+        return self
+
+    @model_validator(mode="after")
     def _needs_bf16_and_fp32(self) -> GPUSpec:
         for k in ("bf16", "fp32"):
             if k not in self.peak_flops:

@@ -116,10 +116,11 @@ def summarize(res: Path) -> tuple[list[str], dict]:
 
     else:
         checks["run report written"] = False
-    if first is not None or resumed is not None:  # the tiny model's checkpoint, then its resume
-        checks["resumed from the checkpoint"] = (first is not None and resumed is not None
-                                                 and resumed["start_step"] == first["end_step"] > 0
-                                                 and resumed["end_step"] > resumed["start_step"])
+    # the tiny model's checkpoint, then its resume: failed until both reports say so (a run
+    # killed before them must not read as passed)
+    checks["resumed from the checkpoint"] = (first is not None and resumed is not None
+                                             and resumed["start_step"] == first["end_step"] > 0
+                                             and resumed["end_step"] > resumed["start_step"])
     if cal is not None:
         g = cal.get("gpu", {})
         lines.append("calibrated: peak " + ", ".join(f"{k} {v / 1e12:,.1f} TFLOP/s" for k, v in

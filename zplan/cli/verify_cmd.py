@@ -177,6 +177,9 @@ def calibrate(
     check_range(max_mb, "--max-mb", 1, 1 << 20)
     world = ranks or (torch.cuda.device_count() if cuda else 2)
     check_range(world, "--ranks", 1, 1024)
+    if world > 1:  # the ranks' group reads it: a bad value is one line here, not a rank's traceback
+        from ..trainer.distributed import collective_timeout
+        collective_timeout()
     top_mb = max_mb or (1024 if cuda else 64)
     check_range(top_mb, "--max-mb", 1, 1 << 20)
     sizes, mb = [], 1

@@ -22,6 +22,7 @@ import torch.distributed as dist
 STAND_IN_ENV = "ZPLAN_STAND_IN_NCCL"
 TIMEOUT_ENV = "ZPLAN_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; more overflows the milliseconds torch passes on
 _started: list[str] = []  # the backend string of the group this process started, if any
 
 
@@ -56,6 +57,8 @@ def collective_timeout() -> timedelta:
     large model written to slow storage holds every rank at DCP's last collective until the
     slowest rank's files are written, and a rank that fails is stopped by torchrun long before
     any timeout; only a true desynchronisation waits it out."""
+    from ..errors import UsageError
+
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw == "":
         return timedelta(seconds=DEFAULT_TIMEOUT_S)
@@ -63,8 +66,8 @@ def collective_timeout() -> timedelta:
         seconds = float(raw)
     except ValueError:
         seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds above 0: "
+    if not 1 <= seconds <= MAX_TIMEOUT_S:  # NaN fails too; torch takes whole milliseconds in a C int
+        raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds in 1..{MAX_TIMEOUT_S}: "
                          f"set it to e.g. 600, or unset it for {DEFAULT_TIMEOUT_S}")
     return timedelta(seconds=seconds)
 
