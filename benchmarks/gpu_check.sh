@@ -130,7 +130,8 @@ step detect 15 $PY -m zplan detect
 step gpu-tests 120 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 90 tests/test_gpu_cuda.py; a=\$?; [ \$a = 5 ] && a=0
   $PY -m pytest -q -p no:cacheprovider --timeout 60 -m 'not slow' tests/test_gpu_path.py && exit \$a"
 # calibrate's JSON on stdout alone (a warning on stderr goes to the log, not into the JSON)
-step calibrate 75 bash -c "$PY -m zplan calibrate --output '$RES/presets' --name measured --json ${CAL[*]} > '$RES/calibrate.json'"
+step calibrate 75 bash -c '$1 -m zplan calibrate --output "$2/presets" --name measured --json "${@:3}" > "$2/calibrate.json"' \
+  _ "$PY" "$RES" "${CAL[@]}"
 step plan 20 $PY -m zplan recommend "${PLAN[@]}" --layout torch --strategy zero3 --write "$RES/plan.json" --top 1
 if [ -f "$RES/presets/gpus/measured.toml" ] && [ -f "$RES/plan.json" ]; then
   # the run's own configuration, estimated with the measured GPU and link
@@ -146,8 +147,8 @@ if [ -f "$RES/presets/gpus/measured.toml" ] && [ -f "$RES/plan.json" ]; then
   read -r -a SAME < <($PY -c "import json, sys; t = json.load(open(sys.argv[1]))['train']
 print('--micro-batch', t['micro_batch'], '--grad-accum', t['grad_accum'], '--checkpointing', t['checkpointing'],
       '--blocks-per-unit', t['blocks_per_unit'], '--param-dtype', t['precision']['param'])" "$RES/plan.json")
-  step estimate-calibrated 15 bash -c "$PY -m zplan estimate ${CPLAN[*]} ${SAME[*]} --presets '$RES/presets' \
-    --layout torch --strategy zero3 --json > '$RES/estimate-calibrated.json'"
+  step estimate-calibrated 15 bash -c '$1 -m zplan estimate "${@:3}" --presets "$2/presets" --layout torch \
+    --strategy zero3 --json > "$2/estimate-calibrated.json"' _ "$PY" "$RES" "${CPLAN[@]}" "${SAME[@]}"
 fi
 if [ -f "$RES/plan.json" ]; then
   step train 75 $PY -m zplan launch --plan "$RES/plan.json" --run-dir "$RES/run" --steps $STEPS --no-save
@@ -155,10 +156,11 @@ fi
 # a checkpoint and a resume from it over the GPU group, on the tiny model
 step plan-small 15 $PY -m zplan recommend "${SMALL[@]}" --layout torch --strategy zero3 --write "$RES/plan-small.json" --top 1
 if [ -f "$RES/plan-small.json" ]; then
-  step save 45 bash -c "$PY -m zplan launch --plan '$RES/plan-small.json' --run-dir '$RES/run-small' --steps 6 \
-    --save-every 6 && cp '$RES/run-small/run_report.json' '$RES/first.json'"
-  step resume 45 bash -c "$PY -m zplan launch --plan '$RES/plan-small.json' --run-dir '$RES/run-small' --steps 12 \
-    --resume && cp '$RES/run-small/run_report.json' '$RES/resumed.json'"
+  # the run report copied inside the step, so that the step's bundle holds it (paths as arguments)
+  step save 45 bash -c '$1 -m zplan launch --plan "$2/plan-small.json" --run-dir "$2/run-small" --steps 6 \
+    --save-every 6 && cp "$2/run-small/run_report.json" "$2/first.json"' _ "$PY" "$RES"
+  step resume 45 bash -c '$1 -m zplan launch --plan "$2/plan-small.json" --run-dir "$2/run-small" --steps 12 \
+    --resume && cp "$2/run-small/run_report.json" "$2/resumed.json"' _ "$PY" "$RES"
 fi
 rm -rf "$RES"/run/step_* "$RES"/run/.tmp-step_* "$RES"/run-small/step_* "$RES"/run-small/.tmp-step_*  # checkpoints: not results
 $PY benchmarks/gpu_check/summarize.py "$RES"

@@ -370,6 +370,8 @@ def test_trainer_options_follow_double_dash(capsys, tmp_path):
     (["--save-every", "-5"], "--save-every"),
     (["--no-save", "--save-every", "2"], "--save-every 2 with --no-save"),
     (["--no-save", "--max-restarts", "1"], "--max-restarts 1 resumes from checkpoints, which --no-save"),
+    (["--max-restarts", "1", "--", "--no-save"], "--max-restarts 1 resumes from checkpoints, which --no-save"),
+    (["--keep", "2", "--no-save"], "--keep 2 with --no-save"),
     (["--no-save", "SCRIPT"], "--save/--no-save is an option of zplan's trainer"),
 ])
 def test_nothing_is_silently_taken_or_dropped(capsys, tmp_path, args, msg):
@@ -398,7 +400,9 @@ def test_no_save_reaches_the_trainer_and_asks_no_room(capsys, tmp_path, monkeypa
     assert p.returncode == 1 and "checkpoint needs about" in p.stderr, p.stderr
     p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--no-save")
     assert p.returncode == 0, p.stderr
-    assert " --no-save" in p.stdout
+    assert p.stdout.count(" --no-save") == 1
+    p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--", "--no-save")
+    assert p.returncode == 0 and p.stdout.count(" --no-save") == 1, p.stderr  # after `--`: the same
 
 
 def test_run_directory_is_checked_before_anything_runs(capsys, tmp_path):

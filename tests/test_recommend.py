@@ -72,7 +72,7 @@ def test_a_sequence_no_gpu_count_fits_is_told_to_shorten():
     with pytest.raises(PlanError) as e:
         rec(8, model="llama-3.1-8b", gpus=8, seq_len=1_000_000)
     msg = str(e.value)
-    m = re.search(r"try --seq-len (\d+) \(zero3 fits it on (\d+) GPUs", msg)
+    m = re.search(r"try --seq-len (\d+)(?: --gpus \d+)? \(zero3 fits it on (\d+) GPUs", msg)
     assert m and "--gpus" not in msg.split("try")[-1] and "adam8bit" not in msg, msg
     s, n = int(m.group(1)), int(m.group(2))
     assert s & (s - 1) == 0 and s < 1_000_000 and n >= 8
@@ -92,6 +92,15 @@ def test_where_the_sequence_is_not_what_fails_no_shorter_one_is_offered(kw):
     with pytest.raises(PlanError) as e:
         rec(kw["gpus"], **kw)
     assert "--seq-len" not in str(e.value)
+
+
+def test_a_length_far_below_the_asked_one_is_no_advice():
+    """405B on 8 A100 at 131072 tokens with half the memory held back: only a few tokens a
+    sequence would fit, on thousands of GPUs; the sequence is not what fails, and no length is
+    offered (a reviewer's case)."""
+    with pytest.raises(PlanError) as e:
+        search(scenario(model="llama-3.1-405b", gpu="a100-80gb", gpus=8, seq_len=131072), 8, headroom=0.48)
+    assert "--seq-len" not in str(e.value), str(e.value)
 
 
 def test_deepspeed_without_zero_init_is_refused_where_the_whole_model_does_not_fit_one_gpu():

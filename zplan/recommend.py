@@ -444,11 +444,13 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
         hints.append("--optimizer adam8bit")
     if n is None and not any(SETUP_PEAK in r for r in rejected.values()):
         shorter = _longest_fitting_seq(base, full, 1 - headroom)
-        if shorter is not None:
+        # a length far below the asked one is no advice: what fails is then not the sequence
+        if shorter is not None and shorter[0] >= min(base.train.seq_len // 2, max(512, base.train.seq_len // 64)):
             s, at = shorter
-            hints.append(f"--seq-len {s} (zero3 fits it on {at} GPUs, micro-batch 1, full checkpointing; "
-                         f"at {base.train.seq_len} one sequence's activations and loss exceed the GPU "
-                         f"whatever the GPU count: zplan plans no context parallelism)")
+            flags = f"--seq-len {s}" + (f" --gpus {at}" if at != base.n else "")
+            hints.append(f"{flags} (zero3 fits it on {at} GPU{'s' if at > 1 else ''}, micro-batch 1, "
+                         f"full checkpointing; at {base.train.seq_len} one sequence's activations and "
+                         f"loss exceed the GPU whatever the GPU count: zplan plans no context parallelism)")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
     tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
     return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "

@@ -171,8 +171,11 @@ def launch(
             if _given(ctx, name):
                 raise UsageError(f"--{name.replace('_', '-')} applies to a fresh plan, and --plan {plan} fixes it; "
                                  f"drop one of them")
-    if not checkpoints and save_every:
-        raise UsageError(f"--save-every {save_every} with --no-save: drop one of them")
+    if script is None and "--no-save" in extra:  # the trainer's flag after `--`: the same run
+        checkpoints = False
+    if not checkpoints and (save_every or keep):
+        what = f"--save-every {save_every}" if save_every else f"--keep {keep}"
+        raise UsageError(f"{what} with --no-save: drop one of them")
     if not checkpoints and max_restarts:
         raise UsageError(f"--max-restarts {max_restarts} resumes from checkpoints, which --no-save "
                          f"does not write: drop one of them")
@@ -222,7 +225,7 @@ def launch(
     if script is None:
         extra = ["--ckpt-dir", str(run.resolve()), "--steps", str(steps), "--save-every", str(save_every),
                  "--keep", str(keep)] + (["--resume"] if resume else []) + (["--data", data] if data else []) + \
-                (["--no-save"] if not checkpoints else []) + \
+                (["--no-save"] if not checkpoints and "--no-save" not in extra else []) + \
                 (["--log-every", str(log_every)] if log_every is not None else []) + extra
     opts = tuple(f"--{k}={v}" for k, v in (("log-dir", log_dir), ("redirects", redirects),
                                             ("local-ranks-filter", local_ranks_filter)) if v is not None)

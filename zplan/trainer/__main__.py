@@ -54,8 +54,9 @@ def _check_args(args, plan) -> None:
         v = getattr(args, name)
         if v is not None and v < (1 if name == "steps" else 0):
             raise UsageError(f"--{name.replace('_', '-')} {v} must be {'at least 1' if name == 'steps' else '0 or more'}")
-    if args.no_save and args.save_every:
-        raise UsageError(f"--save-every {args.save_every} with --no-save: drop one of them")
+    for name in ("save_every", "keep"):
+        if args.no_save and getattr(args, name):
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} with --no-save: drop one of them")
     if args.deterministic and plan.strategy in ("ddp", "zero1"):
         raise UsageError(f"--deterministic applies to the FSDP2 strategies, not {plan.strategy}: "
                          f"drop it or plan with --strategy zero3")

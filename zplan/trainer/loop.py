@@ -254,7 +254,7 @@ class Trainer:
                 if every and (self.step % every == 0 or self.step == cfg.steps):
                     self._log(losses[-1], marks[logged - start:], cfg.steps)
                     logged = self.step
-                if cfg.save_every and self.step % cfg.save_every == 0:
+                if cfg.save and cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
                 inject_fault(self.step, self.rank)
                 if cfg.stop_after is not None and self.step >= cfg.stop_after:
