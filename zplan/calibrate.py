@@ -36,7 +36,7 @@ def _timeit(fn, device, reps: int, min_batch_s: float = 0.02, agree=None) -> flo
     fn()
     _sync(device)
     once = time.perf_counter() - t0
-    inner = max(1, min(1000, math.ceil(min_batch_s / max(once, 1e-9))))
+    inner = _calls_per_batch(once, min_batch_s, 1, 1000)
     if agree is not None:
         inner = agree(inner)
     times = []
@@ -47,6 +47,13 @@ def _timeit(fn, device, reps: int, min_batch_s: float = 0.02, agree=None) -> flo
         _sync(device)
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
+
+
+def _calls_per_batch(once_s: float, min_batch_s: float, least: int, most: int) -> int:
+    """How many calls of `once_s` each fill a batch of `min_batch_s` between two device
+    synchronisations (the sync and the first launch, tens of microseconds, then do not count),
+    within least..most."""
+    return max(least, min(most, math.ceil(min_batch_s / max(once_s, 1e-9))))
 
 
 def matmul_flops(device, sizes=None, reps: int = 5,
@@ -353,7 +360,7 @@ def _gemm_seconds(device, M: int, N: int, K: int, seconds: float, min_batch_s: f
     for _ in range(5):
         a @ b
     _sync(device)
-    batch = max(5, min(100_000, math.ceil(min_batch_s / max((time.perf_counter() - t0) / 5, 1e-9))))
+    batch = _calls_per_batch((time.perf_counter() - t0) / 5, min_batch_s, 5, 100_000)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for _ in range(batch):

@@ -36,7 +36,7 @@ from ..plan import Plan, load
 from . import checkpoint as ckpt
 from .distributed import init_process_group_for
 from .micro_batch import micro_batch_context
-from .parallel import Parallelized, build_optimizer, replicate, shard_units, to_master_dtype
+from .parallel import Parallelized, build_optimizer, materialise, replicate, shard_units, to_master_dtype
 
 
 def _initialise(model: nn.Module, init: Callable[[nn.Module], None] | None) -> None:
@@ -79,10 +79,7 @@ class Context:
         broadcast of rank 0's weights makes the replicas equal whatever each rank's RNG."""
         to_master_dtype(model, self.plan)
         if self.plan.strategy in ("ddp", "zero1"):
-            if any(p.is_meta for p in model.parameters()):
-                model.to_empty(device=self.device)
-            else:
-                model.to(self.device)
+            materialise(model, False, self.device)
             _initialise(model, init)
             self._par = replicate(model, self.plan, self.device)
         else:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 STAND_IN_ENV = "ZPLAN_STAND_IN_NCCL"
 TIMEOUT_ENV = "ZPLAN_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; more overflows the milliseconds torch passes on
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: a bound, not torch's limit (1e15 s overflows its count)
 _started: list[str] = []  # the backend string of the group this process started, if any
 
 
@@ -66,7 +66,7 @@ def collective_timeout() -> timedelta:
         seconds = float(raw)
     except ValueError:
         seconds = float("nan")
-    if not 1 <= seconds <= MAX_TIMEOUT_S:  # NaN fails too; torch takes whole milliseconds in a C int
+    if not 1 <= seconds <= MAX_TIMEOUT_S:  # NaN fails too
         raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds in 1..{MAX_TIMEOUT_S}: "
                          f"set it to e.g. 600, or unset it for {DEFAULT_TIMEOUT_S}")
     return timedelta(seconds=seconds)

@@ -174,10 +174,7 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     t = plan.train
-    if any(p.is_meta for p in model.parameters()):
-        model.to_empty(device=device)
-    else:
-        model.to(device)
+    materialise(model, False, device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
     cast = policy.autocast_dtype(False, t.layout, t.precision.param, t.precision.master)
