@@ -246,7 +246,9 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                        + (f"priced at this GPU's measured {slow:g}x (GPU preset [kernels] "
                           "unaligned_gemm_slowdown). " if slow else
                           "priced as if aligned: this GPU preset has no measurement of it, and no "
-                          "kernel-level one at such shapes was found. ")
+                          "kernel-level one at such shapes was found (published H100 bf16 GEMMs with "
+                          "an odd width: from no slowdown to 3.5x by shape, docs/accuracy-notes.md "
+                          "9bi). ")
                        + "End to end, padding GPT-2's "
                        "vocabulary 50257 -> 50304 measured 13.7% more tokens/s on one A100; the "
                        "public set's GPT-2 124M runs on H100 reach 9-47% fewer tokens/s than zplan "
