@@ -93,9 +93,11 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
             ignored.append("compile")
     if row.float8 != "none":
         if row.float8.startswith("tensorwise"):
-            # torchao's tensorwise recipe; float8 all-gather where the row says so, and where it
-            # is not stated zplan's default (on)
+            # torchao's tensorwise recipe; float8 all-gather as the row states it (tensorwise-fp8-allgather,
+            # or float8_all_gather), and where it is not stated zplan's default (on)
             o = replace(o, float8=True)
+            if row.float8_all_gather is not None:  # stated by the run (torchao's enable_fsdp_float8_all_gather)
+                o = replace(o, float8_all_gather=row.float8_all_gather)
         else:  # torchao's rowwise recipes, TransformerEngine's delayed scaling
             o = replace(o, float8=True, float8_recipe=row.float8)
     return o, tuple(ignored)

@@ -104,6 +104,7 @@ tokens_per_s_per_gpu = 1000.0
     (("table = \"t\"", 'table = "t"\ntp = 8'), "tp/pp/cp above 1 cannot be expressed"),
     (("num_gpus = 8", "num_gpus = 12"), "not a whole number of nodes"),
     (("table = \"t\"", 'table = "t"\ncolour = "red"'), "unknown field(s) colour"),
+    (("float8 = \"none\"", 'float8 = "rowwise"\nfloat8_all_gather = false'), "float8_all_gather states"),
 ])
 def test_bad_row_names_file_row_and_field(tmp_path, change, message):
     (tmp_path / "bad.toml").write_text(GOOD_SOURCE + GOOD_ROW.replace(*change))
@@ -177,6 +178,19 @@ def test_compile_and_float8_reach_the_options_or_are_marked_ignored(rows):
     assert ("float8" in ignored) != ("float8" in FIELDS)
     plain = next(r for r in rows if r.id == "tt-8b-8gpu-fsdp")
     assert acc.options(plain)[1] == ()
+
+
+def test_a_stated_float8_all_gather_reaches_the_options(rows):
+    """torchtitan PR 812's log says enable_fsdp_float8_all_gather=False: priced so; a row that does
+    not state it is priced at zplan's default (on), tensorwise-fp8-allgather on."""
+    acc = _accuracy_module()
+    stated_off = next(r for r in rows if r.id == "tt812-h100-llama3-8b-8gpu-fsdp-compile-float8-tensorwise")
+    assert stated_off.float8_all_gather is False
+    assert acc.options(stated_off)[0].float8_all_gather is False
+    unstated = next(r for r in rows if r.id == "tt-8b-8gpu-fsdp-compile-float8")
+    assert unstated.float8_all_gather is None and acc.options(unstated)[0].float8_all_gather is True
+    on = next(r for r in rows if r.float8 == "tensorwise-fp8-allgather")
+    assert acc.options(on)[0].float8_all_gather is True
 
 
 def test_mpt_scenarios_have_the_published_parameter_counts(rows):
