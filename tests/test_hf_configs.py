@@ -214,6 +214,40 @@ def test_presets_are_their_config_files(tmp_path, name, cfg):
     assert arch.param_count(preset) == _transformers_count(tmp_path / "config.json")
 
 
+def test_q_and_k_norms_run_in_fp32_under_autocast_without_a_dtype_mismatch():
+    """Under autocast (ddp/zero1: fp32 master weights, bf16 compute) a q/k norm meets a bf16
+    projection output and its fp32 weight. torch 2.13's CUDA autocast casts rms_norm's input to
+    fp32; 2.11 has no autocast rule for rms_norm, so the mixed call fell to rms_norm's composite
+    path ("Mismatch dtype between input and weight"), keeping an fp32 copy and an fp32 output:
+    twice what qk_norm_inputs prices. The trainer's RMSNorm casts the input itself, so no torch
+    version and no device takes that path; CPU autocast has no rms_norm rule either, as 2.11's CUDA."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from zplan.specs import ModelSpec
+    from zplan.trainer.model import Attention
+
+    m = ModelSpec(name="t", num_layers=1, hidden=64, ffn_hidden=128, num_heads=4, num_kv_heads=2,
+                  vocab_size=64, qk_norm=True, attention_head_dim=16)
+    att = Attention(m)
+    for p in att.parameters():
+        torch.nn.init.normal_(p, 0, 0.02)
+    seen = []
+    for norm in (att.q_norm, att.k_norm):
+        torch.nn.init.ones_(norm.weight)
+        norm.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings(record=True) as ws, torch.autocast("cpu", dtype=torch.bfloat16):
+            warnings.simplefilter("always")
+            out = att(torch.randn(2, 8, 64))
+    finally:
+        torch.set_warn_always(False)
+    assert not [w for w in ws if "Mismatch dtype" in str(w.message)]
+    assert seen == [(torch.bfloat16, torch.float32)] * 2  # fp32 out: the norm ran in fp32
+    assert out.dtype == torch.bfloat16
+
+
 def test_q_and_k_norms_hand_back_the_activation_dtype_as_cuda_autocast_needs():
     """CUDA autocast runs rms_norm in fp32 (torch's autocast op lists: rms_norm among CUDA's
     fp32 ops), so q_norm and k_norm return fp32 there; the trainer's block casts them back, so

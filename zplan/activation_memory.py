@@ -234,8 +234,9 @@ def block_activation_terms(m: ModelSpec, train: TrainSpec) -> dict[str, int]:
         "mlp_input": B * sb * h,
     }
     if m.qk_norm:  # q_norm and k_norm keep their inputs (the q and k projections' outputs), as
-        # the block's norms keep theirs, and a statistic per head and token; CUDA autocast runs
-        # rms_norm in fp32 (its fp32 op list), so under autocast the kept input is its fp32 copy
+        # the block's norms keep theirs, and a statistic per head and token; under autocast the
+        # norm runs in fp32 (torch 2.13's CUDA autocast op list; the trainer's RMSNorm casts its
+        # input itself, as 2.11 has no autocast rule for rms_norm), so the kept input is its fp32 copy
         # (compiled, the casts fuse into the norm's kernel and the 16-bit input is what is kept)
         rows, QB = sb * (a + m.num_kv_heads), 4 if train.autocast and not train.compile else B
         t["qk_norm_inputs"] = (QB if train.compile else norm_saved_per_token(train, QB)) * sb * (q + kv) + 4 * rows

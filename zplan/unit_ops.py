@@ -147,7 +147,7 @@ def _block(sc: Scenario, backward: bool, only: tuple[str, ...] | None = None,
         per, kern = norm_bytes(t, S, backward)
         ops.append(K.memory(gpu, _norm_name(m, t), 2 * per * h * T, 2 * kern, _norm_pace(gpu, t, h)))
     if m.qk_norm:  # over q's and k's heads, in the activation dtype (compiled: one generated kernel
-        # each); CUDA autocast runs rms_norm in fp32: its input cast up, its output cast back
+        # each); under autocast rms_norm runs in fp32 (trainer.model.RMSNorm): input up, output back
         fp32 = t.autocast and not t.compile  # compiled, the casts fuse into the norm's kernel
         per, kern = norm_bytes(t, 4 if fp32 else B, backward)
         # compiled: at the copy rate (quack's narrowest measured width, 256, is a 16 MB problem:

@@ -29,6 +29,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under autocast (ddp/zero1) the weight is the fp32 master. torch 2.13's CUDA autocast
+        # runs rms_norm in fp32 (an AutocastCUDA kernel); torch 2.11 has none, so a bf16 q or k
+        # meets the fp32 weight and rms_norm falls back to its composite (dtype mismatch: fp32
+        # copy and fp32 output both saved, twice what qk_norm_inputs prices). Cast here, alike
+        # on every version and device.
+        if torch.is_autocast_enabled(x.device.type) and x.dtype != self.weight.dtype:
+            x = x.to(self.weight.dtype)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -77,7 +84,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        # CUDA autocast runs rms_norm in fp32: cast back, so RoPE and attention run in q's dtype
+        # under autocast the norm runs in fp32 (RMSNorm.forward): cast back, so RoPE and attention run in q's dtype
         if self.q_norm is not None:
             q = self.q_norm(q).to(q.dtype)
         k = self.wk(x).view(b, s, self.n_kv, self.head_dim)
