@@ -147,6 +147,10 @@ def test_stop_and_resume_equals_uninterrupted(run_zplan, tmp_path):
     assert not (tmp_path / "broken" / "step_00000006").exists()
     stale = tmp_path / "broken" / ".tmp-step_00000005"  # what a save killed half-way leaves
     stale.mkdir()
+    # the data order is the seed's: resuming with another one is refused, in one line
+    p = run_zplan("launch", "--plan", str(tmp_path / "p.json"), "--run-dir", str(tmp_path / "broken"),
+                  "--steps", "6", "--save-every", "6", "--resume", "--", "--seed", "7", timeout=200)
+    assert p.returncode == 2 and "trained with --seed 0" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     rep, _ = launch(run_zplan, tmp_path / "p.json", tmp_path / "broken", 6, resume=True, save_every=6)
     assert rep["start_step"] == 3 and rep["end_step"] == 6
     assert not stale.exists()

@@ -55,8 +55,14 @@ def manifest(path: Path) -> dict:
 def why_incomplete(path: Path) -> str | None:
     """Why the published checkpoint `path` cannot be loaded, or None."""
     try:
-        manifest(path)
-        return check_complete(path, read_metadata(path))
+        meta = manifest(path)
+        why = check_complete(path, read_metadata(path))
+        if why is None and meta.get("strategy") == "zero1":  # one optimizer file per rank, beside DCP's
+            for r in range(int(meta.get("world_size") or 0)):
+                f = path / f"zero1_optim_rank{r}.pt"
+                if not f.is_file() or f.stat().st_size == 0:
+                    return f"its zero1 optimizer file {f.name} is missing or empty"
+        return why
     except CheckpointError as e:
         return str(e)
 
@@ -139,8 +145,11 @@ def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zer
     if osd is not None:
         state["optim"] = osd
     dcp.save(state, checkpoint_id=str(tmp))
-    if zero1:
-        torch.save(optim.optim.state_dict(), tmp / f"zero1_optim_rank{rank}.pt")
+    if zero1:  # on disk before rank 0 publishes, as DCP's own files are (sync_files)
+        with open(tmp / f"zero1_optim_rank{rank}.pt", "wb") as f:
+            torch.save(optim.optim.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
     dist.barrier()
     if rank == 0:
         with open(tmp / MANIFEST, "w") as f:
@@ -177,6 +186,11 @@ def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_
     path = Path(path)
     meta = manifest(path)
     _check_fits(path, meta, world, zero1, model_name)
+    inner = optim.optim if zero1 else optim
+    planned = [{k: g[k] for k in PLANNED_GROUP_KEYS if k in g} for g in inner.param_groups]
+    if not inner.state:  # get_state_dict makes a fresh optimizer's state to load into, unless a
+        # parameter holds a gradient (state_dict.py _init_optim_state): then none would load
+        inner.zero_grad(set_to_none=True)
     msd, osd = _model_optim_state(model, optim, zero1)
     state = {"model": msd, "extra": {"step": 0, "data_seed": 0}}
     if osd is not None:
@@ -184,10 +198,47 @@ def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_
     dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     if zero1:
         set_model_state_dict(model, state["model"])
-        optim.optim.load_state_dict(load_zero1_shard(path / f"zero1_optim_rank{dist.get_rank()}.pt"))
+        shard, err = None, None
+        try:
+            shard = load_zero1_shard(path / f"zero1_optim_rank{dist.get_rank()}.pt")
+        except CheckpointError as e:
+            err = e
+        # a per-rank file can fail on one rank only: every rank must fall back together, or the
+        # others train on while this one loads the previous checkpoint (mismatched collectives)
+        ok = [None] * dist.get_world_size()
+        dist.all_gather_object(ok, err is None)  # an object collective: the group's CPU backend
+        if not all(ok):
+            raise err or CheckpointError(f"rank {ok.index(False)} cannot read its zero1 optimizer "
+                                         f"file in {path}")
+        optim.optim.load_state_dict(shard)
     else:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    keep_planned_groups(inner, planned)
     return {"meta": meta, **state["extra"]}
+
+
+# what the run's plan and command line set on each param group, not the checkpoint
+PLANNED_GROUP_KEYS = ("fused", "foreach", "capturable", "lr")
+
+
+def keep_planned_groups(optim, planned: list[dict]) -> None:
+    """The run's AdamW kernels and learning rate, not the checkpoint's: Optimizer.load_state_dict
+    replaces each param group with the saved one (optim/optimizer.py update_group), its fused and
+    foreach flags included, so a fused GPU checkpoint resumed under --deterministic (the
+    single-tensor kernel) would run fused, and a plan priced for one kernel would run another;
+    --lr on the resuming command line is the one the report states. The step counters go where
+    the kernel wants them: on the parameter's device for fused or capturable, else on the host
+    (a device step under the foreach or single-tensor kernel is read with .item(): a host sync
+    per parameter per step)."""
+    for group, keys in zip(optim.param_groups, planned):
+        group.update(keys)
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            st = optim.state.get(p)
+            if st is not None and torch.is_tensor(st.get("step")):
+                where = p.device if on_device else torch.device("cpu")
+                if st["step"].device != where:
+                    st["step"] = st["step"].to(where, torch.float32)
 
 
 def load_zero1_shard(shard: Path) -> dict:

@@ -181,6 +181,11 @@ class Trainer:
             if self.rank == 0:
                 print(f"zplan: no checkpoint in {self.cfg.ckpt_dir}; starting at step 0", flush=True)
             return 0
+        if int(state.get("data_seed", self.cfg.seed)) != self.cfg.seed:
+            from ..errors import UsageError
+
+            raise UsageError(f"the checkpoint at step {state['step']} was trained with --seed {state['data_seed']}, "
+                             f"which orders the data; resume with --seed {state['data_seed']}, or start a new --run-dir")
         self.step = int(state["step"])
         return self.step
 
@@ -205,6 +210,12 @@ class Trainer:
         track = cfg.measure_memory and last - start + 1 >= MIN_TRACKED_STEPS  # i.e. last - 1 > at
         tracker = _memory_tracker(self.par, self.optim, self.device) if track else None
         losses, norms, marks, timed = [], [], [], []
+        # one buffer per figure, filled in place: a 0-dim CUDA tensor kept per step is a
+        # 512-byte allocator block each (1 KiB per step with the norm, for the whole run, and
+        # counted in the measured peak); views into the buffers cost no device memory
+        slots = cfg.steps - start
+        loss_buf = torch.empty(slots, device=self.device)
+        norm_buf = None  # on the norm's device: the host under offload-all
         on_the_way: list = []  # the progress bar's losses being copied to the host (CUDA)
         shown = None
         self.counter = CommCounter(self.world)
@@ -238,8 +249,13 @@ class Trainer:
                     self._tracking.reset_mod_stats()
                 self._tracking = None
                 counted += int(count)
-                losses.append(loss)
-                norms.append(gnorm)
+                i = self.step - start
+                loss_buf[i].copy_(loss)
+                if norm_buf is None:
+                    norm_buf = torch.empty(slots, dtype=gnorm.dtype, device=gnorm.device)
+                norm_buf[i].copy_(gnorm)
+                losses.append(loss_buf[i])
+                norms.append(norm_buf[i])
                 marks.append((t0, t1))
                 # the first step warms up; the counted step runs under a dispatch mode (host
                 # overhead per op), timed only where no other step is
