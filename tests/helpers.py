@@ -78,3 +78,29 @@ def cpu_scaled_mm_takes_row_scales() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+# the end of every torchrun probe script: the group torn down, then the rank leaves at once
+# (gloo cannot abort a rank in interpreter teardown: pytorch/pytorch#179291)
+PROBE_END = '''
+dist.barrier()
+dist.destroy_process_group()
+from zplan.trainer.rank_errors import leave
+leave(0)
+'''
+
+
+def torchrun_probe(tmp_path, body: str, *args: str, nproc: int = 2, timeout: float = 110, env: dict | None = None):
+    """Run `body` (which sets up its process group as `dist`) and PROBE_END as a script on
+    `nproc` ranks of a standalone torchrun; the finished process, asserted to have exited 0."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(body + PROBE_END)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        str(script), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p

@@ -98,10 +98,6 @@ with rec:
 assert torch.equal(out, torch.full((n,), 2.0))
 if dist.get_rank() == 0:
     print("MADE", rec.made)
-dist.barrier()
-dist.destroy_process_group()
-from zplan.trainer.rank_errors import leave
-leave(0)  # at once: gloo cannot abort the rank in interpreter teardown (pytorch/pytorch#179291)
 '''
 
 
@@ -111,13 +107,8 @@ def test_gloo_reduce_scatter_allocates_a_copy_of_its_input(tmp_path):
     """The fact gloo_reduce_scatter_copies_its_input rests on, held against torch itself: a
     reduce_scatter_tensor over gloo makes one storage on the calling thread, the size of its input
     (the clone it all-reduces; the chunk copied out is a view of it)."""
-    import subprocess
-    import sys
+    from tests.helpers import torchrun_probe
 
-    script = tmp_path / "probe.py"
-    script.write_text(GLOO_PROBE)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], capture_output=True, text=True, timeout=110)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = torchrun_probe(tmp_path, GLOO_PROBE)
     made = next(line for line in p.stdout.splitlines() if line.startswith("MADE"))
     assert made == f"MADE [{4 * 2 * (1 << 16)}]", made
