@@ -55,14 +55,8 @@ def manifest(path: Path) -> dict:
 def why_incomplete(path: Path) -> str | None:
     """Why the published checkpoint `path` cannot be loaded, or None."""
     try:
-        meta = manifest(path)
-        why = check_complete(path, read_metadata(path))
-        if why is None and meta.get("strategy") == "zero1":  # one optimizer file per rank, beside DCP's
-            for r in range(int(meta.get("world_size") or 0)):
-                f = path / f"zero1_optim_rank{r}.pt"
-                if not f.is_file() or f.stat().st_size == 0:
-                    return f"its zero1 optimizer file {f.name} is missing or empty"
-        return why
+        manifest(path)
+        return check_complete(path, read_metadata(path))
     except CheckpointError as e:
         return str(e)
 
