@@ -97,10 +97,21 @@ def torchrun_probe(tmp_path, body: str, *args: str, nproc: int = 2, timeout: flo
     import subprocess
     import sys
 
+    import signal
+
     script = tmp_path / "probe.py"
     script.write_text(body + PROBE_END)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        str(script), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, **(env or {})})
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p
+    # a session of its own: on a timeout the ranks go with torchrun, not on running to their
+    # collective timeout beside the next tests
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(nproc), str(script), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    done = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    assert done.returncode == 0, err[-3000:]
+    return done

@@ -192,19 +192,25 @@ def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_
     dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     if zero1:
         set_model_state_dict(model, state["model"])
-        shard, err = None, None
-        try:
-            shard = load_zero1_shard(path / f"zero1_optim_rank{dist.get_rank()}.pt")
+        shard = path / f"zero1_optim_rank{dist.get_rank()}.pt"
+        err = None
+        try:  # read and loaded: a file that unpickles can still not fit this rank's optimizer
+            try:
+                optim.optim.load_state_dict(load_zero1_shard(shard))
+            except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"{shard.name} does not fit this rank's optimizer "
+                                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
         except CheckpointError as e:
-            err = e
+            err = str(e)
         # a per-rank file can fail on one rank only: every rank must fall back together, or the
-        # others train on while this one loads the previous checkpoint (mismatched collectives)
-        ok = [None] * dist.get_world_size()
-        dist.all_gather_object(ok, err is None)  # an object collective: the group's CPU backend
-        if not all(ok):
-            raise err or CheckpointError(f"rank {ok.index(False)} cannot read its zero1 optimizer "
-                                         f"file in {path}")
-        optim.optim.load_state_dict(shard)
+        # others train on while this one loads the previous checkpoint (mismatched collectives);
+        # a rank that loaded is overwritten by the previous checkpoint's load
+        why = [None] * dist.get_world_size()
+        dist.all_gather_object(why, err)  # an object collective: the group's CPU backend
+        bad = [(r, w) for r, w in enumerate(why) if w is not None]
+        if bad:
+            r, w = bad[0]
+            raise CheckpointError(f"rank {r}'s zero1 optimizer file in {path.name}: {w}")
     else:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     keep_planned_groups(inner, planned)
