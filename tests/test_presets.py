@@ -179,6 +179,21 @@ def test_a_presets_known_miss_is_printed_with_the_assumptions(capsys):
     assert any("29-60%" in f and "zplan calibrate" in f for f in json.loads(r.stdout)["flags"])
 
 
+def test_a_multi_node_estimate_names_its_network_figures(capsys):
+    """Across nodes the cluster preset's network prices every collective: the estimate names its
+    figures and how to give one's own (a cluster file), with the measured spread between fabrics;
+    inside one node it says nothing of a network."""
+    from tests.helpers import cli
+    c = presets.cluster("dgx-h100")
+    r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "16", "--json")
+    a = json.loads(r.stdout)["assumptions"]["inter_node_network"]
+    assert a["value"] == (f"dgx-h100: {c.inter_node_busbw_bytes_per_s / 1e9:g} GB/s per GPU, "
+                          f"{c.inter_node_latency_s * 1e6:g} us per network step")
+    assert a["flag"].startswith("--cluster FILE.toml") and "aws-p5-efa" in a["meaning"]
+    r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json")
+    assert "inter_node_network" not in json.loads(r.stdout)["assumptions"]
+
+
 def test_a_name_with_a_nul_or_too_long_is_named_in_its_error():
     """The fuzzer found `--gpu` with a NUL answered without naming the flag or the value."""
     with pytest.raises(UsageError, match=r"^--gpu 'a\\x00b' holds a NUL; name a preset"):
