@@ -63,7 +63,7 @@ class Result:
 def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
     """The row's facts as scenario options; what zplan has no option for is returned as ignored."""
     o = ScenarioOptions(
-        model=row.model, gpu=row.gpu, cluster=CLUSTER[row.gpu_kind], gpus=str(row.num_gpus),
+        model=row.model, gpu=row.gpu, cluster=row.cluster or CLUSTER[row.gpu_kind], gpus=str(row.num_gpus),
         gpus_per_node=row.gpus_per_node, seq_len=row.seq_len, micro_batch=row.micro_batch,
         grad_accum=row.grad_accum, checkpointing=row.checkpointing, param_dtype=row.param_dtype,
         reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,

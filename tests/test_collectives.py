@@ -199,6 +199,20 @@ def test_tree_all_reduce_across_many_nodes():
     assert collective_time(c, "all_reduce", 4 << 30, 16, 8).algorithm == "ring"
 
 
+def test_a_presets_tree_fraction_prices_its_network_tree():
+    """aws-p5 (EFA) gives its tree 0.26 of the ring's busbw where tuning.cc says 0.46: 32 MiB over
+    32 nodes of 8 by hand (latency 8.4 + 2(7 x 4 + 5 x 50) us, NCCL's correction at log2(32 MiB /
+    64) = 19: 0.7), the tree still faster than the ring there; a preset without the field keeps
+    tuning.cc's fraction (the test above)."""
+    c = presets.cluster("aws-p5")
+    assert c.tree_busbw_fraction == 0.26 and presets.cluster("dgx-h100").tree_busbw_fraction is None
+    S = 32 << 20
+    t = collective_time(c, "all_reduce", S, 256, 8)
+    assert t.algorithm == "tree"
+    want = 8.4e-6 + 2 * (7 * 4e-6 + 5 * 50e-6) + S / (0.26 * 0.7 * 8 * 45e9)
+    assert t.seconds == pytest.approx(want, rel=1e-9)
+
+
 def test_nvls_runs_where_it_is_fastest_and_small_all_reduces_run_the_ring():
     """NVLS costs 65 us a call (the measured curve on 8 H200 from 16 MiB); below that the ring's LL
     protocol is faster and NCCL's tuner runs it: the model takes the fastest, as the tuner does."""

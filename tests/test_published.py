@@ -105,6 +105,7 @@ tokens_per_s_per_gpu = 1000.0
     (("num_gpus = 8", "num_gpus = 12"), "not a whole number of nodes"),
     (("table = \"t\"", 'table = "t"\ncolour = "red"'), "unknown field(s) colour"),
     (("float8 = \"none\"", 'float8 = "rowwise"\nfloat8_all_gather = false'), "float8_all_gather states"),
+    (("table = \"t\"", 'table = "t"\ncluster = "my-cluster"'), "cluster = 'my-cluster' is not one of"),
 ])
 def test_bad_row_names_file_row_and_field(tmp_path, change, message):
     (tmp_path / "bad.toml").write_text(GOOD_SOURCE + GOOD_ROW.replace(*change))

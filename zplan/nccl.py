@@ -21,7 +21,9 @@ from the cluster preset) in place of NCCL's internal estimates:
 - tree for all-reduce across nodes: latency base + 2((g-1)·4 µs + ⌊log2 nodes⌋·α_net), algbw
   0.46 busbw (tree busBw x .92, x .5) times NCCL's correction for medium sizes (tuning.cc
   treeCorrectionFactor[Simple], 0.5-0.9 from 64 B to 256 MiB: "trees are not perfectly sticking
-  to the model for medium sizes"): it wins at many nodes, where a ring's 2(n-1) steps cost.
+  to the model for medium sizes"): it wins at many nodes, where a ring's 2(n-1) steps cost. A
+  cluster preset may give the tree's bandwidth fraction its network measures (aws-p5: 0.26, the
+  EFA curves of nccl-tests at 4-32 nodes; tree_busbw_fraction).
 
 The bus bandwidth of a group depends on its shape: inside one node, the NVLink figure; across
 nodes, each node's share of the ring goes through the NICs of the group's GPUs in that node,
@@ -143,7 +145,8 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
                                           + math.floor(math.log2(nodes)) * c.inter_node_latency_s)
             log_size = int(math.log2(nbytes >> 6)) if nbytes >> 6 else -1  # NCCL's log2i(0) = -1
             corr = _TREE_CORRECTION[log_size] if 0 <= log_size < len(_TREE_CORRECTION) else 1.0
-            tree = lat + nbytes / (_TREE_BW * corr * bw)
+            frac = c.tree_busbw_fraction if c.tree_busbw_fraction is not None else _TREE_BW
+            tree = lat + nbytes / (frac * corr * bw)
             if tree < best.seconds:
                 best = CollectiveTime(tree, "tree", "Simple", bw, nodes, per_node)
     return best

@@ -251,6 +251,10 @@ class ClusterSpec(Spec):
     ll_max_busbw_bytes_per_s: tuple[Rate, Rate, Rate] | None = Field(
         None, description="NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws): "
         "one node (by GPU generation), two nodes, more (by the host CPU's vendor); None: uncapped")
+    tree_busbw_fraction: float | None = Field(
+        None, gt=0, le=1, description="the tree all-reduce's algorithm bandwidth across nodes as a "
+        "fraction of the ring's busbw, where a network's measured curves show it (tuning.cc's "
+        "0.92 x 0.5 where None)")
     nccl_tests: tuple[NcclTestFigure, ...] = ()
     host_ram_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES, description="per node")
     # default: DeepSpeed CPU-Adam on 2 x Xeon Platinum 8168, ZeRO-Offload (arXiv 2101.06840) Table 4

@@ -100,6 +100,8 @@ class Row:
     compile_scope: str = "block"  # with compile: block (each block compiled) or model (torch.compile(model))
     loss_fp32: bool = True  # the loss upcasts the logits to fp32 (False: cross-entropy in their dtype)
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launcher since 2024-10)
+    cluster: str | None = None  # the cluster preset of the run's network where the source names one
+    # (aws-p5: EFA); None: the GPU's stock cluster (published_accuracy.CLUSTER)
     float8_all_gather: bool | None = None  # float8 tensorwise: torchao's enable_fsdp_float8_all_gather as the run
     # states it (tensorwise-fp8-allgather says true); None: not stated, zplan's default (on)
     bucket_mib: float | None = None  # the run's gradient bucket (DeepSpeed: reduce_bucket_size x bytes); None: zplan's 25 MiB
@@ -138,7 +140,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "qkv_fused": bool, "optimizer_kernels": str, "optimizer": str, "layout": str, "grad_clip": bool, "zero_init": bool, "deepspeed_defaults": bool, "deepspeed_param_groups": str, "logits_kept": bool, "logits_fp32": bool, "kv_cache": bool, "attention_expands_kv": bool, "loss_shifted_copy": bool, "outputs_until_next_forward": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "float8_all_gather": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "qkv_fused": bool, "optimizer_kernels": str, "optimizer": str, "layout": str, "grad_clip": bool, "zero_init": bool, "deepspeed_defaults": bool, "deepspeed_param_groups": str, "logits_kept": bool, "logits_fp32": bool, "kv_cache": bool, "attention_expands_kv": bool, "loss_shifted_copy": bool, "outputs_until_next_forward": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "cluster": str, "float8_all_gather": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -151,6 +153,10 @@ CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLO
            "embed_head_unit": ("separate", "head-kept", "root", "root-kept"),
            "optimizer_kernels": ("fused", "foreach", "single"), "linear_loss": ("none", "chunked", "liger"),
            "optimizer": ("adamw", "muon")}
+
+
+# cluster presets a row may name for its network (presets/clusters/; each carries nccl-tests figures)
+CLUSTERS_WITH_NETWORKS = ("aws-p5",)
 
 
 def _typed(key: str, value, where: str):
@@ -195,6 +201,8 @@ def _row(raw: dict, source: Source, where: str) -> Row:
         raise RowError(f"{where}: compile_loss says how a compiled run treated its loss; it needs compile = true")
     if r.compile_scope != "block" and not r.compile:
         raise RowError(f"{where}: compile_scope says what a compiled run compiled; it needs compile = true")
+    if r.cluster is not None and r.cluster not in CLUSTERS_WITH_NETWORKS:
+        raise RowError(f"{where}: cluster = {r.cluster!r} is not one of {', '.join(CLUSTERS_WITH_NETWORKS)}")
     if r.float8_all_gather is not None and r.float8 != "tensorwise":
         raise RowError(f"{where}: float8_all_gather states a tensorwise run's float8 all-gather; it needs float8 = "
                        f"\"tensorwise\" (tensorwise-fp8-allgather says it is on)")
