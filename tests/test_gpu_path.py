@@ -659,6 +659,17 @@ def test_gpu_check_rehearsal_leaves_its_results_where_the_device_tool_takes_them
     assert not any("/step_" in n for n in names)  # checkpoints are not results
 
 
+def test_every_gpu_with_a_cluster_preset_has_its_stock_node():
+    """A one-GPU calibration takes its links from the GPU's stock node (calibrate.STOCK_CLUSTERS):
+    each GPU some cluster preset is for has one, and it is a cluster for that GPU, so a cluster
+    preset added later (a cloud's network) cannot silently become a GPU's default."""
+    from zplan import calibrate, presets
+
+    gpus = {presets.cluster(n).gpu for n in presets.names("clusters")}
+    assert gpus == set(calibrate.STOCK_CLUSTERS)
+    assert all(presets.cluster(c).gpu == g for g, c in calibrate.STOCK_CLUSTERS.items())
+
+
 def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset(tmp_path):
     """With one GPU calibrate measures no collective: the written cluster preset takes the stock
     cluster's links for the base GPU (hgx-h200 for an H200), not the GPU's copy rate as a link,
@@ -678,6 +689,9 @@ def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset
         assert getattr(got, f) == getattr(stock, f), f
     assert got.gpus_per_node == 1 and stock.gpus_per_node == 8  # this machine's node shape
     assert got.cpu_adam_params_per_s == 3e9 and "links as the hgx-h200 preset's" in got.source
+    h100 = {"source": "s"}  # H100 has two cluster presets: its stock node's links, not AWS's EFA
+    calibrate.one_gpu_links(h100, "h100-sxm")
+    assert "links as the dgx-h100 preset's" in h100["source"] and "tree_busbw_fraction" not in h100
     bare = {"intra_node_busbw_bytes_per_s": 4.2e12, "source": "s"}  # a GPU zplan has no preset for
     calibrate.one_gpu_links(bare, None)
     assert bare == {"intra_node_busbw_bytes_per_s": 4.2e12,

@@ -275,7 +275,13 @@ def keep_identity(gpu: dict, base: str | None) -> None:
 
 LINK_FIELDS = ("intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes_per_s",
                "inter_node_busbw_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s", "base_latency_s",
-               "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s")
+               "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s", "tree_busbw_fraction")
+
+# each GPU preset's stock node, whose links a one-GPU calibration takes: a GPU may have other
+# cluster presets too (aws-p5: H100 on AWS's EFA), which are not its default
+STOCK_CLUSTERS = {"cpu": "cpu-local", "a100-80gb": "dgx-a100", "b200": "dgx-b200", "h100-sxm": "dgx-h100",
+                  "gb200": "gb200-nvl72", "h200": "hgx-h200", "mi300x": "mi300x-node", "l40s": "pcie-l40s",
+                  "rtx-4090": "workstation-4090"}
 
 
 def one_gpu_links(cluster: dict, base: str | None) -> None:
@@ -287,8 +293,7 @@ def one_gpu_links(cluster: dict, base: str | None) -> None:
     measured."""
     from . import presets
 
-    stock = next((c for c in (presets.cluster(n) for n in presets.names("clusters"))
-                  if base is not None and c.gpu == base), None)
+    stock = presets.cluster(STOCK_CLUSTERS[base]) if base in STOCK_CLUSTERS else None
     if stock is None:
         cluster["source"] += "; one GPU: no collective measured, the link figures are its copy rate"
         return

@@ -209,14 +209,17 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if sc.n > c.gpus_per_node:  # groups span nodes: the network's figures price them
         out["inter_node_network"] = {
             "value": f"{c.name}: {c.inter_node_busbw_bytes_per_s / 1e9:g} GB/s per GPU, "
-                     f"{c.inter_node_latency_s * 1e6:g} us per network step",
+                     f"{c.inter_node_latency_s * 1e6:g} us per network step"
+                     + (f", tree at {c.tree_busbw_fraction:g} of the ring's bandwidth"
+                        if c.tree_busbw_fraction is not None else ""),
             "flag": "--cluster with your network's preset (aws-p5: AWS EFA) or a FILE.toml of the "
                     "preset's fields with your own nccl-tests figures",
             "meaning": "what rings and trees across nodes sustain, read from the cluster preset's "
                        "nccl-tests figures (zplan/nccl.py); networks of the same GPUs differ: AWS p5 "
                        "over EFA measured 32 MiB all-reduces over 16-32 nodes at 56-60% of what "
                        "dgx-h100's figures give, and a data-parallel grid there ran up to 52% slower "
-                       "than dgx-h100 predicts, within 6% on aws-p5 (docs/accuracy-notes.md 9bk, 9bl)"}
+                       "than dgx-h100 predicts, within 6% on aws-p5, one outlier run aside (docs/accuracy-notes.md "
+                       "9bk, 9bl)"}
     zero3 = sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies)
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (

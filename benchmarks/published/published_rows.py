@@ -156,7 +156,7 @@ CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLO
 
 
 # cluster presets a row may name for its network (presets/clusters/; each carries nccl-tests figures)
-CLUSTERS_WITH_NETWORKS = ("aws-p5",)
+CLUSTERS_WITH_NETWORKS = {"aws-p5": "h100-sxm"}  # name: the GPU preset it is for
 
 
 def _typed(key: str, value, where: str):
@@ -203,6 +203,9 @@ def _row(raw: dict, source: Source, where: str) -> Row:
         raise RowError(f"{where}: compile_scope says what a compiled run compiled; it needs compile = true")
     if r.cluster is not None and r.cluster not in CLUSTERS_WITH_NETWORKS:
         raise RowError(f"{where}: cluster = {r.cluster!r} is not one of {', '.join(CLUSTERS_WITH_NETWORKS)}")
+    if r.cluster is not None and CLUSTERS_WITH_NETWORKS[r.cluster] != r.gpu:
+        raise RowError(f"{where}: cluster {r.cluster!r} is a cluster of {CLUSTERS_WITH_NETWORKS[r.cluster]}, "
+                       f"not of gpu {r.gpu!r}")
     if r.float8_all_gather is not None and r.float8 != "tensorwise":
         raise RowError(f"{where}: float8_all_gather states a tensorwise run's float8 all-gather; it needs float8 = "
                        f"\"tensorwise\" (tensorwise-fp8-allgather says it is on)")
