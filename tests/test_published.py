@@ -181,6 +181,16 @@ def test_compile_and_float8_reach_the_options_or_are_marked_ignored(rows):
     assert acc.options(plain)[1] == ()
 
 
+def test_a_rows_cluster_is_a_preset_of_its_gpu(rows):
+    """published_rows keeps its own list of the cluster presets a row may name (the loader imports
+    no zplan) with the GPU each is for: held here against the presets themselves."""
+    from zplan import presets
+    for name, gpu in published_rows.CLUSTERS_WITH_NETWORKS.items():
+        assert presets.cluster(name).gpu == gpu, name
+    named = [r for r in rows if r.cluster is not None]
+    assert named and all(presets.cluster(r.cluster).gpu == r.gpu for r in named)
+
+
 def test_a_stated_float8_all_gather_reaches_the_options(rows):
     """torchtitan PR 812's log says enable_fsdp_float8_all_gather=False: priced so; a row that does
     not state it is priced at zplan's default (on), tensorwise-fp8-allgather on."""
