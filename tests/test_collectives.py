@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from zplan import comm, presets
-from zplan.nccl import busbw_at, collective_time, strided_shape
+from zplan.nccl import busbw_at, collective_time, group_busbw, strided_shape
 from tests.helpers import est, scenario
 
 CSV = Path(__file__).parent.parent / "benchmarks/published/nccl-tests/nccl-tests.csv"
@@ -224,6 +224,35 @@ def test_nvls_runs_where_it_is_fastest_and_small_all_reduces_run_the_ring():
     assert big.seconds == pytest.approx(65e-6 + 2 * (1 << 30) * 7 / 8 / 479e9, rel=1e-9)
 
 
+def _forced_nvls_rows():
+    with CSV.open() as f:
+        return [r for r in csv.DictReader(f) if r["cluster"] == "dgx-h100-nvls-forced"]
+
+
+@pytest.mark.parametrize("row", _forced_nvls_rows(), ids=lambda r: f"{r['gpus']}-{r['bytes']}")
+def test_nvls_bandwidth_by_group_size_against_forced_nvls_runs(row):
+    """NVLS over n GPUs of a node moves S(1 + 1/n) each way per GPU, so its busbw is 2(n-1)/(n+1)
+    of one GPU's NVLink rate: the preset's 8-GPU figure scaled by that share gives what nccl-tests
+    measures with NCCL_ALGO=NVLS on 2, 4 and 6 H100 of another host (within 5% from 256 MiB)."""
+    c = presets.cluster("dgx-h100")
+    n, size = int(row["gpus"]), int(row["bytes"])
+    bw, algo = group_busbw(c, "all_reduce", n, 8)
+    assert algo == "nvls"
+    t_model = 65e-6 + 2 * size * (n - 1) / (n * bw)
+    t_measured = 2 * size * (n - 1) / (n * float(row["busbw_GBps"]) * 1e9)
+    assert t_model == pytest.approx(t_measured, rel=0.05)
+
+
+def test_nccl_runs_the_ring_for_two_gpus_and_nvls_for_six():
+    """NCCL's tuner (its debug lines in the runs above) ran Ring for all-reduces over 2 GPUs of an
+    H100 node and NVLS over 6; the 8-GPU NVLS figure for every group made 2-4 GPUs 24-30% fast."""
+    c = presets.cluster("dgx-h100")
+    assert collective_time(c, "all_reduce", 8 << 30, 2, 8).algorithm == "ring"
+    assert collective_time(c, "all_reduce", 8 << 30, 6, 8).algorithm == "nvls"
+    whole, _ = group_busbw(c, "all_reduce", 8, 8)
+    assert whole == c.intra_node_allreduce_busbw_bytes_per_s  # the preset's figure is the node's
+
+
 def test_ll_never_runs_at_network_bandwidth():
     """tuning.cc: ring LL busBw = min(llMaxBw, busBw x .5); across more than two nodes of Intel
     hosts llMaxBw is 20.4 GB/s, so a 25 MiB reduce-scatter over 64 H100s runs Simple (it ran LL
@@ -269,3 +298,17 @@ def test_a_rings_pipeline_fill_is_paid_inside_a_node_only():
     assert allreduce == pytest.approx(200e-6)  # reduce-scatter and all-gather phases
     across = collective_time(c, "all_gather", 1 << 30, 64, 8).seconds
     assert across == collective_time(bare, "all_gather", 1 << 30, 64, 8).seconds
+
+
+def test_gpus_per_node_override_keeps_the_nvls_figures_group(tmp_path):
+    """--gpus-per-node reshapes the node; the NVLS figure stays what it was measured over: a
+    cluster file without intra_node_allreduce_gpus keeps its own node's 8 GPUs as the reference,
+    so a 4-GPU group is priced at 2(3)/5 over 2(7)/9 of it, not at the whole figure."""
+    text = (Path(__file__).parent.parent / "presets/clusters/dgx-h100.toml").read_text()
+    lines = [ln for ln in text.splitlines() if not ln.startswith("intra_node_allreduce_gpus")]
+    f = tmp_path / "mine.toml"
+    f.write_text("\n".join(lines).replace('name = "dgx-h100"', 'name = "mine"') + "\n")
+    c = scenario(model="llama-3.1-8b", gpus="8", cluster=str(f), gpus_per_node=4).hw.cluster
+    assert c.gpus_per_node == 4 and c.intra_node_allreduce_gpus == 8
+    bw, algo = group_busbw(c, "all_reduce", 4, 4)
+    assert algo == "nvls" and bw == pytest.approx(479e9 * (6 / 5) / (14 / 9))

@@ -273,7 +273,7 @@ def keep_identity(gpu: dict, base: str | None) -> None:
             gpu["kernels"]["source"] += f"; fp8 GEMM not measured: the {base} preset's achieved {fp8 / 1e12:.0f} TFLOP/s"
 
 
-LINK_FIELDS = ("intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes_per_s",
+LINK_FIELDS = ("intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes_per_s", "intra_node_allreduce_gpus",
                "inter_node_busbw_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s", "base_latency_s",
                "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s", "tree_busbw_fraction")
 

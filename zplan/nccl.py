@@ -70,12 +70,32 @@ def _factor(op: str) -> int:
     return 2 if op == "all_reduce" else 1
 
 
+def nvls_busbw_share(n: int) -> float:
+    """NVLS all-reduce bus bandwidth over n GPUs of one NVSwitch node, in units of one GPU's
+    effective NVLink bandwidth L: 2(n-1)/(n+1).
+
+    Source: the data NVLS moves (NCCL's NVLS kernels, multimem.ld_reduce then multimem.st): each
+    GPU sends its whole buffer S to the switch, which reduces each 1/n chunk for its owner (in
+    S/n), and each owner's reduced chunk goes back out once (S/n), the switch writing it to all n
+    GPUs (in S): S(1 + 1/n) each way per GPU, so algbw = nL/(n+1) and busbw = algbw x 2(n-1)/n.
+    Checked against nccl-tests with NVLS forced on 2, 4 and 6 H100 (waynehacking8/
+    nccl-collectives-bench 38c093e, NCCL 2.29.2: 207, 376, 443 GB/s at 8 GiB), which the preset's
+    8-GPU 479 GB/s and this ratio give within 2% (docs/formulas.md section 5)."""
+    return 2.0 * (n - 1) / (n + 1)
+
+
 def group_busbw(c: ClusterSpec, op: str, n: int, per_node: int) -> tuple[float, str]:
-    """Bus bandwidth (large messages) and algorithm for a group of n ranks, per_node in a node."""
+    """Bus bandwidth (large messages) and algorithm for a group of n ranks, per_node in a node.
+
+    A preset's NVLS figure is measured over intra_node_allreduce_gpus GPUs (its whole node where
+    unset); a smaller group inside the node gets it scaled by nvls_busbw_share (NVLS loses to the ring below ~4 GPUs, as NCCL's tuner
+    finds)."""
     nodes = -(-n // per_node)
     if nodes == 1:
         if op == "all_reduce" and c.intra_node_allreduce_busbw_bytes_per_s:
-            return c.intra_node_allreduce_busbw_bytes_per_s, "nvls"
+            ref = max(2, c.intra_node_allreduce_gpus or c.gpus_per_node)
+            scale = nvls_busbw_share(min(n, ref)) / nvls_busbw_share(ref)
+            return c.intra_node_allreduce_busbw_bytes_per_s * scale, "nvls"
         return c.intra_node_busbw_bytes_per_s, "ring"
     return min(c.intra_node_busbw_bytes_per_s, per_node * c.inter_node_busbw_bytes_per_s), "ring"
 

@@ -105,7 +105,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     cluster = presets.cluster(o.cluster, extra)
     if o.gpus_per_node is not None:
         check_range(o.gpus_per_node, "--gpus-per-node", 1, 1024)
-        cluster = cluster.model_copy(update={"gpus_per_node": o.gpus_per_node})
+        update: dict = {"gpus_per_node": o.gpus_per_node}
+        if cluster.intra_node_allreduce_busbw_bytes_per_s and cluster.intra_node_allreduce_gpus is None:
+            update["intra_node_allreduce_gpus"] = cluster.gpus_per_node  # the figure stays the preset node's
+        cluster = cluster.model_copy(update=update)
     gpus_found = None
     if o.gpu == "auto":
         from .hardware import detect

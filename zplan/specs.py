@@ -236,7 +236,10 @@ class ClusterSpec(Spec):
         gt=0, le=MAX_RATE, description="ring all-gather/reduce-scatter busbw inside one node, large messages")
     intra_node_allreduce_busbw_bytes_per_s: float | None = Field(
         None, gt=0, le=MAX_RATE, description="all-reduce busbw inside one node where NCCL picks NVLS "
-        "(NVLink SHARP); None: the ring figure")
+        "(NVLink SHARP), measured over intra_node_allreduce_gpus GPUs; None: the ring figure")
+    intra_node_allreduce_gpus: int | None = Field(
+        None, gt=1, le=1024, description="how many GPUs of the node the NVLS figure was measured over "
+        "(smaller groups get less: zplan/nccl.py nvls_busbw_share); None: gpus_per_node")
     inter_node_busbw_bytes_per_s: float = Field(
         gt=0, le=MAX_RATE, description="per GPU: what each GPU's share of the network adds to a ring that "
         "spans nodes; a group with g GPUs in each node gets g times this")
