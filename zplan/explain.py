@@ -83,7 +83,10 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
         how = ("all units stay gathered from forward to backward" if not st.reshard_after_forward
                else "current + prefetched unit" if t.prefetch else "one unit at a time")
         out.append(f"gathered weights ({how}) x {b(p.param)} B = {_gb(mem.gather_buffer_bytes)}")
-        out.append(f"reduce: largest unit {big:,} x ({b(p.param)} B grad + {b(p.reduce)} B reduce-scatter input) = {_gb(mem.reduce_buffer_bytes)}")
+        whole = big * (b(p.param) + b(p.reduce))
+        out.append(f"reduce: unsharded gradients + reduce-scatter inputs live at the peak = {_gb(mem.reduce_buffer_bytes)} "
+                   f"(a whole unit's, the largest: {big:,} x ({b(p.param)} B grad + {b(p.reduce)} B reduce-scatter "
+                   f"input) = {_gb(whole)})")
     else:
         out.append(f"working copy of the weights = {_gb(mem.gather_buffer_bytes)}; buckets = {_gb(mem.reduce_buffer_bytes)}")
     if mem.accum_grad_bytes:
