@@ -251,6 +251,8 @@ def test_nccl_runs_the_ring_for_two_gpus_and_nvls_for_six():
     assert collective_time(c, "all_reduce", 8 << 30, 6, 8).algorithm == "nvls"
     whole, _ = group_busbw(c, "all_reduce", 8, 8)
     assert whole == c.intra_node_allreduce_busbw_bytes_per_s  # the preset's figure is the node's
+    big = c.model_copy(update={"gpus_per_node": 16})  # a larger group than the figure's: no more than it
+    assert group_busbw(big, "all_reduce", 16, 16)[0] == c.intra_node_allreduce_busbw_bytes_per_s
 
 
 def test_ll_never_runs_at_network_bandwidth():

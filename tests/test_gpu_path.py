@@ -688,6 +688,7 @@ def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset
     for f in calibrate.LINK_FIELDS:
         assert getattr(got, f) == getattr(stock, f), f
     assert got.gpus_per_node == 1 and stock.gpus_per_node == 8  # this machine's node shape
+    assert got.intra_node_allreduce_gpus == 8  # the NVLS figure stays the 8-GPU node's (nccl.group_busbw)
     assert got.cpu_adam_params_per_s == 3e9 and "links as the hgx-h200 preset's" in got.source
     h100 = {"source": "s"}  # H100 has two cluster presets: its stock node's links, not AWS's EFA
     calibrate.one_gpu_links(h100, "h100-sxm")

@@ -88,8 +88,8 @@ def group_busbw(c: ClusterSpec, op: str, n: int, per_node: int) -> tuple[float, 
     """Bus bandwidth (large messages) and algorithm for a group of n ranks, per_node in a node.
 
     A preset's NVLS figure is measured over intra_node_allreduce_gpus GPUs (its whole node where
-    unset); a smaller group inside the node gets it scaled by nvls_busbw_share (NVLS loses to the ring below ~4 GPUs, as NCCL's tuner
-    finds)."""
+    unset); a smaller group inside the node gets it scaled by nvls_busbw_share, a larger one keeps
+    it (the slower side); collective_time takes the faster of NVLS and the ring (the ring at 2 GPUs)."""
     nodes = -(-n // per_node)
     if nodes == 1:
         if op == "all_reduce" and c.intra_node_allreduce_busbw_bytes_per_s:
