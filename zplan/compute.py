@@ -20,6 +20,7 @@ from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_tensor_sizes
 from .scenario import PinnedMemo, Scenario
 from .strategies import Strategy
+from .units import dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,23 @@ class UnitOverlap:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# bytes per parameter of the CPU AdamW step at fp32 master weights, gradients and states, the
+# layout cpu_adam_params_per_s is measured in (ZeRO-Offload's CPU-Adam; zplan calibrate's fused AdamW)
+CPU_ADAM_REFERENCE_BYTES = 28
+
+
+def cpu_optimizer_bytes_per_param(p) -> float:
+    """Host memory bytes the CPU AdamW step moves per parameter: the master weight read and
+    written, its gradient read (in the master's dtype: DeepSpeed copies the reduced gradient
+    into its fp32 partition, FSDP casts it to the sharded parameter's dtype), m and v each read
+    and written: 3M + 4S for master and state sizes M, S. Source: the kernels' loops (DeepSpeed's
+    csrc/adam/cpu_adam_impl.cpp, Adam_Optimizer::Step_1/4/8; torch's fused CPU AdamW of pytorch/
+    pytorch PR 123074), one pass over each buffer; the step is memory-bound (kernel-level
+    timings on Ice Lake and Grace run at ~70-75% of DRAM bandwidth: docs/accuracy-notes.md 9bn),
+    so its time scales with these bytes from the fp32 reference (28 B)."""
+    return 3 * dtype_bytes(p.master) + 4 * dtype_bytes(p.optimizer)
 
 
 @dataclass(frozen=True)
@@ -300,7 +318,8 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     if st.offload_optimizer:
         ranks = min(sc.n, sc.hw.cluster.gpus_per_node)
         shard = sum(sc.shard_elems(u, sc.shard_degree(st.hsdp)) for u in sc.units)
-        offload_s = shard / (sc.hw.cluster.cpu_adam_params_per_s / ranks)
+        offload_s = (shard * cpu_optimizer_bytes_per_param(t.precision) / CPU_ADAM_REFERENCE_BYTES
+                     / (sc.hw.cluster.cpu_adam_params_per_s / ranks))
         offload_s += sum(c.seconds_per_step for c in colls
                          if c.op in ("d2h",) or (c.op == "h2d" and not st.offload_params))
     # the slowest rank's compute, optimizer step and contention beyond the median GPU's (the

@@ -179,7 +179,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         "overlap": {"value": a.overlap, "flag": "--no-overlap",
                     "meaning": "communication runs concurrently with compute"},
         "cpu_adam_params_per_s": {"value": sc.hw.cluster.cpu_adam_params_per_s, "flag": "cluster preset",
-                                  "meaning": "CPU optimizer throughput per node (offload)"},
+                                  "meaning": "CPU optimizer throughput per node (offload), at fp32 master weights and states; other dtypes by the bytes the step moves (bf16: twice as fast)"},
     }
     k = sc.hw.gpu.kernels
     if k is not None and a.compute_efficiency is None:  # the kernel model prices contention
