@@ -291,6 +291,31 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
         set_local_device()
 
 
+def test_calibrate_keeps_an_nvls_all_reduce_apart_from_the_ring():
+    """On 8 H100 nccl-tests measure all-reduce at 479 GB/s busbw (NVLS) and all-gather and
+    reduce-scatter at ~360 (the ring): calibrate's link figure, the median of the three, is the
+    ring's, so the all-reduce is written on its own, with the GPU count it was measured over,
+    and a preset built from it prices an 8-GPU all-reduce at it and a 2-GPU one on the ring."""
+    from zplan import calibrate, presets
+    from zplan.nccl import collective_time
+    from zplan.specs import ClusterSpec
+
+    G = 2**30
+    busbw = {"all_gather": {G: 361e9}, "reduce_scatter": {G: 355e9}, "all_reduce": {G: 479e9}}
+    bw, _, _ = calibrate.fit_link({op: {G: G / v} for op, v in
+                                   {"all_gather": 361e9 * 8 / 7, "reduce_scatter": 355e9 * 8 / 7,
+                                    "all_reduce": 479e9 * 8 / 14}.items()}, 8)
+    assert bw == pytest.approx(361e9)  # the median: the ring's figure
+    fields = calibrate.nvls_fields(busbw, bw, 8)
+    assert fields == {"intra_node_allreduce_busbw_bytes_per_s": 479e9, "intra_node_allreduce_gpus": 8}
+    c = ClusterSpec(name="m", gpus_per_node=8, intra_node_busbw_bytes_per_s=bw, inter_node_busbw_bytes_per_s=bw / 10,
+                    intra_node_latency_s=0.0, inter_node_latency_s=0.0, host_ram_bytes=2**40, source="test", **fields)
+    assert collective_time(c, "all_reduce", 8 * G, 8, 8).algorithm == "nvls"
+    assert collective_time(c, "all_reduce", 8 * G, 2, 8).algorithm == "ring"
+    ring_only = {**busbw, "all_reduce": {G: 362e9}}  # PCIe, gloo, or NVLS off: nothing apart
+    assert calibrate.nvls_fields(ring_only, bw, 8) == {} and calibrate.nvls_fields(busbw, bw, 2) == {}
+
+
 def test_calibrate_refuses_more_nccl_ranks_than_gpus(monkeypatch):
     """calibrate's NCCL ranks each take GPU `rank`: more ranks than GPUs is one line before any
     process starts, not a CUDA error inside a spawned child (the GPU count is faked)."""

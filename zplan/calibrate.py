@@ -343,6 +343,20 @@ def fit_link(times: dict, world: int) -> tuple[float, float, dict]:
     return bw, alpha, busbw
 
 
+def nvls_fields(busbw: dict, ring_bw: float, world: int) -> dict:
+    """Cluster fields for an all-reduce faster than the node's ring: where NCCL ran NVLS (an
+    NVSwitch node of more than 2 GPUs: nccl-tests on 8 H100 measure ~480 GB/s all-reduce busbw
+    against ~360 all-gather), the all-reduce's own busbw at the largest message, measured over
+    `world` GPUs (zplan/nccl.py scales it for smaller groups). fit_link's median of the three
+    collectives is the ring's figure and would price such all-reduces a quarter slow. Nothing
+    where the all-reduce is within 5% of the ring (no NVLS, PCIe, gloo)."""
+    big = max(busbw["all_reduce"])
+    ar = busbw["all_reduce"][big]
+    if world <= 2 or ar <= 1.05 * ring_bw:
+        return {}
+    return {"intra_node_allreduce_busbw_bytes_per_s": float(f"{ar:.4g}"), "intra_node_allreduce_gpus": int(world)}
+
+
 def _sync(device) -> None:
     import torch
 

@@ -229,6 +229,8 @@ def calibrate(
                "link": "nvlink" if cuda else "loopback",
                "host_ram_bytes": int(found.host_ram_bytes), "cpu_adam_params_per_s": float(f"{adam:.4g}"),
                "source": source + "; inter-node figures are not measured (assumed 1/10 and 4x)"}
+    if cuda and world > 1:
+        cluster.update(cal.nvls_fields(busbw, bw, world))
     if cuda and world == 1:
         cal.one_gpu_links(cluster, gpu.get("base"))
     g, c = cal.write_presets(Path(output), name, gpu, cluster)
