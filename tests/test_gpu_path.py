@@ -314,6 +314,11 @@ def test_calibrate_keeps_an_nvls_all_reduce_apart_from_the_ring():
     assert collective_time(c, "all_reduce", 8 * G, 2, 8).algorithm == "ring"
     ring_only = {**busbw, "all_reduce": {G: 362e9}}  # PCIe, gloo, or NVLS off: nothing apart
     assert calibrate.nvls_fields(ring_only, bw, 8) == {} and calibrate.nvls_fields(busbw, bw, 2) == {}
+    # the largest message decides (a small one is latency-bound), and only beyond 5% of the ring
+    sizes = {"all_reduce": {2**20: 150e9, G: 479e9}}
+    assert calibrate.nvls_fields(sizes, bw, 8)["intra_node_allreduce_busbw_bytes_per_s"] == 479e9
+    assert calibrate.nvls_fields({"all_reduce": {G: 1.04 * bw}}, bw, 8) == {}
+    assert calibrate.nvls_fields({"all_reduce": {G: 1.06 * bw}}, bw, 8) != {}
 
 
 def test_calibrate_refuses_more_nccl_ranks_than_gpus(monkeypatch):

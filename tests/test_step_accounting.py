@@ -127,8 +127,15 @@ def test_the_cpu_optimizer_step_scales_with_the_bytes_it_moves():
         return r.timing.offload_s - copies
 
     fp32 = cpu_step()
+    sc = scenario(model="llama-3.2-1b", gpus=8, layout="zero")
+    shard = sum(sc.shard_elems(u, 8) for u in sc.units)  # DeepSpeed's flat partition of one rank
+    assert fp32 == pytest.approx(shard / (sc.hw.cluster.cpu_adam_params_per_s / 8), rel=1e-9)  # the preset's rate
     bf16 = cpu_step(master_dtype="bf16", optimizer_dtype="bf16")
-    assert fp32 > 0 and bf16 / fp32 == pytest.approx(14 / 28, rel=1e-9)
+    assert bf16 / fp32 == pytest.approx(14 / 28, rel=1e-9)
+    mixed = cpu_step(optimizer_dtype="bf16")  # fp32 master and gradient (12 B), bf16 m and v (8)
+    assert mixed / fp32 == pytest.approx(20 / 28, rel=1e-9)
+    sgd = cpu_step(optimizer="sgd")  # one state, momentum: 12 + 8
+    assert sgd / fp32 == pytest.approx(20 / 28, rel=1e-9)
 
 
 def test_deepspeeds_last_bucket_is_the_embedding_alone():

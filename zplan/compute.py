@@ -17,7 +17,7 @@ from . import kernels as K
 from . import muon, unit_ops
 from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
 from .deepspeed import reduces_after_backward
-from .memory import Memory, optimizer_tensor_sizes
+from .memory import Memory, optimizer_state_bytes, optimizer_tensor_sizes
 from .scenario import PinnedMemo, Scenario
 from .strategies import Strategy
 from .units import dtype_bytes
@@ -44,16 +44,23 @@ class UnitOverlap:
 CPU_ADAM_REFERENCE_BYTES = 28
 
 
-def cpu_optimizer_bytes_per_param(p) -> float:
-    """Host memory bytes the CPU AdamW step moves per parameter: the master weight read and
-    written, its gradient read (in the master's dtype: DeepSpeed copies the reduced gradient
-    into its fp32 partition, FSDP casts it to the sharded parameter's dtype), m and v each read
-    and written: 3M + 4S for master and state sizes M, S. Source: the kernels' loops (DeepSpeed's
-    csrc/adam/cpu_adam_impl.cpp, Adam_Optimizer::Step_1/4/8; torch's fused CPU AdamW of pytorch/
-    pytorch PR 123074), one pass over each buffer; the step is memory-bound (kernel-level
-    timings on Ice Lake and Grace run at ~70-75% of DRAM bandwidth: docs/accuracy-notes.md 9bn),
-    so its time scales with these bytes from the fp32 reference (28 B)."""
-    return 3 * dtype_bytes(p.master) + 4 * dtype_bytes(p.optimizer)
+def cpu_optimizer_bytes_per_param(t) -> float:
+    """Host memory bytes the CPU optimizer step moves per parameter: the master weight read and
+    written, its gradient read (in the master's dtype: DeepSpeed keeps its gradient partition in
+    the master's dtype, FSDP casts the reduced gradient to the sharded parameter's), each state
+    tensor read and written: 3M + 2·state for master size M; AdamW's m and v, 3M + 4S, the fused
+    pass of unit_ops.adamw_fused_bytes (SGD's momentum 3M + 2S; 8-bit Adam's uint8 states with
+    their block scales). Source: the kernels' loops (DeepSpeed's csrc/adam/cpu_adam_impl.cpp,
+    Adam_Optimizer::Step_1/4/8; torch's fused CPU AdamW of pytorch/pytorch PR 123074), one pass
+    over each buffer; the step is memory-bound (kernel-level timings on Ice Lake and Grace run
+    at ~70-75% of DRAM bandwidth: docs/accuracy-notes.md 9bn), so its time scales with these
+    bytes from the fp32 AdamW reference (28 B)."""
+    p = t.precision
+    state = optimizer_state_bytes(_STATE_PROBE, t.optimizer, p.optimizer) / _STATE_PROBE
+    return 3 * dtype_bytes(p.master) + 2 * state
+
+
+_STATE_PROBE = 2048 * 1024  # elements: a whole number of 8-bit Adam's blocks
 
 
 @dataclass(frozen=True)
@@ -318,7 +325,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     if st.offload_optimizer:
         ranks = min(sc.n, sc.hw.cluster.gpus_per_node)
         shard = sum(sc.shard_elems(u, sc.shard_degree(st.hsdp)) for u in sc.units)
-        offload_s = (shard * cpu_optimizer_bytes_per_param(t.precision) / CPU_ADAM_REFERENCE_BYTES
+        offload_s = (shard * cpu_optimizer_bytes_per_param(t) / CPU_ADAM_REFERENCE_BYTES
                      / (sc.hw.cluster.cpu_adam_params_per_s / ranks))
         offload_s += sum(c.seconds_per_step for c in colls
                          if c.op in ("d2h",) or (c.op == "h2d" and not st.offload_params))
