@@ -177,6 +177,23 @@ def test_explain_shows_how_nccl_runs_the_largest_gather():
     assert "8 per node (8 node(s)): ring/Simple, busbw 292 GB/s" in line
 
 
+def test_explain_shows_how_nccl_runs_the_replicas_all_reduce_and_ddps_buckets():
+    """HSDP's replica all-reduce and DDP's bucket get a line of their own (DDP gathers nothing):
+    4 replicas inside an 8-GPU H100 node run NVLS at 479 x (2*3/5) / (2*7/9) = 370 GB/s; 2
+    replicas a node apart, one GPU a node, run the ring at one NIC's 36.5 GB/s."""
+    from zplan.explain import explain_lines
+
+    inside = explain_lines(scenario(model="llama-3.1-8b", gpus=8, cluster="dgx-h100", shard_size=2), "hsdp")
+    line = [x for x in inside if x.startswith("one all-reduce (replicas)")][0]
+    assert "over 4 ranks, 4 per node (1 node(s)): nvls/Simple, busbw 370 GB/s" in line
+    across = explain_lines(scenario(model="llama-3.1-8b", gpus=16, cluster="dgx-h100", shard_size=8), "hsdp")
+    line = [x for x in across if x.startswith("one all-reduce (replicas)")][0]
+    assert "over 2 ranks, 1 per node (2 node(s)): ring/Simple, busbw 36 GB/s" in line
+    ddp = explain_lines(scenario(model="llama-3.1-8b", gpus=4, cluster="dgx-h100"), "ddp")
+    assert not [x for x in ddp if x.startswith("one all-gather")]
+    assert [x for x in ddp if x.startswith("one all-reduce (one gradient bucket) of 0.026 GB over 4 ranks")]
+
+
 def test_explain_hsdp_with_a_shard_group_of_one_gathers_nothing(run_zplan):
     """--shard-size 1: nothing to gather (was a ZeroDivisionError, found by tests/test_fuzz.py)."""
     p = run_zplan("explain", "--shard-size", "1", "--strategy", "hsdp")

@@ -230,8 +230,25 @@ def _nccl_lines(sc: Scenario, st, D: int) -> list[str]:
     g = nccl.contiguous_shape(n, c.gpus_per_node, sc.n)
     size = max(sc.padded_elems(u, n) for u in sc.units) if st.fsdp else sc.params
     b = nbytes(size, sc.train.precision.param)
-    ct = nccl.collective_time(c, "all_gather", b, n, g)
-    wire = b * (n - 1) / (n * ct.busbw_bytes_per_s)
-    return [f"one all-gather of {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
+    out = [] if st.name == "ddp" else [_nccl_call(c, "all-gather", b, n, g)]  # DDP gathers nothing
+    gpn = c.gpus_per_node
+    if st.hsdp and sc.n // D > 1:  # the replica group's all-reduce of the largest unit's shard
+        R = sc.n // D
+        big = max(sc.padded_elems(u, D) for u in sc.units) // D
+        out.append(_nccl_call(c, "all-reduce (replicas)", nbytes(big, sc.train.precision.reduce), R,
+                              nccl.strided_shape(R, D, gpn)))
+    elif not st.fsdp and (st.name == "ddp" or (st.name == "zero1" and sc.train.layout == "torch")):
+        grad = nbytes(sc.params, sc.train.precision.master)  # DDP's buckets, as section 6 prices them
+        out.append(_nccl_call(c, "all-reduce (one gradient bucket)", min(grad, sc.assume.ddp_bucket_bytes),
+                              sc.n, nccl.contiguous_shape(sc.n, gpn, sc.n)))
+    return out
+
+
+def _nccl_call(c, what: str, b: int, n: int, g: int) -> str:
+    """How NCCL runs one call: the group's shape, algorithm and protocol, busbw, latency."""
+    ct = nccl.collective_time(c, what.split(" ")[0].replace("-", "_"), b, n, g)
+    f = 2 if what.startswith("all-reduce") else 1
+    wire = f * b * (n - 1) / (n * ct.busbw_bytes_per_s)
+    return (f"one {what} of {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
             f"{ct.algorithm}/{ct.protocol}, busbw {ct.busbw_bytes_per_s / GB:,.0f} GB/s -> "
-            f"latency {fmt_s(ct.seconds - wire)} + transfer {fmt_s(wire)} = {fmt_s(ct.seconds)}"]
+            f"latency {fmt_s(ct.seconds - wire)} + transfer {fmt_s(wire)} = {fmt_s(ct.seconds)}")
