@@ -189,9 +189,19 @@ def test_explain_shows_how_nccl_runs_the_replicas_all_reduce_and_ddps_buckets():
     across = explain_lines(scenario(model="llama-3.1-8b", gpus=16, cluster="dgx-h100", shard_size=8), "hsdp")
     line = [x for x in across if x.startswith("one all-reduce (replicas)")][0]
     assert "over 2 ranks, 1 per node (2 node(s)): ring/Simple, busbw 36 GB/s" in line
-    ddp = explain_lines(scenario(model="llama-3.1-8b", gpus=4, cluster="dgx-h100"), "ddp")
+    ddp = explain_lines(scenario(model="llama-3.1-8b", gpus=4, cluster="dgx-h100", layout="torch"), "ddp")
     assert not [x for x in ddp if x.startswith("one all-gather")]
     assert [x for x in ddp if x.startswith("one all-reduce (one gradient bucket) of 0.026 GB over 4 ranks")]
+    # DeepSpeed stage 0 reduces after backward in 5e8-element buffers: 2 GB of fp32 a call
+    ds = explain_lines(scenario(model="llama-3.1-8b", gpus=4, cluster="dgx-h100", layout="zero"), "ddp")
+    assert [x for x in ds if x.startswith("one all-reduce (one fallback buffer, after backward) of 2.000 GB")]
+    # ZeroRedundancyOptimizer broadcasts the fp32 weights (a ring, no latency worth naming)
+    z1 = explain_lines(scenario(model="llama-3.1-8b", gpus=8, cluster="dgx-h100", layout="torch"), "zero1")
+    assert [x for x in z1 if x.startswith("one broadcast (updated weights) of 32.121 GB over 8 ranks")]
+    # a tree's time has its own form: no latency/transfer split is printed for it
+    big = explain_lines(scenario(model="llama-3.1-8b", gpus=256, cluster="dgx-h100", layout="torch"), "ddp")
+    line = [x for x in big if x.startswith("one all-reduce (one gradient bucket)")][0]
+    assert "tree/Simple" in line and "latency" not in line
 
 
 def test_explain_hsdp_with_a_shard_group_of_one_gathers_nothing(run_zplan):

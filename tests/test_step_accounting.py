@@ -136,6 +136,10 @@ def test_the_cpu_optimizer_step_scales_with_the_bytes_it_moves():
     assert mixed / fp32 == pytest.approx(20 / 28, rel=1e-9)
     sgd = cpu_step(optimizer="sgd")  # one state, momentum: 12 + 8
     assert sgd / fp32 == pytest.approx(20 / 28, rel=1e-9)
+    from zplan.explain import explain_lines  # and explain shows the bytes it priced
+    lines = explain_lines(scenario(model="llama-3.2-1b", gpus=8, layout="zero", master_dtype="bf16",
+                                   optimizer_dtype="bf16"), "offload-opt")
+    assert [x for x in lines if x.startswith("CPU optimizer (adamw): 14 B a parameter")]
 
 
 def test_deepspeeds_last_bucket_is_the_embedding_alone():

@@ -11,9 +11,9 @@ from . import activation_memory, arch
 from . import kernels as K
 from . import nccl
 from . import unit_ops
-from .compute import optimizer_ops, uses_kernel_model
+from .compute import CPU_ADAM_REFERENCE_BYTES, cpu_optimizer_bytes_per_param, optimizer_ops, uses_kernel_model
 from .estimate import TIGHT_FREE_FRACTION, estimate_one
-from .deepspeed import reduce_stream_bytes
+from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduce_stream_bytes, reduces_after_backward
 from .scenario import Scenario
 from .units import DTYPE_BITS, GB, fmt_s, nbytes
 
@@ -203,6 +203,13 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         if opt:
             out.append("optimizer step, this rank's state: " + "; ".join(
                 f"{o.name} {o.bytes / 1e9:,.2f} GB x{o.kernels} -> {fmt_s(o.seconds)}" for o in opt))
+    if r.strategy.offload_optimizer and tm.offload_s:
+        rate = sc.hw.cluster.cpu_adam_params_per_s
+        per = cpu_optimizer_bytes_per_param(t)
+        out.append(f"CPU optimizer ({t.optimizer}): {per:g} B a parameter (3 x master + 2 x state) over the "
+                   f"{CPU_ADAM_REFERENCE_BYTES} B at which the node's {rate:.3g} parameters/s were measured, "
+                   f"shared by {min(sc.n, sc.hw.cluster.gpus_per_node)} ranks; with the host-link copies: "
+                   f"offload {fmt_s(tm.offload_s)} per step")
     if tm.units:
         o = tm.units[1 if len(tm.units) > 2 else 0]
         out.append(f"  its all-gather {fmt_s(o.all_gather_s)} vs the previous unit's forward: "
@@ -220,35 +227,51 @@ def _per_block(ops: list, blocks: int) -> tuple[list, int]:
 
 
 def _nccl_lines(sc: Scenario, st, D: int) -> list[str]:
-    """How NCCL runs one call of the largest unit's all-gather: shape, algorithm, busbw, latency."""
+    """How NCCL runs one call of the step's main collectives, as section 6 prices them: the
+    largest unit's all-gather and HSDP's replica all-reduce of its shard (FSDP-style), DDP's
+    gradient bucket (DeepSpeed stage 0: one fallback buffer after backward) and
+    ZeroRedundancyOptimizer's broadcast of the updated weights. DeepSpeed's ZeRO-1/2 buckets are
+    listed in section 6 only."""
     if sc.n <= 1:
         return []
-    c = sc.hw.cluster
-    n = D if st.fsdp else sc.n
-    if n <= 1:  # HSDP with --shard-size 1: each rank holds whole weights, nothing is gathered
-        return ["shard group of 1 rank: no all-gather (the weights are replicated, as under DDP)"]
-    g = nccl.contiguous_shape(n, c.gpus_per_node, sc.n)
-    size = max(sc.padded_elems(u, n) for u in sc.units) if st.fsdp else sc.params
-    b = nbytes(size, sc.train.precision.param)
-    out = [] if st.name == "ddp" else [_nccl_call(c, "all-gather", b, n, g)]  # DDP gathers nothing
+    c, p, t = sc.hw.cluster, sc.train.precision, sc.train
     gpn = c.gpus_per_node
-    if st.hsdp and sc.n // D > 1:  # the replica group's all-reduce of the largest unit's shard
-        R = sc.n // D
-        big = max(sc.padded_elems(u, D) for u in sc.units) // D
-        out.append(_nccl_call(c, "all-reduce (replicas)", nbytes(big, sc.train.precision.reduce), R,
-                              nccl.strided_shape(R, D, gpn)))
-    elif not st.fsdp and (st.name == "ddp" or (st.name == "zero1" and sc.train.layout == "torch")):
-        grad = nbytes(sc.params, sc.train.precision.master)  # DDP's buckets, as section 6 prices them
-        out.append(_nccl_call(c, "all-reduce (one gradient bucket)", min(grad, sc.assume.ddp_bucket_bytes),
-                              sc.n, nccl.contiguous_shape(sc.n, gpn, sc.n)))
+    out: list[str] = []
+    if st.fsdp:
+        if D <= 1:  # HSDP with --shard-size 1: each rank holds whole weights, nothing is gathered
+            out.append("shard group of 1 rank: no all-gather (the weights are replicated, as under DDP)")
+        else:
+            size = max(sc.padded_elems(u, D) for u in sc.units)
+            out.append(_nccl_call(c, "all-gather", "all_gather", nbytes(size, p.param), D,
+                                  nccl.contiguous_shape(D, gpn, sc.n)))
+        if st.hsdp and sc.n // D > 1:  # the replica group's all-reduce of the largest unit's shard
+            R = sc.n // D
+            big = max(sc.padded_elems(u, D) for u in sc.units) // D
+            out.append(_nccl_call(c, "all-reduce (replicas)", "all_reduce", nbytes(big, p.reduce), R,
+                                  nccl.strided_shape(R, D, gpn)))
+        return out
+    world = nccl.contiguous_shape(sc.n, gpn, sc.n)
+    if st.name == "ddp" or (st.name == "zero1" and t.layout == "torch"):
+        if reduces_after_backward(st.name, t.layout):  # DeepSpeed stage 0 (comm.step_collectives)
+            b = nbytes(min(sc.params, ALLREDUCE_FALLBACK_ELEMS), p.reduce)
+            out.append(_nccl_call(c, "all-reduce (one fallback buffer, after backward)", "all_reduce", b,
+                                  sc.n, world))
+        else:
+            b = min(nbytes(sc.params, p.master), sc.assume.ddp_bucket_bytes)
+            out.append(_nccl_call(c, "all-reduce (one gradient bucket)", "all_reduce", b, sc.n, world))
+        if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters
+            out.append(_nccl_call(c, "broadcast (updated weights)", "all_gather", nbytes(sc.params, p.master),
+                                  sc.n, world))
     return out
 
 
-def _nccl_call(c, what: str, b: int, n: int, g: int) -> str:
-    """How NCCL runs one call: the group's shape, algorithm and protocol, busbw, latency."""
-    ct = nccl.collective_time(c, what.split(" ")[0].replace("-", "_"), b, n, g)
-    f = 2 if what.startswith("all-reduce") else 1
-    wire = f * b * (n - 1) / (n * ct.busbw_bytes_per_s)
-    return (f"one {what} of {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
-            f"{ct.algorithm}/{ct.protocol}, busbw {ct.busbw_bytes_per_s / GB:,.0f} GB/s -> "
-            f"latency {fmt_s(ct.seconds - wire)} + transfer {fmt_s(wire)} = {fmt_s(ct.seconds)}")
+def _nccl_call(c, what: str, op: str, b: int, n: int, g: int) -> str:
+    """How NCCL runs one call: the group's shape, algorithm and protocol, busbw, and for the
+    Simple ring and NVLS (t = latency + f·S(n-1)/(n·busbw)) the split of the time."""
+    ct = nccl.collective_time(c, op, b, n, g)
+    head = (f"one {what} of {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
+            f"{ct.algorithm}/{ct.protocol}, busbw {ct.busbw_bytes_per_s / GB:,.0f} GB/s -> ")
+    if ct.protocol != "Simple" or ct.algorithm not in ("ring", "nvls"):  # tree, LL: their own forms
+        return head + f"{fmt_s(ct.seconds)} (docs/formulas.md section 5)"
+    wire = (2 if op == "all_reduce" else 1) * b * (n - 1) / (n * ct.busbw_bytes_per_s)
+    return head + f"latency {fmt_s(ct.seconds - wire)} + transfer {fmt_s(wire)} = {fmt_s(ct.seconds)}"

@@ -107,7 +107,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         check_range(o.gpus_per_node, "--gpus-per-node", 1, 1024)
         update: dict = {"gpus_per_node": o.gpus_per_node}
         if cluster.intra_node_allreduce_busbw_bytes_per_s and cluster.intra_node_allreduce_gpus is None:
-            update["intra_node_allreduce_gpus"] = cluster.gpus_per_node  # the figure stays the preset node's
+            update["intra_node_allreduce_gpus"] = max(2, cluster.gpus_per_node)  # the figure stays the preset node's
         cluster = cluster.model_copy(update=update)
     gpus_found = None
     if o.gpu == "auto":
