@@ -50,9 +50,9 @@ def cpu_optimizer_bytes_per_param(t) -> float:
     the master's dtype, FSDP casts the reduced gradient to the sharded parameter's), each state
     tensor read and written: 3M + 2·state for master size M; AdamW's m and v, 3M + 4S, the fused
     pass of unit_ops.adamw_fused_bytes (SGD's momentum 3M + 2S and 8-bit Adam's uint8 states with
-    their block scales by analogy, an assumption: the evidence below is AdamW's). Source: the kernels' loops (DeepSpeed's csrc/adam/cpu_adam_impl.cpp,
-    Adam_Optimizer::Step_1/4/8; torch's fused CPU AdamW of pytorch/pytorch PR 123074), one pass
-    over each buffer; the step is memory-bound (kernel-level timings on Ice Lake and Grace run
+    their block scales by analogy, an assumption: the evidence below is AdamW's). Source: the
+    kernels' loops (DeepSpeed's csrc/adam/cpu_adam_impl.cpp, Adam_Optimizer::Step_1/4/8; torch's
+    fused CPU AdamW of pytorch/pytorch PR 123074), one pass over each buffer; the step is memory-bound (kernel-level timings on Ice Lake and Grace run
     at ~70-75% of DRAM bandwidth: docs/accuracy-notes.md 9bn), so its time scales with these
     bytes from the fp32 AdamW reference (28 B)."""
     p = t.precision

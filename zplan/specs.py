@@ -261,7 +261,9 @@ class ClusterSpec(Spec):
     nccl_tests: tuple[NcclTestFigure, ...] = ()
     host_ram_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES, description="per node")
     # default: DeepSpeed CPU-Adam on 2 x Xeon Platinum 8168, ZeRO-Offload (arXiv 2101.06840) Table 4
-    cpu_adam_params_per_s: float = Field(3.9e9, gt=0, le=MAX_RATE, description="CPU optimizer throughput per node, at fp32 master weights, gradients and states (28 B a parameter; other dtypes scale by bytes: compute.cpu_optimizer_bytes_per_param)")
+    cpu_adam_params_per_s: float = Field(
+        3.9e9, gt=0, le=MAX_RATE, description="CPU optimizer throughput per node, at fp32 master weights, "
+        "gradients and states (28 B a parameter; other dtypes scale by bytes: compute.cpu_optimizer_bytes_per_param)")
     source: str
 
 
