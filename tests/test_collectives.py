@@ -172,7 +172,7 @@ def test_explain_shows_how_nccl_runs_the_largest_gather():
     from zplan.explain import explain_lines
 
     lines = explain_lines(scenario(model="llama-3.1-70b", gpus=64, cluster="dgx-h100"), "zero3")
-    line = [x for x in lines if x.startswith("one all-gather of")][0]
+    line = [x for x in lines if x.startswith("all-gather (forward), one call (the largest unit): ")][0]
     # 8 full nodes: every node's 8 NICs carry the rings, 8 x 36.5 = 292 GB/s < NVLink's 361
     assert "8 per node (8 node(s)): ring/Simple, busbw 292 GB/s" in line
 
@@ -184,24 +184,52 @@ def test_explain_shows_how_nccl_runs_the_replicas_all_reduce_and_ddps_buckets():
     from zplan.explain import explain_lines
 
     inside = explain_lines(scenario(model="llama-3.1-8b", gpus=8, cluster="dgx-h100", shard_size=2), "hsdp")
-    line = [x for x in inside if x.startswith("one all-reduce (replicas)")][0]
+    line = [x for x in inside if x.startswith("all-reduce (replicas, 1/S shard), one call")][0]
     assert "over 4 ranks, 4 per node (1 node(s)): nvls/Simple, busbw 370 GB/s" in line
     across = explain_lines(scenario(model="llama-3.1-8b", gpus=16, cluster="dgx-h100", shard_size=8), "hsdp")
-    line = [x for x in across if x.startswith("one all-reduce (replicas)")][0]
+    line = [x for x in across if x.startswith("all-reduce (replicas, 1/S shard), one call")][0]
     assert "over 2 ranks, 1 per node (2 node(s)): ring/Simple, busbw 36 GB/s" in line
     ddp = explain_lines(scenario(model="llama-3.1-8b", gpus=4, cluster="dgx-h100", layout="torch"), "ddp")
-    assert not [x for x in ddp if x.startswith("one all-gather")]
-    assert [x for x in ddp if x.startswith("one all-reduce (one gradient bucket) of 0.026 GB over 4 ranks")]
+    assert not [x for x in ddp if x.startswith("all-gather")]
+    assert [x for x in ddp if x.startswith("all-reduce (gradients), one call (a bucket): 0.026 GB over 4 ranks")]
     # DeepSpeed stage 0 reduces after backward in 5e8-element buffers: 2 GB of fp32 a call
     ds = explain_lines(scenario(model="llama-3.1-8b", gpus=4, cluster="dgx-h100", layout="zero"), "ddp")
-    assert [x for x in ds if x.startswith("one all-reduce (one fallback buffer, after backward) of 2.000 GB")]
+    assert [x for x in ds if x.startswith("all-reduce (gradients, after backward, in fallback buffers), one call (a bucket): 2.000 GB")]
     # ZeroRedundancyOptimizer broadcasts the fp32 weights (a ring, no latency worth naming)
     z1 = explain_lines(scenario(model="llama-3.1-8b", gpus=8, cluster="dgx-h100", layout="torch"), "zero1")
-    assert [x for x in z1 if x.startswith("one broadcast (updated weights) of 32.121 GB over 8 ranks")]
+    assert [x for x in z1 if x.startswith("broadcast (updated weights), one call (the whole tensor): 32.121 GB over 8 ranks")]
     # a tree's time has its own form: no latency/transfer split is printed for it
     big = explain_lines(scenario(model="llama-3.1-8b", gpus=256, cluster="dgx-h100", layout="torch"), "ddp")
-    line = [x for x in big if x.startswith("one all-reduce (one gradient bucket)")][0]
+    line = [x for x in big if x.startswith("all-reduce (gradients), one call (a bucket)")][0]
     assert "tree/Simple" in line and "latency" not in line
+
+
+def test_each_collective_names_its_largest_call_as_issued():
+    """explain prints one call per collective from these fields, so they must be the calls the
+    frameworks issue, worked by hand: DDP's 25 MiB bucket (c10d's default bucket_cap_mb); FSDP's
+    largest unit, Llama 3.1 8B's head (the output projection, 128256 x 4096, and the final norm's
+    4096 gains: 525,340,672 bf16, a multiple of 16 ranks) and its reduce-scatter in fp32; HSDP's replica all-reduce of that unit's 1/8 shard; ZeroRedundancy-
+    Optimizer's broadcast of the whole fp32 model (not bucketed)."""
+    from zplan.strategies import STRATEGIES
+
+    def colls(strategy, **kw):
+        sc = scenario(model="llama-3.1-8b", cluster="dgx-h100", **kw)
+        return {c.name: c for c in comm.collectives(sc, STRATEGIES[strategy])}, sc
+
+    ddp, _ = colls("ddp", gpus=4, layout="torch")
+    c = ddp["all-reduce (gradients)"]
+    assert (c.call_bytes, c.call, c.per_node) == (25 * 2**20, "a bucket", 4)
+    z3, _ = colls("zero3", gpus=16)
+    embed = 128256 * 4096 + 4096
+    assert z3["all-gather (forward)"].call_bytes == embed * 2
+    assert z3["all-gather (forward)"].per_node == 8
+    assert z3["reduce-scatter (gradients)"].call_bytes == embed * 4
+    hsdp, _ = colls("hsdp", gpus=16, shard_size=8)
+    rep = hsdp["all-reduce (replicas, 1/S shard)"]
+    assert (rep.call_bytes, rep.group_size, rep.per_node) == (embed * 4 // 8, 2, 1)
+    z1, sc = colls("zero1", gpus=8, layout="torch")
+    b = z1["broadcast (updated weights)"]
+    assert (b.call_bytes, b.call) == (sc.params * 4, "the whole tensor")
 
 
 def test_explain_hsdp_with_a_shard_group_of_one_gathers_nothing(run_zplan):

@@ -43,6 +43,9 @@ class Collective:
     # a gradient reduction issued in buckets as backward fills them (DDP, DeepSpeed ZeRO-1/2):
     # the seconds of its final bucket, the one backward's end waits for; 0 where not bucketed
     last_bucket_s: float = 0.0
+    per_node: int = 0  # GPUs of the group in one node (the shape NCCL's algorithm sees)
+    call_bytes: int = 0  # the largest single call as issued (a unit, a bucket, a parameter)
+    call: str = ""  # what that call is
 
     @property
     def volume_factor(self) -> int:
@@ -132,7 +135,9 @@ def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0,
     if bucket_bytes > 0 and op in ("all_reduce", "reduce_scatter"):
         final = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed)[-1]
         last = call_seconds(sc, op, min(final, total), group, per_node)
-    return Collective(name, op, elements, dtype, group, scope, calls, t, last)
+    bucketed = 0 < bucket_bytes < total
+    return Collective(name, op, elements, dtype, group, scope, calls, t, last, per_node,
+                      bucket_bytes if bucketed else total, "a bucket" if bucketed else "the whole tensor")
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,29 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
     return b / bucket * call_seconds(sc, "reduce_scatter", bucket, D, g)
 
 
+def _gather_call(sc: Scenario, st: Strategy, us, dtype: str, D: int) -> tuple[int, str]:
+    """The largest single all-gather call among units `us`, as gather_seconds issues them."""
+    if not _module_calls(sc, st):
+        return max(nbytes(sc.padded_elems(u, D), dtype) for u in us), "the largest unit"
+    from .deepspeed import PERSISTENCE_THRESHOLD_ELEMS
+
+    sizes = [math.prod(s) for u in us for s in u.shapes]
+    big = max((nbytes(-(-n // D) * D, dtype) for n in sizes if n > PERSISTENCE_THRESHOLD_ELEMS), default=0)
+    return big, "the largest parameter"
+
+
+def _reduce_call(sc: Scenario, st: Strategy, D: int) -> tuple[int, str]:
+    """The largest single reduce-scatter call, as reduce_seconds issues them."""
+    r = sc.train.precision.reduce
+    largest = max(nbytes(sc.padded_elems(u, D), r) for u in sc.units)
+    if not _module_calls(sc, st):
+        return largest, "the largest unit"
+    from .deepspeed import REDUCE_BUCKET_ELEMS
+
+    total = sum(nbytes(sc.padded_elems(u, D), r) for u in sc.units)
+    return min(total, nbytes(REDUCE_BUCKET_ELEMS, r)), "a bucket"
+
+
 def regathered(sc: Scenario, st: Strategy, u) -> bool:
     """Whether a unit is all-gathered again for its backward: resharded after forward, unless it
     stays gathered in between (policy.stays_gathered: FSDP1's kept root, torchtitan's kept head
@@ -284,7 +312,8 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
                 out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.master, N,
                                  g_world, rs_calls, ddp_bucket, DDP_FIRST_BUCKET_BYTES))
             else:  # DeepSpeed stage 0: once per step, after backward, in its fallback buffers
-                out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.reduce, N,
+                out.append(_coll(sc, "all-reduce (gradients, after backward, in fallback buffers)",
+                                 "all_reduce", psi, p.reduce, N,
                                  g_world, 1, nbytes(ALLREDUCE_FALLBACK_ELEMS, p.reduce)))
             if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters
                 out.append(_coll(sc, "broadcast (updated weights)", "all_gather", psi, store, N,
@@ -319,27 +348,33 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         for dt, us in by_dtype.items():
             name = f"all-gather ({label}{', float8 linears' if dt == 'fp8' and dt != p.param else ''})"
             out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
-                                  D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us)))
+                                  D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us),
+                                  0.0, g, *_gather_call(sc, st, us, dt, D)))
     if _module_calls(sc, st):  # DeepSpeed's defaults: what its release rule gathers again
         back = _ds_again(sc)
         elems = sum(-(-n // D) * D for a in back for n in a)
         if elems:
+            big = max(nbytes(-(-n // D) * D, p.param) for a in back for n in a)
             out.append(Collective("all-gather (backward)", "all_gather", elems, p.param, D, scope, A,
-                                  sum(_ds_backward_seconds(sc, st, D, g))))
+                                  sum(_ds_backward_seconds(sc, st, D, g)), 0.0, g, big,
+                                  "the largest parameter"))
     again = [u for u in units if gathers_for_recompute(sc, st, u)]
     if again:  # block units all: one gather dtype
         dt = gather_dtype(sc, again[0])
         out.append(Collective("all-gather (backward, again after the recompute: checkpoint around the unit)",
                               "all_gather", sum(sc.padded_elems(u, D) for u in again), dt, D, scope, A,
-                              sum(gather_seconds(sc, st, u, dt, D, g) for u in again)))
+                              sum(gather_seconds(sc, st, u, dt, D, g) for u in again),
+                              0.0, g, *_gather_call(sc, st, again, dt, D)))
     out.append(Collective("reduce-scatter (gradients)", "reduce_scatter", gathered, p.reduce, D,
-                          scope, rs_calls, sum(reduce_seconds(sc, st, u, D, g) for u in units)))
+                          scope, rs_calls, sum(reduce_seconds(sc, st, u, D, g) for u in units),
+                          0.0, g, *_reduce_call(sc, st, D)))
     if st.hsdp and R > 1:
         ar = sum(call_seconds(sc, "all_reduce", nbytes(sc.padded_elems(u, D) // D, p.reduce),
                               R, g_rep) for u in units)
+        big = max(nbytes(sc.padded_elems(u, D) // D, p.reduce) for u in units)
         out.append(Collective("all-reduce (replicas, 1/S shard)", "all_reduce", gathered // D,
                               p.reduce, R, "intra-node" if R <= g_rep else "inter-node",
-                              rs_calls, ar))
+                              rs_calls, ar, 0.0, g_rep, big, "the largest unit's shard"))
     shard = gathered // D
     link_bw = sc.hw.gpu.host_link_bytes_per_s
     if st.offload_params:

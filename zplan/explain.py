@@ -13,7 +13,7 @@ from . import nccl
 from . import unit_ops
 from .compute import CPU_ADAM_REFERENCE_BYTES, cpu_optimizer_bytes_per_param, optimizer_ops, uses_kernel_model
 from .estimate import TIGHT_FREE_FRACTION, estimate_one
-from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduce_stream_bytes, reduces_after_backward
+from .deepspeed import reduce_stream_bytes
 from .scenario import Scenario
 from .units import DTYPE_BITS, GB, fmt_s, nbytes
 
@@ -125,7 +125,7 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
             continue
         out.append(f"{c.name}: S = {c.elements:,} x {c.dtype} over n = {c.group_size} ({c.scope}), "
                    f"{c.calls_per_step} per step -> {fmt_s(c.seconds_per_call)} each")
-    out += _nccl_lines(sc, st, D)
+    out += _nccl_lines(sc, st, D, r.collectives)
     out.append(f"elements per step = {r.elements_per_step:,} = {r.elements_per_step / psi:.4f} Ψ; "
                f"bytes = {_gb(r.bytes_per_step)}")
     out.append("")
@@ -226,42 +226,26 @@ def _per_block(ops: list, blocks: int) -> tuple[list, int]:
     return ops, 1
 
 
-def _nccl_lines(sc: Scenario, st, D: int) -> list[str]:
-    """How NCCL runs one call of the step's main collectives, as section 6 prices them: the
-    largest unit's all-gather and HSDP's replica all-reduce of its shard (FSDP-style), DDP's
-    gradient bucket (DeepSpeed stage 0: one fallback buffer after backward) and
-    ZeroRedundancyOptimizer's broadcast of the updated weights. DeepSpeed's ZeRO-1/2 buckets are
-    listed in section 6 only."""
+def _nccl_lines(sc: Scenario, st, D: int, colls) -> list[str]:
+    """How NCCL runs the largest single call of each of the step's collectives, as section 6
+    prices them: the shape, size and description of that call come from comm.collectives (a
+    unit, a bucket, a parameter), so this restates none of its rules. Identical calls (a unit's
+    gather in forward and again in backward) get one line."""
     if sc.n <= 1:
         return []
-    c, p, t = sc.hw.cluster, sc.train.precision, sc.train
-    gpn = c.gpus_per_node
     out: list[str] = []
-    if st.fsdp:
-        if D <= 1:  # HSDP with --shard-size 1: each rank holds whole weights, nothing is gathered
-            out.append("shard group of 1 rank: no all-gather (the weights are replicated, as under DDP)")
-        else:
-            size = max(sc.padded_elems(u, D) for u in sc.units)
-            out.append(_nccl_call(c, "all-gather", "all_gather", nbytes(size, p.param), D,
-                                  nccl.contiguous_shape(D, gpn, sc.n)))
-        if st.hsdp and sc.n // D > 1:  # the replica group's all-reduce of the largest unit's shard
-            R = sc.n // D
-            big = max(sc.padded_elems(u, D) for u in sc.units) // D
-            out.append(_nccl_call(c, "all-reduce (replicas)", "all_reduce", nbytes(big, p.reduce), R,
-                                  nccl.strided_shape(R, D, gpn)))
-        return out
-    world = nccl.contiguous_shape(sc.n, gpn, sc.n)
-    if st.name == "ddp" or (st.name == "zero1" and t.layout == "torch"):
-        if reduces_after_backward(st.name, t.layout):  # DeepSpeed stage 0 (comm.step_collectives)
-            b = nbytes(min(sc.params, ALLREDUCE_FALLBACK_ELEMS), p.reduce)
-            out.append(_nccl_call(c, "all-reduce (one fallback buffer, after backward)", "all_reduce", b,
-                                  sc.n, world))
-        else:
-            b = min(nbytes(sc.params, p.master), sc.assume.ddp_bucket_bytes)
-            out.append(_nccl_call(c, "all-reduce (one gradient bucket)", "all_reduce", b, sc.n, world))
-        if st.name == "zero1":  # ZeroRedundancyOptimizer: owners broadcast whole parameters
-            out.append(_nccl_call(c, "broadcast (updated weights)", "all_gather", nbytes(sc.params, p.master),
-                                  sc.n, world))
+    if st.fsdp and D <= 1:  # HSDP with --shard-size 1: each rank holds whole weights, nothing is gathered
+        out.append("shard group of 1 rank: no all-gather (the weights are replicated, as under DDP)")
+    seen: dict[tuple, int] = {}
+    for c in colls:
+        if c.op in ("h2d", "d2h") or not c.moves or not c.call_bytes:
+            continue
+        key = (c.op, c.call_bytes, c.group_size, c.per_node)
+        if key in seen:
+            continue
+        seen[key] = len(out)
+        out.append(_nccl_call(sc.hw.cluster, f"{c.name}, one call ({c.call})", c.op, c.call_bytes,
+                              c.group_size, c.per_node))
     return out
 
 
@@ -269,7 +253,7 @@ def _nccl_call(c, what: str, op: str, b: int, n: int, g: int) -> str:
     """How NCCL runs one call: the group's shape, algorithm and protocol, busbw, and for the
     Simple ring and NVLS (t = latency + f·S(n-1)/(n·busbw)) the split of the time."""
     ct = nccl.collective_time(c, op, b, n, g)
-    head = (f"one {what} of {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
+    head = (f"{what}: {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
             f"{ct.algorithm}/{ct.protocol}, busbw {ct.busbw_bytes_per_s / GB:,.0f} GB/s -> ")
     if ct.protocol != "Simple" or ct.algorithm not in ("ring", "nvls"):  # tree, LL: their own forms
         return head + f"{fmt_s(ct.seconds)} (docs/formulas.md section 5)"
