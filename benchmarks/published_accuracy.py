@@ -29,7 +29,7 @@ import accuracy_report  # noqa: E402
 from published_rows import Row, load  # noqa: E402
 
 from zplan.errors import UsageError  # noqa: E402
-from zplan.estimate import estimate_one  # noqa: E402
+from zplan.estimate import TIGHT_FREE_FRACTION, estimate_one  # noqa: E402
 from zplan.scenario_options import FIELDS, ScenarioOptions, build  # noqa: E402
 
 CLUSTER = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "hgx-h200", "B200": "dgx-b200", "GB200": "gb200-nvl72",
@@ -48,6 +48,7 @@ class Result:
     error: str = ""  # the scenario could not be built: the one-line reason
     fits: bool | None = None  # zplan's verdict on the row's configuration (every row ran)
     comm_share: float | None = None  # predicted collective seconds per step / compute seconds
+    free_share: float | None = None  # predicted free GPU memory / the GPU's memory
 
     @property
     def tokens_err(self) -> float | None:
@@ -125,7 +126,8 @@ def predict(row: Row) -> Result:
     mem, compared = _memory_figure(est.memory, sc, row.memory_kind or "reserved")
     comm_s = sum(c.seconds_per_step for c in est.collectives)
     return Result(row, est.timing.tokens_per_s_per_gpu, mem, compared, ignored, fits=est.fits,
-                  comm_share=comm_s / est.timing.compute_s)
+                  comm_share=comm_s / est.timing.compute_s,
+                  free_share=1 - est.memory.total_bytes / sc.hw.gpu.memory_bytes)
 
 
 COMM_GROUP = "communication / compute (predicted)"
@@ -139,6 +141,19 @@ def comm_band(share: float | None) -> str:
     if share is None:
         return "-"
     return next((label for top, label in COMM_BANDS if share < top), ">100%")
+
+
+FREE_GROUP = "free memory (predicted)"
+
+
+def free_band(share: float | None) -> str:
+    """The band of a row's predicted free GPU memory: under estimate's tight line
+    (TIGHT_FREE_FRACTION) a run is near the allocator's limit, where PyTorch's caching allocator
+    frees its cache and retries (a device synchronisation) when a request fails."""
+    if share is None:
+        return "-"
+    return f"under {TIGHT_FREE_FRACTION:.0%} (tight)" if share < TIGHT_FREE_FRACTION else (
+        f"{TIGHT_FREE_FRACTION:.0%}-20%" if share < 0.20 else "20% or more")
 
 
 def _memory_figure(memory, sc, kind: str) -> tuple[int, str]:
@@ -176,6 +191,7 @@ GROUPS = {
     "compile/float8": lambda r: r.row.flags,
     "checkpointing": lambda r: r.row.checkpointing,
     COMM_GROUP: lambda r: comm_band(r.comm_share),
+    FREE_GROUP: lambda r: free_band(r.free_share),
     "memory kind": lambda r: r.row.memory_kind or "-",
 }
 

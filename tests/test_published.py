@@ -235,3 +235,19 @@ def test_communication_share_bands_the_rows(rows):
     assert 0.01 < fsdp.comm_share < 0.5
     assert [acc.comm_band(x) for x in (0.0, 0.0199, 0.02, 0.0999, 0.1, 0.99, 1.0, 3.0, None)] == [
         "00-02%", "00-02%", "02-05%", "05-10%", "10-30%", "30-100%", ">100%", ">100%", "-"]
+
+
+def test_free_memory_bands_the_rows(rows):
+    """The report's free-memory band: the predicted free share is 1 - total / the GPU's memory
+    (the 8B FSDP row on 8 H100 leaves well over a tenth free); the tight band is estimate's
+    own line (under 10% free), the edges as labelled."""
+    acc = _accuracy_module()
+    by_id = {r.id: r for r in rows}
+    res = acc.predict(by_id["tt-8b-8gpu-fsdp"])
+    sc, _ = acc.scenario(by_id["tt-8b-8gpu-fsdp"])
+    from zplan.estimate import estimate_one
+
+    total = estimate_one(sc, "zero3").memory.total_bytes
+    assert res.free_share == pytest.approx(1 - total / sc.hw.gpu.memory_bytes, rel=1e-12)
+    assert [acc.free_band(x) for x in (0.0, 0.0999, 0.1, 0.1999, 0.2, 0.9, None)] == [
+        "under 10% (tight)", "under 10% (tight)", "10%-20%", "10%-20%", "20% or more", "20% or more", "-"]
