@@ -73,6 +73,26 @@ def test_deepspeed_zero1_keeps_only_its_gradient_partition_at_one_micro_batch():
     assert z1(grad_accum=2) == z1(overlap=False) == 2 * psi
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_deepspeed_keeps_a_master_copy_even_in_the_weights_dtype(strategy):
+    """DeepSpeed's bf16_master_weights_and_grads (with bf16_optimizer_states) holds 2 + 2 + 2 + 4
+    = 10 bytes a sharded parameter, not 8: stage_1_and_2.py clones each partition as the master,
+    and stage3.py's deduplication (PR 7651) shares the weights' partition only where
+    `tensor.device == self.device`, a torch.device against a string (current_device_name(),
+    'cuda:N'), which torch never calls equal (held below). DeepSpeedExamples'
+    bf16_master_weight run (4 H100, ZeRO-3, 6.86B) ends at 16.17 GiB allocated: 10.1 bytes a
+    local parameter. Stage 0 with fp32 weights steps them in place: no copy."""
+    psi = arch.param_count(_sc().model)
+    sc = _sc(layout="zero", master_dtype="bf16", optimizer_dtype="bf16")
+    ms = model_state(sc, effective(strategy, "zero"))
+    assert ms.master_bytes == pytest.approx(2 * psi / 8, rel=1e-3)
+    fp32 = _sc(layout="zero", param_dtype="fp32", reduce_dtype="fp32")
+    assert model_state(fp32, effective(strategy, "zero")).master_bytes == pytest.approx(4 * psi / 8, rel=1e-3)
+    assert model_state(fp32, effective("ddp", "zero")).master_bytes == 0
+    torch = pytest.importorskip("torch")
+    assert not (torch.zeros(1).device == "cpu")  # the premise: a device never equals its name
+
+
 LLAMA31_8B_PARAMS = 8_030_261_248  # the safetensors total of meta-llama/Llama-3.1-8B (HF model card)
 
 

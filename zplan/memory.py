@@ -159,7 +159,15 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
         # is a boundary; with accumulation the earlier micro-batches hold them whole
         boundary_only = st.name == "zero1" and t.grad_accum == 1 and sc.assume.overlap
         grads_b = nbytes(flat(st.grads_sharded or boundary_only), p.param)
-        master_b = 0 if p.master == p.param else nbytes(flat(st.optim_sharded), p.master)
+        # DeepSpeed's ZeRO-1/2/3 keep the master partition as a copy of its own even where its dtype
+        # is the weights' (bf16_master_weights_and_grads, or fp32 training): stage_1_and_2.py
+        # clones each partition (`weights_partition = ...detach().clone().to(...)`), and stage3.py
+        # _create_fp32_partitions shares the weights' partition only where `tensor.device ==
+        # self.device`, a torch.device against the string 'cuda:N' (current_device_name), never
+        # equal (deepspeedai/DeepSpeed 706f6e82f, PR 7651; through 39a682d, PR 7700). Stage 0
+        # steps the weights themselves where there is no lower precision (only fp32 is allowed).
+        separate = p.master != p.param or st.optim_sharded
+        master_b = nbytes(flat(st.optim_sharded), p.master) if separate else 0
         opt_elems = flat(st.optim_sharded)
     if t.optimizer == "muon":  # Muon over the blocks' matrices, AdamW over the rest (zplan/muon.py)
         opt_b = max(muon_state_bytes(h, p.optimizer) for h in muon.holdings(sc, st.name, D if st.optim_sharded else 1))
