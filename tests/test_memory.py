@@ -77,9 +77,9 @@ def test_deepspeed_zero1_keeps_only_its_gradient_partition_at_one_micro_batch():
 def test_deepspeed_keeps_a_master_copy_even_in_the_weights_dtype(strategy):
     """DeepSpeed's bf16_master_weights_and_grads (with bf16_optimizer_states) holds 2 + 2 + 2 + 4
     = 10 bytes a sharded parameter, not 8: stage_1_and_2.py clones each partition as the master,
-    and stage3.py's deduplication (PR 7651) shares the weights' partition only where
-    `tensor.device == self.device`, a torch.device against a string (current_device_name(),
-    'cuda:N'), which torch never calls equal (held below). DeepSpeedExamples'
+    and stage3.py's deduplication shares the weights' partition only where `tensor.device ==
+    self.device`, a torch.device against a string (current_device_name(), 'cuda:N'), which torch
+    never calls equal (held below; the condition since PR 7700, v0.18.3). DeepSpeedExamples'
     bf16_master_weight run (4 H100, ZeRO-3, 6.86B) ends at 16.17 GiB allocated: 10.1 bytes a
     local parameter. Stage 0 with fp32 weights steps them in place: no copy."""
     psi = arch.param_count(_sc().model)

@@ -164,8 +164,8 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
         # clones each partition (`weights_partition = ...detach().clone().to(...)`), and stage3.py
         # _create_fp32_partitions shares the weights' partition only where `tensor.device ==
         # self.device`, a torch.device against the string 'cuda:N' (current_device_name), never
-        # equal (deepspeedai/DeepSpeed 706f6e82f, PR 7651; through 39a682d, PR 7700). Stage 0
-        # steps the weights themselves where there is no lower precision (only fp32 is allowed).
+        # equal (the condition since PR 7700, 39a682d, v0.18.3; v0.18.2 alone, PR 7651, shared fp32
+        # weights by dtype). Stage 0 steps fp32 weights in place (no lower precision allowed).
         separate = p.master != p.param or st.optim_sharded
         master_b = nbytes(flat(st.optim_sharded), p.master) if separate else 0
         opt_elems = flat(st.optim_sharded)
