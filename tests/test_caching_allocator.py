@@ -466,9 +466,9 @@ def test_a_linear_losss_weight_gradient_is_not_counted_among_the_freed_activatio
 def test_the_segments_wholly_free_at_the_reserves_peak_are_releasable():
     """CUDACachingAllocator.cpp's release_cached_blocks hands back to the driver the segments
     with no block in use, then retries the cudaMalloc that failed: at the peak those are what a
-    run near the GPU's limit does without. A segment with one block in use is not releasable;
-    expandable segments are not counted (PyTorch unmaps their free pages too; counting none is
-    the conservative side)."""
+    run near the GPU's limit does without. A segment with one block in use is not releasable. In
+    expandable segments release_blocks unmaps the whole pages inside each free block instead
+    (the next test)."""
     sim = CachingAllocator(track_releasable=True)
     sim.malloc("a", 100 * MiB)
     sim.malloc("b", 50 * MiB)
@@ -488,3 +488,27 @@ def test_the_segments_wholly_free_at_the_reserves_peak_are_releasable():
     ex.free("a")
     ex.malloc("b", 300 * MiB)
     assert ex.releasable_at_peak_bytes == 0
+
+
+def test_expandable_segments_release_the_whole_pages_inside_free_blocks():
+    """release_blocks -> unmap_block -> ExpandableSegment::unmap unmaps from the first page
+    boundary at or above a free block's start to the last at or below its end (20 MiB pages in
+    the large pool), by hand: a (30 MiB) at [0, 30), b (50) at [30, 80), c (20) at [80, 100);
+    a and c freed, d (150) extends the segment past c's free tail block: the peak, 240 MiB
+    mapped. Free then: a's [0, 30) holds one whole page [0, 20); nothing else is free (c's
+    block merged into d's). A free block inside one page releases nothing."""
+    ex = CachingAllocator(expandable_segments=True, track_releasable=True)
+    ex.malloc("a", 30 * MiB)
+    ex.malloc("b", 50 * MiB)
+    ex.malloc("c", 20 * MiB)
+    ex.free("a")
+    ex.free("c")
+    ex.malloc("d", 150 * MiB)
+    assert ex.peak_reserved_bytes == 240 * MiB
+    assert ex.releasable_at_peak_bytes == 20 * MiB
+    one = CachingAllocator(expandable_segments=True, track_releasable=True)
+    one.malloc("a", 10 * MiB)
+    one.malloc("b", 5 * MiB)  # [10, 15) of the first 20 MiB page
+    one.free("a")  # [0, 10): inside one page, none of it unmappable
+    one.malloc("c", 30 * MiB)  # the peak: 40 + 20 MiB mapped
+    assert one.peak_reserved_bytes == 60 * MiB and one.releasable_at_peak_bytes == 0

@@ -122,7 +122,8 @@ def loss_releasable_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, 
     block the loss freed that none of its later tensors fits (under a model's fp32 logits, the
     head's 16-bit output, freed once cast), the head's weights resharded. PyTorch's allocator
     hands such segments back to the driver and retries before it fails a cudaMalloc
-    (CUDACachingAllocator.cpp release_cached_blocks); classic segments only."""
+    (CUDACachingAllocator.cpp release_cached_blocks); with expandable segments it unmaps the
+    whole pages inside each free block (CachingAllocator.unmappable_bytes)."""
     return loss_reserve(logits_elems, train, loss_fp32, expandable, head)[1]
 
 

@@ -9,9 +9,12 @@ try_allocate_expandable_block, map_block):
 - a request is rounded up to 512 B (round_size); one of at most 1 MiB is served from the small
   pool, a larger one from the large pool; blocks are cached per (stream, pool) and never go back
   to the driver during training (release only on an allocation failure or empty_cache: not
-  simulated, reserved memory is assumed unbounded; with `track_releasable` the classic segments
-  wholly free at each new reserved peak are recorded, what release_cached_blocks would hand back
-  there -- the later cudaMallocs a release would cause are not re-simulated);
+  simulated, reserved memory is assumed unbounded; with `track_releasable` what
+  release_cached_blocks would hand back at each new reserved peak is recorded: the classic
+  segments wholly free, and in expandable segments the whole pages inside each free block, which
+  release_blocks unmaps (unmap_block: from the first page boundary at or above the block's start
+  to the last at or below its end) -- the later cudaMallocs a release would cause are not
+  re-simulated);
 - best fit: the cached block of the request's stream and pool with the smallest size >= the
   request, the lowest address on a tie (BlockComparatorSize);
 - classic segments: where no cached block fits, cudaMalloc 2 MiB (request <= 1 MiB), 20 MiB
@@ -99,9 +102,9 @@ class CachingAllocator:
 
     def __init__(self, expandable_segments: bool = False, track_releasable: bool = False):
         self.expandable = expandable_segments
-        # at each new reserved peak, the bytes of classic segments wholly free then: what
-        # release_cached_blocks hands back to the driver before it retries a failed cudaMalloc
-        self.track_releasable = track_releasable and not expandable_segments
+        # at each new reserved peak, what release_cached_blocks hands back to the driver before
+        # it retries a failed cudaMalloc: classic segments wholly free, expandable segments' free pages
+        self.track_releasable = track_releasable
         self.releasable_at_peak_bytes = 0
         self._pools: dict[tuple[str, bool], _Pool] = {}
         self._segments: dict[tuple[str, bool], _Segment] = {}
@@ -196,11 +199,12 @@ class CachingAllocator:
         have = last.size if last is not None and last.free else 0
         grow = -(-(size - have) // page) * page
         seg.mapped += grow
-        self._grow(grow)
-        if have:
+        if have:  # taken before the reserve grows: the new peak's free pages are not its
             pool.remove(last)
+            self._grow(grow)
             last.size += grow
             return last
+        self._grow(grow)
         b = _Block(seg.base + seg.mapped - grow, grow, seg)
         b.prev = last
         if last is not None:
@@ -213,7 +217,7 @@ class CachingAllocator:
         if self.reserved_bytes > self.peak_reserved_bytes:
             self.peak_reserved_bytes = self.reserved_bytes
             if self.track_releasable:
-                self.releasable_at_peak_bytes = self.wholly_free_bytes()
+                self.releasable_at_peak_bytes = self.wholly_free_bytes() + self.unmappable_bytes()
 
     def mark(self) -> int:
         """An address at or above every block made so far (for live_bytes_below)."""
@@ -227,4 +231,18 @@ class CachingAllocator:
         """The classic segments wholly free now (one free block, no neighbour): what
         release_cached_blocks would hand back to the driver."""
         return sum(b.size for pool in self._pools.values() for b in pool.blocks.values()
-                   if b.prev is None and b.next is None)
+                   if b.prev is None and b.next is None and not isinstance(b.segment, _Segment))
+
+    def unmappable_bytes(self) -> int:
+        """The whole pages inside the free blocks of expandable segments now: what
+        release_cached_blocks unmaps there (release_blocks -> unmap_block ->
+        ExpandableSegment::unmap, segmentRight of the block's start to segmentLeft of its end;
+        pages of 2 MiB in the small pool, 20 MiB in the large)."""
+        total = 0
+        for (_, small), pool in self._pools.items():
+            page = SMALL_SEGMENT_BYTES if small else LARGE_SEGMENT_BYTES
+            for b in pool.blocks.values():
+                if isinstance(b.segment, _Segment):
+                    lo = b.addr - b.segment.base
+                    total += max(0, (lo + b.size) // page * page - -(-lo // page) * page)
+        return total

@@ -105,7 +105,11 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     how = f"{frag:.0%} fragmentation (assumed)" if frag is not None else "caching-allocator model"
     out.append(f"peak at {mem.peak_event} ({mem.peak_phase}): allocated {_gb(mem.allocated_bytes)}, "
                f"reserved {_gb(mem.reserved_bytes)} ({how})")
-    if mem.releasable_bytes:
+    if mem.releasable_bytes and sc.assume.expandable_segments:
+        out.append(f"of the reserve, {_gb(mem.releasable_bytes)} is whole pages inside blocks free at the peak "
+                   "(the loss's blocks no later tensor of it fits): the allocator unmaps them "
+                   "and retries before failing, so the fit counts the rest")
+    elif mem.releasable_bytes:
         out.append(f"of the reserve, {_gb(mem.releasable_bytes)} sits in segments wholly free at the peak "
                    "(the last checkpointed block's freed working set and weights, not the "
                    "holes beside what the blocks keep; the loss's blocks no later tensor of it "
