@@ -146,12 +146,15 @@ def comm_band(share: float | None) -> str:
 FREE_GROUP = "free memory (predicted)"
 
 
-def free_band(share: float | None) -> str:
+def free_band(share: float | None, fits: bool | None = True) -> str:
     """The band of a row's predicted free GPU memory: under estimate's tight line
     (TIGHT_FREE_FRACTION) a run is near the allocator's limit, where PyTorch's caching allocator
-    frees its cache and retries (a device synchronisation) when a request fails."""
+    frees its cache and retries (a device synchronisation) when a request fails; a row zplan
+    predicts not to fit has a band of its own."""
     if share is None:
         return "-"
+    if fits is False:
+        return "does not fit"
     return f"under {TIGHT_FREE_FRACTION:.0%} (tight)" if share < TIGHT_FREE_FRACTION else (
         f"{TIGHT_FREE_FRACTION:.0%}-20%" if share < 0.20 else "20% or more")
 
@@ -191,7 +194,7 @@ GROUPS = {
     "compile/float8": lambda r: r.row.flags,
     "checkpointing": lambda r: r.row.checkpointing,
     COMM_GROUP: lambda r: comm_band(r.comm_share),
-    FREE_GROUP: lambda r: free_band(r.free_share),
+    FREE_GROUP: lambda r: free_band(r.free_share, r.fits),
     "memory kind": lambda r: r.row.memory_kind or "-",
 }
 

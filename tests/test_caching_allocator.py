@@ -512,3 +512,23 @@ def test_expandable_segments_release_the_whole_pages_inside_free_blocks():
     one.free("a")  # [0, 10): inside one page, none of it unmappable
     one.malloc("c", 30 * MiB)  # the peak: 40 + 20 MiB mapped
     assert one.peak_reserved_bytes == 60 * MiB and one.releasable_at_peak_bytes == 0
+
+
+def test_unmappable_pages_are_counted_per_segment_and_per_pool():
+    """The same rule on a second stream's segment (its own base, pages counted from it) and in
+    the small pool (2 MiB pages), by hand: stream x: a (30 MiB) [0, 30), b (10) [30, 40), a freed:
+    one 20 MiB page free. Default stream, small pool: 512 blocks of 1 MiB fill 256 pages of 2 MiB;
+    freeing blocks 1-4 leaves [1, 5) MiB free: one whole page, [2, 4). A wholly free expandable
+    segment counts its pages once (not also as a wholly free classic segment)."""
+    ex = CachingAllocator(expandable_segments=True, track_releasable=True)
+    ex.malloc("a", 30 * MiB, "x")
+    ex.malloc("b", 10 * MiB, "x")
+    ex.free("a")
+    for i in range(512):
+        ex.malloc(("s", i), MiB)
+    for i in range(1, 5):
+        ex.free(("s", i))
+    assert ex.unmappable_bytes() == 20 * MiB + 2 * MiB
+    ex.free("b")  # stream x's segment wholly free: its 40 MiB, once
+    assert ex.unmappable_bytes() == 40 * MiB + 2 * MiB
+    assert ex.wholly_free_bytes() == 0

@@ -89,8 +89,15 @@ def test_deepspeed_keeps_a_master_copy_even_in_the_weights_dtype(strategy):
     fp32 = _sc(layout="zero", param_dtype="fp32", reduce_dtype="fp32")
     assert model_state(fp32, effective(strategy, "zero")).master_bytes == pytest.approx(4 * psi / 8, rel=1e-3)
     assert model_state(fp32, effective("ddp", "zero")).master_bytes == 0
+
+
+def test_a_torch_device_never_equals_its_name():
+    """The premise of the rule above: DeepSpeed's ZeRO-3 compares `tensor.device` with the
+    string current_device_name() returns; torch calls a device and a string unequal (if a
+    release changes that, DeepSpeed's deduplication would start to fire: revisit the rule)."""
     torch = pytest.importorskip("torch")
-    assert not (torch.zeros(1).device == "cpu")  # the premise: a device never equals its name
+    assert not (torch.zeros(1).device == "cpu")
+    assert not (torch.device("cuda", 0) == "cuda:0")
 
 
 LLAMA31_8B_PARAMS = 8_030_261_248  # the safetensors total of meta-llama/Llama-3.1-8B (HF model card)

@@ -249,5 +249,7 @@ def test_free_memory_bands_the_rows(rows):
 
     total = estimate_one(sc, "zero3").memory.total_bytes
     assert res.free_share == pytest.approx(1 - total / sc.hw.gpu.memory_bytes, rel=1e-12)
+    assert res.free_share > 0.10 and res.fits
     assert [acc.free_band(x) for x in (0.0, 0.0999, 0.1, 0.1999, 0.2, 0.9, None)] == [
         "under 10% (tight)", "under 10% (tight)", "10%-20%", "10%-20%", "20% or more", "20% or more", "-"]
+    assert acc.free_band(-0.05, fits=False) == acc.free_band(0.5, fits=False) == "does not fit"

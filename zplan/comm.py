@@ -10,7 +10,7 @@ DeepSpeed ZeRO-1/2 one per gradient bucket. Derivations: docs/formulas.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from . import muon, policy
 from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduces_after_backward
@@ -127,17 +127,22 @@ def gradient_buckets(sc: Scenario, grad_b: int, cap_bytes: int, first_cap_bytes:
 def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0,
           first_bucket_bytes=None, deepspeed=False) -> Collective:
     """One collective; a gradient reduction in buckets (bucket_bytes > 0) also times its final
-    bucket (gradient_buckets, DeepSpeed's rule where `deepspeed`), which nothing hides."""
+    bucket (gradient_buckets, DeepSpeed's rule where `deepspeed`), which nothing hides, and
+    records its largest bucket as its largest call: a parameter larger than the cap makes a
+    bucket of its own (an embedding's gradient, GBs against DDP's 25 MiB)."""
     scope = "intra-node" if group <= per_node else "inter-node"
     total = nbytes(elements, dtype)
     t = bucketed_seconds(sc, op, total, group, per_node, bucket_bytes)
     last = 0.0
+    call_b, call = total, "the whole tensor"
+    if 0 < bucket_bytes < total:
+        call_b, call = bucket_bytes, "a bucket"
     if bucket_bytes > 0 and op in ("all_reduce", "reduce_scatter"):
-        final = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed)[-1]
-        last = call_seconds(sc, op, min(final, total), group, per_node)
-    bucketed = 0 < bucket_bytes < total
-    return Collective(name, op, elements, dtype, group, scope, calls, t, last, per_node,
-                      bucket_bytes if bucketed else total, "a bucket" if bucketed else "the whole tensor")
+        buckets = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed)
+        last = call_seconds(sc, op, min(buckets[-1], total), group, per_node)
+        if len(buckets) > 1:
+            call_b, call = min(max(buckets), total), "the largest bucket"
+    return Collective(name, op, elements, dtype, group, scope, calls, t, last, per_node, call_b, call)
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,9 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
         return call_seconds(sc, "reduce_scatter", b, D, g)
     from .deepspeed import REDUCE_BUCKET_ELEMS
 
-    bucket = nbytes(REDUCE_BUCKET_ELEMS, sc.train.precision.reduce)
+    r = sc.train.precision.reduce
+    # a model smaller than the bucket fills one call of its own size (_reduce_call)
+    bucket = min(nbytes(REDUCE_BUCKET_ELEMS, r), sum(nbytes(sc.padded_elems(v, D), r) for v in sc.units))
     if b >= bucket:
         return bucketed_seconds(sc, "reduce_scatter", b, D, g, bucket)
     return b / bucket * call_seconds(sc, "reduce_scatter", bucket, D, g)
@@ -300,7 +307,8 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         # the group that shards the optimizer state (HSDP: its shard group)
         # (Muon's matrices only: AdamW steps the embedding, head and gains on their shards)
         D, g = (_shapes(sc, st)[:2]) if st.fsdp else (N, g_world)
-        out.append(_coll(sc, WHOLE_MATRIX, "all_gather", muon.matrix_elements(sc), p.param, D, g, 1))
+        whole = _coll(sc, WHOLE_MATRIX, "all_gather", muon.matrix_elements(sc), p.param, D, g, 1)
+        out.append(replace(whole, call="every matrix as one call, as priced"))
     if not st.fsdp:
         torch = t.layout == "torch"
         ddp_bucket = sc.assume.ddp_bucket_bytes
@@ -354,7 +362,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         back = _ds_again(sc)
         elems = sum(-(-n // D) * D for a in back for n in a)
         if elems:
-            big = max(nbytes(-(-n // D) * D, p.param) for a in back for n in a)
+            big = max(nbytes(-(-n // D) * D, gather_dtype(sc, u)) for u, a in zip(units, back) for n in a)
             out.append(Collective("all-gather (backward)", "all_gather", elems, p.param, D, scope, A,
                                   sum(_ds_backward_seconds(sc, st, D, g)), 0.0, g, big,
                                   "the largest parameter"))
