@@ -240,14 +240,14 @@ def _nccl_lines(sc: Scenario, st, D: int, colls) -> list[str]:
     out: list[str] = []
     if st.fsdp and D <= 1:  # HSDP with --shard-size 1: each rank holds whole weights, nothing is gathered
         out.append("shard group of 1 rank: no all-gather (the weights are replicated, as under DDP)")
-    seen: dict[tuple, int] = {}
+    seen: set[tuple] = set()
     for c in colls:
         if c.op in ("h2d", "d2h") or not c.moves or not c.call_bytes:
             continue
         key = (c.op, c.call_bytes, c.group_size, c.per_node)
         if key in seen:
             continue
-        seen[key] = len(out)
+        seen.add(key)
         out.append(_nccl_call(sc.hw.cluster, f"{c.name}, one call ({c.call})", c.op, c.call_bytes,
                               c.group_size, c.per_node))
     return out
