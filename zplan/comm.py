@@ -205,10 +205,16 @@ def _ds_again(sc: Scenario) -> tuple[tuple[int, ...], ...]:
                                   for u in sc.units))
 
 
+def _ds_backward_calls(sc: Scenario, D: int) -> list[list[int]]:
+    """DeepSpeed at its defaults, per unit: the bytes of each call gathering a parameter again
+    in backward (one call a parameter, padded to D, in the gather dtype)."""
+    return [[nbytes(-(-n // D) * D, gather_dtype(sc, u)) for n in again]
+            for u, again in zip(sc.units, _ds_again(sc))]
+
+
 def _ds_backward_seconds(sc: Scenario, st: Strategy, D: int, g: int) -> list[float]:
     """DeepSpeed at its defaults, per unit: one call per parameter gathered again in backward."""
-    return [sum(call_seconds(sc, "all_gather", nbytes(-(-n // D) * D, gather_dtype(sc, u)), D, g)
-                for n in again) for u, again in zip(sc.units, _ds_again(sc))]
+    return [sum(call_seconds(sc, "all_gather", b, D, g) for b in calls) for calls in _ds_backward_calls(sc, D)]
 
 
 def _module_calls(sc: Scenario, st: Strategy) -> bool:
@@ -216,18 +222,32 @@ def _module_calls(sc: Scenario, st: Strategy) -> bool:
     return sc.train.layout == "zero" and sc.train.deepspeed_defaults and st.params_sharded
 
 
-def gather_seconds(sc: Scenario, st: Strategy, u, dtype: str, D: int, g: int) -> float:
-    """One unit's all-gather as issued: one call for the unit (FSDP, and DeepSpeed as zplan's
-    export configures it), or, at DeepSpeed's defaults, one per submodule, that is per
-    parameter of a Linear (fetch_sub_module gathers a module's own parameters), skipping those
-    under stage3_param_persistence_threshold, which every rank keeps whole (zplan/deepspeed.py)."""
+def gather_calls(sc: Scenario, st: Strategy, u, dtype: str, D: int) -> list[int]:
+    """The bytes of each call of one unit's all-gather as issued: one call for the unit (FSDP,
+    and DeepSpeed as zplan's export configures it), or, at DeepSpeed's defaults, one per
+    submodule, that is per parameter of a Linear (fetch_sub_module gathers a module's own
+    parameters), skipping those under stage3_param_persistence_threshold, which every rank
+    keeps whole (zplan/deepspeed.py)."""
     if not _module_calls(sc, st):
-        return call_seconds(sc, "all_gather", nbytes(sc.padded_elems(u, D), dtype), D, g)
+        return [nbytes(sc.padded_elems(u, D), dtype)]
     from .deepspeed import PERSISTENCE_THRESHOLD_ELEMS
 
-    sizes = [math.prod(s) for s in u.shapes]
-    return sum(call_seconds(sc, "all_gather", nbytes(-(-n // D) * D, dtype), D, g)
-               for n in sizes if n > PERSISTENCE_THRESHOLD_ELEMS)
+    return [nbytes(-(-n // D) * D, dtype) for n in (math.prod(s) for s in u.shapes)
+            if n > PERSISTENCE_THRESHOLD_ELEMS]
+
+
+def gather_seconds(sc: Scenario, st: Strategy, u, dtype: str, D: int, g: int) -> float:
+    """One unit's all-gather: its calls as issued (gather_calls), each timed as NCCL runs it."""
+    return sum(call_seconds(sc, "all_gather", b, D, g) for b in gather_calls(sc, st, u, dtype, D))
+
+
+def _ds_reduce_bucket(sc: Scenario, D: int) -> int:
+    """DeepSpeed ZeRO-3's reduce call at its defaults, bytes: reduce_bucket_size in the reduce
+    dtype, or the whole model's gradients where they are fewer."""
+    from .deepspeed import REDUCE_BUCKET_ELEMS
+
+    r = sc.train.precision.reduce
+    return min(nbytes(REDUCE_BUCKET_ELEMS, r), sum(nbytes(sc.padded_elems(v, D), r) for v in sc.units))
 
 
 def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
@@ -236,37 +256,23 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
     b = nbytes(sc.padded_elems(u, D), sc.train.precision.reduce)
     if not _module_calls(sc, st):
         return call_seconds(sc, "reduce_scatter", b, D, g)
-    from .deepspeed import REDUCE_BUCKET_ELEMS
-
-    r = sc.train.precision.reduce
-    # a model smaller than the bucket fills one call of its own size (_reduce_call)
-    bucket = min(nbytes(REDUCE_BUCKET_ELEMS, r), sum(nbytes(sc.padded_elems(v, D), r) for v in sc.units))
+    bucket = _ds_reduce_bucket(sc, D)
     if b >= bucket:
         return bucketed_seconds(sc, "reduce_scatter", b, D, g, bucket)
     return b / bucket * call_seconds(sc, "reduce_scatter", bucket, D, g)
 
 
 def _gather_call(sc: Scenario, st: Strategy, us, dtype: str, D: int) -> tuple[int, str]:
-    """The largest single all-gather call among units `us`, as gather_seconds issues them."""
-    if not _module_calls(sc, st):
-        return max(nbytes(sc.padded_elems(u, D), dtype) for u in us), "the largest unit"
-    from .deepspeed import PERSISTENCE_THRESHOLD_ELEMS
-
-    sizes = [math.prod(s) for u in us for s in u.shapes]
-    big = max((nbytes(-(-n // D) * D, dtype) for n in sizes if n > PERSISTENCE_THRESHOLD_ELEMS), default=0)
-    return big, "the largest parameter"
+    """The largest single all-gather call among units `us` (gather_calls)."""
+    big = max((b for u in us for b in gather_calls(sc, st, u, dtype, D)), default=0)
+    return big, "the largest parameter" if _module_calls(sc, st) else "the largest unit"
 
 
 def _reduce_call(sc: Scenario, st: Strategy, D: int) -> tuple[int, str]:
     """The largest single reduce-scatter call, as reduce_seconds issues them."""
-    r = sc.train.precision.reduce
-    largest = max(nbytes(sc.padded_elems(u, D), r) for u in sc.units)
-    if not _module_calls(sc, st):
-        return largest, "the largest unit"
-    from .deepspeed import REDUCE_BUCKET_ELEMS
-
-    total = sum(nbytes(sc.padded_elems(u, D), r) for u in sc.units)
-    return min(total, nbytes(REDUCE_BUCKET_ELEMS, r)), "a bucket"
+    if _module_calls(sc, st):
+        return _ds_reduce_bucket(sc, D), "a bucket"
+    return max(nbytes(sc.padded_elems(u, D), sc.train.precision.reduce) for u in sc.units), "the largest unit"
 
 
 def regathered(sc: Scenario, st: Strategy, u) -> bool:
@@ -362,7 +368,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         back = _ds_again(sc)
         elems = sum(-(-n // D) * D for a in back for n in a)
         if elems:
-            big = max(nbytes(-(-n // D) * D, gather_dtype(sc, u)) for u, a in zip(units, back) for n in a)
+            big = max(b for calls in _ds_backward_calls(sc, D) for b in calls)
             out.append(Collective("all-gather (backward)", "all_gather", elems, p.param, D, scope, A,
                                   sum(_ds_backward_seconds(sc, st, D, g)), 0.0, g, big,
                                   "the largest parameter"))
