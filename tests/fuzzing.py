@@ -64,7 +64,7 @@ SCENARIO = {
     "--context-gib": number(["0", "0.5", "1024"]),
     "--fragmentation": number(["0", "0.05", "0.9"]),
     "--bucket-mib": number(["0", "25", "1000000"]),
-    "--attention-kernel": choice_or_hostile(["flash2", "flash-triton", "flash3", "flash4"]),
+    "--attention-kernel": choice_or_hostile(["flash2", "flash-triton", "flash3", "flash4", "cudnn"]),
     "--linear-loss": choice_or_hostile(["none", "chunked", "liger"]),
     "--compile-scope": choice_or_hostile(["block", "model"]),
     "--optimizer-kernels": choice_or_hostile(["fused", "foreach", "single"]),

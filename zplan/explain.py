@@ -169,7 +169,7 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         if t.flash_attention:
             a_f, a_b = K.attention_rates(hw.gpu, t.attention_kernel, m.head_dim, t.precision.param)
             attn = (f"attention ({t.attention_kernel}) {a_f / 1e12:,.0f}/{a_b / 1e12:,.0f} TFLOP/s "
-                    f"fwd/bwd x s/(s+{k.attention_half_seq:g})")
+                    f"fwd/bwd x s/(s+{K.attention_half_seq(hw.gpu, t.attention_kernel):g})")
         else:
             attn = "attention as GEMMs + softmax (no flash kernel)"
         fixed = (f" + {k.gemm_fixed_s * 1e6:g} us each" if k.gemm_fixed_s else "") + (

@@ -251,6 +251,7 @@ ATTENTION_KERNEL_SPEED: dict[str, tuple[float, float]] = {
 }
 FLASH3_HEAD_DIMS = (64, 96, 128, 192, 256)  # flash-attn hopper/: the head dims it compiles
 
+
 # FlexAttention's Triton kernels (torch.nn.attention.flex_attention, compiled; torchtitan's default
 # attention for Llama 3 and Qwen3 in 2026) relative to the preset's FlashAttention-2 rates, causal,
 # by GPU family (name prefix): no one benchmark covers every GPU.
@@ -274,6 +275,45 @@ FLEX_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = (
     (HOPPER_PRESETS, (3.347 / 3.024, 8.947 / 8.245)),
     (BLACKWELL_PRESETS, (535 / 397, 522 / 331)),
 )
+# cuDNN's fused attention, as PyTorch's SDPA runs it (SDPBackend.CUDNN_ATTENTION: the default on
+# Hopper and Blackwell under torch 2.5.0, 2.9 and 2.11 and later, and first in torchtitan's
+# backend list on Blackwell from 3b85aa3 (2025-05) and on every GPU from 6a3a9da (2025-10)), by
+# GPU family: (forward, backward) at long sequences relative to the preset's FlashAttention-2
+# rates, and the half length of its own ramp (None: FlashAttention-2's, the preset's).
+# Hopper: the FA3 paper's cuDNN bars (Shah et al. 2024, arXiv 2407.08608, Figures 5-6, H100 SXM5,
+# bf16, head dim 128, 16k; the benchmark the FA2 rates come from): causal forward 539 against
+# FA2's 335; backward (charted without the mask) 516 against 322, each kernel's causal penalty
+# from its own forward bars (cuDNN 539/595, FA2 335/370). The ratio holds within 3% from 512 to
+# 16k (315/191 ... 539/335), so the ramp is FA2's. Head dim 64 (the same figures, 16k): causal
+# forward 388 against head dim 128's 539, backward (no mask) 433 against 516.
+# Blackwell: cudnn-frontend's SDPA training benchmark on B200 (NVIDIA/cudnn-frontend bb37575,
+# benchmark/sdpa_benchmark_training/artifacts/sdpa_bf16_benchmark_results_NVIDIA_B200.csv,
+# backend pyt_cudnn: Llama 3 shapes, 128 query / 8 kv heads, head dim 128, causal): forward 1171
+# and 1332 TFLOP/s at 8k and 16k, backward 943 and 1075, which s/(s + 2640) with asymptotes 1544
+# and 1250 follows (4k: +10%, 32k: +1%, 2k: +42%); over the b200 preset's FA2 asymptotes (422,
+# 347, the same benchmark's FA2 rows at f937055). Head dims other than 128 not measured there.
+CUDNN_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float, int | None]], ...] = (
+    (HOPPER_PRESETS, (539 / 335, (516 * 539 / 595) / (322 * 335 / 370), None)),
+    (BLACKWELL_PRESETS, (1544 / 422, 1250 / 347, 2640)),
+)
+CUDNN_HEAD_DIM_64: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = ((HOPPER_PRESETS, (388 / 539, 433 / 516)),)
+
+
+def cudnn_speed(gpu_name: str) -> tuple[float, float, int | None] | None:
+    """cuDNN attention's (forward, backward) speed relative to the preset's FlashAttention-2 at
+    long sequences and its own ramp's half length (CUDNN_SPEED), or None where not measured."""
+    return next((speed for names, speed in CUDNN_SPEED if gpu_name.startswith(names)), None)
+
+
+def cudnn_head_dim_speed(gpu_name: str, head_dim: int) -> tuple[float, float]:
+    """cuDNN attention's (forward, backward) speed at this head dim relative to head dim 128
+    (CUDNN_HEAD_DIM_64; between 64 and 128 linear, an assumption; 1 at 128 and above, and
+    where not measured)."""
+    at64 = next((r for names, r in CUDNN_HEAD_DIM_64 if gpu_name.startswith(names)), (1.0, 1.0))
+    if head_dim >= 128:
+        return 1.0, 1.0
+    w = max(0, head_dim - 64) / 64
+    return tuple(a + (1.0 - a) * w for a in at64)  # type: ignore[return-value]
 
 
 # FlashAttention-2 at head dim 64 against head dim 128, causal, forward + backward, the same hidden
@@ -308,12 +348,14 @@ def flex_speed(gpu_name: str) -> tuple[float, float] | None:
 def padded_head_dim(head_dim: int, kernel: str) -> int:
     """The head dimension the kernel computes on: FlashAttention-2 rounds it up to a multiple of
     32 (flash-attn csrc/flash_attn/flash_api.cpp, head_size_rounded); the Triton kernels (and
-    FlexAttention's) to a power
-    of two (flash_attn_triton.py, BLOCK_HEADDIM = next_power_of_2(d))."""
+    FlexAttention's) to a power of two (flash_attn_triton.py, BLOCK_HEADDIM = next_power_of_2(d));
+    cuDNN's to a multiple of 8."""
     if kernel in ("flash-triton", "flex"):  # Triton's tl.arange: a power of two
         return max(16, 1 << (head_dim - 1).bit_length())
     if kernel == "flash3":
         return next((d for d in FLASH3_HEAD_DIMS if d >= head_dim), head_dim)
+    if kernel == "cudnn":  # cuDNN's SDPA takes head dims in multiples of 8 (PyTorch's check_cudnn_tensor_shapes)
+        return -(-head_dim // 8) * 8
     return -(-head_dim // 32) * 32
 
 
@@ -332,12 +374,26 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
     pad = head_dim / padded
     if kernel == "flex":  # refused where no benchmark gives its speed (scenario_options)
         f, b = flex_speed(gpu.family) or (1.0, 1.0)
+    elif kernel == "cudnn":  # likewise
+        f, b, _ = cudnn_speed(gpu.family) or (1.0, 1.0, None)
+        hf, hb = cudnn_head_dim_speed(gpu.family, padded)
+        f, b = f * hf, b * hb
     else:
         f, b = ATTENTION_KERNEL_SPEED[kernel]
     if kernel == "flash2":  # small heads run FA2's tiles at lower intensity (measured)
         f, b = (x * fa2_head_dim_speed(gpu.family, padded) for x in (f, b))
     scale = gpu.flops(dtype) / gpu.flops("bf16") if dtype not in ("bf16", "fp16", "fp8") else 1.0
     return (k.attention_forward_flops * f * pad * scale, k.attention_backward_flops * b * pad * scale)
+
+
+def attention_half_seq(gpu: GPUSpec, kernel: str) -> float:
+    """The sequence length at which the kernel runs at half its long-sequence rate: the preset's
+    (FlashAttention-2's ramp), or cuDNN's own where measured (CUDNN_SPEED)."""
+    k = gpu.kernels
+    assert k is not None
+    if kernel == "cudnn":
+        return (cudnn_speed(gpu.family) or (0, 0, None))[2] or k.attention_half_seq
+    return k.attention_half_seq
 
 
 def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
@@ -347,10 +403,11 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
     fwd = attention_flop(seq, hidden, tokens)
     flop = int(2.5 * fwd) if backward else fwd
     rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
-    rate *= seq / (seq + k.attention_half_seq)
+    rate *= seq / (seq + attention_half_seq(gpu, kernel))
     t = max(flop / rate, k.kernel_floor_s)
     beside = max(flop / rate * max(_slower(k), _measured(k)), k.kernel_floor_s)
-    return Op("flash attention" + (" backward" if backward else ""), "attention", 1, flop, 0, t, beside)
+    name = "cuDNN attention" if kernel == "cudnn" else "flash attention"
+    return Op(name + (" backward" if backward else ""), "attention", 1, flop, 0, t, beside)
 
 
 # torch's multi_tensor_apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh): each thread block

@@ -172,6 +172,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.attention_kernel == "flash4" and not gpu.family.startswith(BLACKWELL_PRESETS):
         raise UsageError(f"--attention-kernel flash4 (FlashAttention-4) runs on Blackwell GPUs "
                          f"({', '.join(BLACKWELL_PRESETS)}), not {gpu.name}: use flash2")
+    if o.attention_kernel == "cudnn" and K.cudnn_speed(gpu.family) is None:
+        raise UsageError(f"--attention-kernel cudnn (cuDNN's fused attention) has published kernel rates for "
+                         f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
     if o.attention_kernel == "flex" and K.flex_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel flex (FlexAttention) has published kernel rates for A100, "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")

@@ -17,7 +17,7 @@ StrategyName = Literal[
 ]
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
-AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4", "flex"]
+AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4", "flex", "cudnn"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]
@@ -413,8 +413,10 @@ class TrainSpec(Spec):
         "backend), flash-triton (FlashAttention in Triton, as llm-foundry's attn_impl: triton) or "
         "flash3 (FlashAttention-3, Hopper GPUs: flash-attn's hopper kernels, HF's "
         "attn_implementation flash_attention_3), flash4 (FlashAttention-4, Blackwell GPUs: "
-        "flash-attn's cute kernels, HF's attn_implementation flash_attention_4) or flex "
-        "(FlexAttention's Triton kernels, torchtitan's default attention in 2026)")
+        "flash-attn's cute kernels, HF's attn_implementation flash_attention_4), flex "
+        "(FlexAttention's Triton kernels, torchtitan's default attention in 2026) or cudnn "
+        "(cuDNN's fused attention, SDPA's cudnn backend: its default on Hopper and Blackwell under "
+        "torch 2.5.0, 2.9 and 2.11 on, and torchtitan's first choice from October 2025)")
     optimizer: OptimizerName = "adamw"
     optimizer_kernels: OptimizerKernels = Field(
         "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "

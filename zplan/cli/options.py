@@ -32,7 +32,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "checkpoint_early_stop": ((), "Recomputation stops once backward's tensors are rebuilt (non-reentrant checkpoint, PyTorch >= 2.1; --no-checkpoint-early-stop: reentrant or older, the whole block reruns)"),
     "checkpoint_wraps_unit": ((), "FSDP1 (HF Trainer's or accelerate's FSDP): the checkpoint wraps each sharded unit from outside, as Hugging Face's gradient_checkpointing_enable did before transformers 4.52; with a reentrant checkpoint (--no-checkpoint-early-stop, HF's default) each checkpointed block is gathered twice in backward, neither prefetched (default: the checkpoint inside the unit, as zplan's trainer and torchtitan; FSDP2 on PyTorch 2.13 gathers once either way)"),
     "flash": ((), "Flash attention (no s^2 scores kept)"),
-    "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2; zplan's trainer) | flash-triton (FlashAttention in Triton, e.g. llm-foundry attn_impl: triton) | flash3 (FlashAttention-3, Hopper) | flash4 (FlashAttention-4, Blackwell) | flex (FlexAttention, compiled Triton: torchtitan's default in 2026; A100, Hopper, Blackwell)"),
+    "attention_kernel": ((), "flash2 (FlashAttention-2: PyTorch SDPA, flash-attn 2; zplan's trainer) | flash-triton (FlashAttention in Triton, e.g. llm-foundry attn_impl: triton) | flash3 (FlashAttention-3, Hopper) | flash4 (FlashAttention-4, Blackwell) | flex (FlexAttention, compiled Triton: torchtitan's default in 2026; A100, Hopper, Blackwell) | cudnn (cuDNN's fused attention: SDPA's default on Hopper/Blackwell under torch 2.5.0, 2.9, 2.11+)"),
     "optimizer": ((), "adamw | sgd | adam8bit | muon"),
     "param_dtype": ((), "Working/gather dtype"),
     "reduce_dtype": ((), "Gradient reduction dtype"),

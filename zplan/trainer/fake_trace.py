@@ -85,6 +85,7 @@ def trace_peak(plan, steps: int = 1, reserved: bool = False) -> dict:
             model = Transformer(plan.model)
         model.return_cache(plan.train.kv_cache)
         model.expand_kv(plan.train.attention_expands_kv)
+        model.attention_kernel(plan.train.attention_kernel)
         with FakeTensorMode(allow_non_fake_inputs=True), propagation_outside_trace():
             par = parallelize(model, plan, device, mesh=mesh)
             # the plan's AdamW (fake_cell plans single-tensor: a multi-tensor peak is inflated

@@ -97,6 +97,7 @@ class Trainer:
             model = Transformer(plan.model)
         model.return_cache(plan.train.kv_cache)
         model.expand_kv(plan.train.attention_expands_kv)
+        model.attention_kernel(plan.train.attention_kernel)
         if cfg.deterministic and plan.strategy in ("ddp", "zero1"):
             from ..errors import UsageError
 

@@ -18,6 +18,27 @@ from torch import nn
 from ..specs import ModelSpec
 from .linear_loss import chunked_linear_cross_entropy
 
+# SDPA's backends in the order the plan's attention kernel asks (TrainSpec.attention_kernel),
+# installed around every call with sdpa_kernel(..., set_priority=True). flash2 keeps cuDNN's
+# attention out: torch prefers it on Hopper and Blackwell under 2.5.0, 2.9 and 2.11 on
+# (sdp_utils.cpp check_prefer_cudnn_attention), where the plan priced FlashAttention-2. cudnn
+# puts it first; the others stay behind each as the fallback SDPA takes where a kernel cannot
+# run (fp32, or a head dim it does not take), as without the context.
+SDPA_BACKENDS = {
+    "flash2": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+    "cudnn": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+    "math": ("MATH",),  # no plan's: tests count the attention matmuls (FlopCounterMode has no CPU flash formula)
+}
+
+
+def sdpa_backends(kernel: str) -> list:
+    """The SDPBackend list for a plan's attention kernel (SDPA_BACKENDS); flash2's for a kernel
+    the trainer does not run (plan.py refuses to train those; a fake trace of their memory,
+    the same for every flash kernel, still builds the model)."""
+    from torch.nn.attention import SDPBackend
+
+    return [getattr(SDPBackend, name) for name in SDPA_BACKENDS.get(kernel, SDPA_BACKENDS["flash2"])]
+
 ROPE_THETA = 500000.0
 INIT_STD = 0.02
 
@@ -71,15 +92,19 @@ class Attention(nn.Module):
         self.checkpoint_core = False  # Megatron-style selective recomputation of the core
         self.return_cache = False  # TrainSpec.kv_cache: also return the keys (after RoPE) and values
         self.expand_kv = False  # TrainSpec.attention_expands_kv: copy k and v to every query head
+        self.backends = sdpa_backends("flash2")  # TrainSpec.attention_kernel (Transformer.attention_kernel)
 
     def core(self, q, k, v):
-        if self.expand_kv and self.n_kv != self.n_heads:
-            # Hugging Face's repeat_kv: each key/value head copied to the query heads sharing it,
-            # in SDPA's grouping (query head i reads key/value head i // (heads / kv heads))
-            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              enable_gqa=self.n_kv != self.n_heads)
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(self.backends, set_priority=True):
+            if self.expand_kv and self.n_kv != self.n_heads:
+                # Hugging Face's repeat_kv: each key/value head copied to the query heads sharing it,
+                # in SDPA's grouping (query head i reads key/value head i // (heads / kv heads))
+                k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=self.n_kv != self.n_heads)
 
     def forward(self, x: torch.Tensor):
         b, s, _ = x.shape
@@ -165,6 +190,11 @@ class Transformer(nn.Module):
         if m.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.cache_on = False  # return_cache
+
+    def attention_kernel(self, kernel: str) -> None:
+        """Run every layer's SDPA with the plan's kernel first (SDPA_BACKENDS): flash2 or cudnn."""
+        for layer in self.layers:
+            layer.attention.backends = sdpa_backends(kernel)
 
     def expand_kv(self, on: bool = True) -> None:
         """Copy keys and values to every query head before attention (TrainSpec.attention_expands_kv,

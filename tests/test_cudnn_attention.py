@@ -1,0 +1,119 @@
+"""cuDNN's fused attention (--attention-kernel cudnn), held against the kernel benchmarks its
+rates come from (the FA3 paper's cuDNN bars on H100; cudnn-frontend's B200 CSV), and the
+trainer's SDPA held to the plan's kernel: what torch's backend flags and priority order are
+inside each attention call, checked on CPU (the flags are the same on a GPU)."""
+
+import pytest
+import torch
+
+from zplan import kernels as K
+from zplan import presets
+from zplan.plan import make_plan, trainer_refusal
+from tests.helpers import cli, scenario
+
+H100, B200 = presets.gpu("h100-sxm"), presets.gpu("b200")
+
+
+def _rate(gpu, seq, backward, kernel, head_dim=128, hidden=4096):
+    op = K.attention(gpu, seq, hidden, seq, backward, kernel=kernel, head_dim=head_dim)
+    return op.flop / op.seconds
+
+
+def test_cudnn_on_hopper_runs_at_the_fa3_papers_cudnn_bars_relative_to_fa2():
+    """FA3 paper, H100 SXM5, head dim 128, 16k: cuDNN causal forward 539 against FA2's 335;
+    backward (no mask) 516 against 322, each with its own causal penalty (539/595, 335/370)."""
+    for backward, ratio in ((False, 539 / 335), (True, (516 * 539 / 595) / (322 * 335 / 370))):
+        assert _rate(H100, 16384, backward, "cudnn") / _rate(H100, 16384, backward, "flash2") == \
+            pytest.approx(ratio, rel=1e-9)
+    # the same figures at 2k: 484 vs 298 forward; the ramp is FA2's, the ratio within 3%
+    assert _rate(H100, 2048, False, "cudnn") / _rate(H100, 2048, False, "flash2") == \
+        pytest.approx(484 / 298, rel=0.03)
+
+
+def test_cudnn_at_head_dim_64_on_hopper():
+    """The same figures at head dim 64: causal forward 388 (against 539 at 128), backward 433
+    (against 516); computed on 64, counted on 64."""
+    for backward, ratio in ((False, 388 / 539), (True, 433 / 516)):
+        at64 = _rate(H100, 16384, backward, "cudnn", head_dim=64, hidden=2048)
+        at128 = _rate(H100, 16384, backward, "cudnn", head_dim=128, hidden=2048)
+        assert at64 / at128 == pytest.approx(ratio, rel=1e-9)
+
+
+@pytest.mark.parametrize("seq,fwd,bwd,tol", [(8192, 1171.3e12, 942.5e12, 0.02),
+                                             (16384, 1332.4e12, 1074.8e12, 0.02),
+                                             (32768, 1419.0e12, 1108.7e12, 0.05),
+                                             (4096, 855.7e12, 701.3e12, 0.12)])
+def test_cudnn_on_b200_follows_cudnn_frontends_measured_rates(seq, fwd, bwd, tol):
+    """cudnn-frontend bb37575, sdpa_bf16_benchmark_results_NVIDIA_B200.csv, pyt_cudnn rows
+    (Llama 3 shapes, causal, head dim 128): forward and backward TFLOP/s as measured."""
+    assert _rate(B200, seq, False, "cudnn") == pytest.approx(fwd, rel=tol)
+    assert _rate(B200, seq, True, "cudnn") == pytest.approx(bwd, rel=tol)
+
+
+def test_cudnn_is_refused_where_no_benchmark_gives_its_rates(capsys):
+    r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "a100-80gb",
+            "--attention-kernel", "cudnn")
+    assert r.returncode == 2 and "--attention-kernel cudnn" in r.stderr and "a100-80gb" in r.stderr
+    assert "Traceback" not in r.stderr
+    ok = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100-sxm",
+             "--attention-kernel", "cudnn")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_cudnn_makes_an_h100_step_faster_by_the_attention_it_saves():
+    """Only attention changes: the step's attention time shrinks by the kernel's ratio and
+    nothing else moves."""
+    from zplan import unit_ops
+
+    kw = dict(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="torch")
+    flash, cudnn = scenario(**kw), scenario(**kw, attention_kernel="cudnn")
+    for backward in (False, True):
+        a = {o.name.replace("flash", "cuDNN"): o for o in unit_ops.unit_ops(flash, flash.units[1], backward)}
+        b = {o.name: o for o in unit_ops.unit_ops(cudnn, cudnn.units[1], backward)}
+        assert a.keys() == b.keys()
+        for name in a:
+            if a[name].kind == "attention":
+                assert b[name].seconds < a[name].seconds / 1.5 and b[name].flop == a[name].flop
+            else:
+                assert b[name].seconds == a[name].seconds
+
+
+@pytest.mark.parametrize("kernel", ["flash2", "cudnn"])
+def test_the_trainer_runs_sdpa_with_the_plans_kernel_first(monkeypatch, kernel):
+    """Inside every attention call of the built-in model: flash2 keeps cuDNN's attention out
+    (torch 2.5.0, 2.9 and 2.11+ would otherwise run it first on Hopper and Blackwell, where
+    the plan priced FlashAttention-2); cudnn puts it first. Checked through torch's own flags
+    and priority order, which are what SDPA reads on a GPU; restored after the call."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    from zplan.trainer import model as tm
+
+    sc = scenario(model="tiny", gpus=1, gpu="cpu", seq_len=16)
+    m = tm.Transformer(sc.model)
+    tm.init_weights_(m, 0)
+    m.attention_kernel(kernel)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                     list(torch._C._get_sdp_priority_order())))
+        return real(*a, **k)
+
+    monkeypatch.setattr(tm.F, "scaled_dot_product_attention", spy)
+    m(torch.randint(0, sc.model.vocab_size, (1, 16)))
+    assert len(seen) == sc.model.num_layers
+    first = {"flash2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]
+    for cudnn_on, flash_on, order in seen:
+        assert cudnn_on == (kernel == "cudnn") and flash_on
+        assert order[0] == int(first)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the context is left
+
+
+def test_the_trainer_accepts_cudnn_and_refuses_kernels_it_cannot_run():
+    sc = scenario(model="llama-3.1-8b", gpus=8, gpu="h100-sxm", layout="torch", attention_kernel="cudnn")
+    assert trainer_refusal(make_plan(sc, "zero3", global_batch=8), builtin_model=True) is None
+    sc3 = scenario(model="llama-3.1-8b", gpus=8, gpu="h100-sxm", layout="torch", attention_kernel="flash3")
+    why = trainer_refusal(make_plan(sc3, "zero3", global_batch=8), builtin_model=True)
+    assert why and "flash3" in why and "cudnn" in why
