@@ -41,13 +41,39 @@ def test_cudnn_at_head_dim_64_on_hopper():
 
 @pytest.mark.parametrize("seq,fwd,bwd,tol", [(8192, 1171.3e12, 942.5e12, 0.02),
                                              (16384, 1332.4e12, 1074.8e12, 0.02),
-                                             (32768, 1419.0e12, 1108.7e12, 0.05),
+                                             (32768, 1419.0e12, 1108.7e12, 0.01),
+                                             (65536, 1382.3e12, 1073.1e12, 0.04),
+                                             (131072, 1355.4e12, 1047.8e12, 0.07),
                                              (4096, 855.7e12, 701.3e12, 0.12)])
 def test_cudnn_on_b200_follows_cudnn_frontends_measured_rates(seq, fwd, bwd, tol):
     """cudnn-frontend bb37575, sdpa_bf16_benchmark_results_NVIDIA_B200.csv, pyt_cudnn rows
     (Llama 3 shapes, causal, head dim 128): forward and backward TFLOP/s as measured."""
     assert _rate(B200, seq, False, "cudnn") == pytest.approx(fwd, rel=tol)
     assert _rate(B200, seq, True, "cudnn") == pytest.approx(bwd, rel=tol)
+
+
+@pytest.mark.parametrize("model,head_dim", [("gpt2-124m", 64), ("qwen3-8b", 128)])
+def test_cudnn_takes_the_head_dims_cudnns_sdpa_takes(model, head_dim):
+    """Multiples of 8 up to 128 (PyTorch's check_cudnn_tensor_shapes): priced on the head dim as
+    it is, no padding."""
+    sc = scenario(model=model, gpus=8, gpu="h100-sxm", attention_kernel="cudnn")
+    assert sc.model.head_dim == head_dim and K.padded_head_dim(head_dim, "cudnn") == head_dim
+
+
+def test_cudnn_is_refused_at_head_dims_cudnns_sdpa_does_not_take(capsys, tmp_path):
+    """Gemma's head dim 256 (its config class's default): SDPA would run another kernel than
+    the one priced, so it is refused in one line; flash2 plans it."""
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576,
+                               "num_hidden_layers": 28, "num_attention_heads": 16,
+                               "num_key_value_heads": 16, "vocab_size": 256000}))
+    args = ("estimate", "--model", str(cfg), "--gpus", "8", "--gpu", "h100-sxm")
+    r = cli(capsys, *args, "--attention-kernel", "cudnn")
+    assert r.returncode == 2 and "--attention-kernel cudnn" in r.stderr and "256" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert cli(capsys, *args).returncode == 0
 
 
 def test_cudnn_is_refused_where_no_benchmark_gives_its_rates(capsys):
@@ -117,3 +143,18 @@ def test_the_trainer_accepts_cudnn_and_refuses_kernels_it_cannot_run():
     sc3 = scenario(model="llama-3.1-8b", gpus=8, gpu="h100-sxm", layout="torch", attention_kernel="flash3")
     why = trainer_refusal(make_plan(sc3, "zero3", global_batch=8), builtin_model=True)
     assert why and "flash3" in why and "cudnn" in why
+
+
+def test_estimate_shows_the_attention_kernel_as_an_assumption():
+    """Where torch would run cuDNN's attention by default (Hopper, Blackwell), the assumption
+    says so and names the flag; on A100 (no cuDNN rates, SDPA's flash kernel) it does not; a
+    cudnn plan states its kernel."""
+    from zplan.estimate import assumptions
+
+    h100 = assumptions(scenario(model="llama-3.1-8b", gpus=8, gpu="h100-sxm"))["attention_kernel"]
+    assert h100["value"] == "flash2" and "--attention-kernel cudnn" in h100["meaning"]
+    assert "1.6x" in h100["meaning"]
+    a100 = assumptions(scenario(model="llama-3.1-8b", gpus=8, gpu="a100-80gb"))["attention_kernel"]
+    assert "cudnn" not in a100["meaning"]
+    own = assumptions(scenario(model="llama-3.1-8b", gpus=8, gpu="b200", attention_kernel="cudnn"))
+    assert own["attention_kernel"]["value"] == "cudnn" and "--attention-kernel cudnn" not in own["attention_kernel"]["meaning"]

@@ -154,6 +154,16 @@ def estimate(sc: Scenario, names: list[str] | None = None) -> list[StrategyEstim
     return [estimate_one(sc, n) for n in (names or list(STRATEGIES))]
 
 
+ATTENTION_KERNEL_NAMES = {
+    "flash2": "FlashAttention-2, as PyTorch's SDPA runs it (its flash backend)",
+    "flash-triton": "FlashAttention in Triton (llm-foundry's attn_impl: triton)",
+    "flash3": "FlashAttention-3 (flash-attn's Hopper kernels)",
+    "flash4": "FlashAttention-4 (flash-attn's Blackwell kernels)",
+    "flex": "FlexAttention's compiled Triton kernels",
+    "cudnn": "cuDNN's fused attention (SDPA's cudnn backend)",
+}
+
+
 def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     """Every figure that is assumed rather than derived, with the flag that changes it."""
     a = sc.assume
@@ -202,6 +212,17 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                            f"slowest of {sc.n} ranks paces every step: "
                            f"{slowest_rank_factor(k, sc.n) - 1:+.1%} (the GPU preset's comment names its "
                            "source; docs/formulas.md section 6)"}
+    t = sc.train
+    if k is not None and a.compute_efficiency is None and t.flash_attention:
+        from .kernels import cudnn_speed
+        cudnn = cudnn_speed(sc.hw.gpu.family)
+        out["attention_kernel"] = {
+            "value": t.attention_kernel, "flag": "--attention-kernel",
+            "meaning": f"the attention kernel priced: {ATTENTION_KERNEL_NAMES[t.attention_kernel]}"
+            + (f"; PyTorch's SDPA runs cuDNN's attention first on this GPU where its cuDNN is newer than 9.15 "
+               f"(CUDA 12.9+ builds: 2.11's cu130 wheels), as 2.9 did, {cudnn[0]:.2g}x as fast at long "
+               f"sequences: --attention-kernel cudnn (zplan's trainer runs the plan's kernel)"
+               if cudnn and t.attention_kernel == "flash2" else "")}
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}

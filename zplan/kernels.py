@@ -275,11 +275,14 @@ FLEX_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = (
     (HOPPER_PRESETS, (3.347 / 3.024, 8.947 / 8.245)),
     (BLACKWELL_PRESETS, (535 / 397, 522 / 331)),
 )
-# cuDNN's fused attention, as PyTorch's SDPA runs it (SDPBackend.CUDNN_ATTENTION: the default on
-# Hopper and Blackwell under torch 2.5.0, 2.9 and 2.11 and later, and first in torchtitan's
-# backend list on Blackwell from 3b85aa3 (2025-05) and on every GPU from 6a3a9da (2025-10)), by
-# GPU family: (forward, backward) at long sequences relative to the preset's FlashAttention-2
-# rates, and the half length of its own ramp (None: FlashAttention-2's, the preset's).
+# cuDNN's fused attention, as PyTorch's SDPA runs it (SDPBackend.CUDNN_ATTENTION). Torch runs it
+# first on Hopper and Blackwell where its runtime cuDNN is newer than 9.15 (sdp_utils.cpp
+# check_prefer_cudnn_attention, from 2.10; off for CUDA < 12.9 builds, pytorch PR 171627: the 2.11
+# cu130 wheels bundle cuDNN 9.19), as 2.9 did, and 2.5.0 on H100 (opt-in from 2.5.1, pytorch PR
+# 138522); torchtitan names it first on Blackwell from 3b85aa3 (2025-05) and on every GPU from
+# 6a3a9da (2025-10). By GPU family: (forward, backward) at long sequences relative to the preset's
+# FlashAttention-2 rates, the half length of its own ramp (None: FlashAttention-2's, the
+# preset's), and its measured peak as a share of those long-sequence rates (None: no fall).
 # Hopper: the FA3 paper's cuDNN bars (Shah et al. 2024, arXiv 2407.08608, Figures 5-6, H100 SXM5,
 # bf16, head dim 128, 16k; the benchmark the FA2 rates come from): causal forward 539 against
 # FA2's 335; backward (charted without the mask) 516 against 322, each kernel's causal penalty
@@ -290,18 +293,22 @@ FLEX_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = (
 # benchmark/sdpa_benchmark_training/artifacts/sdpa_bf16_benchmark_results_NVIDIA_B200.csv,
 # backend pyt_cudnn: Llama 3 shapes, 128 query / 8 kv heads, head dim 128, causal): forward 1171
 # and 1332 TFLOP/s at 8k and 16k, backward 943 and 1075, which s/(s + 2640) with asymptotes 1544
-# and 1250 follows (4k: +10%, 32k: +1%, 2k: +42%); over the b200 preset's FA2 asymptotes (422,
-# 347, the same benchmark's FA2 rows at f937055). Head dims other than 128 not measured there.
-CUDNN_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float, int | None]], ...] = (
-    (HOPPER_PRESETS, (539 / 335, (516 * 539 / 595) / (322 * 335 / 370), None)),
-    (BLACKWELL_PRESETS, (1544 / 422, 1250 / 347, 2640)),
+# and 1250 follows; the rates peak at 32k (1419, 1109) and fall after (64k 1382 / 1073, 128k 1355
+# / 1048), so the fit is held to the peak (4k: +10% / +8%; 32k: +0% / +0%; 64k: +3% / +3%; 128k:
+# +5% / +6%; 2k: +42%, where cuDNN ramps later than the fit); over the b200 preset's FA2
+# asymptotes (422, 347, the same benchmark's FA2 rows at f937055). Head dims other than 128 not
+# measured there (priced as 128's).
+CUDNN_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float, int | None, tuple[float, float] | None]], ...] = (
+    (HOPPER_PRESETS, (539 / 335, (516 * 539 / 595) / (322 * 335 / 370), None, None)),
+    (BLACKWELL_PRESETS, (1544 / 422, 1250 / 347, 2640, (1419 / 1544, 1109 / 1250))),
 )
 CUDNN_HEAD_DIM_64: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = ((HOPPER_PRESETS, (388 / 539, 433 / 516)),)
 
 
-def cudnn_speed(gpu_name: str) -> tuple[float, float, int | None] | None:
+def cudnn_speed(gpu_name: str) -> tuple[float, float, int | None, tuple[float, float] | None] | None:
     """cuDNN attention's (forward, backward) speed relative to the preset's FlashAttention-2 at
-    long sequences and its own ramp's half length (CUDNN_SPEED), or None where not measured."""
+    long sequences, its own ramp's half length and its peak as a share of those long-sequence
+    rates (CUDNN_SPEED), or None where not measured."""
     return next((speed for names, speed in CUDNN_SPEED if gpu_name.startswith(names)), None)
 
 
@@ -349,13 +356,13 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
     """The head dimension the kernel computes on: FlashAttention-2 rounds it up to a multiple of
     32 (flash-attn csrc/flash_attn/flash_api.cpp, head_size_rounded); the Triton kernels (and
     FlexAttention's) to a power of two (flash_attn_triton.py, BLOCK_HEADDIM = next_power_of_2(d));
-    cuDNN's to a multiple of 8."""
+    cuDNN's is not padded (it takes multiples of 8 up to 128; scenario_options refuses others)."""
     if kernel in ("flash-triton", "flex"):  # Triton's tl.arange: a power of two
         return max(16, 1 << (head_dim - 1).bit_length())
     if kernel == "flash3":
         return next((d for d in FLASH3_HEAD_DIMS if d >= head_dim), head_dim)
-    if kernel == "cudnn":  # cuDNN's SDPA takes head dims in multiples of 8 (PyTorch's check_cudnn_tensor_shapes)
-        return -(-head_dim // 8) * 8
+    if kernel == "cudnn":  # computed as it is: scenario_options refuses what cuDNN's SDPA does not take
+        return head_dim
     return -(-head_dim // 32) * 32
 
 
@@ -375,7 +382,7 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
     if kernel == "flex":  # refused where no benchmark gives its speed (scenario_options)
         f, b = flex_speed(gpu.family) or (1.0, 1.0)
     elif kernel == "cudnn":  # likewise
-        f, b, _ = cudnn_speed(gpu.family) or (1.0, 1.0, None)
+        f, b = (cudnn_speed(gpu.family) or (1.0, 1.0))[:2]
         hf, hb = cudnn_head_dim_speed(gpu.family, padded)
         f, b = f * hf, b * hb
     else:
@@ -392,7 +399,7 @@ def attention_half_seq(gpu: GPUSpec, kernel: str) -> float:
     k = gpu.kernels
     assert k is not None
     if kernel == "cudnn":
-        return (cudnn_speed(gpu.family) or (0, 0, None))[2] or k.attention_half_seq
+        return (cudnn_speed(gpu.family) or (0, 0, None, None))[2] or k.attention_half_seq
     return k.attention_half_seq
 
 
@@ -402,8 +409,11 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
     assert k is not None
     fwd = attention_flop(seq, hidden, tokens)
     flop = int(2.5 * fwd) if backward else fwd
-    rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
-    rate *= seq / (seq + attention_half_seq(gpu, kernel))
+    long_rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
+    rate = long_rate * seq / (seq + attention_half_seq(gpu, kernel))
+    peak = (cudnn_speed(gpu.family) or (0, 0, None, None))[3] if kernel == "cudnn" else None
+    if peak:  # cuDNN's measured rates fall past their peak (CUDNN_SPEED)
+        rate = min(rate, long_rate * peak[1 if backward else 0])
     t = max(flop / rate, k.kernel_floor_s)
     beside = max(flop / rate * max(_slower(k), _measured(k)), k.kernel_floor_s)
     name = "cuDNN attention" if kernel == "cudnn" else "flash attention"

@@ -175,6 +175,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.attention_kernel == "cudnn" and K.cudnn_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel cudnn (cuDNN's fused attention) has published kernel rates for "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
+    if o.attention_kernel == "cudnn" and (model.head_dim % 8 or model.head_dim > 128):
+        # PyTorch's check_cudnn_tensor_shapes: SDPA would fall back to another kernel
+        raise UsageError(f"--attention-kernel cudnn: cuDNN's SDPA takes head dims that are multiples of 8 up "
+                         f"to 128, not {model.head_dim} ({model.name}): use flash2")
     if o.attention_kernel == "flex" and K.flex_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel flex (FlexAttention) has published kernel rates for A100, "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")

@@ -415,8 +415,8 @@ class TrainSpec(Spec):
         "attn_implementation flash_attention_3), flash4 (FlashAttention-4, Blackwell GPUs: "
         "flash-attn's cute kernels, HF's attn_implementation flash_attention_4), flex "
         "(FlexAttention's Triton kernels, torchtitan's default attention in 2026) or cudnn "
-        "(cuDNN's fused attention, SDPA's cudnn backend: its default on Hopper and Blackwell under "
-        "torch 2.5.0, 2.9 and 2.11 on, and torchtitan's first choice from October 2025)")
+        "(cuDNN's fused attention, SDPA's cudnn backend: SDPA's first choice on Hopper and Blackwell "
+        "with a cuDNN newer than 9.15, as under torch 2.9, and torchtitan's from October 2025)")
     optimizer: OptimizerName = "adamw"
     optimizer_kernels: OptimizerKernels = Field(
         "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "

@@ -20,8 +20,10 @@ from .linear_loss import chunked_linear_cross_entropy
 
 # SDPA's backends in the order the plan's attention kernel asks (TrainSpec.attention_kernel),
 # installed around every call with sdpa_kernel(..., set_priority=True). flash2 keeps cuDNN's
-# attention out: torch prefers it on Hopper and Blackwell under 2.5.0, 2.9 and 2.11 on
-# (sdp_utils.cpp check_prefer_cudnn_attention), where the plan priced FlashAttention-2. cudnn
+# attention out: torch prefers it on Hopper and Blackwell with a cuDNN newer than 9.15 (sdp_utils.cpp
+# check_prefer_cudnn_attention; 2.11's cu130 wheels), as under 2.9, where the plan priced
+# FlashAttention-2. (torch sets its default order at the first SDPA call; made inside this context,
+# the process keeps flash first after it: no other model in a trainer's process.) cudnn
 # puts it first; the others stay behind each as the fallback SDPA takes where a kernel cannot
 # run (fp32, or a head dim it does not take), as without the context.
 SDPA_BACKENDS = {
