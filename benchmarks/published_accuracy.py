@@ -75,7 +75,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         linear_loss=row.linear_loss, fused_swiglu=row.fused_swiglu, qkv_fused=True if row.qkv_fused else None,
         norm_output_fp32=row.norm_output_fp32, optimizer_kernels=row.optimizer_kernels,
         optimizer=row.optimizer,
-        grad_clip=row.grad_clip, zero_init=row.zero_init, embed_head_unit=row.embed_head_unit,
+        grad_clip=row.grad_clip, sac_saves_attention=row.sac_saves_attention, zero_init=row.zero_init, embed_head_unit=row.embed_head_unit,
         deepspeed_defaults=row.deepspeed_defaults, deepspeed_param_groups=row.deepspeed_param_groups,
         logits_kept=row.logits_kept,
         logits_fp32=row.logits_fp32, last_block_kept=row.last_block_kept,

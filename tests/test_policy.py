@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import replace_linears
 
 
-def _tiny_blocks(mlp, mode, layers=2, linear=None, head_dim=None, math=False):
+def _tiny_blocks(mlp, mode, layers=2, linear=None, head_dim=None, math=False, saves_attention=True):
     import torch
     from torch import nn
 
@@ -29,7 +29,7 @@ def _tiny_blocks(mlp, mode, layers=2, linear=None, head_dim=None, math=False):
             blk.attention.backends = sdpa_backends("math")
     if linear is not None:  # before checkpointing wraps the blocks
         replace_linears(net, linear)
-    apply_checkpointing(net, mode, 2)
+    apply_checkpointing(net, mode, 2, saves_attention)
     return m, net
 
 
@@ -73,32 +73,90 @@ def _function_linear():
     return function_linear(Fn)
 
 
+def _kept_after_forward(blk, x) -> int:
+    """Bytes a block keeps after its forward for backward (torch's MemTracker: live tensors after
+    forward, less its output, plus its input, which the caller holds)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cpu = torch.device("cpu")
+    mt = MemTracker()
+    mt.track_external(blk, x)
+    with mt:
+        before = mt.get_tracker_snapshot("current")[cpu]["Total"]
+        y = blk(x)
+        after = mt.get_tracker_snapshot("current")[cpu]["Total"]
+    return after - before - y.numel() * y.element_size() + x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_selective_checkpointing_without_the_attention_kernel_in_its_save_list(mlp):
+    """--no-sac-saves-attention (torchtitan's SAC before b39377f under cuDNN's attention): the
+    block keeps neither the attention output nor its logsumexp (MemTracker), and backward reruns
+    the attention forward (FlopCounterMode, torch's own SDPA formula mapped onto the CPU flash
+    kernel): the planner's bytes and FLOPs for both settings."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    from zplan import activation_memory, arch
+    from zplan.specs import Precision, TrainSpec
+
+    seq, mb = 64, 2
+
+    def kept(saves):
+        m, net = _tiny_blocks(mlp, "selective", saves_attention=saves)
+        x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+        return m, _kept_after_forward(net.layers[0], x)
+
+    def cpu_flash_forward(q, k, v, *args, out_shape=None, **kwargs):
+        # torch's own SDPA forward formula (flop_counter.sdpa_flop_count), for the CPU flash
+        # kernel that FlopCounterMode has none for; its backward stays uncounted in every run
+        return sdpa_flop_count(q, k, v)
+
+    def backward_flop(mode, saves):
+        # forward and backward under one counter (SDPA picks its kernel under the mode: the
+        # recompute must see the forward's ops), less a forward counted alone
+        m, net = _tiny_blocks(mlp, mode, layers=1, saves_attention=saves)
+        x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+        mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_forward}
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fwd:
+            net.layers[0](x)
+        with FlopCounterMode(display=False, custom_mapping=mapping) as both:
+            net.layers[0](x).sum().backward()
+        return both.get_total_flops() - fwd.get_total_flops()
+
+    train = {s: TrainSpec(seq_len=seq, micro_batch=mb, checkpointing="selective", fused_norm=False,
+                          precision=Precision(param="bf16"), sac_saves_attention=s) for s in (True, False)}
+    m, without = kept(False)
+    _, with_ = kept(True)
+    assert activation_memory.block_saved_bytes(m, train[False], "selective") == without < with_
+    assert activation_memory.block_saved_bytes(m, train[True], "selective") == with_
+    unit = [u for u in arch.units(m, 1) if u.blocks][0]
+    none = backward_flop("none", True)
+    for saves in (True, False):
+        assert arch.unit_recompute_flop(m, unit, train[saves]) == backward_flop("selective", saves) - none
+    assert arch.unit_recompute_flop(m, unit, train[False]) - arch.unit_recompute_flop(m, unit, train[True]) \
+        == 4 * seq * m.q_hidden * seq * mb
+
+
 @pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
 def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(mlp):
     """The planner's bytes and FLOPs for one selectively checkpointed block against the trainer's
     block, measured by torch's MemTracker (live tensors after forward) and FlopCounterMode. Before
     the policy had one source the planner counted GELU's w2 output, which the trainer drops."""
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.flop_counter import FlopCounterMode
 
     from zplan import activation_memory, arch
     from zplan.specs import Precision, TrainSpec
 
     seq, mb = 64, 2
-    cpu = torch.device("cpu")
 
     def measure(mode):
         m, net = _tiny_blocks(mlp, mode)
         blk = net.layers[0]
         x = torch.randn(mb, seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
-        mt = MemTracker()
-        mt.track_external(blk, x)
-        with mt:
-            before = mt.get_tracker_snapshot("current")[cpu]["Total"]
-            y = blk(x)
-            after = mt.get_tracker_snapshot("current")[cpu]["Total"]
-        kept = after - before - y.numel() * y.element_size() + x.numel() * x.element_size()
+        kept = _kept_after_forward(blk, x)
         with FlopCounterMode(display=False) as fc:
             blk(x).sum().backward()
         return m, kept, fc.get_total_flops()

@@ -137,7 +137,7 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     kept = set()
     if mode == "selective":
         kept = set(policy.selective_saved_matmuls(m.mlp))
-        kept |= {"attn", "lse"} if policy.SELECTIVE_SAVES_ATTENTION else set()
+        kept |= {"attn", "lse"} if train.sac_saves_attention else set()
     if train.kv_cache:  # the cache the block returns keeps RoPE's k and the value projection's output
         kept |= {"k", "wv"}
     steps = _norm_steps("norm1", train, sb * m.hidden, B)
@@ -367,7 +367,7 @@ def block_saved_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
             # the residual add alone): the partitioner drops it, float8 linears or not
             names = tuple(n for n in names if n != "w2")
         saved = S * sb * h + sum(B * sb * w for w in arch.matmul_widths(m, names))
-        if policy.SELECTIVE_SAVES_ATTENTION:
+        if train.sac_saves_attention:
             saved += B * sb * m.q_hidden + (4 * m.num_heads * sb if train.flash_attention else 0)
         if moe:
             saved += (8 if train.compile else 4 + 8) * sb * m.experts_per_token
@@ -408,7 +408,7 @@ def block_recompute_bytes(m: ModelSpec, train: TrainSpec, mode: str) -> int:
         return none_b - x
     names = policy.selective_saved_matmuls(m.mlp, False, False)
     read = sum(B * sb * w for w in arch.matmul_widths(m, tuple(n for n in names if n != "w2")))
-    if policy.SELECTIVE_SAVES_ATTENTION:
+    if train.sac_saves_attention:
         read += B * sb * m.q_hidden + 4 * m.num_heads * sb
     return none_b - x - read
 
@@ -499,7 +499,7 @@ def block_kept_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[int, 
     elif mode == "selective":
         out = [block_input] + [B * sb * w for w in arch.matmul_widths(
             m, policy.selective_saved_matmuls(m.mlp, qkv_fused=m.qkv_fused))]
-        out += [B * sb * q] if policy.SELECTIVE_SAVES_ATTENTION else []
+        out += [B * sb * q] if train.sac_saves_attention else []
     else:
         terms = block_activation_terms(m, train)
         def norm(width: int, b: int) -> list[int]:
@@ -531,7 +531,7 @@ def block_recompute_tensors(m: ModelSpec, train: TrainSpec, mode: str) -> tuple[
     if mode == "selective":
         names = [n for n in policy.selective_saved_matmuls(m.mlp) if n != "w2"]
         drop += [B * sb * w for w in arch.matmul_widths(m, tuple(names))]
-        drop += [B * sb * m.q_hidden] if policy.SELECTIVE_SAVES_ATTENTION else []
+        drop += [B * sb * m.q_hidden] if train.sac_saves_attention else []
     for b in drop:
         if b > 1 << 20:
             out.remove(b)

@@ -194,7 +194,8 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     """Extra forward work that activation checkpointing adds in backward: the matmuls
     policy.recomputed_matmuls names (early stop: not a dense block's last; torch.utils.checkpoint,
     pytorch/pytorch#96866), the router, and attention's 4·s·h per token where the block reruns it
-    (full, every-k; PaLM appendix B counting). Checked with FlopCounterMode (tests/test_policy.py)."""
+    (full, every-k, and selective where its save list misses the attention kernel;
+    PaLM appendix B counting). Checked with FlopCounterMode (tests/test_policy.py)."""
     mode, T = train.checkpointing, train.seq_len * train.micro_batch
     if u.blocks == 0 or mode == "none":
         return 0
@@ -209,8 +210,10 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     # stand-in widths), the rerun share by the block's matmul widths
     block_mm = u.matmul_params // u.blocks - router_params
     per_block = 2 * (block_mm * matmul_params(m, names) // matmul_params(m, policy.BLOCK_MATMULS[m.mlp])) * T
-    if mode == "selective":  # torchtitan's policy recomputes the router (policy.selective_saved_matmuls)
-        return (per_block + 2 * router_params * T) * u.blocks
+    if mode == "selective":  # torchtitan's policy recomputes the router (policy.selective_saved_matmuls),
+        # and the attention forward where its save list misses the kernel (sac_saves_attention)
+        attention = 0 if train.sac_saves_attention else 4 * train.seq_len * m.q_hidden * T
+        return (per_block + 2 * router_params * T + attention) * u.blocks
     per_block += 2 * router_params * T + 4 * train.seq_len * m.q_hidden * T
     if mode == "full":
         return per_block * u.blocks

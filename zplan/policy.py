@@ -4,7 +4,7 @@
   embeddings and the norm + head are units of their own (`separate_embed_head`).
 - Activation checkpointing: which blocks are wrapped (`checkpointed_blocks`, including every-k),
   and, for the selective policy, which ops' outputs are kept (`selective_saved_matmuls`,
-  `SELECTIVE_SAVES_ATTENTION`), by op kind so that the planner can price them.
+  and TrainSpec.sac_saves_attention), by op kind so that the planner can price them.
 
 The planner (zplan/activation_memory.py, zplan/arch.py) turns these into bytes and FLOPs; the trainer
 (zplan/trainer/parallel.py) turns them into fully_shard groups and checkpoint contexts.
@@ -21,8 +21,8 @@ BLOCK_MATMULS = {
 }
 
 # Selective checkpointing keeps the attention kernel's outputs (output and logsumexp), as
-# torchtitan's op-level SAC does; every pointwise op is recomputed.
-SELECTIVE_SAVES_ATTENTION = True
+# torchtitan's op-level SAC does, where TrainSpec.sac_saves_attention (the default) says so; every
+# pointwise op is recomputed.
 
 
 def block_groups(num_layers: int, blocks_per_unit: int) -> list[range]:

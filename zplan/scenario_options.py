@@ -69,6 +69,7 @@ class ScenarioOptions:
     qkv_fused: Optional[bool] = None  # q, k and v run as one linear (ModelSpec.qkv_fused); None: the model's layout
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
     grad_clip: bool = True
+    sac_saves_attention: bool = True  # TrainSpec.sac_saves_attention
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_param_groups: str = "one"  # zero layout, ZeRO-1/2: one | split (TrainSpec)
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
@@ -172,6 +173,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.attention_kernel == "flash4" and not gpu.family.startswith(BLACKWELL_PRESETS):
         raise UsageError(f"--attention-kernel flash4 (FlashAttention-4) runs on Blackwell GPUs "
                          f"({', '.join(BLACKWELL_PRESETS)}), not {gpu.name}: use flash2")
+    if not o.sac_saves_attention and o.checkpointing != "selective":
+        raise UsageError(f"--no-sac-saves-attention is about selective checkpointing's save list, not "
+                         f"--checkpointing {o.checkpointing}: drop it, or use --checkpointing selective")
     if o.attention_kernel == "cudnn" and K.cudnn_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel cudnn (cuDNN's fused attention) has published kernel rates for "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
@@ -303,6 +307,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             checkpoint_early_stop=o.checkpoint_early_stop, checkpoint_wraps_unit=o.checkpoint_wraps_unit,
             flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
+            sac_saves_attention=o.sac_saves_attention,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
             layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,

@@ -483,6 +483,11 @@ class TrainSpec(Spec):
         "cached, reserved through training; split (an optimizer built with decay/no-decay groups, "
         "HF Trainer's own when the config has none; or DeepSpeed before 0.19, which flattened on "
         "the host after an empty_cache): only the last group's norms and biases stay, not counted")
+    sac_saves_attention: bool = Field(
+        True, description="selective checkpointing keeps the attention kernel's output and "
+        "logsumexp (torchtitan's op-level SAC, zplan's trainer); False: the run's save list misses "
+        "its kernel (torchtitan before b39377f, 2025-12, with cuDNN's attention), so the block keeps "
+        "neither and reruns the attention forward in backward")
     fused_norm: bool = Field(
         True, description="RMSNorm saves its input and rstd (fused kernel); False: the composite "
         "fp32 implementation (CPU) also saves the fp32 input and normalized output")

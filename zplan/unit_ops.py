@@ -388,8 +388,8 @@ def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
                                      m.qkv_fused)
     if "wqkv" in only:  # the one q/k/v linear, priced as its three parts (_linears)
         only += ("wq", "wk", "wv")
-    if mode == "selective":
-        return _block(sc, False, only=only, with_attention=False), float(u.blocks)
+    if mode == "selective":  # the attention forward reruns where the save list misses its kernel
+        return _block(sc, False, only=only, with_attention=not sc.train.sac_saves_attention), float(u.blocks)
     if mode == "full":
         return _block(sc, False, only=only), float(u.blocks)
     # every-k: the blocks zplan/policy.py wraps, as the trainer does

@@ -46,9 +46,10 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+def apply_checkpointing(model: nn.Module, mode: str, every: int, saves_attention: bool = True) -> None:
     """Wrap blocks for activation checkpointing (before fully_shard, as torchtitan does); which
-    blocks and which ops come from zplan/policy.py, as the planner prices them."""
+    blocks and which ops come from zplan/policy.py, as the planner prices them; selective keeps
+    the attention kernel's outputs where `saves_attention` (TrainSpec.sac_saves_attention)."""
     if mode == "none":
         return
     if mode == "attention":
@@ -63,7 +64,8 @@ def apply_checkpointing(model: nn.Module, mode: str, every: int) -> None:
             continue
         kw = {}
         if mode == "selective":
-            kw["context_fn"] = partial(selective_context, policy.selective_saved_positions(model.spec.mlp))
+            kw["context_fn"] = partial(selective_context, policy.selective_saved_positions(model.spec.mlp),
+                                       saves_attention)
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kw)
 
 
@@ -77,15 +79,15 @@ def _attention_ops() -> set:
     return ops
 
 
-def selective_context(saved_positions: frozenset[int]):
+def selective_context(saved_positions: frozenset[int], saves_attention: bool = True):
     """torchtitan's op-level SAC: the block's matmuls at `saved_positions` (in the order they
     run) and the attention kernel are kept; everything else is recomputed."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(selective_policy(saved_positions))
+    return create_selective_checkpoint_contexts(selective_policy(saved_positions, saves_attention))
 
 
-def selective_policy(saved_positions: frozenset[int]):
+def selective_policy(saved_positions: frozenset[int], saves_attention: bool = True):
     """The policy function of selective_context, fresh per checkpointed call. Matmuls are
     counted apart in the forward and in the recompute: torch 2.11 also asks the policy during
     recomputation (`ctx.is_recompute` True) and must get the forward's answers back in the same
@@ -94,7 +96,7 @@ def selective_policy(saved_positions: frozenset[int]):
 
     count = {"forward": 0, "recompute": 0}
     matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-    attention = _attention_ops() if policy.SELECTIVE_SAVES_ATTENTION else set()
+    attention = _attention_ops() if saves_attention else set()
 
     def choose(ctx, func, *args, **kwargs):
         if func in matmuls:
@@ -127,7 +129,7 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device,
         raise ValueError(why)
     t = plan.train
     to_master_dtype(model, plan)
-    apply_checkpointing(model, t.checkpointing, t.checkpoint_every)
+    apply_checkpointing(model, t.checkpointing, t.checkpoint_every, t.sac_saves_attention)
     if plan.strategy in ("ddp", "zero1"):
         return replicate(model, plan, device)
     groups = unit_groups(model, t)
