@@ -158,3 +158,45 @@ def test_estimate_shows_the_attention_kernel_as_an_assumption():
     assert "cudnn" not in a100["meaning"]
     own = assumptions(scenario(model="llama-3.1-8b", gpus=8, gpu="b200", attention_kernel="cudnn"))
     assert own["attention_kernel"]["value"] == "cudnn" and "--attention-kernel cudnn" not in own["attention_kernel"]["meaning"]
+
+
+def test_a_calibrated_cudnn_speed_is_the_presets_own():
+    """A preset that zplan calibrate measured (cudnn_attention_speed) prices cuDNN's attention at
+    its own ratio over its FlashAttention-2 rates, at every length (FA2's ramp, no published
+    peak), and lets a GPU without published figures (A100) plan it."""
+    a100 = presets.gpu("a100-80gb")
+    mine = a100.model_copy(update={"kernels": a100.kernels.model_copy(update={"cudnn_attention_speed": (1.3, 1.2)})})
+    assert K.cudnn_speed(a100) is None and K.cudnn_speed(mine) == (1.3, 1.2, None, None)
+    for seq in (2048, 65536):
+        for backward, ratio in ((False, 1.3), (True, 1.2)):
+            assert _rate(mine, seq, backward, "cudnn") / _rate(mine, seq, backward, "flash2") == \
+                pytest.approx(ratio, rel=1e-9)
+    b200 = presets.gpu("b200")
+    own = b200.model_copy(update={"kernels": b200.kernels.model_copy(update={"cudnn_attention_speed": (3.0, 3.0)})})
+    assert _rate(own, 131072, False, "cudnn") / _rate(own, 131072, False, "flash2") == pytest.approx(3.0)
+
+
+def test_calibrate_measures_cudnn_over_flash_where_sdpa_has_it(monkeypatch):
+    """The ratio of the two rates calibrate times at one shape, each under its own backend;
+    None on a CPU and where SDPA has no cuDNN kernel ('No available kernel')."""
+    from types import SimpleNamespace
+
+    from zplan import calibrate
+
+    gpu = SimpleNamespace(type="cuda")
+    calls = []
+
+    def rates(device, cudnn=False, **kw):
+        calls.append(cudnn)
+        return (500e12, 400e12) if cudnn else (300e12, 250e12)
+
+    monkeypatch.setattr(calibrate, "attention_rates", rates)
+    assert calibrate.cudnn_attention_speed(gpu) == (round(500 / 300, 3), round(400 / 250, 3))
+    assert calls == [True, False]
+    assert calibrate.cudnn_attention_speed(torch.device("cpu")) is None
+
+    def none(device, cudnn=False, **kw):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(calibrate, "attention_rates", none)
+    assert calibrate.cudnn_attention_speed(gpu) is None

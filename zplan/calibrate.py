@@ -487,9 +487,11 @@ def unaligned_gemm_slowdown(device, tokens: int = 8192, vocab: int = 50257, hidd
 
 
 def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
-                    reps: int = 10, batch: int = 1, flash: bool = True) -> tuple[float, float]:
+                    reps: int = 10, batch: int = 1, flash: bool = True,
+                    cudnn: bool = False) -> tuple[float, float]:
     """Causal scaled_dot_product_attention forward and backward FLOP/s, counted as the flash-attn
-    benchmarks do: forward 4·s²·heads·d / 2 per sequence, backward 2.5x that."""
+    benchmarks do: forward 4·s²·heads·d / 2 per sequence, backward 2.5x that. SDPA held to its
+    flash kernel (`flash`), to cuDNN's (`cudnn`), or left to choose."""
     import torch
     import torch.nn.functional as F
 
@@ -497,7 +499,8 @@ def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 12
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
                for _ in range(3))
     fwd_flop = batch * 4 * seq * seq * heads * head_dim // 2
-    with _flash_backend(device) if flash else contextlib.nullcontext():
+    held = _cudnn_backend(device) if cudnn else (_flash_backend(device) if flash else contextlib.nullcontext())
+    with held:
         t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         g = torch.randn_like(o)
@@ -529,6 +532,30 @@ def attention_constants(device, cap: float) -> tuple[float, float, float, str]:
         note = "; SDPA has no FlashAttention kernel on this GPU: the kernel it picks was timed"
     half, limit = seq_half(512, r512, 4096, fwd, cap=cap)
     return limit, bwd * limit / fwd, half, note
+
+
+def cudnn_attention_speed(device) -> tuple[float, float] | None:
+    """cuDNN's fused attention over FlashAttention-2, forward and backward, both as SDPA runs them
+    at the calibration's shape (causal, s = 4096, 16 heads of 128): the preset's
+    cudnn_attention_speed (zplan/kernels.py cudnn_speed). None on a CPU, and where SDPA has no
+    cuDNN kernel for this GPU or build."""
+    if getattr(device, "type", device) != "cuda":
+        return None
+    try:
+        c_f, c_b = attention_rates(device, cudnn=True)
+    except RuntimeError as e:  # "No available kernel" under the cuDNN-only context; not an OOM
+        if "No available kernel" not in str(e):
+            raise
+        return None
+    f, b = attention_rates(device)
+    return round(c_f / f, 3), round(c_b / b, 3)
+
+
+def _cudnn_backend(device):
+    """SDPA held to cuDNN's attention (a GPU only; the caller checks)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
 
 def _flash_backend(device):
@@ -600,6 +627,10 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     fixed, per_wave = gemm_time_constants(device, int(sms), hbm)
     shapes = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for (m, n, k), r in rates.items())
+    cudnn = cudnn_attention_speed(device)
+    measured_cudnn = ({"cudnn_attention_speed": list(cudnn)} if cudnn else {})
+    cudnn_note = (f"; cuDNN's attention (SDPA's cudnn backend) at s=4096: {cudnn[0]:.3g}x / {cudnn[1]:.3g}x "
+                  f"FlashAttention-2 forward / backward" if cudnn else "")
     return {
         "gemm_flops": {"bf16": float(f"{max(rates.values()):.4g}")},
         "sm_count": int(sms),
@@ -613,13 +644,14 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
         "unaligned_gemm_slowdown": round(unaligned_gemm_slowdown(device), 3),
         "gemm_wave_s": float(f"{per_wave:.3g}"),
         "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
+        **measured_cudnn,
         "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
                   f"(its FlashAttention-2 kernel) at s=4096 and 512, head dim 128, the long-sequence rate and "
                   f"half length solved from the two; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
                   f"tiny-kernel loop; an output head's three GEMMs at vocabulary 50257 against "
                   f"50304 (8192 tokens, width 1024); GEMM fixed and per-wave times fitted over "
                   f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}"
-                  + attention_note,
+                  + attention_note + cudnn_note,
     }
 
 

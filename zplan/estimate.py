@@ -215,7 +215,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     t = sc.train
     if k is not None and a.compute_efficiency is None and t.flash_attention:
         from .kernels import cudnn_speed
-        cudnn = cudnn_speed(sc.hw.gpu.family)
+        cudnn = cudnn_speed(sc.hw.gpu)
         out["attention_kernel"] = {
             "value": t.attention_kernel, "flag": "--attention-kernel",
             "meaning": f"the attention kernel priced: {ATTENTION_KERNEL_NAMES[t.attention_kernel]}"

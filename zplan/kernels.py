@@ -305,11 +305,15 @@ CUDNN_SPEED: tuple[tuple[tuple[str, ...], tuple[float, float, int | None, tuple[
 CUDNN_HEAD_DIM_64: tuple[tuple[tuple[str, ...], tuple[float, float]], ...] = ((HOPPER_PRESETS, (388 / 539, 433 / 516)),)
 
 
-def cudnn_speed(gpu_name: str) -> tuple[float, float, int | None, tuple[float, float] | None] | None:
+def cudnn_speed(gpu: GPUSpec) -> tuple[float, float, int | None, tuple[float, float] | None] | None:
     """cuDNN attention's (forward, backward) speed relative to the preset's FlashAttention-2 at
     long sequences, its own ramp's half length and its peak as a share of those long-sequence
-    rates (CUDNN_SPEED), or None where not measured."""
-    return next((speed for names, speed in CUDNN_SPEED if gpu_name.startswith(names)), None)
+    rates: the preset's own measurement (zplan calibrate: the ratio at s = 4096, on FA2's ramp)
+    where it has one, else the family's published figures (CUDNN_SPEED), or None."""
+    k = gpu.kernels
+    if k is not None and k.cudnn_attention_speed is not None:
+        return (*k.cudnn_attention_speed, None, None)
+    return next((speed for names, speed in CUDNN_SPEED if gpu.family.startswith(names)), None)
 
 
 def cudnn_head_dim_speed(gpu_name: str, head_dim: int) -> tuple[float, float]:
@@ -382,7 +386,7 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
     if kernel == "flex":  # refused where no benchmark gives its speed (scenario_options)
         f, b = flex_speed(gpu.family) or (1.0, 1.0)
     elif kernel == "cudnn":  # likewise
-        f, b = (cudnn_speed(gpu.family) or (1.0, 1.0))[:2]
+        f, b = (cudnn_speed(gpu) or (1.0, 1.0))[:2]
         hf, hb = cudnn_head_dim_speed(gpu.family, padded)
         f, b = f * hf, b * hb
     else:
@@ -399,7 +403,7 @@ def attention_half_seq(gpu: GPUSpec, kernel: str) -> float:
     k = gpu.kernels
     assert k is not None
     if kernel == "cudnn":
-        return (cudnn_speed(gpu.family) or (0, 0, None, None))[2] or k.attention_half_seq
+        return (cudnn_speed(gpu) or (0, 0, None, None))[2] or k.attention_half_seq
     return k.attention_half_seq
 
 
@@ -411,7 +415,7 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
     flop = int(2.5 * fwd) if backward else fwd
     long_rate = attention_rates(gpu, kernel, head_dim, dtype)[1 if backward else 0]
     rate = long_rate * seq / (seq + attention_half_seq(gpu, kernel))
-    peak = (cudnn_speed(gpu.family) or (0, 0, None, None))[3] if kernel == "cudnn" else None
+    peak = (cudnn_speed(gpu) or (0, 0, None, None))[3] if kernel == "cudnn" else None
     if peak:  # cuDNN's measured rates fall past their peak (CUDNN_SPEED)
         rate = min(rate, long_rate * peak[1 if backward else 0])
     t = max(flop / rate, k.kernel_floor_s)

@@ -176,9 +176,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if not o.sac_saves_attention and o.checkpointing != "selective":
         raise UsageError(f"--no-sac-saves-attention is about selective checkpointing's save list, not "
                          f"--checkpointing {o.checkpointing}: drop it, or use --checkpointing selective")
-    if o.attention_kernel == "cudnn" and K.cudnn_speed(gpu.family) is None:
+    if o.attention_kernel == "cudnn" and K.cudnn_speed(gpu) is None:
         raise UsageError(f"--attention-kernel cudnn (cuDNN's fused attention) has published kernel rates for "
-                         f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
+                         f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2, or a preset zplan calibrate "
+                         f"measured it on")
     if o.attention_kernel == "cudnn" and (model.head_dim % 8 or model.head_dim > 128):
         # PyTorch's check_cudnn_tensor_shapes: SDPA would fall back to another kernel
         raise UsageError(f"--attention-kernel cudnn: cuDNN's SDPA takes head dims that are multiples of 8 up "

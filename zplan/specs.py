@@ -144,6 +144,10 @@ class KernelSpec(Spec):
         None, ge=1, le=4, description="how many times longer compute takes while an NCCL "
         "collective runs beside it (SMs, HBM traffic, power), from a kernel-level measurement "
         "of a GEMM of many waves; None: not measured, only the SMs NCCL's channels hold")
+    cudnn_attention_speed: tuple[Annotated[float, Field(gt=0, le=20)], Annotated[float, Field(gt=0, le=20)]] | None = Field(
+        None, description="cuDNN's fused attention (SDPA's cudnn backend), forward and backward, "
+        "over this preset's FlashAttention-2 rates at the same shape (causal, s = 4096), measured "
+        "by zplan calibrate; None: the GPU family's published ratio (zplan/kernels.py CUDNN_SPEED)")
     rank_speed_spread: float | None = Field(
         None, ge=0, le=0.1, description="standard deviation of one GPU's compute speed across "
         "GPUs of this model, as a fraction of the median (manufacturing and power management): "
