@@ -200,3 +200,34 @@ def test_calibrate_measures_cudnn_over_flash_where_sdpa_has_it(monkeypatch):
 
     monkeypatch.setattr(calibrate, "attention_rates", none)
     assert calibrate.cudnn_attention_speed(gpu) is None
+
+    def refused(device, cudnn=False, **kw):  # cuDNN's own refusal (pytorch#140930)
+        raise RuntimeError("cuDNN Frontend error: [cudnn_frontend] Error: No execution plans support the graph.")
+
+    monkeypatch.setattr(calibrate, "attention_rates", refused)
+    assert calibrate.cudnn_attention_speed(gpu) is None
+
+    def oom(device, cudnn=False, **kw):  # anything else is not swallowed
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (cuDNN workspace)")
+
+    monkeypatch.setattr(calibrate, "attention_rates", oom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        calibrate.cudnn_attention_speed(gpu)
+
+
+def test_estimate_suggests_cudnn_only_where_torch_prefers_it_and_it_is_faster():
+    """A calibrated A100 (torch never prefers cuDNN there) and a calibrated H100 measured slower
+    get no suggestion; a calibrated H100 measured faster is said to be measured at s=4096."""
+    from zplan.estimate import assumptions
+    from dataclasses import replace
+
+    def with_speed(gpu_name, speed):
+        sc = scenario(model="llama-3.1-8b", gpus=8, gpu=gpu_name)
+        g = sc.hw.gpu
+        g = g.model_copy(update={"kernels": g.kernels.model_copy(update={"cudnn_attention_speed": speed})})
+        return replace(sc, hw=sc.hw.model_copy(update={"gpu": g}))
+
+    assert "cudnn" not in assumptions(with_speed("a100-80gb", (1.2, 1.2)))["attention_kernel"]["meaning"]
+    assert "cudnn" not in assumptions(with_speed("h100-sxm", (0.9, 0.9)))["attention_kernel"]["meaning"]
+    said = assumptions(with_speed("h100-sxm", (1.5, 1.4)))["attention_kernel"]["meaning"]
+    assert "1.5x as fast at s=4096 (calibrated)" in said and "--attention-kernel cudnn" in said

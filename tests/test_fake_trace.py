@@ -562,7 +562,7 @@ def _backward_peak_to_the_loss_scalars(cell) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["gqa", "gqa-head-96", "fp32"])
-@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+@pytest.mark.parametrize("checkpointing", ["full", "selective", "selective-no-attention"])
 def test_a_recomputed_blocks_backward_peak_is_the_trackers(tmp_path, checkpointing, shape):
     """The peak in a recomputed block's backward, where what the block kept and what its
     recomputation makes again meet (activation_memory.block_recompute_bytes): the composite norm
@@ -582,6 +582,8 @@ def test_a_recomputed_blocks_backward_peak_is_the_trackers(tmp_path, checkpointi
         model = model.replace("num_kv_heads = 8", "num_kv_heads = 2")
     path.write_text(model + ("attention_head_dim = 96\n" if shape == "gqa-head-96" else ""))
     dtypes = dict(param_dtype="fp32", reduce_dtype="fp32") if shape == "fp32" else {}
+    if checkpointing == "selective-no-attention":  # --no-sac-saves-attention: the replay makes it again
+        checkpointing, dtypes = "selective", {**dtypes, "sac_saves_attention": False}
     for micro_batch in (1, 2):
         cell = fake_trace.fake_cell(str(path), 4, 1024, micro_batch, checkpointing, "zero3", **dtypes)
         _backward_peak_to_the_loss_scalars(cell)

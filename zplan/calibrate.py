@@ -539,12 +539,15 @@ def cudnn_attention_speed(device) -> tuple[float, float] | None:
     at the calibration's shape (causal, s = 4096, 16 heads of 128): the preset's
     cudnn_attention_speed (zplan/kernels.py cudnn_speed). None on a CPU, and where SDPA has no
     cuDNN kernel for this GPU or build."""
-    if getattr(device, "type", device) != "cuda":
+    kind = device.type if hasattr(device, "type") else __import__("torch").device(device).type
+    if kind != "cuda":
         return None
     try:
         c_f, c_b = attention_rates(device, cudnn=True)
-    except RuntimeError as e:  # "No available kernel" under the cuDNN-only context; not an OOM
-        if "No available kernel" not in str(e):
+    except RuntimeError as e:  # "No available kernel" under the cuDNN-only context, or cuDNN's
+        # own refusal ("cuDNN Frontend error: ... No execution plans support the graph",
+        # pytorch/pytorch#140930); an out-of-memory error is not one of them
+        if "out of memory" in str(e) or not ("No available kernel" in str(e) or "cuDNN" in str(e)):
             raise
         return None
     f, b = attention_rates(device)

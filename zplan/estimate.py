@@ -214,15 +214,20 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                            "source; docs/formulas.md section 6)"}
     t = sc.train
     if k is not None and a.compute_efficiency is None and t.flash_attention:
-        from .kernels import cudnn_speed
+        from .kernels import CUDNN_SPEED, cudnn_speed
+        # torch prefers cuDNN's attention on Hopper and Blackwell only (check_prefer_cudnn_attention:
+        # compute capability 9 or 10), the families CUDNN_SPEED has figures for
+        preferred = any(sc.hw.gpu.family.startswith(names) for names, _ in CUDNN_SPEED)
         cudnn = cudnn_speed(sc.hw.gpu)
+        measured = sc.hw.gpu.kernels.cudnn_attention_speed is not None
         out["attention_kernel"] = {
             "value": t.attention_kernel, "flag": "--attention-kernel",
             "meaning": f"the attention kernel priced: {ATTENTION_KERNEL_NAMES[t.attention_kernel]}"
             + (f"; PyTorch's SDPA runs cuDNN's attention first on this GPU where its cuDNN is newer than 9.15 "
-               f"(CUDA 12.9+ builds: 2.11's cu130 wheels), as 2.9 did, {cudnn[0]:.2g}x as fast at long "
-               f"sequences: --attention-kernel cudnn (zplan's trainer runs the plan's kernel)"
-               if cudnn and t.attention_kernel == "flash2" else "")}
+               f"(CUDA 12.9+ builds: 2.11's cu130 wheels), as 2.9 did, {cudnn[0]:.2g}x as fast "
+               + ("at s=4096 (calibrated)" if measured else "at long sequences")
+               + ": --attention-kernel cudnn (zplan's trainer runs the plan's kernel)"
+               if preferred and cudnn and cudnn[0] > 1 and t.attention_kernel == "flash2" else "")}
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}

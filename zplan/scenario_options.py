@@ -173,9 +173,6 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.attention_kernel == "flash4" and not gpu.family.startswith(BLACKWELL_PRESETS):
         raise UsageError(f"--attention-kernel flash4 (FlashAttention-4) runs on Blackwell GPUs "
                          f"({', '.join(BLACKWELL_PRESETS)}), not {gpu.name}: use flash2")
-    if not o.sac_saves_attention and o.checkpointing != "selective":
-        raise UsageError(f"--no-sac-saves-attention is about selective checkpointing's save list, not "
-                         f"--checkpointing {o.checkpointing}: drop it, or use --checkpointing selective")
     if o.attention_kernel == "cudnn" and K.cudnn_speed(gpu) is None:
         raise UsageError(f"--attention-kernel cudnn (cuDNN's fused attention) has published kernel rates for "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2, or a preset zplan calibrate "
