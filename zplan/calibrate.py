@@ -539,8 +539,9 @@ def cudnn_attention_speed(device) -> tuple[float, float] | None:
     at the calibration's shape (causal, s = 4096, 16 heads of 128): the preset's
     cudnn_attention_speed (zplan/kernels.py cudnn_speed). None on a CPU, and where SDPA has no
     cuDNN kernel for this GPU or build."""
-    kind = device.type if hasattr(device, "type") else __import__("torch").device(device).type
-    if kind != "cuda":
+    import torch
+
+    if (device.type if hasattr(device, "type") else torch.device(device).type) != "cuda":
         return None
     try:
         c_f, c_b = attention_rates(device, cudnn=True)
