@@ -90,7 +90,8 @@ def test_recommend_says_what_a_non_reentrant_checkpoint_would_save():
     w = rec.winner
     t = w.sc.train
     alt = est("zero3", model=RUN["model"], gpus=32, seq_len=1024, layout="torch",
-              checkpointing=t.checkpointing, embed_head_unit="root-kept", reduce_dtype="bf16",
+              checkpointing=t.checkpointing, checkpoint_first=t.checkpoint_first,
+              checkpoint_every=t.checkpoint_every, embed_head_unit="root-kept", reduce_dtype="bf16",
               micro_batch=t.micro_batch, grad_accum=t.grad_accum, checkpoint_wraps_unit=True,
               blocks_per_unit=t.blocks_per_unit, prefetch=t.prefetch)
     from zplan.units import fmt_s

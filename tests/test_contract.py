@@ -52,6 +52,8 @@ def test_a_consistent_plan_loads(tmp_path):
     (dict(shard_size=2), "shard_size 2 is for hsdp"),
     (dict(train__layout="zero"), "runner 'zplan' keeps the torch memory layout but train.layout is 'zero'"),
     (dict(train__reshard_after_forward=False), "reshard_after_forward False contradicts strategy zero3"),
+    # the model has 4 blocks: checkpointing the first 5 names a block it does not have
+    (dict(train__checkpointing="first-k", train__checkpoint_first=5), "checkpoint_first 5 exceeds the model's 4 layers"),
 ])
 def test_contradictions_are_refused_on_load(tmp_path, changes, needle):
     with pytest.raises(UsageError) as e:
@@ -182,8 +184,8 @@ def test_launch_refuses_in_one_line(run_zplan, tmp_path, strategy, kw, needle):
 
 
 def test_round_trip_keeps_every_field(tmp_path):
-    p = plan_for("hsdp", gpus=4, shard_size=2, checkpointing="every-k", checkpoint_every=3,
-                 master_dtype="bf16", optimizer_dtype="bf16", micro_batch=2)
+    p = plan_for("hsdp", gpus=4, shard_size=2, checkpointing="first-k", checkpoint_first=3,
+                 checkpoint_every=3, master_dtype="bf16", optimizer_dtype="bf16", micro_batch=2)
     save(p, tmp_path / "a.json")
     again = load(tmp_path / "a.json")
     assert again == p and isinstance(again, Plan)
@@ -191,6 +193,7 @@ def test_round_trip_keeps_every_field(tmp_path):
     # against values typed here, not recomputed by the code under test
     assert data["mesh"] == {"shape": [2, 2], "dim_names": ["replicate", "shard"]}
     assert data["global_batch"] == 8 and data["train"]["checkpoint_every"] == 3
+    assert data["train"]["checkpointing"] == "first-k" and data["train"]["checkpoint_first"] == 3
     assert data["train"]["precision"] == {"param": "bf16", "reduce": "fp32", "master": "bf16", "optimizer": "bf16"}
 
 

@@ -627,3 +627,19 @@ def test_accumulating_without_a_reduce_is_priced_micro_batch_by_micro_batch(tmp_
     cell = fake_trace.fake_cell(str(path), 4, 1024, 1, checkpointing, "zero3", grad_accum=grad_accum,
                                 blocks_per_unit=blocks_per_unit, reduce_last_only=True, reduce_dtype=reduce_dtype)
     _backward_peak_to_the_loss_scalars(cell)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, blocks_per_unit", [(3, 1), (5, 2), (7, 1)])
+def test_checkpointing_the_first_k_blocks_is_priced_against_the_tracker(tmp_path, first, blocks_per_unit):
+    """--checkpointing first-k: the first k of 8 blocks keep only their inputs, the others
+    everything, a unit of two blocks half and half where k is odd. FSDPMemTracker on the trainer
+    (which wraps the blocks policy.checkpointed_blocks names) and the planner agree to the byte
+    but for the loss's scalars, and in phase."""
+    pytest.importorskip("torch")
+    from zplan.trainer import fake_trace
+
+    path = _small_gqa_model(tmp_path)
+    cell = fake_trace.fake_cell(str(path), 4, 1024, 1, "first-k", "zero3", checkpoint_first=first,
+                                blocks_per_unit=blocks_per_unit)
+    _backward_peak_to_the_loss_scalars(cell)

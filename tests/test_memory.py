@@ -1113,20 +1113,25 @@ source = "test: Llama-shaped, small"
 """
 
 
-@pytest.mark.parametrize("mode,mlp,tied,loss", [("none", "swiglu", False, "none"),
-                                                ("full", "swiglu", False, "none"),
-                                                ("selective", "swiglu", False, "none"),
-                                                ("none", "gelu", False, "none"),
-                                                ("every-k", "swiglu", True, "none"),
-                                                ("none", "swiglu", False, "chunked")])
-def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied, loss):
+@pytest.mark.parametrize("mode,mlp,tied,loss,units", [("none", "swiglu", False, "none", 1),
+                                                      ("full", "swiglu", False, "none", 1),
+                                                      ("selective", "swiglu", False, "none", 1),
+                                                      ("none", "gelu", False, "none", 1),
+                                                      ("every-k", "swiglu", True, "none", 1),
+                                                      ("first-k", "swiglu", False, "none", 1),
+                                                      ("every-k", "swiglu", False, "none", 2),
+                                                      ("first-k", "swiglu", False, "none", 2),
+                                                      ("none", "swiglu", False, "chunked", 1)])
+def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied, loss, units):
     """DDP's step under autocast (fp32 weights, bf16 compute) as the trainer runs one micro-batch
     (trainer/micro_batch.py: forward and loss under torch.autocast), against PyTorch's MemTracker
     on the real model on CPU: what forward ends with (autocast's cached weight copies, the fp32
     residual stream, one 16-bit input copy per linear) and the peak of forward and backward (the
     copies freed at autocast's exit unless a matmul saved them, made again by recomputation).
     zplan counted every weight copy at every event and the stream in bf16: -2.2% and +4.6%.
-    Held on what the step adds to the model state (the state is most of the total here)."""
+    Held on what the step adds to the model state (the state is most of the total here). With
+    units of two blocks every-k puts a checkpointed block and one that keeps everything in one
+    unit."""
     torch = pytest.importorskip("torch")
 
     from zplan import policy, presets
@@ -1137,7 +1142,8 @@ def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied
     path = tmp_path / "m.toml"
     path.write_text(AUTOCAST_MODEL + f'mlp = "{mlp}"\n' + ("tied_embeddings = true\n" if tied else ""))
     sc = build(cpu_ranks(model=str(path), gpus="1", gpus_per_node=2, seq_len=128, micro_batch=2,
-                         param_dtype="bf16", checkpointing=mode, checkpoint_every=2,
+                         param_dtype="bf16", checkpointing=mode, checkpoint_every=2, checkpoint_first=2,
+                         blocks_per_unit=units,
                          linear_loss=loss))
     events = timeline(sc, effective("ddp", "torch"))
     step = lambda e: e.total_bytes - e.live["state"]  # noqa: E731
@@ -1147,7 +1153,7 @@ def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied
     m = presets.model(str(path))
     torch.manual_seed(0)
     model = Transformer(m)
-    apply_checkpointing(model, mode, 2)
+    apply_checkpointing(model, mode, 2, first=2)
     x, y = torch.randint(0, 512, (2, 128)), torch.randint(0, 512, (2, 128))
     # the trainer's micro-batch (the DDP wrapper left out: one rank, no reduction) under the
     # autocast the trainer's DDP path chooses

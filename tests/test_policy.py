@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import replace_linears
 
 
-def _tiny_blocks(mlp, mode, layers=2, linear=None, head_dim=None, math=False, saves_attention=True):
+def _tiny_blocks(mlp, mode, layers=2, linear=None, head_dim=None, math=False, saves_attention=True, first=3):
     import torch
     from torch import nn
 
@@ -29,7 +29,7 @@ def _tiny_blocks(mlp, mode, layers=2, linear=None, head_dim=None, math=False, sa
             blk.attention.backends = sdpa_backends("math")
     if linear is not None:  # before checkpointing wraps the blocks
         replace_linears(net, linear)
-    apply_checkpointing(net, mode, 2, saves_attention)
+    apply_checkpointing(net, mode, 2, saves_attention, first)
     return m, net
 
 
@@ -170,9 +170,11 @@ def test_selective_checkpointing_saves_and_recomputes_what_the_planner_prices(ml
     assert arch.unit_recompute_flop(m, unit, train) == flop - flop_none
 
 
-@pytest.mark.parametrize("mode,every,wrapped", [("every-k", 2, [1, 3]), ("every-k", 3, [2]),
-                                                ("full", 2, [0, 1, 2, 3]), ("none", 2, [])])
-def test_trainer_wraps_the_blocks_the_planner_prices(mode, every, wrapped):
+@pytest.mark.parametrize("mode,every,first,wrapped", [("every-k", 2, 1, [1, 3]), ("every-k", 3, 1, [2]),
+                                                      ("first-k", 2, 1, [0]), ("first-k", 2, 3, [0, 1, 2]),
+                                                      ("first-k", 2, 4, [0, 1, 2, 3]),
+                                                      ("full", 2, 1, [0, 1, 2, 3]), ("none", 2, 1, [])])
+def test_trainer_wraps_the_blocks_the_planner_prices(mode, every, first, wrapped):
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -185,19 +187,19 @@ def test_trainer_wraps_the_blocks_the_planner_prices(mode, every, wrapped):
     m = preset("tiny")
     with torch.device("meta"):
         net = Transformer(m)
-    apply_checkpointing(net, mode, every)
+    apply_checkpointing(net, mode, every, first=first)
     assert [i for i, b in enumerate(net.layers) if isinstance(b, CheckpointWrapper)] == wrapped
-    t = TrainSpec(seq_len=64, checkpointing=mode, checkpoint_every=every)
+    t = TrainSpec(seq_len=64, checkpointing=mode, checkpoint_every=every, checkpoint_first=first)
     units = arch.units(m, 1)
     recomputing = [u.first_block for u in units if u.blocks and arch.unit_recompute_flop(m, u, t)]
     assert recomputing == wrapped
 
 
 @pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
-@pytest.mark.parametrize("mode", ["full", "every-k"])
+@pytest.mark.parametrize("mode", ["full", "every-k", "first-k"])
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_full_recompute_flops_against_flopcounter(mlp, mode, early_stop):
-    """What full and every-k checkpointing rerun in backward, against FlopCounterMode on the
+    """What full, every-k and first-k checkpointing rerun in backward, against FlopCounterMode on the
     trainer's blocks. With early stop (non-reentrant checkpoint's default since PyTorch 2.1) the
     block's last matmul is not rerun: nothing saves its output. SDPA's math backend, so that the
     attention matmuls are counted (the CPU flash kernel has no FLOP formula)."""
@@ -214,7 +216,7 @@ def test_full_recompute_flops_against_flopcounter(mlp, mode, early_stop):
     m, flop = _backward_flop(mlp, mode, 4, seq, mb, early_stop)
     _, flop_none = _backward_flop(mlp, "none", 4, seq, mb, early_stop)
     train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing=mode, checkpoint_every=2,
-                      checkpoint_early_stop=early_stop)
+                      checkpoint_first=3, checkpoint_early_stop=early_stop)
     units = [u for u in arch.units(m, 1) if u.blocks]
     assert len(units) == 4
     assert sum(arch.unit_recompute_flop(m, u, train) for u in units) == flop - flop_none
@@ -224,9 +226,9 @@ def test_full_recompute_flops_against_flopcounter(mlp, mode, early_stop):
     from zplan.scenario_options import ScenarioOptions, build
 
     sc = build(ScenarioOptions(model="tiny", gpu="h100-sxm", gpus="1", seq_len=seq, micro_batch=mb,
-                               checkpointing=mode, checkpoint_early_stop=early_stop))
+                               checkpointing=mode, checkpoint_first=3, checkpoint_early_stop=early_stop))
     sc = Scenario(m, sc.hw, sc.train, sc.assume, None)
-    ops, _ = unit_ops.recompute_ops(sc, units[1])  # every-k (k = 2) wraps the second block
+    ops, _ = unit_ops.recompute_ops(sc, units[1])  # every-k (k = 2) and first-k (3) wrap the second block
     linears = [o.name for o in ops if o.name.split()[0] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
     assert ("w2" in {n.split()[0] for n in linears}) is (not early_stop)
 

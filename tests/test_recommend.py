@@ -303,23 +303,51 @@ def test_strategies_deepspeed_cannot_run_are_one_line(run_zplan):
     assert "hsdp needs stage-3 settings" in p.stderr and "internal error" not in p.stderr
 
 
-def test_every_k_is_searched_at_more_than_one_k_and_labelled_with_it():
-    """One block in four checkpointed recomputes half of what one in two does; where the memory
-    allows it wins (8B on 32 A100-40GB, one sequence per GPU: every-4 is faster than every-2 and
-    fits, by estimate's own figures; on 16 it reserves 91% of the GPU, past recommend's headroom,
-    and every-2 wins), and the label says which k."""
-    from zplan.estimate import estimate_one
+def test_first_k_is_searched_at_the_least_k_that_fits_and_labelled_with_it():
+    """8B on 32 A100-40GB, one sequence per GPU: nothing checkpointed does not fit, full does;
+    the search checkpoints the fewest leading blocks that fit (by estimate's own figures: k fits
+    within recommend's headroom, k - 1 does not) and that beats every-4 (8 of 32 blocks), which
+    won when every-k at k = 2 and 4 was searched. The label says which k."""
+    from zplan.estimate import estimate_one, fits
+    from zplan.recommend import _usable
 
     kw = dict(model="llama-3.1-8b", gpus=32, gpu="a100-40gb", cluster="dgx-a100", layout="torch")
     r = search(scenario(**kw), 32)
-    every = {c.sc.train.checkpoint_every for c in r.ranked if c.sc.train.checkpointing == "every-k"}
-    assert every >= {2, 4}
-    two, four = (estimate_one(scenario(checkpointing="every-k", checkpoint_every=k, **kw), "zero3") for k in (2, 4))
-    assert (four.memory.total_bytes < 0.9 * presets.gpu("a100-40gb").memory_bytes
-            and four.timing.step_s < 0.97 * two.timing.step_s)
-    assert r.winner.step_s <= four.timing.step_s * (1 + 1e-9)  # every-2 (1.22 s) cannot be the answer
-    labels = [c.label() for c in r.ranked if c.sc.train.checkpointing == "every-k"]
-    assert labels and all("ckpt=every-2" in x or "ckpt=every-4" in x for x in labels)
+    w = r.winner
+    t = w.sc.train
+    assert t.checkpointing == "first-k" and f"ckpt=first-{t.checkpoint_first}" in w.label()
+    k = t.checkpoint_first
+    at = dict(kw, micro_batch=t.micro_batch, grad_accum=t.grad_accum, blocks_per_unit=t.blocks_per_unit,
+              prefetch=t.prefetch, checkpointing="first-k")
+    usable = _usable(w.sc, 0.1)
+    assert fits(scenario(**dict(at, checkpoint_first=k)), w.family, usable)
+    assert not fits(scenario(**dict(at, checkpoint_first=k - 1)), w.family, usable)
+    four = estimate_one(scenario(checkpointing="every-k", checkpoint_every=4, **kw), "zero3")
+    assert k < 8 and w.step_s < four.timing.step_s
+    # every-k is searched where the scenario asks for it, at its own k
+    own = search(scenario(checkpointing="every-k", checkpoint_every=4, **kw), 32)
+    assert {c.sc.train.checkpoint_every for c in own.ranked if c.sc.train.checkpointing == "every-k"} == {4}
+    assert all("ckpt=every-4" in c.label() for c in own.ranked if c.sc.train.checkpointing == "every-k")
+
+
+@pytest.mark.parametrize("layers,threshold", [(2, 1), (32, 1), (32, 17), (32, 31), (32, None), (80, 73)])
+def test_least_first_k_bisects_to_the_first_fitting_k(layers, threshold):
+    """_least_first_k against a scan of every k (a predicate that fits from `threshold` on), in
+    at most 1 + ceil(log2(layers - 1)) probes; None where even layers - 1 does not fit."""
+    import math
+
+    from zplan.recommend import _least_first_k
+
+    calls = []
+
+    def fits_at(k):
+        calls.append(k)
+        return threshold is not None and k >= threshold
+
+    scan = next((k for k in range(1, layers) if fits_at(k)), None)
+    calls.clear()
+    k, probes = _least_first_k(fits_at, layers)
+    assert k == scan and probes == len(calls) <= 1 + math.ceil(math.log2(max(2, layers - 1)))
 
 
 def test_memory_objective_tries_one_micro_batch_per_step_too():
@@ -361,7 +389,7 @@ def test_when_nothing_fits_expandable_segments_are_the_first_hint_where_they_mak
     with pytest.raises(PlanError) as e:
         search(base, 16, families=["zero3"])
     msg = str(e.value)
-    assert "try --expandable-segments (zero3 mb=1 accum=8 ckpt=full" in msg
+    assert re.search(r"try --expandable-segments \(zero3 mb=1 accum=8 ckpt=(full|first-\d+) fits", msg), msg
     # at seq 8192 expandable segments do not make zero3 fit either: no such hint
     with pytest.raises(PlanError) as e:
         search(scenario(model="llama-3.1-8b", gpus=2, seq_len=8192, layout="torch"), 16, families=["zero3"])

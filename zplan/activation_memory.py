@@ -33,11 +33,10 @@ def stream_dtype_bytes(train: TrainSpec) -> int:
 
 
 def block_mode(train: TrainSpec, index: int, num_layers: int) -> str:
-    """The recomputation mode of block `index` (every-k: the blocks policy.checkpointed_blocks
-    wraps are fully checkpointed, the others keep everything)."""
-    if train.checkpointing == "every-k":
-        wrapped = policy.checkpointed_blocks(num_layers, "every-k", train.checkpoint_every)
-        return "full" if wrapped[index] else "none"
+    """The recomputation mode of block `index` (every-k, first-k: the blocks
+    policy.checkpointed_blocks wraps are fully checkpointed, the others keep everything)."""
+    if train.checkpointing in policy.PARTIAL_CHECKPOINTING:
+        return "full" if policy.wrapped_blocks(train, num_layers)[index] else "none"
     return train.checkpointing
 
 
@@ -69,8 +68,8 @@ def forward_transient_bytes(m: ModelSpec, train: TrainSpec) -> tuple[int, int]:
     under selective checkpointing, whose unsaved tensors inductor's fused kernels decide (not
     derived; compiled full checkpointing is taken as eager's: the three MLP-wide tensors are
     w1's and w3's outputs and their fused product there)."""
-    if train.checkpointing == "every-k":
-        mode = "full" if any(policy.checkpointed_blocks(m.num_layers, "every-k", train.checkpoint_every)) else "none"
+    if train.checkpointing in policy.PARTIAL_CHECKPOINTING:
+        mode = "full" if any(policy.wrapped_blocks(train, m.num_layers)) else "none"
     else:
         mode = train.checkpointing
     if mode not in ("full", "selective") or (mode == "selective" and train.compile):

@@ -194,7 +194,7 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     """Extra forward work that activation checkpointing adds in backward: the matmuls
     policy.recomputed_matmuls names (early stop: not a dense block's last; torch.utils.checkpoint,
     pytorch/pytorch#96866), the router, and attention's 4·s·h per token where the block reruns it
-    (full, every-k, and selective where its save list misses the attention kernel;
+    (full, every-k, first-k, and selective where its save list misses the attention kernel;
     PaLM appendix B counting). Checked with FlopCounterMode (tests/test_policy.py)."""
     mode, T = train.checkpointing, train.seq_len * train.micro_batch
     if u.blocks == 0 or mode == "none":
@@ -217,7 +217,7 @@ def unit_recompute_flop(m: ModelSpec, u: Unit, train: TrainSpec) -> int:
     per_block += 2 * router_params * T + 4 * train.seq_len * m.q_hidden * T
     if mode == "full":
         return per_block * u.blocks
-    wrapped = policy.checkpointed_blocks(m.num_layers, mode, train.checkpoint_every)  # every-k
+    wrapped = policy.wrapped_blocks(train, m.num_layers)  # every-k, first-k
     return per_block * sum(wrapped[u.first_block: u.first_block + u.blocks])
 
 

@@ -192,7 +192,7 @@ def _wrapped(sc: Scenario, u) -> bool:
     """Whether a checkpoint wraps the unit (it holds a checkpointed block): its forward runs
     again in backward."""
     t = sc.train
-    wrapped = policy.checkpointed_blocks(sc.model.num_layers, t.checkpointing, t.checkpoint_every)
+    wrapped = policy.wrapped_blocks(t, sc.model.num_layers)
     return bool(u.blocks) and any(wrapped[u.first_block: u.first_block + u.blocks])
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from . import arch
 from . import kernels as K
-from . import muon, unit_ops
+from . import muon, policy, unit_ops
 from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
 from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_state_bytes, optimizer_tensor_sizes
@@ -116,11 +116,10 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
     base = _ops_key(sc)
     memo: dict = {}
     fwd, bwd, kinds, beside = [], [], {}, 0.0
-    every_k = t.checkpointing == "every-k"
     custom = sc.custom_units is not None
     for u in sc.units:
         # blocks with as many layers have the same shapes (custom units may not: key on size)
-        key = (u.blocks, u.name if not u.blocks else "", u.first_block if every_k else 0, u.held,
+        key = (u.blocks, u.name if not u.blocks else "", _wrapped_in(sc, u), u.held,
                sc.padded_elems(u, D) if (st.fsdp and custom) else 0)
         if key not in memo:
             f, b, k, c = _unit_op_seconds(sc, u, base)
@@ -148,12 +147,20 @@ def _ops_key(sc: Scenario) -> tuple:
     return (id(sc.hw.gpu), sc.model, sc.train, sc.assume.loss_fp32)
 
 
+def _wrapped_in(sc: Scenario, u) -> int:
+    """How many of the unit's blocks every-k or first-k wraps (0 under the other modes): units
+    alike but for their position differ only by it."""
+    t = sc.train
+    if t.checkpointing not in policy.PARTIAL_CHECKPOINTING or not u.blocks:
+        return 0
+    return sum(policy.wrapped_blocks(t, sc.model.num_layers)[u.first_block: u.first_block + u.blocks])
+
+
 def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[str, float], float]:
     """Forward, backward + recompute seconds of one unit's own kernels (no FSDP copies), by
     kind, and all of them beside a collective; cached across strategies and searches: they
     depend only on the model, the training and the GPU."""
-    key = base + (u.blocks, u.name if not u.blocks else "",
-                  u.first_block if sc.train.checkpointing == "every-k" else 0)
+    key = base + (u.blocks, u.name if not u.blocks else "", _wrapped_in(sc, u))
 
     def make() -> tuple[float, float, dict[str, float], float]:
         f_ops = unit_ops.unit_ops(sc, u, False)

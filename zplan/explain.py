@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from . import activation_memory, arch
 from . import kernels as K
-from . import nccl
+from . import nccl, policy
 from . import unit_ops
 from .compute import CPU_ADAM_REFERENCE_BYTES, cpu_optimizer_bytes_per_param, optimizer_ops, uses_kernel_model
 from .estimate import TIGHT_FREE_FRACTION, estimate_one
@@ -95,7 +95,7 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     out.append(f"## 4. Activations (s={t.seq_len}, b={t.micro_batch}, h={m.hidden}, {t.checkpointing} checkpointing)")
     for k, v in activation_memory.block_activation_terms(m, t).items():
         out.append(f"  per block, {k:24s} {_gb(v)}")
-    per = activation_memory.block_saved_bytes(m, t, t.checkpointing if t.checkpointing != "every-k" else "none")
+    per = activation_memory.block_saved_bytes(m, t, t.checkpointing if t.checkpointing not in policy.PARTIAL_CHECKPOINTING else "none")
     out.append(f"  kept per block under '{t.checkpointing}': {_gb(per)}")
     for k, v in activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32).items():
         out.append(f"  {k:30s} {_gb(v)}")

@@ -96,6 +96,11 @@ class Activations:
     # for a unit of one block or none
     first_block_saved: tuple[int, ...] = ()
     batch_ids: int = 0  # the micro-batch's input ids and labels (activation_memory.batch_ids_bytes)
+    # per unit, per block in forward order: what each keeps, and what its recompute holds in
+    # backward (0 where it is not checkpointed); a unit whose blocks differ (every-k, first-k)
+    # is walked block by block through its backward (fsdp_events)
+    block_saved: tuple[tuple[int, ...], ...] = ()
+    block_recompute: tuple[tuple[int, ...], ...] = ()
 
 
 class HeldOutputs:
@@ -158,11 +163,14 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     sbh = t.seq_len * t.micro_batch * m.hidden
     temp_b = activation_memory.block_backward_temp_bytes(m, t)
     saved, extra, temp, cache, cache_saved, first = [], [], [], [], [], []
+    block_saved, block_rec = [], []
     for u in units:
         if u.blocks == 0:
             head = u.name != "embed" and u.matmul_params > 0
             saved.append(activation_memory.head_saved_bytes(m, t) if head else 0)
             first.append(saved[-1])
+            block_saved.append(())
+            block_rec.append(())
             extra.append(0)
             if t.kv_cache:
                 cache.append(0)
@@ -175,7 +183,10 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
         per = [activation_memory.block_saved_bytes(m, t, md) for md in modes]
         saved.append(sum(per))
         first.append(per[0])
-        extra.append(max(activation_memory.block_recompute_bytes(m, t, md) for md in set(modes)))
+        rec = [activation_memory.block_recompute_bytes(m, t, md) for md in modes]
+        extra.append(max(rec))
+        block_saved.append(tuple(per))
+        block_rec.append(tuple(rec))
         temp.append(temp_b)
         if t.kv_cache:
             cache.append(u.blocks * activation_memory.kv_cache_bytes(m, t))
@@ -185,7 +196,8 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
                        activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B,
                        activation_memory.kept_logit_bytes(t), S * sbh, tuple(cache), tuple(cache_saved),
-                       tuple(first), activation_memory.batch_ids_bytes(t))
+                       tuple(first), activation_memory.batch_ids_bytes(t), tuple(block_saved),
+                       tuple(block_rec))
 
 
 @dataclass(frozen=True)
@@ -285,8 +297,10 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     saved_upto = [0, *accumulate(acts.saved)]  # saved_upto[i]: kept by units < i
     moving_upto = [0, *accumulate(moving)]
     grads_upto = [0, *accumulate(sharded_grad)]
+    blocks_saved = acts.block_saved or ((),) * n
+    blocks_rec = acts.block_recompute or ((),) * n
     ends = _run_ends(list(zip(moving, acts.saved, acts.recompute, acts.backward_temp,
-                              unsharded_grad, first_grad, reduce_in, sharded_grad)))
+                              unsharded_grad, first_grad, reduce_in, sharded_grad, blocks_saved, blocks_rec)))
     head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
     root_head = held[head]  # the head sits in the held root (tied, or embed_head_unit root)
     logits_b = acts.logits_elems * acts.act_bytes  # the head's output, and the logits' gradient
@@ -397,14 +411,31 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
             variants.append((0, skipping(j), ", a micro-batch before the last",
                              not in_place_j or sc.train.grad_accum == 2))
         k = sc.units[j].blocks
+        per, rec = blocks_saved[j], blocks_rec[j]
+        # blocks that differ (every-k, first-k): the unit's backward begins with its last block,
+        # beside every block's kept tensors with that block's own recompute (not the largest)
+        mixed = k > 1 and len(per) == k and (len(set(per)) > 1 or len(set(rec)) > 1)
+        start = act - acts.recompute[j] + rec[-1] if mixed else act
         for grads_j, acc_j, when, fresh in variants:
             # at its largest, early in the unit's backward: one weight's gradient so far
             ev.append(_ev("backward", f"backward {name}{when}", state=state_b,
                           grads=grads_j, gathered=gath, all_gather=prv(j),
                           unsharded_grads=acc_j + (first_grad[j] if fresh else 0) + hold
                           + (tied_sum if j == head else 0),
-                          reduce_scatter=prev_rs if not when else 0, activations=act))
-            if k > 1:
+                          reduce_scatter=prev_rs if not when else 0, activations=start))
+            if mixed:
+                # then each earlier block's backward in turn, with what the blocks before it
+                # keep, its own recompute, and the gradients of the blocks after it (unsharded
+                # until the unit's post-backward)
+                for idx in range(k - 2, -1, -1):
+                    done = unsharded_grad[j] * (k - 1 - idx) // k if fresh else 0
+                    label = "its first block" if idx == 0 else f"its block {idx + 1} of {k}"
+                    ev.append(_ev("backward", f"backward {name} ({label}){when}", state=state_b,
+                                  grads=grads_j, gathered=gath, all_gather=prv(j),
+                                  unsharded_grads=acc_j + done + (first_grad[j] if fresh else 0) + hold,
+                                  reduce_scatter=prev_rs if not when else 0,
+                                  activations=act - acts.saved[j] - acts.recompute[j] + sum(per[:idx + 1]) + rec[idx]))
+            elif k > 1:
                 # its first block's backward, the unit's last: the other blocks' saved tensors
                 # are gone, their weight gradients are all there (unsharded until the unit's
                 # post-backward)
@@ -485,15 +516,22 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     after = [*accumulate(reversed(new))][::-1] + [0]  # after[j]: new gradients of units >= j
     # new gradients a compiled graph holds at unit j's backward: its later units'
     held = [min(cap, after[j + 1] - after[g.stop]) if (g := graph_of[j]) else 0 for j in range(n)]
+    # a unit's blocks through backward, last first: the most any one holds, what the blocks
+    # before it keep with its own recompute (its kept tensors and the largest recompute where
+    # its blocks are alike or unknown)
+    inside = [max((sum(per[:i + 1]) + r for i, r in enumerate(rec)), default=s + r0)
+              if len(per) > 1 else s + r0
+              for per, rec, s, r0 in zip(acts.block_saved or ((),) * n, acts.block_recompute or ((),) * n,
+                                         acts.saved, acts.recompute)]
     ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp,
-                              casts.kept, casts.recomputed)))
+                              casts.kept, casts.recomputed, inside)))
     logits_b = acts.logits_elems * acts.act_bytes  # the logits' gradient
     # the logits, referenced until backward ends
     logits_ref = 0 if sc.train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
     # eager where the tied root is in no compiled graph (per-block compile leaves it eager)
     wait = tied_head_grad_wait(sc) if graph_of[0] is None else (0, 0)
     for j in reversed(ends):
-        act = saved_upto[j + 1] + acts.recompute[j] + acts.backward_temp[j] + logits_ref + out.backward(j)
+        act = saved_upto[j] + inside[j] + acts.backward_temp[j] + logits_ref + out.backward(j)
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,

@@ -108,6 +108,8 @@ def inconsistency(plan: Plan) -> str | None:
         return (f"train.reshard_after_forward {t.reshard_after_forward} contradicts strategy "
                 f"{plan.strategy}; {fix} (zero3-noreshard is zero3 without resharding)")
     L = plan.model.num_layers
+    if t.checkpointing == "first-k" and t.checkpoint_first > L:
+        return f"checkpoint_first {t.checkpoint_first} exceeds the model's {L} layers; {fix}"
     if t.blocks_per_unit > L or (t.checkpointing == "every-k" and t.checkpoint_every > L):
         return (f"blocks_per_unit {t.blocks_per_unit} / checkpoint_every {t.checkpoint_every} "
                 f"exceed the model's {L} layers; {fix}")
@@ -151,7 +153,7 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         flag = "--float8" if t.float8 else "--compile"
         return (f"the trainer runs eager bf16/fp32 linears, not {flag[2:]}: plan again without "
                 f"{flag}, or export the plan for your own training code")
-    if not t.checkpoint_early_stop and t.checkpointing in ("full", "every-k", "selective"):
+    if not t.checkpoint_early_stop and t.checkpointing in ("full", "every-k", "first-k", "selective"):
         return ("the trainer checkpoints with torch's non-reentrant checkpoint, which stops "
                 "recomputing once backward's tensors are rebuilt: plan again without "
                 "--no-checkpoint-early-stop, or export the plan")

@@ -2,7 +2,8 @@
 
 - Unit grouping: which transformer blocks share one all-gather (`block_groups`), and whether the
   embeddings and the norm + head are units of their own (`separate_embed_head`).
-- Activation checkpointing: which blocks are wrapped (`checkpointed_blocks`, including every-k),
+- Activation checkpointing: which blocks are wrapped (`checkpointed_blocks`, including every-k
+  and first-k),
   and, for the selective policy, which ops' outputs are kept (`selective_saved_matmuls`,
   and TrainSpec.sac_saves_attention), by op kind so that the planner can price them.
 
@@ -85,10 +86,11 @@ def unit_stays_gathered(u, train, num_layers: int) -> bool:
                           holds_kept_last_block(train, u.first_block, u.blocks, num_layers))
 
 
-def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, ...]:
+def checkpointed_blocks(num_layers: int, mode: str, every: int, first: int = 1) -> tuple[bool, ...]:
     """Which blocks are wrapped whole for recomputation. `attention` recomputes inside each block
     (the attention core only), so it wraps none; every-k wraps blocks k, 2k, ... counting from 1
-    (torchtitan's `ac_freq`)."""
+    (torchtitan's `ac_freq`); first-k the first `first` blocks (Megatron-LM's `--recompute-method
+    block --recompute-num-layers`, YaFSDP's `num-ckpt-layers`)."""
     if mode in ("none", "attention"):
         return (False,) * num_layers
     if mode in ("full", "selective"):
@@ -97,7 +99,30 @@ def checkpointed_blocks(num_layers: int, mode: str, every: int) -> tuple[bool, .
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, not {every}")
         return tuple((i + 1) % every == 0 for i in range(num_layers))
+    if mode == "first-k":
+        if first < 1:
+            raise ValueError(f"checkpoint_first must be >= 1, not {first}")
+        return tuple(i < first for i in range(num_layers))
     raise ValueError(f"unknown checkpointing mode {mode!r}")
+
+
+# the modes that wrap some blocks whole and leave the others keeping everything
+PARTIAL_CHECKPOINTING = ("every-k", "first-k")
+
+
+def checkpointing_label(train) -> str:
+    """The mode as a user reads it: every-k and first-k with their k (every-2, first-40)."""
+    if train.checkpointing == "every-k":
+        return f"every-{train.checkpoint_every}"
+    if train.checkpointing == "first-k":
+        return f"first-{train.checkpoint_first}"
+    return train.checkpointing
+
+
+def wrapped_blocks(train, num_layers: int) -> tuple[bool, ...]:
+    """checkpointed_blocks for a TrainSpec: the one reading of its mode, k and count that the
+    planner and the trainer share."""
+    return checkpointed_blocks(num_layers, train.checkpointing, train.checkpoint_every, train.checkpoint_first)
 
 
 def block_matmuls(mlp: str, qkv_fused: bool = False) -> tuple[str, ...]:

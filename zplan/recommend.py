@@ -1,7 +1,8 @@
 """The search: every configuration, ranked by predicted step time for the same global batch.
 
 A candidate is a strategy (HSDP once per shard size that divides both N and a node, or the one
---shard-size gives) x activation checkpointing x micro-batch (the largest that fits, and the
+--shard-size gives) x activation checkpointing (none, selective, full, and the first k blocks
+checkpointed at the least k that fits: `_least_first_k`) x micro-batch (the largest that fits, and the
 next smaller; one micro-batch per step is tried on its own, as accumulation changes what is
 held; `--objective memory`: the smallest, without prefetch) x gradient accumulation (to reach
 the global batch) x blocks per unit x prefetch. It is feasible when it fits GPU memory
@@ -26,8 +27,7 @@ from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
 from .strategies import STRATEGIES, effective
 from .units import fmt_bytes, fmt_s, nbytes
 
-CHECKPOINTING = ("none", "selective", "every-k", "full")
-EVERY_K = (2, 4)  # every-k's k values the search tries (and the scenario's own)
+CHECKPOINTING = ("none", "selective", "full", "first-k")  # every-k at the scenario's own k only
 BLOCKS_PER_UNIT = (1, 2, 4)
 SIMPLICITY = {n: i for i, n in enumerate(STRATEGIES)}
 TIE = 0.03  # within the model's resolution, a simpler strategy within 3% of the fastest wins
@@ -53,7 +53,7 @@ class Candidate:
         t = self.sc.train
         parts = [self.family if self.family != "hsdp" else f"hsdp(S={self.sc.hsdp_shard})",
                  f"mb={t.micro_batch}", f"accum={t.grad_accum}",
-                 f"ckpt={t.checkpointing if t.checkpointing != 'every-k' else f'every-{t.checkpoint_every}'}"]
+                 f"ckpt={policy.checkpointing_label(t)}"]
         if t.blocks_per_unit > 1:
             parts.append(f"blocks/unit={t.blocks_per_unit}")
         if not t.prefetch:
@@ -120,11 +120,33 @@ def _largest_fitting(mbs: tuple[int, ...], fits_at) -> tuple[int, int]:
 
 
 def _checkpointing(base: Scenario, num_layers: int) -> list[tuple[str, int]]:
-    """The checkpointing modes searched, every-k at k = 2 and 4 (one block in two, in four) and
-    at the scenario's own k, each at most the block count."""
-    own = base.train.checkpoint_every
-    ks = sorted({k for k in (*EVERY_K, own) if k <= num_layers})
-    return [(c, own) for c in CHECKPOINTING if c != "every-k"] + [("every-k", k) for k in ks]
+    """The checkpointing modes searched: none, selective, full, first-k (its k found per
+    micro-batch, `_least_first_k`; only where a model has two blocks or more), and every-k where
+    the scenario asks for it, at its own k. first-k at the least k that fits recomputes no more
+    than every-k at any k that fits: the same blocks' activations are dropped, and the recompute
+    of the first blocks runs at the end of backward, when least is held."""
+    out = [(c, base.train.checkpoint_every) for c in CHECKPOINTING if c != "first-k" or num_layers > 1]
+    if base.train.checkpointing == "every-k" and base.train.checkpoint_every <= num_layers:
+        out.append(("every-k", base.train.checkpoint_every))
+    return out
+
+
+def _least_first_k(fits_at, num_layers: int) -> tuple[int | None, int]:
+    """The least k in 1..num_layers-1 at which checkpointing the first k blocks fits (memory
+    falls as k grows: each block checkpointed keeps only its input), by bisection; None where
+    even num_layers-1 does not fit (full checkpointing is searched on its own). And how many
+    were probed."""
+    lo, hi, probes = 1, num_layers - 1, 1
+    if not fits_at(hi):
+        return None, probes
+    while lo < hi:
+        mid = (lo + hi) // 2
+        probes += 1
+        if fits_at(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, probes
 
 
 def _usable(sc: Scenario, headroom: float) -> int:
@@ -183,12 +205,15 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                         continue  # units only matter where weights are gathered per unit
                     taken = 0
 
-                    def at(mb: int, prefetch: bool) -> Scenario:
+                    def at(mb: int, prefetch: bool, first: int = L - 1, mode: str = ckpt) -> Scenario:
                         return replace(sc0, train=base.train.model_copy(update={
-                            "checkpointing": ckpt, "checkpoint_every": every, "blocks_per_unit": bpu,
-                            "micro_batch": mb, "grad_accum": per_gpu // mb, "prefetch": prefetch}))
+                            "checkpointing": mode, "checkpoint_every": every, "checkpoint_first": first,
+                            "blocks_per_unit": bpu, "micro_batch": mb, "grad_accum": per_gpu // mb,
+                            "prefetch": prefetch}))
 
                     mbs = _micro_batches(per_gpu)
+                    if ckpt == "first-k" and objective == "memory":
+                        continue  # full checkpointing holds the least
                     if objective == "memory":  # the least memory: the smallest micro-batch, no
                         # prefetch; and one micro-batch per step, which holds no accumulated
                         # gradients (--reduce-last-only) and may need less
@@ -214,11 +239,23 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                     for mb in mbs[start:]:
                         for prefetch in (True, False):
                             sc = at(mb, prefetch)
-                            evaluated += 1
-                            if fits(sc, family, usable):
-                                found.append(Candidate(family, sc, estimate_one(sc, family), usable))
-                                taken += 1
-                                break  # prefetch off only when prefetch on does not fit
+                            if ckpt == "first-k":  # the fewest blocks checkpointed that fit
+                                evaluated += 1
+                                if fits(at(mb, prefetch, mode="none"), family, usable):
+                                    break  # nothing checkpointed fits: first-k only recomputes more
+                                k, probes = _least_first_k(
+                                    lambda k: fits(at(mb, prefetch, k), family, usable), L)
+                                evaluated += probes
+                                if k is None:
+                                    continue
+                                sc = at(mb, prefetch, k)
+                            else:
+                                evaluated += 1
+                                if not fits(sc, family, usable):
+                                    continue
+                            found.append(Candidate(family, sc, estimate_one(sc, family), usable))
+                            taken += 1
+                            break  # prefetch off only when prefetch on does not fit
                         if taken >= 2:
                             break
         if found:

@@ -44,6 +44,7 @@ class ScenarioOptions:
     reduce_last_only: bool = False
     checkpointing: str = "none"
     checkpoint_every: int = 2
+    checkpoint_first: int = 1
     checkpoint_early_stop: bool = True
     checkpoint_wraps_unit: bool = False  # the checkpoint outside the sharded unit (HF's)
     flash: bool = True
@@ -152,6 +153,11 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError(f"--checkpointing every-k with --checkpoint-every {o.checkpoint_every} "
                          f"checkpoints no block of this {model.num_layers}-layer model; use "
                          f"--checkpoint-every 1..{model.num_layers}")
+    check_range(o.checkpoint_first, "--checkpoint-first", 1, MAX_LAYERS)
+    if o.checkpointing == "first-k" and o.checkpoint_first > model.num_layers:
+        raise UsageError(f"--checkpointing first-k with --checkpoint-first {o.checkpoint_first} asks for "
+                         f"more blocks than this {model.num_layers}-layer model has; use --checkpoint-first "
+                         f"1..{model.num_layers} (all of them is --checkpointing full)")
     efficiency = o.efficiency
     if efficiency is None and gpu.kernels is None:  # no kernel constants: one efficiency
         efficiency = 1.0 if gpu.measured else 0.7
@@ -302,6 +308,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         train = TrainSpec(
             seq_len=seq, micro_batch=o.micro_batch, grad_accum=o.grad_accum,
             checkpointing=o.checkpointing, checkpoint_every=o.checkpoint_every,
+            checkpoint_first=o.checkpoint_first,
             checkpoint_early_stop=o.checkpoint_early_stop, checkpoint_wraps_unit=o.checkpoint_wraps_unit,
             flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,

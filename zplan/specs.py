@@ -16,7 +16,7 @@ StrategyName = Literal[
     "ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all"
 ]
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
-Checkpointing = Literal["none", "full", "selective", "attention", "every-k"]
+Checkpointing = Literal["none", "full", "selective", "attention", "every-k", "first-k"]
 AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4", "flex", "cudnn"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
@@ -411,6 +411,9 @@ class TrainSpec(Spec):
     grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM)
     checkpointing: Checkpointing = "none"
     checkpoint_every: int = Field(2, gt=0, le=MAX_LAYERS, description="every-k: one block in k is checkpointed")
+    checkpoint_first: int = Field(1, gt=0, le=MAX_LAYERS, description="first-k: the first k blocks are "
+                                  "checkpointed, the others keep their activations (Megatron's "
+                                  "--recompute-method block, YaFSDP's num-ckpt-layers)")
     flash_attention: bool = True
     attention_kernel: AttentionKernel = Field(
         "flash2", description="the flash kernel: flash2 (FlashAttention-2, PyTorch's SDPA flash "

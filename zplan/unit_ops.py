@@ -392,8 +392,8 @@ def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
         return _block(sc, False, only=only, with_attention=not sc.train.sac_saves_attention), float(u.blocks)
     if mode == "full":
         return _block(sc, False, only=only), float(u.blocks)
-    # every-k: the blocks zplan/policy.py wraps, as the trainer does
-    wrapped = policy.checkpointed_blocks(m.num_layers, mode, sc.train.checkpoint_every)
+    # every-k, first-k: the blocks zplan/policy.py wraps, as the trainer does
+    wrapped = policy.wrapped_blocks(sc.train, m.num_layers)
     return _block(sc, False, only=only), float(sum(wrapped[u.first_block: u.first_block + u.blocks]))
 
 

@@ -17,7 +17,7 @@ FOLDER = Path(__file__).resolve().parent
 SOURCE_KEYS = {"name", "org", "who", "url", "file", "date", "memory_kind", "tokens", "notes"}
 SOURCE_OPTIONAL = {"repository", "commit"}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-opt", "offload-all")
-CHECKPOINTING = ("none", "full", "selective", "blocks-fraction-unstated")
+CHECKPOINTING = ("none", "full", "selective", "first-k", "blocks-fraction-unstated")
 ATTENTION_KERNELS = ("flash2", "flash-triton", "flash3", "flash4", "flex", "cudnn")  # zplan's --attention-kernel
 COMPILE_SCOPES = ("block", "model")  # zplan's --compile-scope
 FLOAT8 = ("none", "tensorwise", "tensorwise-fp8-allgather", "rowwise", "rowwise-gw-hp", "te-delayed")
@@ -98,6 +98,7 @@ class Row:
     embed_head_unit: str = "separate"  # FSDP: separate | head-kept | root | root-kept (TrainSpec.embed_head_unit)
     checkpoint_early_stop: bool = True  # non-reentrant checkpoint on PyTorch >= 2.1 (False: the whole block reruns)
     checkpoint_wraps_unit: bool = False  # FSDP: the checkpoint wraps each unit from outside (HF's gradient_checkpointing_enable)
+    checkpoint_first: int | None = None  # first-k: how many leading blocks are checkpointed (required with it)
     compile_scope: str = "block"  # with compile: block (each block compiled) or model (torch.compile(model))
     loss_fp32: bool = True  # the loss upcasts the logits to fp32 (False: cross-entropy in their dtype)
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launcher since 2024-10)
@@ -141,7 +142,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "qkv_fused": bool, "optimizer_kernels": str, "optimizer": str, "layout": str, "grad_clip": bool, "sac_saves_attention": bool, "zero_init": bool, "deepspeed_defaults": bool, "deepspeed_param_groups": str, "logits_kept": bool, "logits_fp32": bool, "kv_cache": bool, "attention_expands_kv": bool, "loss_shifted_copy": bool, "outputs_until_next_forward": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "cluster": str, "float8_all_gather": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "checkpoint_first": int, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "qkv_fused": bool, "optimizer_kernels": str, "optimizer": str, "layout": str, "grad_clip": bool, "sac_saves_attention": bool, "zero_init": bool, "deepspeed_defaults": bool, "deepspeed_param_groups": str, "logits_kept": bool, "logits_fp32": bool, "kv_cache": bool, "attention_expands_kv": bool, "loss_shifted_copy": bool, "outputs_until_next_forward": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "cluster": str, "float8_all_gather": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }
@@ -192,6 +193,8 @@ def _row(raw: dict, source: Source, where: str) -> Row:
         raise RowError(f"{where}: memory_unit/memory_kind given without a memory figure")
     if max(r.tp, r.pp, r.cp) > 1 and r.expressible:
         raise RowError(f"{where}: tp/pp/cp above 1 cannot be expressed in zplan; set expressible = false and why_not")
+    if (r.checkpointing == "first-k") != (r.checkpoint_first is not None):
+        raise RowError(f"{where}: checkpoint_first goes with checkpointing = \"first-k\" (the count of leading blocks checkpointed)")
     if r.checkpointing == "blocks-fraction-unstated" and r.expressible:
         raise RowError(f"{where}: checkpointing of an unstated fraction cannot be expressed; set expressible = false")
     if not r.expressible and not r.why_not:

@@ -8,6 +8,7 @@ import shutil
 import sys
 
 from ..estimate import TIGHT_FREE_FRACTION, StrategyEstimate, measured_error
+from ..policy import checkpointing_label
 from ..public_accuracy import sentence
 from ..scenario import Scenario
 from ..units import GiB, fmt_bytes, fmt_count, fmt_s
@@ -80,7 +81,7 @@ def header(console: Out, sc: Scenario, unit: str) -> None:
         f"{hw.num_gpus} x {escape(hw.gpu.name)} ({fmt_bytes(hw.gpu.memory_bytes, unit)} each), "
         f"{sc.hw.num_nodes} node(s) of {hw.cluster.gpus_per_node} on {escape(hw.cluster.name)}; "
         f"{len(sc.units)} units; seq {t.seq_len}, micro-batch {t.micro_batch}, accumulation {t.grad_accum}; "
-        f"checkpointing {t.checkpointing}; layout {t.layout}; params {t.precision.param}, "
+        f"checkpointing {checkpointing_label(t)}; layout {t.layout}; params {t.precision.param}, "
         f"reduce {t.precision.reduce}, master {t.precision.master}, {t.optimizer}"
     )
     facts = run_facts(sc)

@@ -113,7 +113,7 @@ def verify(
     for d in dtype or ():
         check_choice(d, "--dtype", ("fp32", "bf16"))
     for c in checkpointing or ():
-        check_choice(c, "--checkpointing", ("none", "full", "selective", "attention", "every-k"))
+        check_choice(c, "--checkpointing", ("none", "full", "selective", "attention", "every-k", "first-k"))
     for n in ranks or ():
         check_range(n, "--ranks", 1, 64)
     if full or strategy or ranks or dtype or checkpointing:

@@ -46,7 +46,8 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_checkpointing(model: nn.Module, mode: str, every: int, saves_attention: bool = True) -> None:
+def apply_checkpointing(model: nn.Module, mode: str, every: int, saves_attention: bool = True,
+                        first: int = 1) -> None:
     """Wrap blocks for activation checkpointing (before fully_shard, as torchtitan does); which
     blocks and which ops come from zplan/policy.py, as the planner prices them; selective keeps
     the attention kernel's outputs where `saves_attention` (TrainSpec.sac_saves_attention)."""
@@ -58,7 +59,7 @@ def apply_checkpointing(model: nn.Module, mode: str, every: int, saves_attention
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    wrapped = policy.checkpointed_blocks(len(model.layers), mode, every)
+    wrapped = policy.checkpointed_blocks(len(model.layers), mode, every, first)
     for i, block in enumerate(model.layers):
         if not wrapped[i]:
             continue
@@ -129,7 +130,7 @@ def parallelize(model: nn.Module, plan: Plan, device: torch.device,
         raise ValueError(why)
     t = plan.train
     to_master_dtype(model, plan)
-    apply_checkpointing(model, t.checkpointing, t.checkpoint_every, t.sac_saves_attention)
+    apply_checkpointing(model, t.checkpointing, t.checkpoint_every, t.sac_saves_attention, t.checkpoint_first)
     if plan.strategy in ("ddp", "zero1"):
         return replicate(model, plan, device)
     groups = unit_groups(model, t)
