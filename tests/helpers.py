@@ -24,6 +24,18 @@ def cli(capsys, *args: str):
     return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
 
+def gemma_head_dim_256_config(tmp_path) -> str:
+    """A Hugging Face config.json of a Gemma shape whose head dim is 256 (its config class's
+    default head_dim), 16 query heads of 16 key/value heads: the path, as a string."""
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576,
+                               "num_hidden_layers": 28, "num_attention_heads": 16,
+                               "num_key_value_heads": 16, "vocab_size": 256000}))
+    return str(cfg)
+
+
 def replace_linears(module, make) -> None:
     """Every nn.Linear under `module` replaced by make(linear) (a stand-in with its weight)."""
     import torch

@@ -9,7 +9,7 @@ import torch
 from zplan import kernels as K
 from zplan import presets
 from zplan.plan import make_plan, trainer_refusal
-from tests.helpers import cli, scenario
+from tests.helpers import cli, gemma_head_dim_256_config, scenario
 
 H100, B200 = presets.gpu("h100-sxm"), presets.gpu("b200")
 
@@ -63,13 +63,7 @@ def test_cudnn_takes_the_head_dims_cudnns_sdpa_takes(model, head_dim):
 def test_cudnn_is_refused_at_head_dims_cudnns_sdpa_does_not_take(capsys, tmp_path):
     """Gemma's head dim 256 (its config class's default): SDPA would run another kernel than
     the one priced, so it is refused in one line; flash2 plans it."""
-    import json
-
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576,
-                               "num_hidden_layers": 28, "num_attention_heads": 16,
-                               "num_key_value_heads": 16, "vocab_size": 256000}))
-    args = ("estimate", "--model", str(cfg), "--gpus", "8", "--gpu", "h100-sxm")
+    args = ("estimate", "--model", gemma_head_dim_256_config(tmp_path), "--gpus", "8", "--gpu", "h100-sxm")
     r = cli(capsys, *args, "--attention-kernel", "cudnn")
     assert r.returncode == 2 and "--attention-kernel cudnn" in r.stderr and "256" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

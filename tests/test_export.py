@@ -102,6 +102,27 @@ def test_deepspeed_refuses_what_its_config_cannot_say(strategy, kw, needle):
         deepspeed_config(plan_for(strategy, **kw))
 
 
+@pytest.mark.parametrize("kw,needle", [(dict(checkpointing="first-k", checkpoint_first=5), "the first 5 blocks (first-5)"),
+                                       (dict(checkpointing="every-k", checkpoint_every=4), "blocks 4, 8, ... (counting from 1)"),
+                                       (dict(checkpointing="full"), None), (dict(checkpointing="none"), None)])
+def test_deepspeed_export_says_which_blocks_the_script_must_checkpoint(tmp_path, capsys, kw, needle):
+    """A DeepSpeed config cannot say which blocks are checkpointed (its activation_checkpointing
+    section configures only DeepSpeed's own checkpoint API): the export writes the config on
+    stdout and says on stderr, in one line, what the script must checkpoint; nothing where every
+    block or none is."""
+    from zplan.plan import save
+    from tests.helpers import cli
+
+    path = tmp_path / "plan.json"
+    save(plan_for("zero3", **kw), path)
+    r = cli(capsys, "export", "--plan", str(path), "--to", "deepspeed")
+    assert r.returncode == 0 and json.loads(r.stdout)["zero_optimization"]["stage"] == 3
+    if needle is None:
+        assert r.stderr == ""
+    else:
+        assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "gradient_checkpointing_enable" in r.stderr
+
+
 def _accelerate_env(tmp_path, monkeypatch, plan):
     """accelerate launch's own path: config file -> launch arguments -> worker environment."""
     pytest.importorskip("accelerate")

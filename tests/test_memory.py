@@ -1113,25 +1113,31 @@ source = "test: Llama-shaped, small"
 """
 
 
-@pytest.mark.parametrize("mode,mlp,tied,loss,units", [("none", "swiglu", False, "none", 1),
-                                                      ("full", "swiglu", False, "none", 1),
-                                                      ("selective", "swiglu", False, "none", 1),
-                                                      ("none", "gelu", False, "none", 1),
-                                                      ("every-k", "swiglu", True, "none", 1),
-                                                      ("first-k", "swiglu", False, "none", 1),
-                                                      ("every-k", "swiglu", False, "none", 2),
-                                                      ("first-k", "swiglu", False, "none", 2),
-                                                      ("none", "swiglu", False, "chunked", 1)])
-def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied, loss, units):
+WIDE = dict(num_layers=2, ffn=4096)  # a wide MLP: a block's backward, not the loss, peaks
+
+
+@pytest.mark.parametrize("mode,mlp,tied,loss,units,shape", [("none", "swiglu", False, "none", 1, {}),
+                                                            ("full", "swiglu", False, "none", 1, {}),
+                                                            ("selective", "swiglu", False, "none", 1, {}),
+                                                            ("none", "gelu", False, "none", 1, {}),
+                                                            ("every-k", "swiglu", True, "none", 1, {}),
+                                                            ("first-k", "swiglu", False, "none", 1, {}),
+                                                            ("every-k", "swiglu", False, "none", 2, {}),
+                                                            ("first-k", "swiglu", False, "none", 1, WIDE),
+                                                            ("first-k", "swiglu", False, "none", 2, WIDE),
+                                                            ("none", "swiglu", False, "chunked", 1, {})])
+def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied, loss, units, shape):
     """DDP's step under autocast (fp32 weights, bf16 compute) as the trainer runs one micro-batch
     (trainer/micro_batch.py: forward and loss under torch.autocast), against PyTorch's MemTracker
     on the real model on CPU: what forward ends with (autocast's cached weight copies, the fp32
     residual stream, one 16-bit input copy per linear) and the peak of forward and backward (the
     copies freed at autocast's exit unless a matmul saved them, made again by recomputation).
     zplan counted every weight copy at every event and the stream in bf16: -2.2% and +4.6%.
-    Held on what the step adds to the model state (the state is most of the total here). With
-    units of two blocks every-k puts a checkpointed block and one that keeps everything in one
-    unit."""
+    Held on what the step adds to the model state (the state is most of the total here). Units
+    of two blocks put a checkpointed block and one that keeps everything in one unit (every-2;
+    first-1 of two wide blocks: the kept block's weight copies and the checkpointed block's copies
+    made again are never alive together). DDP has no units: the same run, its backward included,
+    is predicted in units of one or two."""
     torch = pytest.importorskip("torch")
 
     from zplan import policy, presets
@@ -1140,20 +1146,32 @@ def test_ddp_under_autocast_against_pytorch_memtracker(tmp_path, mode, mlp, tied
     from zplan.trainer.parallel import DTYPES, Parallelized, apply_checkpointing
 
     path = tmp_path / "m.toml"
-    path.write_text(AUTOCAST_MODEL + f'mlp = "{mlp}"\n' + ("tied_embeddings = true\n" if tied else ""))
-    sc = build(cpu_ranks(model=str(path), gpus="1", gpus_per_node=2, seq_len=128, micro_batch=2,
-                         param_dtype="bf16", checkpointing=mode, checkpoint_every=2, checkpoint_first=2,
-                         blocks_per_unit=units,
-                         linear_loss=loss))
+    text = AUTOCAST_MODEL
+    if shape:
+        text = text.replace("num_layers = 3", f"num_layers = {shape['num_layers']}").replace(
+            "ffn_hidden = 704", f"ffn_hidden = {shape['ffn']}")
+    path.write_text(text + f'mlp = "{mlp}"\n' + ("tied_embeddings = true\n" if tied else ""))
+    first = 1 if shape else 2
+    def planned(units):
+        return build(cpu_ranks(model=str(path), gpus="1", gpus_per_node=2, seq_len=128, micro_batch=2,
+                               param_dtype="bf16", checkpointing=mode, checkpoint_every=2,
+                               checkpoint_first=first, blocks_per_unit=units, linear_loss=loss))
+
+    sc = planned(units)
     events = timeline(sc, effective("ddp", "torch"))
     step = lambda e: e.total_bytes - e.live["state"]  # noqa: E731
     predicted_peak = max(step(e) for e in events if e.phase != "optimizer")
+    if units > 1:  # DDP has no units: the run is the same in units of one, its backward too
+        alone = timeline(planned(1), effective("ddp", "torch"))
+        assert predicted_peak == max(step(e) for e in alone if e.phase != "optimizer")
+        assert max(step(e) for e in events if e.phase == "backward") == \
+            max(step(e) for e in alone if e.phase == "backward")
     predicted_forward = step(next(e for e in events if e.label == "forward end"))
 
     m = presets.model(str(path))
     torch.manual_seed(0)
     model = Transformer(m)
-    apply_checkpointing(model, mode, 2, first=2)
+    apply_checkpointing(model, mode, 2, first=first)
     x, y = torch.randint(0, 512, (2, 128)), torch.randint(0, 512, (2, 128))
     # the trainer's micro-batch (the DDP wrapper left out: one rank, no reduction) under the
     # autocast the trainer's DDP path chooses
@@ -1185,6 +1203,22 @@ def test_explain_prices_ddp_activations_under_autocast():
     for name, copies in (("ddp", 3), ("zero3", 1)):
         line = next(x for x in explain_lines(sc, name) if "per block, qkv_input" in x)
         assert line.split()[-2] == f"{copies * 2 * T_h / 1e9:,.3f}", (name, line)
+
+
+def test_explain_names_both_kinds_of_block_under_partial_checkpointing():
+    """first-k and every-k keep two kinds of block: explain gives each its count and what one
+    keeps (Llama 3.2 1B, 16 blocks: first-5 is 5 and 11, every-4 is 4 and 12), the checkpointed
+    ones their input alone (s x h x 2 bytes), and the header names the k."""
+    from zplan.explain import explain_lines
+
+    T_h = 2048 * 2048
+    for kw, wrapped, label in ((dict(checkpointing="first-k", checkpoint_first=5), 5, "first-5"),
+                               (dict(checkpointing="every-k", checkpoint_every=4), 4, "every-4")):
+        lines = explain_lines(_sc(model="llama-3.2-1b", seq_len=2048, **kw), "zero3")
+        assert any(f"{label} checkpointing)" in x for x in lines)
+        full = next(x for x in lines if f"kept per block, the {wrapped} checkpointed:" in x)
+        assert full.split()[-2] == f"{2 * T_h / 1e9:,.3f}", full
+        assert any(f"kept per block, the {16 - wrapped} not checkpointed:" in x for x in lines)
 
 
 W1_MODEL = """name = "w1-test"

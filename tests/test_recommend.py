@@ -308,7 +308,7 @@ def test_first_k_is_searched_at_the_least_k_that_fits_and_labelled_with_it():
     the search checkpoints the fewest leading blocks that fit (by estimate's own figures: k fits
     within recommend's headroom, k - 1 does not) and that beats every-4 (8 of 32 blocks), which
     won when every-k at k = 2 and 4 was searched. The label says which k."""
-    from zplan.estimate import estimate_one, fits
+    from zplan.estimate import TIGHT_FREE_FRACTION, estimate_one, fits
     from zplan.recommend import _usable
 
     kw = dict(model="llama-3.1-8b", gpus=32, gpu="a100-40gb", cluster="dgx-a100", layout="torch")
@@ -319,7 +319,7 @@ def test_first_k_is_searched_at_the_least_k_that_fits_and_labelled_with_it():
     k = t.checkpoint_first
     at = dict(kw, micro_batch=t.micro_batch, grad_accum=t.grad_accum, blocks_per_unit=t.blocks_per_unit,
               prefetch=t.prefetch, checkpointing="first-k")
-    usable = _usable(w.sc, 0.1)
+    usable = _usable(w.sc, TIGHT_FREE_FRACTION)
     assert fits(scenario(**dict(at, checkpoint_first=k)), w.family, usable)
     assert not fits(scenario(**dict(at, checkpoint_first=k - 1)), w.family, usable)
     four = estimate_one(scenario(checkpointing="every-k", checkpoint_every=4, **kw), "zero3")

@@ -117,9 +117,10 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
     memo: dict = {}
     fwd, bwd, kinds, beside = [], [], {}, 0.0
     custom = sc.custom_units is not None
+    wrapped = policy.wrapped_blocks(t, m.num_layers) if t.checkpointing in policy.PARTIAL_CHECKPOINTING else None
     for u in sc.units:
         # blocks with as many layers have the same shapes (custom units may not: key on size)
-        key = (u.blocks, u.name if not u.blocks else "", _wrapped_in(sc, u), u.held,
+        key = (u.blocks, u.name if not u.blocks else "", _wrapped_in(sc, u, wrapped), u.held,
                sc.padded_elems(u, D) if (st.fsdp and custom) else 0)
         if key not in memo:
             f, b, k, c = _unit_op_seconds(sc, u, base)
@@ -147,13 +148,15 @@ def _ops_key(sc: Scenario) -> tuple:
     return (id(sc.hw.gpu), sc.model, sc.train, sc.assume.loss_fp32)
 
 
-def _wrapped_in(sc: Scenario, u) -> int:
+def _wrapped_in(sc: Scenario, u, wrapped: tuple[bool, ...] | None = None) -> int:
     """How many of the unit's blocks every-k or first-k wraps (0 under the other modes): units
-    alike but for their position differ only by it."""
+    alike but for their position differ only by it. `wrapped`: policy.wrapped_blocks, where the
+    caller has it for every unit."""
     t = sc.train
     if t.checkpointing not in policy.PARTIAL_CHECKPOINTING or not u.blocks:
         return 0
-    return sum(policy.wrapped_blocks(t, sc.model.num_layers)[u.first_block: u.first_block + u.blocks])
+    wrapped = wrapped or policy.wrapped_blocks(t, sc.model.num_layers)
+    return sum(wrapped[u.first_block: u.first_block + u.blocks])
 
 
 def _unit_op_seconds(sc: Scenario, u, base: tuple) -> tuple[float, float, dict[str, float], float]:

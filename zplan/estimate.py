@@ -161,6 +161,8 @@ ATTENTION_KERNEL_NAMES = {
     "flash4": "FlashAttention-4 (flash-attn's Blackwell kernels)",
     "flex": "FlexAttention's compiled Triton kernels",
     "cudnn": "cuDNN's fused attention (SDPA's cudnn backend)",
+    "flash1": "FlashAttention v1 (flash-attn 1.x; SDPA's flash backend in PyTorch 2.0 and 2.1)",
+    "efficient": "xformers' memory-efficient kernel under an explicit mask (SDPA's efficient backend: the whole square)",
 }
 
 
@@ -250,7 +252,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
             "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: DeepSpeed's published "
-            "runs on 32 H100 measured 13-23% slower than overlap predicts, their communication "
+            "runs on 32 H100 measured 6-19% slower than overlap predicts, their communication "
             "adding nearly serially (docs/accuracy-notes.md 9aa, 9ac, 9af)")
     if zero3:
         out["zero_init"] = {

@@ -92,11 +92,18 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     if mem.accum_grad_bytes:
         out.append(f"unsharded grads kept across micro-batches: Ψ x {b(p.reduce)} B = {_gb(mem.accum_grad_bytes)}")
     out.append("")
-    out.append(f"## 4. Activations (s={t.seq_len}, b={t.micro_batch}, h={m.hidden}, {t.checkpointing} checkpointing)")
+    out.append(f"## 4. Activations (s={t.seq_len}, b={t.micro_batch}, h={m.hidden}, "
+               f"{policy.checkpointing_label(t)} checkpointing)")
     for k, v in activation_memory.block_activation_terms(m, t).items():
         out.append(f"  per block, {k:24s} {_gb(v)}")
-    per = activation_memory.block_saved_bytes(m, t, t.checkpointing if t.checkpointing not in policy.PARTIAL_CHECKPOINTING else "none")
-    out.append(f"  kept per block under '{t.checkpointing}': {_gb(per)}")
+    if t.checkpointing in policy.PARTIAL_CHECKPOINTING:  # two kinds of block: wrapped or not
+        wrapped = sum(policy.wrapped_blocks(t, m.num_layers))
+        for mode, count in (("full", wrapped), ("none", m.num_layers - wrapped)):
+            out.append(f"  kept per block, the {count} {'checkpointed' if mode == 'full' else 'not checkpointed'}: "
+                       f"{_gb(activation_memory.block_saved_bytes(m, t, mode))}")
+    else:
+        out.append(f"  kept per block under '{t.checkpointing}': "
+                   f"{_gb(activation_memory.block_saved_bytes(m, t, t.checkpointing))}")
     for k, v in activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32).items():
         out.append(f"  {k:30s} {_gb(v)}")
     out.append("")

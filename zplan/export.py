@@ -226,6 +226,24 @@ def torchrun_command(plan: Plan, plan_path: str, script: str = "-m zplan.trainer
     return prefix + " ".join(argv + script.split())
 
 
+def checkpointing_note(plan: Plan) -> str | None:
+    """What DeepSpeed's config cannot carry about the plan's checkpointing: the script applies
+    it (DeepSpeed's activation_checkpointing section configures only its own checkpoint API).
+    None where nothing is checkpointed, or every block is."""
+    from .policy import checkpointing_label
+
+    t = plan.train
+    if plan.train.layout != "zero" or t.checkpointing in ("none", "full"):
+        return None
+    which = {"every-k": f"blocks {t.checkpoint_every}, {2 * t.checkpoint_every}, ... (counting from 1)",
+             "first-k": f"the first {t.checkpoint_first} blocks",
+             "selective": "every block with torchtitan's per-op policy (every second matmul kept)",
+             "attention": "each block's attention core"}.get(t.checkpointing, t.checkpointing)
+    return (f"the plan checkpoints {which} ({checkpointing_label(t)}), which a DeepSpeed config does not "
+            f"say: your script applies it (Hugging Face's gradient_checkpointing_enable checkpoints every "
+            f"block, which zplan estimate --checkpointing full prices)")
+
+
 def export(plan: Plan, to: str, plan_path: str, zeropp: bool = False) -> str:
     if to == "deepspeed":
         return json.dumps(deepspeed_config(plan, zeropp), indent=2) + "\n"

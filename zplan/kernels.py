@@ -341,6 +341,40 @@ FA2_HEAD_DIM_64: tuple[tuple[tuple[str, ...], float], ...] = (
 )
 
 
+# FlashAttention v1 (flash-attn 1.x, and PyTorch 2.0-2.1's SDPA flash backend: FlashAttention-2 from
+# 2.2, "FlashAttention-v2 integration", the 2.2 release notes) and xformers' cutlass kernel under an
+# explicit mask (SDPA's memory-efficient backend, "from xformers", which SDPA runs where a mask is
+# passed from 2.1 to 2.8, and later where cuDNN's is not first: Hugging Face's padded batches)
+# against FlashAttention-2, per FLOP counted causal, by head dim (128, 64), from the flash-attn
+# repository's forward + backward benchmark charts (the FA2 paper's Figures 4 and 7: Dao-AILab/
+# flash-attention assets/flash2_a100_fwd_bwd_benchmark.png and flash2_h100_fwd_bwd_benchmark.png at
+# 4f285b3, bf16/fp16, hidden 2048, 16k tokens, 16k sequence). FA1, causal panels: A100 83 and 97
+# against FA2's 189 and 171; H100 (FA2's Ampere code, as the presets' FA2 rates) 137 and 156
+# against 328 and 284. xformers under a mask: the mask is not causal to the kernel (HF passes
+# is_causal=False with it: custom_mask_type NoCustomMask), so it computes the whole s x s square,
+# twice the causal count, at its non-causal rate: 98 and 75 (head dim 128, 64) against FA2's causal
+# 189 and 171, per causal FLOP 98 / (2 x 189) and 75 / (2 x 171); the mask's reads beside it are not
+# priced. xformers is not charted on H100: A100's ratio is applied to every GPU (an assumption).
+# Forward and backward are charted together only: one ratio for both. The ratios hold within 4%
+# from 2k to 16k (FA1 at 512 is nearer FA2: 55/99); the ramp is FA2's.
+OLDER_KERNEL_SPEED: dict[str, tuple[tuple[tuple[str, ...], tuple[float, float]], ...]] = {
+    "flash1": ((AMPERE_PRESETS, (83 / 189, 97 / 171)), (HOPPER_PRESETS, (137 / 328, 156 / 284))),
+    "efficient": (((), (98 / (2 * 189), 75 / (2 * 171))),),  # A100's, on every GPU
+}
+FLASH1_HEAD_DIMS = (32, 64, 128)  # flash-attn 1.x's run_fmha_fwd: d <= 32, <= 64, <= 128
+
+
+def older_kernel_speed(kernel: str, gpu_name: str, padded_head_dim: int) -> float:
+    """FlashAttention v1's or masked xformers' speed per counted FLOP relative to FlashAttention-2
+    at the same head dim (OLDER_KERNEL_SPEED: head dims 128 and 64 measured, linear between, 64's
+    below and 128's above: an assumption, cutlass runs head dims over 128 on a generic, slower
+    kernel), on this GPU's family or the first listed where its family is not."""
+    rows = OLDER_KERNEL_SPEED[kernel]
+    at128, at64 = next((r for names, r in rows if gpu_name.startswith(names)), rows[0][1])
+    d = min(max(padded_head_dim, 64), 128)
+    return at64 + (at128 - at64) * (d - 64) / 64
+
+
 def fa2_head_dim_speed(gpu_name: str, padded_head_dim: int) -> float:
     """FlashAttention-2's speed at this (padded) head dimension relative to head dim 128
     (FA2_HEAD_DIM_64, by GPU family); 1 where not measured."""
@@ -365,6 +399,10 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
         return max(16, 1 << (head_dim - 1).bit_length())
     if kernel == "flash3":
         return next((d for d in FLASH3_HEAD_DIMS if d >= head_dim), head_dim)
+    if kernel == "flash1":  # scenario_options refuses head dims over 128
+        return next((d for d in FLASH1_HEAD_DIMS if d >= head_dim), head_dim)
+    if kernel == "efficient":  # cutlass tiles the head dim with predication: not padded (assumed)
+        return head_dim
     if kernel == "cudnn":  # computed as it is: scenario_options refuses what cuDNN's SDPA does not take
         return head_dim
     return -(-head_dim // 32) * 32
@@ -389,6 +427,8 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
         f, b = (cudnn_speed(gpu) or (1.0, 1.0))[:2]
         hf, hb = cudnn_head_dim_speed(gpu.family, padded)
         f, b = f * hf, b * hb
+    elif kernel in OLDER_KERNEL_SPEED:  # against FA2 at the same head dim, which itself slows below 128
+        f = b = older_kernel_speed(kernel, gpu.family, padded) * fa2_head_dim_speed(gpu.family, padded)
     else:
         f, b = ATTENTION_KERNEL_SPEED[kernel]
     if kernel == "flash2":  # small heads run FA2's tiles at lower intensity (measured)
@@ -420,7 +460,8 @@ def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
         rate = min(rate, long_rate * peak[1 if backward else 0])
     t = max(flop / rate, k.kernel_floor_s)
     beside = max(flop / rate * max(_slower(k), _measured(k)), k.kernel_floor_s)
-    name = "cuDNN attention" if kernel == "cudnn" else "flash attention"
+    name = {"cudnn": "cuDNN attention", "efficient": "efficient attention (masked)",
+            "flash1": "flash attention (v1)"}.get(kernel, "flash attention")
     return Op(name + (" backward" if backward else ""), "attention", 1, flop, 0, t, beside)
 
 

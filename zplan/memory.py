@@ -414,8 +414,11 @@ def autocast_copies(sc: Scenario) -> mt.AutocastCopies | None:
     # autocast off inside) and saves only the gradients it made: the copy is not kept
     head_kept = t.linear_loss == "none"
     made, kept, again, root = [], [], [], 0
+    block_kept, block_again = [], []
     for u in sc.units:
         if not u.blocks:  # the embedding (no matmul), the head (its weight; tied: the embedding's)
+            block_kept.append(())
+            block_again.append(())
             made.append(u.matmul_params * pb)
             # a root holding the head comes first in forward order but its head's backward
             # comes first too: its copy is gone before any block's backward
@@ -430,7 +433,9 @@ def autocast_copies(sc: Scenario) -> mt.AutocastCopies | None:
         made.append(per_block * u.blocks)
         kept.append(per_block * sum(md in ("none", "attention") for md in modes))
         again.append(per_block if any(md in ("full", "selective") for md in modes) else 0)
-    return mt.AutocastCopies(tuple(made), tuple(kept), tuple(again), root)
+        block_kept.append(tuple(per_block if md in ("none", "attention") else 0 for md in modes))
+        block_again.append(tuple(per_block if md in ("full", "selective") else 0 for md in modes))
+    return mt.AutocastCopies(tuple(made), tuple(kept), tuple(again), root, tuple(block_kept), tuple(block_again))
 
 
 def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]:
@@ -623,7 +628,7 @@ def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
     if (activation_memory.block_kept_tensors(m, t, t.checkpointing) is None
             or activation_memory.block_kept_tensors(m, t, "none") is None):
         return ("the block's kept tensors are not split one by one here (MoE, compiled or float8 "
-                "blocks, dropout, attention without a flash kernel, autocast, every-k, a returned "
+                "blocks, dropout, attention without a flash kernel, autocast, every-k, first-k, a returned "
                 "cache)")
     pb = DTYPE_BITS[t.precision.param] // 8
     if sc.hw.gpu.memory_bytes - sc.assume.cuda_context_bytes < 2 * sc.params * pb:

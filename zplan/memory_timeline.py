@@ -223,6 +223,10 @@ class AutocastCopies:
     kept: tuple[int, ...]
     recomputed: tuple[int, ...]
     until_head: int = 0  # a held root's head copy (tied embeddings): kept until the head's backward
+    # per unit, per block in forward order: the copies its saved tensors keep, and the copies its
+    # recomputation makes again (a unit whose blocks differ is walked block by block)
+    block_kept: tuple[tuple[int, ...], ...] = ()
+    block_recomputed: tuple[tuple[int, ...], ...] = ()
 
 
 def optimizer_temp_bytes(largest_param_elems: int, local_elems: int, train: TrainSpec, layout: str) -> int:
@@ -516,13 +520,21 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     after = [*accumulate(reversed(new))][::-1] + [0]  # after[j]: new gradients of units >= j
     # new gradients a compiled graph holds at unit j's backward: its later units'
     held = [min(cap, after[j + 1] - after[g.stop]) if (g := graph_of[j]) else 0 for j in range(n)]
-    # a unit's blocks through backward, last first: the most any one holds, what the blocks
-    # before it keep with its own recompute (its kept tensors and the largest recompute where
-    # its blocks are alike or unknown)
-    inside = [max((sum(per[:i + 1]) + r for i, r in enumerate(rec)), default=s + r0)
-              if len(per) > 1 else s + r0
-              for per, rec, s, r0 in zip(acts.block_saved or ((),) * n, acts.block_recompute or ((),) * n,
-                                         acts.saved, acts.recompute)]
+    # a unit's blocks through backward, last first: at block i, what blocks 1..i keep (and the
+    # weight copies their saved tensors hold) with block i's own recompute (and its copies made
+    # again); the unit's largest such moment, as (activations, copies). Blocks alike (or not
+    # known one by one): every block's kept tensors beside the unit's recompute
+    inside = []
+    for j in range(n):
+        per = acts.block_saved[j] if acts.block_saved else ()
+        rec = acts.block_recompute[j] if acts.block_recompute else ()
+        bk = casts.block_kept[j] if casts.block_kept else (0,) * len(per)
+        ba = casts.block_recomputed[j] if casts.block_recomputed else (0,) * len(per)
+        whole = (acts.saved[j] + acts.recompute[j], casts.kept[j] + casts.recomputed[j])
+        if len(per) > 1 and (len(set(per)) > 1 or len(set(rec)) > 1) and len(bk) == len(per):
+            whole = max(((sum(per[:i + 1]) + rec[i], sum(bk[:i + 1]) + ba[i]) for i in range(len(per))),
+                        key=sum)
+        inside.append(whole)
     ends = _run_ends(list(zip(acts.saved, acts.recompute, acts.backward_temp, new, held, end_temp,
                               casts.kept, casts.recomputed, inside)))
     logits_b = acts.logits_elems * acts.act_bytes  # the logits' gradient
@@ -531,12 +543,12 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     # eager where the tied root is in no compiled graph (per-block compile leaves it eager)
     wait = tied_head_grad_wait(sc) if graph_of[0] is None else (0, 0)
     for j in reversed(ends):
-        act = saved_upto[j] + inside[j] + acts.backward_temp[j] + logits_ref + out.backward(j)
+        act = saved_upto[j] + inside[j][0] + acts.backward_temp[j] + logits_ref + out.backward(j)
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
                       **{**kw, "unsharded_grads": reduce_b + held[j] + wait[j == 0],
-                         "gathered": static_b + kept_upto[j + 1] + casts.recomputed[j]}))
+                         "gathered": static_b + kept_upto[j] + inside[j][1]}))
         g = graph_of[j]
         if g is not None and j == g.start:  # the graph returns its gradients
             label = sc.units[g.start].name + (f"..{sc.units[g.stop - 1].name}" if len(g) > 1 else "")

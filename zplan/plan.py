@@ -173,8 +173,8 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
                     "again without --last-block-kept, or run the built-in model")
         return None
     if t.attention_kernel not in ("flash2", "cudnn"):
-        return (f"the trainer's attention is PyTorch's scaled_dot_product_attention, with its "
-                f"FlashAttention-2 (flash2) or cuDNN (cudnn) kernel first, not {t.attention_kernel}: "
+        return (f"the trainer's attention is PyTorch's causal scaled_dot_product_attention, with "
+                f"its FlashAttention-2 (flash2) or cuDNN (cudnn) kernel first, not {t.attention_kernel}: "
                 f"plan again with --attention-kernel flash2 or cudnn, or export the plan")
     if plan.gpu.device != "cpu" and p.param == "fp32" and m.num_kv_heads != m.num_heads:
         # torch's SDPA docs: GQA works only in the flash and math kernels on CUDA; flash takes

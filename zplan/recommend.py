@@ -236,13 +236,17 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                             mbs[one:], lambda mb: fits(at(mb, False), family, usable))
                         start = one + rest
                     evaluated += probes
+                    unneeded = False  # first-k: nothing checkpointed fits already
                     for mb in mbs[start:]:
                         for prefetch in (True, False):
                             sc = at(mb, prefetch)
                             if ckpt == "first-k":  # the fewest blocks checkpointed that fit
                                 evaluated += 1
                                 if fits(at(mb, prefetch, mode="none"), family, usable):
-                                    break  # nothing checkpointed fits: first-k only recomputes more
+                                    # first-k would only recompute more, here and at every
+                                    # smaller micro-batch (memory falls with it)
+                                    unneeded = True
+                                    break
                                 k, probes = _least_first_k(
                                     lambda k: fits(at(mb, prefetch, k), family, usable), L)
                                 evaluated += probes
@@ -256,7 +260,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                             found.append(Candidate(family, sc, estimate_one(sc, family), usable))
                             taken += 1
                             break  # prefetch off only when prefetch on does not fit
-                        if taken >= 2:
+                        if taken >= 2 or unneeded:
                             break
         if found:
             feasible += found

@@ -187,6 +187,20 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         # PyTorch's check_cudnn_tensor_shapes: SDPA would fall back to another kernel
         raise UsageError(f"--attention-kernel cudnn: cuDNN's SDPA takes head dims that are multiples of 8 up "
                          f"to 128, not {model.head_dim} ({model.name}): use flash2")
+    if o.attention_kernel == "flash1" and not gpu.family.startswith(K.AMPERE_PRESETS + K.HOPPER_PRESETS):
+        raise UsageError(f"--attention-kernel flash1 (FlashAttention v1) is priced on A100 and H100-class "
+                         f"GPUs (its benchmark), not {gpu.name}; use another --attention-kernel")
+    if o.attention_kernel == "flash1" and model.head_dim > 128:
+        raise UsageError(f"--attention-kernel flash1: FlashAttention v1 takes head dims up to 128, not "
+                         f"{model.head_dim}; use another --attention-kernel")
+    if o.attention_kernel in ("flash1", "efficient") and model.num_kv_heads != model.num_heads \
+            and not o.attention_expands_kv:
+        # SDPA's efficient gate takes no grouped key/value heads (check_batch_size_and_num_heads_dense
+        # <false>), flash-attn 1.x has none: such a run copies them to the query heads first
+        raise UsageError(f"--attention-kernel {o.attention_kernel} takes keys and values with one head per "
+                         f"query head, and {model.name} groups {model.num_heads} query heads over "
+                         f"{model.num_kv_heads}: such a run copies them first (Hugging Face's repeat_kv); "
+                         f"add --attention-expands-kv")
     if o.attention_kernel == "flex" and K.flex_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel flex (FlexAttention) has published kernel rates for A100, "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
@@ -295,7 +309,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         if o.compile or o.checkpointing in TE_FLOAT8_UNMODELLED:
             what = "--compile" if o.compile else f"--checkpointing {o.checkpointing}"
             raise UsageError(f"--float8-recipe te-delayed with {what}: zplan does not model what "
-                             "TransformerEngine's linears keep there; use none, full or every-k "
+                             "TransformerEngine's linears keep there; use none, full, every-k or first-k "
                              "checkpointing without --compile")
     if o.float8 and "fp8" not in gpu.peak_flops:
         raise UsageError(f"--float8 needs float8 tensor cores; {gpu.name} has none "

@@ -17,7 +17,7 @@ StrategyName = Literal[
 ]
 STRATEGIES: tuple[str, ...] = StrategyName.__args__  # type: ignore[attr-defined]
 Checkpointing = Literal["none", "full", "selective", "attention", "every-k", "first-k"]
-AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4", "flex", "cudnn"]
+AttentionKernel = Literal["flash2", "flash-triton", "flash3", "flash4", "flex", "cudnn", "flash1", "efficient"]
 CompileScope = Literal["block", "model"]
 OptimizerKernels = Literal["fused", "foreach", "single"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]
@@ -423,7 +423,10 @@ class TrainSpec(Spec):
         "flash-attn's cute kernels, HF's attn_implementation flash_attention_4), flex "
         "(FlexAttention's Triton kernels, torchtitan's default attention in 2026) or cudnn "
         "(cuDNN's fused attention, SDPA's cudnn backend: SDPA's first choice on Hopper and Blackwell "
-        "with a cuDNN newer than 9.15, as under torch 2.9, and torchtitan's from October 2025)")
+        "with a cuDNN newer than 9.15, as under torch 2.9, and torchtitan's from October 2025), "
+        "flash1 (FlashAttention v1: flash-attn 1.x, and SDPA's flash backend in PyTorch 2.0 and "
+        "2.1) or efficient (xformers' memory-efficient kernel, SDPA's efficient backend, under an "
+        "explicit attention mask, as Hugging Face's padded batches: the whole s x s square)")
     optimizer: OptimizerName = "adamw"
     optimizer_kernels: OptimizerKernels = Field(
         "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "

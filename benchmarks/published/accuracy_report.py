@@ -28,8 +28,9 @@ def _shape(r) -> str:
         (f" compile:{row.compile_scope}" if row.compile_scope != "block" else "") + \
         (" loss:bf16" if not row.loss_fp32 else "") + (" loss:fused" if row.fused_loss else "") + \
         (f" loss:{row.linear_loss}" if row.linear_loss != "none" else "") + (" swiglu:fused" if row.fused_swiglu else "") + \
-        (" ac:no-early-stop" if not row.checkpoint_early_stop and row.checkpointing in ("full", "every-k", "selective") else "") + \
+        (" ac:no-early-stop" if not row.checkpoint_early_stop and row.checkpointing in ("full", "every-k", "first-k", "selective") else "") + \
         (" ac:around-unit" if row.checkpoint_wraps_unit else "") + \
+        (" kv:copied" if row.attention_expands_kv else "") + \
         (f" opt:{row.optimizer}" if row.optimizer != "adamw" else "")
     return (f"{row.model} {row.num_gpus}x{row.gpu} {par} mb{row.micro_batch}x{row.grad_accum} "
             f"s{row.seq_len} ac:{row.checkpointing}{kernels}")

@@ -128,7 +128,10 @@ def _launch_note(plan, written: str) -> str:
             note += ("; it assumes your script builds the model under deepspeed.zero.Init (HF "
                      "Trainer and accelerate's zero3_init_flag do; plan again with --no-zero-init "
                      "if it does not)")
-        return note
+        from ..export import checkpointing_note
+
+        ckpt = checkpointing_note(plan)
+        return note + (f"; {ckpt}" if ckpt else "")
     builtin, script = trainer_refusal(plan, builtin_model=True), trainer_refusal(plan, builtin_model=False)
     if builtin is None:
         return f"zplan launch --plan {written} runs it"
