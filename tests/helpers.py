@@ -36,6 +36,19 @@ def gemma_head_dim_256_config(tmp_path) -> str:
     return str(cfg)
 
 
+def fake_attention_rates(monkeypatch, calibrate, flag: str, other: tuple, flash: tuple) -> list:
+    """calibrate.attention_rates replaced: `other` (forward, backward FLOP/s) when called with
+    `flag` true (cudnn=True, masked=True), `flash` otherwise; returns the list of flags seen."""
+    calls = []
+
+    def rates(device, **kw):
+        calls.append(kw.get(flag, False))
+        return other if kw.get(flag, False) else flash
+
+    monkeypatch.setattr(calibrate, "attention_rates", rates)
+    return calls
+
+
 def replace_linears(module, make) -> None:
     """Every nn.Linear under `module` replaced by make(linear) (a stand-in with its weight)."""
     import torch

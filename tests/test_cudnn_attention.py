@@ -9,7 +9,7 @@ import torch
 from zplan import kernels as K
 from zplan import presets
 from zplan.plan import make_plan, trainer_refusal
-from tests.helpers import cli, gemma_head_dim_256_config, scenario
+from tests.helpers import cli, fake_attention_rates, gemma_head_dim_256_config, scenario
 
 H100, B200 = presets.gpu("h100-sxm"), presets.gpu("b200")
 
@@ -178,13 +178,7 @@ def test_calibrate_measures_cudnn_over_flash_where_sdpa_has_it(monkeypatch):
     from zplan import calibrate
 
     gpu = SimpleNamespace(type="cuda")
-    calls = []
-
-    def rates(device, cudnn=False, **kw):
-        calls.append(cudnn)
-        return (500e12, 400e12) if cudnn else (300e12, 250e12)
-
-    monkeypatch.setattr(calibrate, "attention_rates", rates)
+    calls = fake_attention_rates(monkeypatch, calibrate, "cudnn", (500e12, 400e12), (300e12, 250e12))
     assert calibrate.cudnn_attention_speed(gpu) == (round(500 / 300, 3), round(400 / 250, 3))
     assert calls == [True, False]
     assert calibrate.cudnn_attention_speed(torch.device("cpu")) is None

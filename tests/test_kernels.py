@@ -968,7 +968,7 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
          "hbm_achieved_bytes_per_s": 2.9e12, "eager_norm_efficiency": 0.671,
          "kernel_floor_s": 5e-6, "gemm_fixed_s": 7.5e-6, "gemm_wave_s": 9e-7,
          "nccl_sm_fraction": 0.121, "rank_speed_spread": 0.0123, "unaligned_gemm_slowdown": 1.42,
-         "cudnn_attention_speed": [1.55, 1.48],
+         "cudnn_attention_speed": [1.55, 1.48], "masked_attention_speed": [0.31, 0.27],
          "source": 'zplan calibrate: "quoted" shapes 8192x8192x8192: 700'}
     gpu = {"name": "mine", "memory_bytes": 10**10, "peak_flops": {"fp32": 6e13, "bf16": 9e14},
            "hbm_bytes_per_s": 3e12, "host_link_bytes_per_s": 5e10, "measured": True,
@@ -983,7 +983,7 @@ def test_calibrate_writes_kernel_constants_a_preset_can_load(tmp_path):
     assert spec.kernels.eager_norm_efficiency == 0.671
     assert spec.kernels.rank_speed_spread == 0.0123
     assert spec.kernels.unaligned_gemm_slowdown == 1.42
-    assert spec.kernels.cudnn_attention_speed == (1.55, 1.48)
+    assert spec.kernels.cudnn_attention_speed == (1.55, 1.48) and spec.kernels.masked_attention_speed == (0.31, 0.27)
 
 
 def test_calibrated_spread_is_the_ranks_standard_deviation_over_their_median():

@@ -9,7 +9,7 @@ import pytest
 from zplan import kernels as K
 from zplan import presets
 from zplan.plan import make_plan, trainer_refusal
-from tests.helpers import cli, gemma_head_dim_256_config, scenario
+from tests.helpers import cli, fake_attention_rates, gemma_head_dim_256_config, scenario
 
 A100, H100 = presets.gpu("a100-80gb"), presets.gpu("h100-sxm")
 
@@ -101,3 +101,49 @@ def test_the_trainer_refuses_both():
         why = trainer_refusal(make_plan(scenario(**kw, attention_kernel=kernel), "zero3", global_batch=8),
                               builtin_model=True)
         assert why and kernel in why and "flash2 or cudnn" in why
+
+
+def test_a_calibrated_masked_speed_is_the_presets_own():
+    """A preset that zplan calibrate measured (masked_attention_speed, at head dim 128) prices the
+    masked kernel at its own ratio over its FlashAttention-2 rates, the chart's head-dim shape
+    kept; flash1 is untouched by it."""
+    mine = H100.model_copy(update={"kernels": H100.kernels.model_copy(update={"masked_attention_speed": (0.3, 0.25)})})
+    for backward, ratio in ((False, 0.3), (True, 0.25)):
+        op = lambda g, kern: K.attention(g, 8192, 4096, 8192, backward, kernel=kern)  # noqa: E731
+        assert (op(mine, "efficient").seconds and
+                op(mine, "flash2").seconds / op(mine, "efficient").seconds == pytest.approx(ratio, rel=1e-9))
+        assert op(mine, "flash1").seconds == op(H100, "flash1").seconds
+    at64 = K.attention(mine, 8192, 4096, 8192, False, kernel="efficient", head_dim=64)
+    fa2_64 = K.attention(mine, 8192, 4096, 8192, False, kernel="flash2", head_dim=64)
+    assert fa2_64.seconds / at64.seconds == pytest.approx(0.3 * (75 / 342) / (98 / 378), rel=1e-9)
+
+
+def test_calibrate_measures_the_masked_kernel_over_flash(monkeypatch):
+    """The ratio of the two rates calibrate times (the masked kernel, then FlashAttention-2);
+    None on a CPU and where SDPA has no memory-efficient kernel; an out-of-memory error raised.
+    On a CPU the masked timing itself runs (a boolean causal mask tensor, is_causal off)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zplan import calibrate
+
+    f, b = calibrate.attention_rates(torch.device("cpu"), seq=64, heads=2, head_dim=16, reps=1, masked=True)
+    assert f > 0 and b > 0
+    gpu = SimpleNamespace(type="cuda")
+    calls = fake_attention_rates(monkeypatch, calibrate, "masked", (90e12, 60e12), (300e12, 250e12))
+    assert calibrate.masked_attention_speed(gpu) == (0.3, 0.24) and calls == [True, False]
+    assert calibrate.masked_attention_speed(torch.device("cpu")) is None
+
+    def none(device, masked=False, **kw):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(calibrate, "attention_rates", none)
+    assert calibrate.masked_attention_speed(gpu) is None
+
+    def oom(device, masked=False, **kw):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(calibrate, "attention_rates", oom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        calibrate.masked_attention_speed(gpu)

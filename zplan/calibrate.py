@@ -488,10 +488,13 @@ def unaligned_gemm_slowdown(device, tokens: int = 8192, vocab: int = 50257, hidd
 
 def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 128,
                     reps: int = 10, batch: int = 1, flash: bool = True,
-                    cudnn: bool = False) -> tuple[float, float]:
+                    cudnn: bool = False, masked: bool = False) -> tuple[float, float]:
     """Causal scaled_dot_product_attention forward and backward FLOP/s, counted as the flash-attn
     benchmarks do: forward 4·s²·heads·d / 2 per sequence, backward 2.5x that. SDPA held to its
-    flash kernel (`flash`), to cuDNN's (`cudnn`), or left to choose."""
+    flash kernel (`flash`), to cuDNN's (`cudnn`), or left to choose; `masked`: the causal mask
+    passed as a boolean tensor (is_causal off, as Hugging Face passes a padded batch's mask) to
+    SDPA held to its memory-efficient kernel (on a GPU; a CPU runs what it has), still counted
+    causal."""
     import torch
     import torch.nn.functional as F
 
@@ -499,14 +502,19 @@ def attention_rates(device, seq: int = 4096, heads: int = 16, head_dim: int = 12
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)
                for _ in range(3))
     fwd_flop = batch * 4 * seq * seq * heads * head_dim // 2
-    held = _cudnn_backend(device) if cudnn else (_flash_backend(device) if flash else contextlib.nullcontext())
+    kw: dict = {"is_causal": True}
+    if masked:
+        kw = {"attn_mask": torch.ones(seq, seq, device=device, dtype=torch.bool).tril()[None, None]}
+        held = _efficient_backend(device)
+    else:
+        held = _cudnn_backend(device) if cudnn else (_flash_backend(device) if flash else contextlib.nullcontext())
     with held:
-        t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, reps)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        t_f = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, **kw), device, reps)
+        o = F.scaled_dot_product_attention(q, k, v, **kw)
         g = torch.randn_like(o)
 
         def fb():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
             out.backward(g)
 
         t_fb = _timeit(fb, device, reps)
@@ -553,6 +561,36 @@ def cudnn_attention_speed(device) -> tuple[float, float] | None:
         return None
     f, b = attention_rates(device)
     return round(c_f / f, 3), round(c_b / b, 3)
+
+
+def masked_attention_speed(device) -> tuple[float, float] | None:
+    """SDPA's memory-efficient kernel under an explicit causal mask (Hugging Face's padded
+    batches) over FlashAttention-2's causal kernel, forward and backward, per causal FLOP at the
+    calibration's shape (s = 4096, 16 heads of 128): the preset's masked_attention_speed
+    (zplan/kernels.py OLDER_KERNEL_SPEED's `efficient`). None on a CPU and where SDPA has no
+    memory-efficient kernel for this GPU or build."""
+    import torch
+
+    if (device.type if hasattr(device, "type") else torch.device(device).type) != "cuda":
+        return None
+    try:
+        m_f, m_b = attention_rates(device, masked=True)
+    except RuntimeError as e:  # "No available kernel" under the efficient-only context; not an OOM
+        if "out of memory" in str(e) or "No available kernel" not in str(e):
+            raise
+        return None
+    f, b = attention_rates(device)
+    return round(m_f / f, 3), round(m_b / b, 3)
+
+
+def _efficient_backend(device):
+    """On a GPU, SDPA held to its memory-efficient kernel; on a CPU (which has none), whatever
+    SDPA runs."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
 
 
 def _cudnn_backend(device):
@@ -635,6 +673,11 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
     measured_cudnn = ({"cudnn_attention_speed": list(cudnn)} if cudnn else {})
     cudnn_note = (f"; cuDNN's attention (SDPA's cudnn backend) at s=4096: {cudnn[0]:.3g}x / {cudnn[1]:.3g}x "
                   f"FlashAttention-2 forward / backward" if cudnn else "")
+    masked = masked_attention_speed(device)
+    if masked:
+        measured_cudnn["masked_attention_speed"] = list(masked)
+        cudnn_note += (f"; SDPA's memory-efficient kernel under a causal mask tensor at s=4096: {masked[0]:.3g}x / "
+                       f"{masked[1]:.3g}x FlashAttention-2 forward / backward per causal FLOP")
     return {
         "gemm_flops": {"bf16": float(f"{max(rates.values()):.4g}")},
         "sm_count": int(sms),

@@ -148,6 +148,11 @@ class KernelSpec(Spec):
         None, description="cuDNN's fused attention (SDPA's cudnn backend), forward and backward, "
         "over this preset's FlashAttention-2 rates at the same shape (causal, s = 4096), measured "
         "by zplan calibrate; None: the GPU family's published ratio (zplan/kernels.py CUDNN_SPEED)")
+    masked_attention_speed: tuple[Annotated[float, Field(gt=0, le=20)], Annotated[float, Field(gt=0, le=20)]] | None = Field(
+        None, description="SDPA's memory-efficient kernel under an explicit causal mask (is_causal "
+        "off, as Hugging Face's padded batches), forward and backward, per causal FLOP over this "
+        "preset's FlashAttention-2 rates (s = 4096, head dim 128), measured by zplan calibrate; "
+        "None: A100's published ratio (zplan/kernels.py OLDER_KERNEL_SPEED)")
     rank_speed_spread: float | None = Field(
         None, ge=0, le=0.1, description="standard deviation of one GPU's compute speed across "
         "GPUs of this model, as a fraction of the median (manufacturing and power management): "
