@@ -128,8 +128,23 @@ def test_calibrate_measures_the_masked_kernel_over_flash(monkeypatch):
 
     from zplan import calibrate
 
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append(kw)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     f, b = calibrate.attention_rates(torch.device("cpu"), seq=64, heads=2, head_dim=16, reps=1, masked=True)
-    assert f > 0 and b > 0
+    monkeypatch.setattr(F, "scaled_dot_product_attention", real)
+    assert f > 0 and b > 0 and seen
+    for kw in seen:  # a boolean lower-triangular mask over (1, 1, s, s), not is_causal
+        mask = kw["attn_mask"]
+        assert "is_causal" not in kw and mask.dtype == torch.bool and tuple(mask.shape) == (1, 1, 64, 64)
+        assert torch.equal(mask[0, 0], torch.ones(64, 64, dtype=torch.bool).tril())
     gpu = SimpleNamespace(type="cuda")
     calls = fake_attention_rates(monkeypatch, calibrate, "masked", (90e12, 60e12), (300e12, 250e12))
     assert calibrate.masked_attention_speed(gpu) == (0.3, 0.24) and calls == [True, False]
@@ -139,6 +154,14 @@ def test_calibrate_measures_the_masked_kernel_over_flash(monkeypatch):
         raise RuntimeError("No available kernel. Aborting execution.")
 
     monkeypatch.setattr(calibrate, "attention_rates", none)
+    assert calibrate.masked_attention_speed(gpu) is None
+
+    def no_flash(device, masked=False, **kw):  # a build with the efficient kernel and no flash one
+        if masked:
+            return (90e12, 60e12)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(calibrate, "attention_rates", no_flash)
     assert calibrate.masked_attention_speed(gpu) is None
 
     def oom(device, masked=False, **kw):

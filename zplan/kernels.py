@@ -354,7 +354,9 @@ FA2_HEAD_DIM_64: tuple[tuple[tuple[str, ...], float], ...] = (
 # is_causal=False with it: custom_mask_type NoCustomMask), so it computes the whole s x s square,
 # twice the causal count, at its non-causal rate: 98 and 75 (head dim 128, 64) against FA2's causal
 # 189 and 171, per causal FLOP 98 / (2 x 189) and 75 / (2 x 171); the mask's reads beside it are not
-# priced. xformers is not charted on H100: A100's ratio is applied to every GPU (an assumption).
+# priced. xformers is not charted on H100: A100's ratio is applied to every GPU (an assumption) but
+# where zplan calibrate measured the GPU's own (KernelSpec.masked_attention_speed: SDPA's
+# efficient kernel under a boolean causal mask, its conversion to an additive mask included).
 # Forward and backward are charted together only: one ratio for both. The ratios hold within 4%
 # from 2k to 16k (FA1 at 512 is nearer FA2: 55/99); the ramp is FA2's.
 OLDER_KERNEL_SPEED: dict[str, tuple[tuple[tuple[str, ...], tuple[float, float]], ...]] = {
