@@ -670,13 +670,13 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
     fixed, per_wave = gemm_time_constants(device, int(sms), hbm)
     shapes = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for (m, n, k), r in rates.items())
     cudnn = cudnn_attention_speed(device)
-    measured_cudnn = ({"cudnn_attention_speed": list(cudnn)} if cudnn else {})
-    cudnn_note = (f"; cuDNN's attention (SDPA's cudnn backend) at s=4096: {cudnn[0]:.3g}x / {cudnn[1]:.3g}x "
+    measured_attention = ({"cudnn_attention_speed": list(cudnn)} if cudnn else {})
+    attention_kernels_note = (f"; cuDNN's attention (SDPA's cudnn backend) at s=4096: {cudnn[0]:.3g}x / {cudnn[1]:.3g}x "
                   f"FlashAttention-2 forward / backward" if cudnn else "")
     masked = masked_attention_speed(device)
     if masked:  # beside cuDNN's, the other measured attention kernel
-        measured_cudnn["masked_attention_speed"] = list(masked)
-        cudnn_note += (f"; SDPA's memory-efficient kernel under a causal mask tensor at s=4096: {masked[0]:.3g}x / "
+        measured_attention["masked_attention_speed"] = list(masked)
+        attention_kernels_note += (f"; SDPA's memory-efficient kernel under a causal mask tensor at s=4096: {masked[0]:.3g}x / "
                        f"{masked[1]:.3g}x FlashAttention-2 forward / backward per causal FLOP")
     return {
         "gemm_flops": {"bf16": float(f"{max(rates.values()):.4g}")},
@@ -691,14 +691,14 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
         "unaligned_gemm_slowdown": round(unaligned_gemm_slowdown(device), 3),
         "gemm_wave_s": float(f"{per_wave:.3g}"),
         "nccl_sm_fraction": round(min(0.5, 16 / sms), 3) if device.type == "cuda" else 0.0,
-        **measured_cudnn,
+        **measured_attention,
         "source": f"zplan calibrate: sustained bf16 GEMM TFLOP/s by shape {shapes}; causal SDPA "
                   f"(its FlashAttention-2 kernel) at s=4096 and 512, head dim 128, the long-sequence rate and "
                   f"half length solved from the two; 1 GiB copy; fp32 layer_norm forward and backward, 4096 x 8192; "
                   f"tiny-kernel loop; an output head's three GEMMs at vocabulary 50257 against "
                   f"50304 (8192 tokens, width 1024); GEMM fixed and per-wave times fitted over "
                   f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}"
-                  + attention_note + cudnn_note,
+                  + attention_note + attention_kernels_note,
     }
 
 

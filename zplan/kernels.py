@@ -430,11 +430,12 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
         hf, hb = cudnn_head_dim_speed(gpu.family, padded)
         f, b = f * hf, b * hb
     elif kernel in OLDER_KERNEL_SPEED:  # against FA2 at the same head dim, which itself slows below 128
-        f = b = older_kernel_speed(kernel, gpu.family, padded) * fa2_head_dim_speed(gpu.family, padded)
+        r = older_kernel_speed(kernel, gpu.family, padded)
+        f = b = r
         if kernel == "efficient" and k.masked_attention_speed is not None:  # measured (calibrate) at
             # head dim 128: the preset's own, the chart's head-dim shape kept
-            shape = older_kernel_speed(kernel, gpu.family, padded) / older_kernel_speed(kernel, gpu.family, 128)
-            f, b = (x * shape * fa2_head_dim_speed(gpu.family, padded) for x in k.masked_attention_speed)
+            f, b = (x * r / older_kernel_speed(kernel, gpu.family, 128) for x in k.masked_attention_speed)
+        f, b = (x * fa2_head_dim_speed(gpu.family, padded) for x in (f, b))
     else:
         f, b = ATTENTION_KERNEL_SPEED[kernel]
     if kernel == "flash2":  # small heads run FA2's tiles at lower intensity (measured)

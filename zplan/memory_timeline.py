@@ -245,6 +245,12 @@ def optimizer_temp_bytes(largest_param_elems: int, local_elems: int, train: Trai
     return 2 * S * largest_param_elems
 
 
+def _blocks_differ(per: tuple[int, ...], rec: tuple[int, ...]) -> bool:
+    """Whether a unit's blocks keep or recompute different amounts (every-k, first-k with
+    several blocks per unit): its backward is then walked block by block."""
+    return len(per) > 1 and len(rec) == len(per) and (len(set(per)) > 1 or len(set(rec)) > 1)
+
+
 def _run_ends(sig: list) -> list[int]:
     """The units worth an event. Within a run of identical units (the blocks) every kind changes
     linearly with the unit's index, so each stream's largest value is at an end of the run; a
@@ -418,7 +424,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         per, rec = blocks_saved[j], blocks_rec[j]
         # blocks that differ (every-k, first-k): the unit's backward begins with its last block,
         # beside every block's kept tensors with that block's own recompute (not the largest)
-        mixed = k > 1 and len(per) == k and (len(set(per)) > 1 or len(set(rec)) > 1)
+        mixed = len(per) == k and _blocks_differ(per, rec)
         start = act - acts.recompute[j] + rec[-1] if mixed else act
         for grads_j, acc_j, when, fresh in variants:
             # at its largest, early in the unit's backward: one weight's gradient so far
@@ -531,7 +537,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         bk = casts.block_kept[j] if casts.block_kept else (0,) * len(per)
         ba = casts.block_recomputed[j] if casts.block_recomputed else (0,) * len(per)
         whole = (acts.saved[j] + acts.recompute[j], casts.kept[j] + casts.recomputed[j])
-        if len(per) > 1 and (len(set(per)) > 1 or len(set(rec)) > 1) and len(bk) == len(per):
+        if _blocks_differ(per, rec) and len(bk) == len(per):
             whole = max(((sum(per[:i + 1]) + rec[i], sum(bk[:i + 1]) + ba[i]) for i in range(len(per))),
                         key=sum)
         inside.append(whole)
