@@ -269,6 +269,22 @@ def test_verify_hugging_face_loop_flags_go_with_fake(capsys, flag):
 
 
 @pytest.mark.parametrize("args, needle", [
+    (("--checkpoint-first", "3"), "--checkpoint-first 3 sets the k of --checkpointing first-k: add --checkpointing first-k"),
+    (("--fake", "--checkpointing", "first-k", "--checkpoint-every", "2"), "add --checkpointing every-k"),
+    (("--checkpointing", "first-k", "--checkpoint-first", "5"), "--checkpoint-first 5 is out of range; use a value in 1..4"),
+    (("--checkpointing", "every-k", "--checkpoint-every", "0"), "--checkpoint-every 0 is out of range"),
+    (("--fake", "--model", "tiny", "--checkpointing", "first-k", "--checkpoint-first", "5"),
+     "--checkpoint-first 5 asks for more blocks than this 4-layer model has"),
+])
+def test_verify_k_of_a_partial_checkpointing_is_checked(capsys, args, needle):
+    """--checkpoint-every / --checkpoint-first go with their mode and fit the model's blocks
+    (the real matrix's model: tiny, 4 blocks), refused in one line before anything runs."""
+    pytest.importorskip("torch")
+    rc, _, err = cli(capsys, "verify", *args)
+    assert rc == 2 and needle in one_error(err), err
+
+
+@pytest.mark.parametrize("args, needle", [
     (("--loss-shifted-copy",), "add --logits-fp32"),
     (("--outputs-until-next-forward", "--no-logits-kept"), "drop one"),
     (("--loss-shifted-copy", "--logits-fp32", "--fused-loss"), "drop --fused-loss"),

@@ -195,6 +195,14 @@ def test_calibrate_measures_cudnn_over_flash_where_sdpa_has_it(monkeypatch):
     monkeypatch.setattr(calibrate, "attention_rates", refused)
     assert calibrate.cudnn_attention_speed(gpu) is None
 
+    def no_flash(device, cudnn=False, **kw):  # a build with cuDNN's kernel and no flash one
+        if cudnn:
+            return (500e12, 400e12)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(calibrate, "attention_rates", no_flash)
+    assert calibrate.cudnn_attention_speed(gpu) is None
+
     def oom(device, cudnn=False, **kw):  # anything else is not swallowed
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (cuDNN workspace)")
 

@@ -134,3 +134,34 @@ def test_verify_fake_traces_at_scale_without_memory(run_zplan):
     row = next(l for l in p.stdout.splitlines() if l.startswith("zero3"))
     err = float(row.split("%")[0].split()[-1])
     assert abs(err) <= 8.0
+
+
+@pytest.mark.slow
+def test_verify_runs_first_k_at_the_k_asked(run_zplan, tmp_path):
+    """verify --checkpoint-first k reaches the trainer: the same cell measured at k = 1 and k = 3
+    (of tiny's 4 blocks) keeps less at k = 3 (measured by the trainer's own peak, not the planner),
+    and each run agrees with its own prediction."""
+    peaks = {}
+    for k in (1, 3):
+        p = run_zplan("verify", "--strategy", "zero3", "--ranks", "2", "--dtype", "fp32",
+                      "--checkpointing", "first-k", "--checkpoint-first", str(k), "--json",
+                      "--workdir", str(tmp_path / f"k{k}"), timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        (cell,) = json.loads(p.stdout)["cells"]
+        assert cell["checkpoint_k"] == k and cell["cell"].endswith(f"ckpt=first-k k={k}") and cell["ok"]
+        peaks[k] = cell["measured_memory_bytes"]
+    assert peaks[3] < peaks[1]
+
+
+@pytest.mark.slow
+def test_verify_fake_traces_first_k_at_the_k_asked(run_zplan):
+    """verify --fake --checkpoint-first k: the tracker's peak falls as k grows and the label says k."""
+    traced = {}
+    for k in (1, 8):
+        p = run_zplan("verify", "--fake", "--model", "llama-3.2-1b", "--world-size", "8", "--seq-len", "1024",
+                      "--checkpointing", "first-k", "--checkpoint-first", str(k), timeout=200)
+        assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+        row = next(l for l in p.stdout.splitlines() if l.startswith("zero3"))
+        assert row.startswith(f"zero3 ckpt=first-k k={k} ")
+        traced[k] = float(row.split("GiB")[1].split()[-1])
+    assert traced[8] < traced[1]

@@ -553,13 +553,13 @@ def cudnn_attention_speed(device) -> tuple[float, float] | None:
         return None
     try:
         c_f, c_b = attention_rates(device, cudnn=True)
-    except RuntimeError as e:  # "No available kernel" under the cuDNN-only context, or cuDNN's
+        f, b = attention_rates(device)  # a build may have cuDNN's kernel and no flash one
+    except RuntimeError as e:  # "No available kernel" under a one-kernel context, or cuDNN's
         # own refusal ("cuDNN Frontend error: ... No execution plans support the graph",
         # pytorch/pytorch#140930); an out-of-memory error is not one of them
         if "out of memory" in str(e) or not ("No available kernel" in str(e) or "cuDNN" in str(e)):
             raise
         return None
-    f, b = attention_rates(device)
     return round(c_f / f, 3), round(c_b / b, 3)
 
 

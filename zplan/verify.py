@@ -37,11 +37,13 @@ class Cell:
     param_dtype: str
     checkpointing: str
     shard_size: int | None = None
+    checkpoint_k: int | None = None  # every-k's k or first-k's k; None: the planner's default
 
     @property
     def name(self) -> str:
         hs = f" {self.world // self.shard_size}x{self.shard_size}" if self.shard_size else ""
-        return f"{self.strategy}{hs} N={self.world} {self.param_dtype} ckpt={self.checkpointing}"
+        k = f" k={self.checkpoint_k}" if self.checkpoint_k and self.checkpointing in ("every-k", "first-k") else ""
+        return f"{self.strategy}{hs} N={self.world} {self.param_dtype} ckpt={self.checkpointing}{k}"
 
 
 @dataclass
@@ -71,6 +73,7 @@ class CellResult:
     def as_dict(self, tolerance: float) -> dict:
         return {"cell": self.cell.name, "strategy": self.cell.strategy, "world": self.cell.world,
                 "param_dtype": self.cell.param_dtype, "checkpointing": self.cell.checkpointing,
+                "checkpoint_k": self.cell.checkpoint_k,
                 "shard_size": self.cell.shard_size,
                 "predicted_memory_bytes": self.predicted_memory_bytes,
                 "measured_memory_bytes": self.measured_memory_bytes,
@@ -83,17 +86,22 @@ class CellResult:
 
 
 def matrix(strategies=DEFAULT_STRATEGIES, worlds=(1, 2, 4), dtypes=("fp32", "bf16"),
-           checkpointing=("none", "full")) -> list[Cell]:
-    """The full matrix: strategy x N x dtype x checkpointing (HSDP only at N = 4, as 2 x 2)."""
+           checkpointing=("none", "full"), every: int | None = None,
+           first: int | None = None) -> list[Cell]:
+    """The full matrix: strategy x N x dtype x checkpointing (HSDP only at N = 4, as 2 x 2);
+    `every` / `first`: the k of every-k / first-k cells (the planner's default where None)."""
+    def k(c: str) -> int | None:
+        return every if c == "every-k" else first if c == "first-k" else None
+
     cells = []
     for s in strategies:
         for n in worlds:
             if s == "hsdp":
                 if n != 4:
                     continue
-                cells += [Cell(s, n, d, c, 2) for d in dtypes for c in checkpointing]
+                cells += [Cell(s, n, d, c, 2, k(c)) for d in dtypes for c in checkpointing]
                 continue
-            cells += [Cell(s, n, d, c) for d in dtypes for c in checkpointing]
+            cells += [Cell(s, n, d, c, checkpoint_k=k(c)) for d in dtypes for c in checkpointing]
     return cells
 
 
@@ -121,7 +129,9 @@ def plan_for(cell: Cell, model: str = "tiny", seq_len: int = 128, per_rank: int 
                      presets_dir=[calibrated] if calibrated else None,
                      gpus=str(cell.world), gpus_per_node=max(2, cell.world),
                      seq_len=seq_len, micro_batch=per_rank, param_dtype=cell.param_dtype,
-                     checkpointing=cell.checkpointing, shard_size=cell.shard_size)
+                     checkpointing=cell.checkpointing, shard_size=cell.shard_size,
+                     **({"checkpoint_every": cell.checkpoint_k} if cell.checkpoint_k and cell.checkpointing == "every-k" else {}),
+                     **({"checkpoint_first": cell.checkpoint_k} if cell.checkpoint_k and cell.checkpointing == "first-k" else {}))
     sc = build(opts)
     r = estimate_one(sc, cell.strategy)
     return make_plan(sc, cell.strategy, per_rank * cell.world, r)

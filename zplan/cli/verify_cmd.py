@@ -57,6 +57,8 @@ def verify(
     ranks: Annotated[Optional[list[int]], typer.Option(help="World sizes (repeatable; default 1 2 4)")] = None,
     dtype: Annotated[Optional[list[str]], typer.Option(help="Param dtypes (repeatable; default fp32 bf16)")] = None,
     checkpointing: Annotated[Optional[list[str]], typer.Option(help="Checkpointing modes (repeatable; default none full)")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="every-k: checkpoint one block in k (default 2)")] = None,
+    checkpoint_first: Annotated[Optional[int], typer.Option(help="first-k: checkpoint the first k blocks (default 1)")] = None,
     tolerance: Annotated[float, typer.Option(help="Allowed |predicted - measured| / measured of peak memory")] = 0.05,
     workdir: Annotated[Optional[str], typer.Option(help="Where runs go (default: a temporary folder)")] = None,
     markdown: Annotated[Optional[str], typer.Option(help="Also write the table to this Markdown file")] = None,
@@ -83,6 +85,12 @@ def verify(
     By default a quick matrix: each strategy once (both dtypes across it), about 2 minutes on an
     idle 2-core machine. error = (predicted - measured) / measured."""
     _need_torch("verify")
+    for flag, k, mode in (("--checkpoint-every", checkpoint_every, "every-k"),
+                          ("--checkpoint-first", checkpoint_first, "first-k")):
+        if k is not None and mode not in (checkpointing or ()):
+            raise UsageError(f"{flag} {k} sets the k of --checkpointing {mode}: add --checkpointing {mode}")
+    ks = {**({"checkpoint_every": checkpoint_every} if checkpoint_every is not None else {}),
+          **({"checkpoint_first": checkpoint_first} if checkpoint_first is not None else {})}
     if fake and as_json:
         raise UsageError("--json covers the real matrix; drop it with --fake (its table is on stdout)")
     if fake:
@@ -91,7 +99,8 @@ def verify(
                             logits_kept, embed_head_unit, logits_fp32=logits_fp32,
                             last_block_kept=last_block_kept, kv_cache=kv_cache,
                             outputs_until_next_forward=outputs_until_next_forward,
-                            loss_shifted_copy=loss_shifted_copy, attention_expands_kv=attention_expands_kv)
+                            loss_shifted_copy=loss_shifted_copy, attention_expands_kv=attention_expands_kv,
+                            **ks)
     if linear_loss != "none":
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
     if (reserved or expandable_segments or not logits_kept or embed_head_unit != "separate"
@@ -116,11 +125,17 @@ def verify(
         check_choice(c, "--checkpointing", ("none", "full", "selective", "attention", "every-k", "first-k"))
     for n in ranks or ():
         check_range(n, "--ranks", 1, 64)
+    from ..presets import model as model_preset
+
+    blocks = model_preset("tiny").num_layers  # the real matrix's model
+    for flag, k in (("--checkpoint-every", checkpoint_every), ("--checkpoint-first", checkpoint_first)):
+        check_range(k, flag, 1, blocks)
     if full or strategy or ranks or dtype or checkpointing:
         from ..verify import DEFAULT_STRATEGIES
 
         cells = matrix(tuple(strategy or DEFAULT_STRATEGIES), tuple(ranks or (1, 2, 4)),
-                       tuple(dtype or ("fp32", "bf16")), tuple(checkpointing or ("none", "full")))
+                       tuple(dtype or ("fp32", "bf16")), tuple(checkpointing or ("none", "full")),
+                       every=checkpoint_every, first=checkpoint_first)
     else:
         cells = quick_matrix()
         progress("zplan: the quick matrix (each strategy once); --full runs all of them, some of which "
@@ -288,7 +303,8 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
         c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss,
                       embed_head_unit=embed_head_unit, logits_kept=logits_kept, reserved=reserved,
                       **options)
-        label = f"{name} ckpt={mode}"
+        k = options.get({"every-k": "checkpoint_every", "first-k": "checkpoint_first"}.get(mode, ""))
+        label = f"{name} ckpt={mode}" + (f" k={k}" if k else "")
         cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
         print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "
               f"{c.error:>+8.1%} {c.predicted_phase + '/' + c.traced_phase:>22s}   {cats}")
