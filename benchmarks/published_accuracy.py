@@ -32,8 +32,6 @@ from zplan.errors import UsageError  # noqa: E402
 from zplan.estimate import TIGHT_FREE_FRACTION, estimate_one  # noqa: E402
 from zplan.scenario_options import FIELDS, ScenarioOptions, build  # noqa: E402
 
-CLUSTER = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "hgx-h200", "B200": "dgx-b200", "GB200": "gb200-nvl72",
-           "MI300X": "mi300x-node"}
 COMMAND = "python benchmarks/published_accuracy.py --markdown --summary"
 SUMMARY = ROOT / "presets" / "public_accuracy.json"
 
@@ -64,7 +62,7 @@ class Result:
 def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
     """The row's facts as scenario options; what zplan has no option for is returned as ignored."""
     o = ScenarioOptions(
-        model=row.model, gpu=row.gpu, cluster=row.cluster or CLUSTER[row.gpu_kind], gpus=str(row.num_gpus),
+        model=row.model, gpu=row.gpu, cluster=row.cluster, gpus=str(row.num_gpus),
         gpus_per_node=row.gpus_per_node, seq_len=row.seq_len, micro_batch=row.micro_batch,
         grad_accum=row.grad_accum, checkpointing=row.checkpointing, param_dtype=row.param_dtype,
         reduce_dtype=row.reduce_dtype, master_dtype=row.master_dtype,

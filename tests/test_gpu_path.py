@@ -690,14 +690,15 @@ def test_gpu_check_rehearsal_leaves_its_results_where_the_device_tool_takes_them
 
 
 def test_every_gpu_with_a_cluster_preset_has_its_stock_node():
-    """A one-GPU calibration takes its links from the GPU's stock node (calibrate.STOCK_CLUSTERS):
-    each GPU some cluster preset is for has one, and it is a cluster for that GPU, so a cluster
-    preset added later (a cloud's network) cannot silently become a GPU's default."""
-    from zplan import calibrate, presets
+    """A one-GPU calibration (and --gpu alone) takes its links from the GPU preset's own node
+    (GPUSpec.cluster): each GPU some cluster preset is for names one, and it is a cluster for that
+    GPU, so a cluster preset added later (a cloud's network) cannot silently become a GPU's
+    default; aws-p5's H100 keeps dgx-h100."""
+    from zplan import presets
 
     gpus = {presets.cluster(n).gpu for n in presets.names("clusters")}
-    assert gpus == set(calibrate.STOCK_CLUSTERS)
-    assert all(presets.cluster(c).gpu == g for g, c in calibrate.STOCK_CLUSTERS.items())
+    assert all(presets.cluster(presets.gpu(g).cluster).gpu == g for g in gpus)
+    assert presets.gpu("h100-sxm").cluster == "dgx-h100"
 
 
 def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset(tmp_path):

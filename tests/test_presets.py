@@ -232,3 +232,57 @@ def test_an_unaligned_gemm_dimension_is_named_with_the_assumptions(capsys, tmp_p
     odd.write_text(text.replace("vocab_size = 50257", "vocab_size = 50304").replace("ffn_hidden = 3072", "ffn_hidden = 3071"))
     r = cli(capsys, "estimate", "--model", str(odd), "--gpus", "8", "--seq-len", "1024", "--json")
     assert json.loads(r.stdout)["assumptions"]["unaligned_gemms"]["value"] == "ffn_hidden 3,071"
+
+
+def test_a_gpu_alone_plans_on_its_own_node(capsys):
+    """--gpu without --cluster plans for the node that GPU sits in (GPUSpec.cluster), not dgx-h100's
+    NVSwitch and 400 Gb/s NICs: an L40S over 2 nodes is priced as with --cluster pcie-l40s, to the
+    step, and slower than the same GPUs on dgx-h100's links (the QA pass found 2.2x between them)."""
+    from tests.helpers import cli
+
+    def step(*flags):
+        r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "16", "--strategy", "zero3",
+                "--checkpointing", "full", "--json", *flags)
+        d = json.loads(r.stdout)
+        (res,) = d["strategies"]
+        return d["inputs"]["cluster"], res["time"]["step_s"]
+
+    own, explicit, h100_links = step("--gpu", "l40s"), step("--gpu", "l40s", "--cluster", "pcie-l40s"), \
+        step("--gpu", "l40s", "--cluster", "dgx-h100")
+    assert own == explicit and own[0] == "pcie-l40s"
+    assert h100_links[1] < 0.8 * own[1]
+    assert step()[0] == "dgx-h100" and step("--cluster", "dgx-a100")[0] == "dgx-a100"
+
+
+def test_every_shipped_gpu_names_a_node_or_asks_for_one(capsys):
+    """Every shipped GPU preset names a shipped cluster whose GPUs are of its kind (same memory
+    family: the node's links are what differ), or none, and then --gpu alone asks for --cluster
+    in one line."""
+    from tests.helpers import cli
+    clusters = set(presets.names("clusters"))
+    homeless = []
+    for name in presets.names("gpus"):
+        g = presets.gpu(name)
+        if g.cluster is None:
+            homeless.append(name)
+            r = cli(capsys, "estimate", "--gpu", name, "--gpus", "8")
+            assert r.returncode == 2 and "--cluster" in r.stderr and "Traceback" not in r.stderr
+            continue
+        assert g.cluster in clusters, name
+        node_gpu = presets.gpu(presets.cluster(g.cluster).gpu)
+        assert node_gpu.device == g.device and node_gpu.name.split("-")[0] == g.name.split("-")[0], name
+    assert homeless == ["h100-pcie"]
+
+
+def test_a_calibrated_gpu_plans_on_its_base_parts_node(tmp_path, capsys):
+    """A preset zplan calibrate wrote (measured, with the part it was measured on as `base`)
+    plans on that part's node when it names none itself."""
+    from tests.helpers import cli
+    (tmp_path / "gpus").mkdir()
+    text = (presets.shipped_file("gpus/a100-80gb.toml").read_text()
+            .replace('name = "a100-80gb"', 'name = "mine"\nmeasured = true\nbase = "a100-80gb"'))
+    text = "\n".join(l for l in text.splitlines() if not l.startswith("cluster ="))
+    (tmp_path / "gpus" / "mine.toml").write_text(text)
+    r = cli(capsys, "estimate", "--presets", str(tmp_path), "--gpu", "mine", "--gpus", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["inputs"]["cluster"] == "dgx-a100"

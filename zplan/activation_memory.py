@@ -125,7 +125,7 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     projection, q/k norms, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
     without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
     other than full or selective, and attention fed copied keys and values (expands_kv)."""
-    mode = train.checkpointing
+    mode = policy.uniform_mode(train, m.num_layers)  # every-1 and first-L are full, block for block
     if (mode not in ("full", "selective") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
             or m.qk_norm or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
             or train.te_float8 or train.fused_swiglu or train.autocast or expands_kv(m, train)):

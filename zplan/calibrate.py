@@ -277,23 +277,17 @@ LINK_FIELDS = ("intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes
                "inter_node_busbw_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s", "base_latency_s",
                "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s", "tree_busbw_fraction")
 
-# each GPU preset's stock node, whose links a one-GPU calibration takes: a GPU may have other
-# cluster presets too (aws-p5: H100 on AWS's EFA), which are not its default
-STOCK_CLUSTERS = {"cpu": "cpu-local", "a100-80gb": "dgx-a100", "b200": "dgx-b200", "h100-sxm": "dgx-h100",
-                  "gb200": "gb200-nvl72", "h200": "hgx-h200", "mi300x": "mi300x-node", "l40s": "pcie-l40s",
-                  "rtx-4090": "workstation-4090"}
-
-
 def one_gpu_links(cluster: dict, base: str | None) -> None:
     """With one GPU no collective is measured: the cluster preset takes its link figures from
-    the stock cluster of the base GPU (hgx-h200 for an H200), said so in its source, so that a
+    the base GPU preset's own node (GPUSpec.cluster: hgx-h200 for an H200), said so in its source, so that a
     plan for more GPUs on it is priced on that node's links, not at this GPU's copy rate; its
     node shape stays this machine's (one GPU a node: more GPUs are more such nodes, on the
     stock cluster's network share). Without a stock cluster the source says the links are not
     measured."""
     from . import presets
 
-    stock = presets.cluster(STOCK_CLUSTERS[base]) if base in STOCK_CLUSTERS else None
+    home = presets.gpu(base).cluster if base is not None else None  # the GPU preset's own node
+    stock = presets.cluster(home) if home is not None else None
     if stock is None:
         cluster["source"] += "; one GPU: no collective measured, the link figures are its copy rate"
         return

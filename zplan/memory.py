@@ -607,8 +607,9 @@ def _param_block_cache(sc: Scenario, st: Strategy) -> tuple[int, int]:
             or _cache_unpriced(sc, st)):
         return 0, 0
     pb = DTYPE_BITS[t.precision.param] // 8
-    kept = activation_memory.block_kept_tensors(m, t, t.checkpointing)
-    working = activation_memory.block_recompute_tensors(m, t, t.checkpointing)
+    mode = policy.uniform_mode(t, m.num_layers)  # every-1 and first-L are full
+    kept = activation_memory.block_kept_tensors(m, t, mode)
+    working = activation_memory.block_recompute_tensors(m, t, mode)
     if working is None:  # the sets not derived: the whole no-recomputation list, a bound
         working = activation_memory.block_kept_tensors(m, t, "none")
     params = tuple(math.prod(s) * pb for u in sc.units for s in u.shapes)  # model order
@@ -625,7 +626,7 @@ def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
     if st.name == "zero1" and not (t.grad_accum == 1 and sc.assume.overlap):
         return ("each parameter's gradient is held whole between accumulation boundaries, one of "
                 "each parameter's size, and takes its block")
-    if (activation_memory.block_kept_tensors(m, t, t.checkpointing) is None
+    if (activation_memory.block_kept_tensors(m, t, policy.uniform_mode(t, m.num_layers)) is None
             or activation_memory.block_kept_tensors(m, t, "none") is None):
         return ("the block's kept tensors are not split one by one here (MoE, compiled or float8 "
                 "blocks, dropout, attention without a flash kernel, autocast, every-k, first-k, a returned "

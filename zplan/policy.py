@@ -125,6 +125,16 @@ def wrapped_blocks(train, num_layers: int) -> tuple[bool, ...]:
     return checkpointed_blocks(num_layers, train.checkpointing, train.checkpoint_every, train.checkpoint_first)
 
 
+def uniform_mode(train, num_layers: int) -> str:
+    """The mode every block is under: every-k and first-k that wrap all blocks (every-1, first-L)
+    are full checkpointing and those that wrap none are none, block for block, and priced as
+    such; a mix stays partial."""
+    if train.checkpointing not in PARTIAL_CHECKPOINTING:
+        return train.checkpointing
+    wrapped = wrapped_blocks(train, num_layers)
+    return "full" if all(wrapped) else "none" if not any(wrapped) else train.checkpointing
+
+
 def block_matmuls(mlp: str, qkv_fused: bool = False) -> tuple[str, ...]:
     """The block's matmuls in the order they run; with q, k and v as one linear (ModelSpec.qkv_fused:
     MPT's Wqkv, torchtitan's FusedQKVLinear) "wqkv" stands for the three."""

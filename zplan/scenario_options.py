@@ -36,7 +36,7 @@ class ScenarioOptions:
     model: Optional[str] = None
     gpus: Optional[str] = None
     gpu: Optional[str] = None
-    cluster: str = DEFAULT_CLUSTER
+    cluster: Optional[str] = None  # None: the GPU preset's own node (resolve_hardware), dgx-h100 without --gpu
     gpus_per_node: Optional[int] = None
     seq_len: Optional[int] = None
     micro_batch: int = 1
@@ -97,6 +97,29 @@ class ScenarioOptions:
 FIELDS = [f.name for f in fields(ScenarioOptions)]
 
 
+def resolve_hardware(cluster_name: str | None, gpu_name: str | None, extra: tuple[str, ...] = ()):
+    """The cluster and GPU presets a run plans for. --cluster names the node (links, network,
+    GPUs per node) and, without --gpu, its GPU; --gpu alone plans for the node that GPU usually
+    sits in (GPUSpec.cluster; a calibrated preset's, its base part's), not another GPU's node: an
+    L40S planned on dgx-h100's NVSwitch and 400 Gb/s NICs would come out twice as fast. Neither:
+    dgx-h100 and its H100 SXM."""
+    if cluster_name is not None:
+        cluster = presets.cluster(cluster_name, extra)
+        return cluster, presets.gpu(gpu_name or cluster.gpu or "h100-sxm", extra)
+    if gpu_name is None:
+        cluster = presets.cluster(DEFAULT_CLUSTER, extra)
+        return cluster, presets.gpu(cluster.gpu or "h100-sxm", extra)
+    gpu = presets.gpu(gpu_name, extra)
+    home = gpu.cluster
+    if home is None and gpu.base is not None:
+        home = presets.gpu(gpu.base, extra).cluster
+    if home is None:
+        raise UsageError(f"--gpu {gpu_name}: no cluster preset is this GPU's node; name one with "
+                         f"--cluster (its links and network: {', '.join(presets.names('clusters', extra))}, "
+                         f"or a .toml file)")
+    return presets.cluster(home, extra), gpu
+
+
 def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     """Validate every option and assemble the Scenario; bad input raises one-line UsageErrors."""
     extra = tuple(o.presets_dir or ())
@@ -104,13 +127,6 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError("give either --params or --model, not both")
     if o.unit_params is not None and o.params is None:
         raise UsageError("--unit-params goes with --params; a --model has its own units")
-    cluster = presets.cluster(o.cluster, extra)
-    if o.gpus_per_node is not None:
-        check_range(o.gpus_per_node, "--gpus-per-node", 1, 1024)
-        update: dict = {"gpus_per_node": o.gpus_per_node}
-        if cluster.intra_node_allreduce_busbw_bytes_per_s and cluster.intra_node_allreduce_gpus is None:
-            update["intra_node_allreduce_gpus"] = max(2, cluster.gpus_per_node)  # the figure stays the preset node's
-        cluster = cluster.model_copy(update=update)
     gpus_found = None
     if o.gpu == "auto":
         from .hardware import detect
@@ -123,8 +139,14 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             raise UsageError(f"--gpu auto found {names}, which has no preset; pass --gpu FILE.toml")
         gpu_name, gpus_found = found.gpu_preset, len(found.gpus)
     else:
-        gpu_name = o.gpu or cluster.gpu or "h100-sxm"
-    gpu = presets.gpu(gpu_name, extra)
+        gpu_name = o.gpu
+    cluster, gpu = resolve_hardware(o.cluster, gpu_name, extra)
+    if o.gpus_per_node is not None:
+        check_range(o.gpus_per_node, "--gpus-per-node", 1, 1024)
+        update: dict = {"gpus_per_node": o.gpus_per_node}
+        if cluster.intra_node_allreduce_busbw_bytes_per_s and cluster.intra_node_allreduce_gpus is None:
+            update["intra_node_allreduce_gpus"] = max(2, cluster.gpus_per_node)  # the figure stays the preset node's
+        cluster = cluster.model_copy(update=update)
     if o.gpus is None:
         n = gpus_found or cluster.gpus_per_node
     else:

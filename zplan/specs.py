@@ -174,6 +174,9 @@ class GPUSpec(Spec):
                               "measured on (zplan calibrate): its family decides which kernels run "
                               "(FlashAttention-3 on Hopper, ...) and which GPUs its plans are for")
     device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: a CPU rank standing in for a GPU")
+    cluster: Name | None = Field(None, description="the cluster preset (node links and network) this "
+                                 "GPU usually sits in: what --gpu without --cluster plans for; None: "
+                                 "no shipped node has it, so --cluster must name one")
     kernels: KernelSpec | None = Field(
         None, description="the per-op kernel model's constants; None: FLOPs x efficiency")
     caveat: str = Field("", max_length=600, description="what the preset's figures are known to "

@@ -103,7 +103,7 @@ class Row:
     loss_fp32: bool = True  # the loss upcasts the logits to fp32 (False: cross-entropy in their dtype)
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launcher since 2024-10)
     cluster: str | None = None  # the cluster preset of the run's network where the source names one
-    # (aws-p5: EFA); None: the GPU's stock cluster (published_accuracy.CLUSTER)
+    # (aws-p5: EFA); None: the GPU preset's own node (its `cluster`, as zplan's --gpu alone)
     float8_all_gather: bool | None = None  # float8 tensorwise: torchao's enable_fsdp_float8_all_gather as the run
     # states it (tensorwise-fp8-allgather says true); None: not stated, zplan's default (on)
     bucket_mib: float | None = None  # the run's gradient bucket (DeepSpeed: reduce_bucket_size x bytes); None: zplan's 25 MiB

@@ -21,7 +21,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "model": ((), "Model preset name, a .toml file, or a local Hugging Face config.json"),
     "gpus": ((), "Data-parallel GPUs N (default: one node)"),
     "gpu": ((), "GPU preset (default: the cluster's)"),
-    "cluster": ((), "Cluster preset: GPUs per node and link bandwidths"),
+    "cluster": ((), "Cluster preset: GPUs per node and link bandwidths (default: the --gpu preset's own node; dgx-h100 without --gpu)"),
     "gpus_per_node": ((), "Override the cluster's GPUs per node"),
     "seq_len": ((), "Sequence length (default: min(4096, model max))"),
     "micro_batch": ((), "Sequences per GPU per micro-batch"),

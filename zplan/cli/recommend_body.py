@@ -10,7 +10,7 @@ import sys
 
 from ..errors import UsageError
 from ..parse import check_choice, check_range, parse_count
-from ..scenario_options import ScenarioOptions, apply_project_file, build, project_file_named
+from ..scenario_options import DEFAULT_CLUSTER, ScenarioOptions, apply_project_file, build, project_file_named
 from . import plain_line
 from .json_out import emit_json
 
@@ -41,7 +41,7 @@ def _defaults(opts: ScenarioOptions, extra: dict) -> list[str]:
             used.append(f"{len(found.gpus)} x {found.gpu_preset} detected on this machine")
         else:
             used.append(f"no usable GPU here ({found.gpu_reason}): planning for one node of "
-                        f"{opts.cluster} (--gpu, --gpus, --cluster to change)")
+                        f"{opts.cluster or DEFAULT_CLUSTER} (--gpu, --gpus, --cluster to change)")
     return used
 
 
