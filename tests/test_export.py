@@ -249,3 +249,21 @@ def test_deepspeed_collectives_are_timed_with_the_exported_buckets(strategy):
         by_hand = ((calls - 1) * comm.call_seconds(sc, op, bucket * width, 16, min(g, 16))
                    + comm.call_seconds(sc, op, rest * width, 16, min(g, 16)))
         assert c.seconds_per_call == pytest.approx(by_hand, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["torch", "zero"])
+def test_deepspeed_export_of_a_plan_for_zplans_trainer_says_so(tmp_path, capsys, layout):
+    """A plan priced for zplan's FSDP2 trainer (torch layout) exported to DeepSpeed: the export
+    says its memory was not DeepSpeed's and how to get DeepSpeed's, and says which blocks the
+    script must checkpoint as for a DeepSpeed plan (the QA pass found both silent); the other
+    targets and a DeepSpeed plan get no layout note."""
+    from zplan.plan import save
+    from tests.helpers import cli
+
+    path = tmp_path / "plan.json"
+    save(plan_for("zero3", layout=layout, checkpointing="first-k", checkpoint_first=3), path)
+    r = cli(capsys, "export", "--plan", str(path), "--to", "deepspeed")
+    assert r.returncode == 0 and "the first 3 blocks (first-3)" in r.stderr
+    assert ("recommend --for deepspeed" in r.stderr) == (layout == "torch")
+    r = cli(capsys, "export", "--plan", str(path), "--to", "torchrun")
+    assert r.returncode == 0 and r.stderr == ""

@@ -166,3 +166,60 @@ def test_atomic_writer_streams_and_leaves_old_file_on_error(tmp_path):
     finally:
         os.umask(old_mask)
     assert new.read_bytes() == b"ab" and stat.S_IMODE(new.stat().st_mode) == 0o644
+
+
+def test_named_outputs_never_replace_what_the_user_wrote(tmp_path, capsys, monkeypatch):
+    """The QA pass: recommend --write replaced a notes file and export -o replaced the plan it
+    read with its DeepSpeed config, both exit 0. Now: --write replaces only a plan, an export
+    never replaces a plan (the one it reads least of all), a missing folder is named rather
+    than created, an empty name is refused; each in one line, exit 2, the file as it was."""
+    import json
+
+    from tests.helpers import cli
+    monkeypatch.chdir(tmp_path)
+    plan = tmp_path / "p.json"
+    r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", str(plan))
+    assert r.returncode == 0 and json.loads(plan.read_text())["plan_version"] == 1
+    before = plan.read_bytes()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    cases = [(("recommend", "--model", "tiny", "--gpus", "2", "--write", str(notes)), "is not a zplan plan", notes),
+             (("export", "--plan", str(plan), "--to", "deepspeed", "-o", str(plan)), "is the file this command reads", plan),
+             (("export", "--plan", str(plan), "--to", "deepspeed", "-o", "p.json"), "is the file this command reads", plan),
+             (("recommend", "--model", "tiny", "--gpus", "2", "--write", ""), "--write '' is empty", None),
+             (("export", "--plan", str(plan), "--to", "torchrun", "-o", ""), "--output '' is empty", None),
+             (("export", "--plan", str(plan), "--to", "torchrun", "-o", str(tmp_path / "no" / "x.sh")),
+              "the folder", None)]
+    for args, needle, kept in cases:
+        r = cli(capsys, *args)
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        if kept is not None:
+            assert kept.read_bytes() == (before if kept == plan else b"mine")
+    assert not (tmp_path / "no").exists()
+    other = tmp_path / "other.json"
+    other.write_bytes(before)
+    r = cli(capsys, "export", "--plan", str(plan), "--to", "deepspeed", "-o", str(other))
+    assert r.returncode == 2 and "is a zplan plan" in r.stderr and other.read_bytes() == before
+    # what zplan wrote itself is replaced: a plan by --write, an export by export
+    r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "4", "--write", str(plan))
+    assert r.returncode == 0 and json.loads(plan.read_text())["num_gpus"] == 4
+    ds = tmp_path / "ds.json"
+    for _ in range(2):
+        assert cli(capsys, "export", "--plan", str(plan), "--to", "deepspeed", "-o", str(ds)).returncode == 0
+    assert "zero_optimization" in json.loads(ds.read_text())
+
+
+def test_a_refused_run_directory_leaves_no_folder(tmp_path):
+    """check_run_dir removes the folders it made when it refuses (no room for a checkpoint), as
+    launch --dry-run left an empty runs/<time>/ behind; a folder that was there stays."""
+    from zplan.errors import PlanError
+    from zplan.launch.run_dir import check_run_dir
+
+    target = tmp_path / "a" / "b" / "c"
+    with pytest.raises(PlanError, match="GB free but one checkpoint needs"):
+        check_run_dir(target, need_bytes=10**20)
+    assert not (tmp_path / "a").exists() and tmp_path.exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(PlanError):
+        check_run_dir(tmp_path / "kept", need_bytes=10**20)
+    assert (tmp_path / "kept").is_dir()

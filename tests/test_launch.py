@@ -623,3 +623,18 @@ def test_a_slurm_plan_is_not_chosen_by_the_login_nodes_cpu(capsys, tmp_path, mon
     assert p.returncode == 0, p.stderr
     plan = json.loads(job.with_suffix(".plan.json").read_text())
     assert plan["train"]["precision"]["param"] == "bf16" and "train in fp32" not in p.stderr
+
+
+def test_a_multi_node_plan_launched_on_one_node_says_its_network_is_not_the_plans(tmp_path, capsys):
+    """launch --dry-run of a 64-GPU plan priced as 8 nodes of 8 printed one node of 64 ranks
+    without a word (the QA pass): the shape it runs differs from the one priced, and the note
+    says how to run the plan's (export --to torchrun prints the per-node command)."""
+    from tests.helpers import cli
+    plan = tmp_path / "p.json"
+    assert cli(capsys, "recommend", "--model", "llama-3.1-70b", "--gpus", "64", "--write", str(plan)).returncode == 0
+    r = cli(capsys, "launch", "--plan", str(plan), "--dry-run", "--no-save", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0 and "--nproc-per-node=64" in r.stdout
+    assert "priced for 8 node(s) of 8 (dgx-h100's links)" in r.stderr and "--nnodes 8 --nproc 8" in r.stderr
+    r = cli(capsys, "launch", "--plan", str(plan), "--dry-run", "--no-save", "--nnodes", "8", "--node-rank", "0",
+            "--rdzv-endpoint", "head:29500", "--run-dir", str(tmp_path / "run8"))
+    assert r.returncode == 0 and "--nproc-per-node=8" in r.stdout and "priced for" not in r.stderr

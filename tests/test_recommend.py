@@ -443,3 +443,23 @@ def test_an_unaligned_vocabulary_is_flagged_with_the_winner():
     r = rec(64, model="gpt2-124m", gpus=8, seq_len=1024)
     assert any(f.startswith("vocab 50,257: not a multiple of 8") and "50304" in f for f in r.flags)
     assert not any("multiple of 8" in f for f in rec(64, model="llama-3.2-1b", gpus=8).flags)
+
+
+def test_nothing_fits_at_long_sequences_names_the_chunked_loss_that_does(capsys):
+    """Llama 3.1 8B at 131,072 tokens on 8 H100: the whole logits and their gradients are what
+    no GPU count holds; the advice names --linear-loss chunked (the QA pass found it missing,
+    beside a claim that no GPU count would do), and the advice holds: with it a plan fits.
+    --json prints one object either way."""
+    import json
+
+    from tests.helpers import cli
+    args = ("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--seq-len", "131072")
+    r = cli(capsys, *args, "--json")
+    assert r.returncode == 1
+    d = json.loads(r.stdout)
+    assert d["winner"] is None and "--linear-loss chunked" in d["error"] and d["error"] in r.stderr
+    family = d["error"].split("never the whole logits: ")[1].split()[0]
+    r = cli(capsys, *args, "--linear-loss", "chunked", "--json")
+    assert r.returncode == 0, r.stderr
+    w = json.loads(r.stdout)["winner"]
+    assert w["fits"] and w["train"]["linear_loss"] == "chunked" and family in ("zero3", "offload-opt", "offload-all")

@@ -233,7 +233,7 @@ def checkpointing_note(plan: Plan) -> str | None:
     from .policy import checkpointing_label
 
     t = plan.train
-    if plan.train.layout != "zero" or t.checkpointing in ("none", "full"):
+    if t.checkpointing in ("none", "full"):
         return None
     which = {"every-k": f"blocks {t.checkpoint_every}, {2 * t.checkpoint_every}, ... (counting from 1)",
              "first-k": f"the first {t.checkpoint_first} blocks",
@@ -242,6 +242,17 @@ def checkpointing_note(plan: Plan) -> str | None:
     return (f"the plan checkpoints {which} ({checkpointing_label(t)}), which a DeepSpeed config does not "
             f"say: your script applies it (Hugging Face's gradient_checkpointing_enable checkpoints every "
             f"block, which zplan estimate --checkpointing full prices)")
+
+
+def layout_note(plan: Plan) -> str | None:
+    """A plan priced for zplan's FSDP2 trainer (the torch layout) exported as a DeepSpeed config:
+    DeepSpeed's buffers, flat partitions and defaults are another memory (and time) model, which
+    a plan made for DeepSpeed prices. None for a plan made for DeepSpeed."""
+    if plan.train.layout == "zero":
+        return None
+    return ("the plan was priced for zplan's FSDP2 trainer (torch layout); DeepSpeed's buffers and "
+            "partitions are another memory figure: for DeepSpeed's, plan with zplan recommend --for "
+            "deepspeed (or estimate --layout zero)")
 
 
 def export(plan: Plan, to: str, plan_path: str, zeropp: bool = False) -> str:

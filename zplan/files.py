@@ -207,6 +207,51 @@ def check_target(path: str | Path, what: str = "output") -> None:
     _target(path, what)
 
 
+def is_plan_file(path: str | Path) -> bool:
+    """Whether `path` holds a zplan plan (a JSON object with plan_version), read as data; False
+    for anything else, unreadable or not JSON."""
+    try:
+        p = Path(path)
+        if not p.is_file() or p.stat().st_size > MAX_INPUT_BYTES:
+            return False
+        data = json.loads(p.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "plan_version" in data
+
+
+def check_user_output(path: str | Path, flag: str, what: str = "output", reads: tuple = (),
+                      replaces: str = "any") -> None:
+    """A file the user asked for by name (recommend --write, export -o, verify --markdown, launch
+    --slurm), refused before any work in one line where writing it would surprise: an empty
+    name, a folder that does not exist (a typo is named, not created), the very file the command
+    reads (`reads`: export --plan p.json -o p.json would replace the plan with its export), or
+    an existing file of the wrong kind: `replaces` "plan" (recommend --write replaces a plan,
+    not a file the user wrote) or "not-plan" (an export never replaces a plan); "any": the
+    target checks only (check_target)."""
+    if str(path) == "":
+        raise UsageError(f"{flag} '' is empty; name a file")
+    check_target(path, what)
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {parent} does not exist; create it first or "
+                         f"write elsewhere")
+    if not p.exists():
+        return
+    for src in reads:
+        with contextlib.suppress(OSError):
+            if src and os.path.samefile(p, src):
+                raise UsageError(f"{flag} {path} is the file this command reads ({src}); write to "
+                                 f"another file")
+    if replaces == "plan" and not is_plan_file(p):
+        raise UsageError(f"{flag} {path} exists and is not a zplan plan; remove it or write the "
+                         f"plan elsewhere (nothing was replaced)")
+    if replaces == "not-plan" and is_plan_file(p):
+        raise UsageError(f"{flag} {path} is a zplan plan; write the {what} to another file "
+                         f"(nothing was replaced)")
+
+
 _USAGE_ERRNOS = {errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOENT,
                  errno.EINVAL}
 

@@ -43,7 +43,13 @@ def shipped_file(name: str) -> Path:
 
 
 def _search_dirs(extra: tuple[str, ...] = ()) -> list[Path]:
+    """The user's --presets folders (each must be one: a typo would otherwise plan silently on
+    the shipped presets), $ZPLAN_PRESETS (a search path, like PATH), then the shipped ones."""
     dirs = [Path(d) for d in extra]
+    for d in dirs:
+        if not _is(Path.is_dir, d):
+            raise UsageError(f"--presets {d} is not a folder; pass a folder holding gpus/, clusters/ "
+                             f"or models/ (zplan calibrate --output writes one)")
     env = os.environ.get("ZPLAN_PRESETS")
     if env:
         dirs += [Path(p) for p in env.split(os.pathsep) if p]

@@ -483,6 +483,19 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
             and n is not None  # where no GPU count fits, sharding leaves no state to shrink
             and not any(SETUP_PEAK in r for r in rejected.values())):  # 8-bit Adam cannot help there
         hints.append("--optimizer adam8bit")
+    t = base.train
+    if (t.linear_loss == "none" and t.layout == "torch" and not t.fused_loss and not t.logits_fp32
+            and t.logits_kept and not t.outputs_until_next_forward and not (t.compile and t.compile_loss)):
+        # the trainer's chunked loss never holds the whole logits and their gradients
+        chunked = full.model_copy(update={"linear_loss": "chunked"})
+        usable = int((1 - headroom) * base.hw.gpu.memory_bytes)
+        here = next((f for f in ("zero3", "offload-opt", "offload-all")
+                     if fits(replace(base, train=chunked), f, usable)), None)
+        at = base.n if here else smallest_n(base, chunked, usable_fraction=1 - headroom)
+        if at is not None and (n is None or at < n):
+            hints.insert(1 if expandable is not None else 0, f"--linear-loss chunked (the loss in chunks, never the whole logits: "
+                            f"{here or 'zero3'} fits {'these' if here else 'it on'} {at} GPU{'s' if at > 1 else ''}, "
+                            f"micro-batch 1, full checkpointing)")
     if n is None and not any(SETUP_PEAK in r for r in rejected.values()):
         shorter = _longest_fitting_seq(base, full, 1 - headroom)
         # a length far below the asked one is no advice: what fails is then not the sequence
@@ -491,7 +504,7 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
             flags = f"--seq-len {s}" + (f" --gpus {at}" if at != base.n else "")
             hints.append(f"{flags} (zero3 fits it on {at} GPU{'s' if at > 1 else ''}, micro-batch 1, "
                          f"full checkpointing; at {base.train.seq_len} one sequence's activations and "
-                         f"loss exceed the GPU whatever the GPU count: zplan plans no context parallelism)")
+                         f"this loss exceed the GPU whatever the GPU count: zplan plans no context parallelism)")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
     tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
     return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "

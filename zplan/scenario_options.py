@@ -97,6 +97,22 @@ class ScenarioOptions:
 FIELDS = [f.name for f in fields(ScenarioOptions)]
 
 
+def check_flag_pairs(o: ScenarioOptions) -> None:
+    """Refuse, in one line, what the user typed that the scenario would silently not use: a k of
+    every-k or first-k under another mode, an attention kernel beside --no-flash. For the
+    commands' own options only (build takes any combination: a plan's TrainSpec carries both k
+    whatever its mode)."""
+    defaults = ScenarioOptions()
+    for flag, k, mode, default in (("--checkpoint-every", o.checkpoint_every, "every-k", defaults.checkpoint_every),
+                                   ("--checkpoint-first", o.checkpoint_first, "first-k", defaults.checkpoint_first)):
+        if k != default and k >= 1 and o.checkpointing != mode:  # out of range: build says so
+            raise UsageError(f"{flag} {k} sets the k of --checkpointing {mode}, not of "
+                             f"--checkpointing {o.checkpointing}: add --checkpointing {mode} or drop it")
+    if not o.flash and o.attention_kernel != defaults.attention_kernel:
+        raise UsageError(f"--no-flash prices attention without a flash kernel and --attention-kernel "
+                         f"{o.attention_kernel} names one: drop one of them")
+
+
 def resolve_hardware(cluster_name: str | None, gpu_name: str | None, extra: tuple[str, ...] = ()):
     """The cluster and GPU presets a run plans for. --cluster names the node (links, network,
     GPUs per node) and, without --gpu, its GPU; --gpu alone plans for the node that GPU usually

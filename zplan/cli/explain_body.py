@@ -7,7 +7,7 @@ reads a plain command line into the same call without Typer, or answers None and
 from __future__ import annotations
 
 from ..parse import check_choice
-from ..scenario_options import ScenarioOptions, build
+from ..scenario_options import ScenarioOptions, build, check_flag_pairs
 from . import plain_line
 from .json_out import emit_json
 
@@ -22,6 +22,7 @@ def run(opts: ScenarioOptions, strategy: str = "zero3", as_json: bool = False) -
     from ..strategies import STRATEGIES
 
     check_choice(strategy, "--strategy", tuple(STRATEGIES))
+    check_flag_pairs(opts)
     sc = build(opts)
     lines = explain_lines(sc, strategy)
     if as_json:

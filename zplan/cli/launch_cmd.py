@@ -181,6 +181,10 @@ def launch(
                          f"does not write: drop one of them")
     if resume and run_dir is None:
         raise UsageError("--resume needs --run-dir: the folder of the run to resume")
+    if slurm is not None:
+        from ..files import check_user_output
+
+        check_user_output(slurm, "--slurm", "sbatch script", reads=(plan,) if plan else (), replaces="not-plan")
     if (nnodes > 1 or slurm) and run_dir is None:
         raise UsageError("several nodes need --run-dir, a folder on a filesystem every node shares "
                          "(each node writes its shards there)")
@@ -206,6 +210,12 @@ def launch(
         from ..errors import PlanError
 
         raise PlanError(f"zplan's trainer cannot run {plan or 'this plan'}: {why}")
+    planned = min(p.cluster.gpus_per_node, p.num_gpus)
+    if plan is not None and per_node != planned:
+        print(f"zplan: note: {plan} was priced for {p.num_gpus // planned} node(s) of {planned} "
+              f"({p.cluster.name}'s links); this launch runs {nnodes} node(s) of {per_node} ranks, so its "
+              f"communication is not the plan's (--nnodes {-(-p.num_gpus // planned)} --nproc {planned} on "
+              f"each node, or zplan export --plan {plan} --to torchrun)", file=sys.stderr)
     if found.gpus and not slurm and per_node > len(found.gpus):
         raise UsageError(f"{per_node} ranks per node but this node has {len(found.gpus)} GPUs: run on "
                          f"{-(-per_node * nnodes // len(found.gpus))} nodes (--nnodes), or plan again with "

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import UsageError
+from ..errors import PlanError, UsageError
 from ..parse import check_choice, check_range, parse_count
-from ..scenario_options import DEFAULT_CLUSTER, ScenarioOptions, apply_project_file, build, project_file_named
+from ..scenario_options import (DEFAULT_CLUSTER, ScenarioOptions, apply_project_file, build, check_flag_pairs,
+                                project_file_named)
 from . import plain_line
 from .json_out import emit_json
 
@@ -69,12 +70,13 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
         strategy = [s for s in STRATEGIES if s != "hsdp"]
         used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp to plan it anyway)")
-    from ..files import check_target
+    from ..files import check_user_output
 
-    for path, what in ((write, "output"), (plot, "plot")):
-        if path:
-            check_target(path, what)  # before the search, not after it
+    for path, flag, what, kind in ((write, "--write", "output", "plan"), (plot, "--plot", "plot", "not-plan")):
+        if path is not None:
+            check_user_output(path, flag, what, replaces=kind)  # before the search, not after it
     with project_file_named(used):
+        check_flag_pairs(opts)
         sc = build(opts)
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
     if gb is not None and gbt is not None:
@@ -94,7 +96,15 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
         used.append(f"global batch {batch} sequences ({DEFAULT_PER_GPU} per GPU; --global-batch to change)")
     for line in used:
         print(f"zplan: using {line}", file=sys.stderr)
-    rec = search(sc, batch, objective, headroom, families=strategy or None)
+    try:
+        rec = search(sc, batch, objective, headroom, families=strategy or None)
+    except PlanError as e:  # nothing fits: a script reading --json still gets one object
+        if as_json:
+            from ..estimate import SCHEMA_VERSION
+
+            emit_json({"schema_version": SCHEMA_VERSION, "global_batch": batch, "winner": None,
+                       "error": str(e)})
+        raise
     plan = make_plan(rec.winner.sc, rec.winner.family, batch, rec.winner.result)
     if write:
         save(plan, write)

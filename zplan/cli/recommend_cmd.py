@@ -47,17 +47,21 @@ def export(
     zeropp: Annotated[bool, typer.Option(help="DeepSpeed: add ZeRO++ (hpZ, int8 weights, int4 grads)")] = False,
 ) -> None:
     """Write a plan as a DeepSpeed config, an accelerate config, or a torchrun command."""
-    from ..export import checkpointing_note
+    from ..export import checkpointing_note, layout_note
     from ..export import export as do_export
     from ..plan import load, write_atomic
 
     check_choice(to, "--to", ("deepspeed", "accelerate", "torchrun"))
+    if output is not None:
+        from ..files import check_user_output
+
+        check_user_output(output, "--output", "export", reads=(plan,), replaces="not-plan")
     loaded = load(plan)
     text = do_export(loaded, to, plan, zeropp)
-    note = checkpointing_note(loaded) if to == "deepspeed" else None
-    if note:
-        print(f"zplan: note: {note}", file=sys.stderr)
-    if output:
+    for note in (layout_note(loaded), checkpointing_note(loaded)) if to == "deepspeed" else ():
+        if note:
+            print(f"zplan: note: {note}", file=sys.stderr)
+    if output is not None:
         write_atomic(output, text)
     else:
         sys.stdout.write(text)

@@ -117,6 +117,10 @@ def verify(
     from ..parse import check_choice, check_range
 
     check_range(tolerance, "--tolerance", 0.0, 10.0)
+    if markdown is not None:
+        from ..files import check_user_output
+
+        check_user_output(markdown, "--markdown", "table", replaces="not-plan")
     for s in strategy or ():
         check_choice(s, "--strategy", ALL_STRATEGIES)
     for d in dtype or ():
@@ -154,7 +158,7 @@ def verify(
                    "ok": all(r.ok(tolerance) for r in results)})
     else:
         print("\n".join(lines))
-    if markdown:
+    if markdown is not None:
         write_atomic(markdown, "\n".join(lines) + "\n")
     for r in results:
         if r.skipped:

@@ -6,6 +6,7 @@ Torch-free: the launcher calls it in its dry runs too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -32,17 +33,24 @@ def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, c
         raise UsageError(f"--resume: run directory {p} does not exist; pass the run's folder with --run-dir")
     if not create and not p.is_dir():
         return p.resolve()
+    made = [a for a in (p, *p.parents) if not a.exists()]  # the folders mkdir makes, deepest first
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=p, prefix=".zplan-write-check-"):
-            pass
-    except OSError as e:
-        raise UsageError(f"run directory {p} is not writable ({e.strerror}); pass another with --run-dir") from None
-    if need_bytes:
-        free = shutil.disk_usage(p).free
-        if free < need_bytes:
-            raise PlanError(f"run directory {p} has {free / 1e9:.2f} GB free but one checkpoint needs about "
-                            f"{need_bytes / 1e9:.2f} GB: free space or pass another --run-dir")
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=p, prefix=".zplan-write-check-"):
+                pass
+        except OSError as e:
+            raise UsageError(f"run directory {p} is not writable ({e.strerror}); pass another with --run-dir") from None
+        if need_bytes:
+            free = shutil.disk_usage(p).free
+            if free < need_bytes:
+                raise PlanError(f"run directory {p} has {free / 1e9:.2f} GB free but one checkpoint needs about "
+                                f"{need_bytes / 1e9:.2f} GB: free space or pass another --run-dir")
+    except (UsageError, PlanError):
+        for a in made:  # a refused run leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                a.rmdir()
+        raise
     return p.resolve()
 
 
