@@ -243,6 +243,8 @@ def test_rich_markup_in_a_model_name_is_printed_as_text(capsys, tmp_path):
     (["estimate", "--no-flash", "--attention-kernel", "flash3"], "--attention-kernel flash3 names one: drop one of them"),
     (["estimate", "--gpus", "16", "--shard-size", "8", "--strategy", "zero3"], "add --strategy hsdp or drop --shard-size"),
     (["estimate", "--presets", "/nonexistent-zplan"], "--presets /nonexistent-zplan is not a folder"),
+    (["recommend", "--model", "tiny", "--gpus", "4", "--shard-size", "2", "--strategy", "zero3"], "add --strategy hsdp"),
+    (["explain", "--model", "tiny", "--gpus", "4", "--shard-size", "2"], "--strategy zero3 has no hsdp"),
     (["estimate", "--presets", "/dev/null"], "--presets /dev/null is not a folder"),
     (["launch", "--dry-run", "--nproc", "0"], "--nproc 0 is out of range"),
     (["launch", "--dry-run", "--global-batch", "0"], "--global-batch 0 is out of range"),
@@ -276,6 +278,7 @@ def test_verify_hugging_face_loop_flags_go_with_fake(capsys, flag):
 
 @pytest.mark.parametrize("args, needle", [
     (("--checkpoint-first", "3"), "--checkpoint-first 3 sets the k of --checkpointing first-k: add --checkpointing first-k"),
+    (("--fake", "--markdown", "t.md"), "--markdown writes the real matrix's table; drop it with --fake"),
     (("--fake", "--checkpointing", "first-k", "--checkpoint-every", "2"), "add --checkpointing every-k"),
     (("--checkpointing", "first-k", "--checkpoint-first", "5"), "--checkpoint-first 5 is out of range; use a value in 1..4"),
     (("--checkpointing", "every-k", "--checkpoint-every", "0"), "--checkpoint-every 0 is out of range"),

@@ -223,3 +223,22 @@ def test_a_refused_run_directory_leaves_no_folder(tmp_path):
     with pytest.raises(PlanError):
         check_run_dir(tmp_path / "kept", need_bytes=10**20)
     assert (tmp_path / "kept").is_dir()
+
+
+def test_named_outputs_edge_cases_the_review_found(tmp_path, capsys, monkeypatch):
+    """mktemp's empty file takes a plan (scripts create the target first); --write and --plot
+    naming one file are refused (the plot would replace the plan); a dangling link into a
+    missing folder is refused, not followed into a new folder."""
+    import os
+
+    from tests.helpers import cli
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", str(empty)).returncode == 0
+    assert b"plan_version" in empty.read_bytes()
+    r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", "same.json", "--plot", "./same.json")
+    assert r.returncode == 2 and "name the same file" in r.stderr and not (tmp_path / "same.json").exists()
+    os.symlink("nodir/x.json", tmp_path / "dl.json")
+    r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", "dl.json")
+    assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "nodir").exists()

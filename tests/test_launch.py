@@ -638,3 +638,18 @@ def test_a_multi_node_plan_launched_on_one_node_says_its_network_is_not_the_plan
     r = cli(capsys, "launch", "--plan", str(plan), "--dry-run", "--no-save", "--nnodes", "8", "--node-rank", "0",
             "--rdzv-endpoint", "head:29500", "--run-dir", str(tmp_path / "run8"))
     assert r.returncode == 0 and "--nproc-per-node=8" in r.stdout and "priced for" not in r.stderr
+
+
+def test_an_uneven_plan_launched_says_equal_nodes_and_exports_the_last_nodes_count(tmp_path, capsys):
+    """A 12-GPU plan on 8-GPU nodes (8 + 4): launch's note does not advise --nnodes 2 --nproc 8
+    (16 ranks, which launch refuses) but says launch runs equal nodes; export --to torchrun
+    says the last node runs 4 (the review found it printing one node of 8)."""
+    from tests.helpers import cli
+    plan = tmp_path / "p.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "12", "--write", str(plan)).returncode == 0
+    r = cli(capsys, "launch", "--plan", str(plan), "--dry-run", "--no-save", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0 and "2 node(s) of 8, the last with 4" in r.stderr
+    assert "--nproc 8 on each node" not in r.stderr and "a multiple of 8 GPUs" in r.stderr
+    r = cli(capsys, "export", "--plan", str(plan), "--to", "torchrun")
+    assert r.returncode == 0 and "--nnodes=2 --nproc-per-node=8" in r.stdout
+    assert "the last, which runs 4 (--nproc-per-node=4 there)" in r.stdout

@@ -155,3 +155,15 @@ def test_written_plan_names_the_command_that_runs_it(run_zplan, tmp_path):
         assert hint in p.stderr, p.stderr
     launch = run_zplan("launch", "--dry-run", "--plan", str(tmp_path / "deepspeed.json"))
     assert launch.returncode != 0  # the hint above must not point at a command that refuses it
+
+
+def test_the_header_names_a_partial_node_and_a_counted_model(capsys):
+    """The QA pass read '3 node(s) of 3' for 8 GPUs three to a node and '7e+10-params' for
+    --params 70e9: the header now says what the GPUs leave of a node, the model as counted."""
+    from tests.helpers import cli
+    r = cli(capsys, "estimate", "--gpus", "8", "--gpus-per-node", "3")
+    assert "3 node(s) of 3 (the last with 2)" in r.stdout
+    assert "1 node(s) of 8 (2 GPUs used)" in cli(capsys, "estimate", "--gpus", "2").stdout
+    r = cli(capsys, "estimate", "--gpus", "16")
+    assert "2 node(s) of 8 on dgx-h100" in r.stdout
+    assert cli(capsys, "estimate", "--params", "70e9").stdout.startswith("70B-params: 70,000,000,000 params")

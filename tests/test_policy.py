@@ -96,7 +96,7 @@ def test_selective_checkpointing_without_the_attention_kernel_in_its_save_list(m
     the attention forward (FlopCounterMode, torch's own SDPA formula mapped onto the CPU flash
     kernel): the planner's bytes and FLOPs for both settings."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+    from torch.utils.flop_counter import FlopCounterMode
 
     from zplan import activation_memory, arch
     from zplan.specs import Precision, TrainSpec
@@ -109,9 +109,12 @@ def test_selective_checkpointing_without_the_attention_kernel_in_its_save_list(m
         return m, _kept_after_forward(net.layers[0], x)
 
     def cpu_flash_forward(q, k, v, *args, out_shape=None, **kwargs):
-        # torch's own SDPA forward formula (flop_counter.sdpa_flop_count), for the CPU flash
-        # kernel that FlopCounterMode has none for; its backward stays uncounted in every run
-        return sdpa_flop_count(q, k, v)
+        # torch's own SDPA forward formula (flop_counter.sdpa_flop_count: q kᵀ and p v, 2 FLOPs a
+        # multiply-add each, over the query heads), for the CPU flash kernel that FlopCounterMode
+        # has none for; its backward stays uncounted in every run. Written out: torch 2.11's
+        # sdpa_flop_count asserts equal query and key/value heads (grouped-query attention here)
+        b, h, s_q, d = q  # FlopCounterMode hands its mappings the shapes
+        return 4 * b * h * s_q * k[-2] * d
 
     def backward_flop(mode, saves):
         # forward and backward under one counter (SDPA picks its kernel under the mode: the

@@ -254,10 +254,11 @@ def test_a_gpu_alone_plans_on_its_own_node(capsys):
     assert step()[0] == "dgx-h100" and step("--cluster", "dgx-a100")[0] == "dgx-a100"
 
 
-def test_every_shipped_gpu_names_a_node_or_asks_for_one(capsys):
+def test_every_shipped_gpu_names_a_node_or_says_whose_links_it_takes(capsys):
     """Every shipped GPU preset names a shipped cluster whose GPUs are of its kind (same memory
-    family: the node's links are what differ), or none, and then --gpu alone asks for --cluster
-    in one line."""
+    family: the node's links are what differ), or none, and then --gpu alone plans on dgx-h100's
+    links and says so among the assumptions, with the flag (the review: refusing broke bare
+    recommend and launch on an H100 PCIe machine, where the GPU comes from detection)."""
     from tests.helpers import cli
     clusters = set(presets.names("clusters"))
     homeless = []
@@ -265,8 +266,9 @@ def test_every_shipped_gpu_names_a_node_or_asks_for_one(capsys):
         g = presets.gpu(name)
         if g.cluster is None:
             homeless.append(name)
-            r = cli(capsys, "estimate", "--gpu", name, "--gpus", "8")
-            assert r.returncode == 2 and "--cluster" in r.stderr and "Traceback" not in r.stderr
+            r = cli(capsys, "estimate", "--gpu", name, "--gpus", "8", "--json")
+            a = json.loads(r.stdout)["assumptions"]["node_links"]
+            assert r.returncode == 0 and a["value"] == "dgx-h100" and "--cluster" in a["flag"]
             continue
         assert g.cluster in clusters, name
         node_gpu = presets.gpu(presets.cluster(g.cluster).gpu)
@@ -286,3 +288,27 @@ def test_a_calibrated_gpu_plans_on_its_base_parts_node(tmp_path, capsys):
     r = cli(capsys, "estimate", "--presets", str(tmp_path), "--gpu", "mine", "--gpus", "8", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["inputs"]["cluster"] == "dgx-a100"
+
+
+def test_a_learned_position_table_grows_to_the_sequence(capsys):
+    """GPT-2 (learned positions, 1024 rows: 124,439,808 parameters, Hugging Face's count) at
+    --seq-len 4096 has the 4096-row table a run at that length must build (the QA pass found the
+    count kept 1024 rows); at 512 the preset's table stays; the estimate says how many rows."""
+    from tests.helpers import cli
+    from zplan.scenario_options import ScenarioOptions, build
+    count = {s: build(ScenarioOptions(model="gpt2-124m", gpus="8", seq_len=s)).params for s in (512, 1024, 4096)}
+    assert count == {512: 124_439_808, 1024: 124_439_808, 4096: 124_439_808 + 3072 * 768}
+    r = cli(capsys, "estimate", "--model", "gpt2-124m", "--gpus", "8", "--seq-len", "4096", "--json")
+    assert json.loads(r.stdout)["assumptions"]["position_table"]["value"] == "4,096 rows"
+    r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--json")
+    assert "position_table" not in json.loads(r.stdout)["assumptions"]
+
+
+def test_cpu_ranks_default_to_eight_on_their_own_node(capsys):
+    """--gpu cpu alone plans on cpu-local (gloo on one host), whose 64 GPUs per node let any world
+    fit one host: the default count stays 8, as before the GPU's own node became the default;
+    a GPU's node otherwise gives the count (4 on a 4090 workstation)."""
+    from tests.helpers import cli
+    def n(*flags):
+        return json.loads(cli(capsys, "estimate", "--model", "tiny", "--json", *flags).stdout)["inputs"]["num_gpus"]
+    assert n("--gpu", "cpu") == 8 and n("--gpu", "rtx-4090") == 4 and n() == 8

@@ -13,6 +13,7 @@ from functools import cached_property, lru_cache
 
 from . import policy
 from .specs import MAX_LAYERS, ModelSpec, TrainSpec
+from .units import fmt_count
 
 Shape = tuple[int, ...]
 
@@ -149,7 +150,7 @@ def synthetic(params: int, unit_params: int | None = None) -> ModelSpec:
         L = min(MAX_LAYERS, max(1, round((params / (12 * 128**2)) ** (1 / 3))))
     h = max(128, round(math.sqrt(params / (12 * L)) / 128) * 128)
     return ModelSpec(
-        name=f"{params:.3g}-params",
+        name=f"{fmt_count(params)}-params",  # 70B-params, 1.5T-params
         num_layers=L,
         hidden=h,
         ffn_hidden=4 * h,

@@ -193,6 +193,17 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         "cpu_adam_params_per_s": {"value": sc.hw.cluster.cpu_adam_params_per_s, "flag": "cluster preset",
                                   "meaning": "CPU optimizer throughput per node (offload), at fp32 master weights and states; other dtypes by the bytes the step moves (bf16: twice as fast)"},
     }
+    g = sc.hw.gpu
+    if g.cluster is None and g.base is None and g.device == "gpu":  # resolve_hardware's fallback
+        out["node_links"] = {
+            "value": sc.hw.cluster.name, "flag": "--cluster NAME or FILE.toml",
+            "meaning": f"{g.name} names no node of its own (the GPU preset's `cluster`): its links, "
+                       f"GPUs per node and network are {sc.hw.cluster.name}'s"}
+    if sc.model.position == "learned":
+        out["position_table"] = {
+            "value": f"{sc.model.max_seq_len:,} rows", "flag": "--seq-len, or max_seq_len in a model file",
+            "meaning": "learned positions: one row per position, at least --seq-len (a run at a longer "
+                       "sequence than the preset's table builds one that long)"}
     k = sc.hw.gpu.kernels
     if k is not None and a.compute_efficiency is None:  # the kernel model prices contention
         from .kernels import taken_sms

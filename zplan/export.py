@@ -215,7 +215,7 @@ def accelerate_config(plan: Plan) -> str:
 def torchrun_command(plan: Plan, plan_path: str, script: str = "-m zplan.trainer") -> str:
     """The torchrun line that runs this plan (one node standalone, or c10d rendezvous)."""
     gpn = min(plan.cluster.gpus_per_node, plan.num_gpus)
-    nodes = max(1, plan.num_gpus // gpn)
+    nodes, last = -(-plan.num_gpus // gpn), plan.num_gpus % gpn
     argv = ["torchrun"]
     if nodes == 1:
         argv += ["--standalone", "--nnodes=1", f"--nproc-per-node={gpn}"]
@@ -223,7 +223,10 @@ def torchrun_command(plan: Plan, plan_path: str, script: str = "-m zplan.trainer
         argv += [f"--nnodes={nodes}", f"--nproc-per-node={gpn}", "--rdzv-backend=c10d",
                  "--rdzv-endpoint=$HEAD_NODE:29500", "--rdzv-id=zplan"]
     prefix = f"ZPLAN_PLAN={shlex.quote(plan_path)} "
-    return prefix + " ".join(argv + script.split())
+    # a last node the ranks do not fill runs fewer (torchrun's agents may differ in local size)
+    note = (f"# {plan.num_gpus} ranks: {gpn} on each node but the last, which runs {last} "
+            f"(--nproc-per-node={last} there)\n") if last else ""
+    return note + prefix + " ".join(argv + script.split())
 
 
 def checkpointing_note(plan: Plan) -> str | None:

@@ -231,8 +231,7 @@ def check_user_output(path: str | Path, flag: str, what: str = "output", reads: 
     target checks only (check_target)."""
     if str(path) == "":
         raise UsageError(f"{flag} '' is empty; name a file")
-    check_target(path, what)
-    p = Path(path)
+    p, _ = _target(path, what)  # a symlink: the file it points to
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: the folder {parent} does not exist; create it first or "
@@ -244,7 +243,7 @@ def check_user_output(path: str | Path, flag: str, what: str = "output", reads: 
             if src and os.path.samefile(p, src):
                 raise UsageError(f"{flag} {path} is the file this command reads ({src}); write to "
                                  f"another file")
-    if replaces == "plan" and not is_plan_file(p):
+    if replaces == "plan" and not is_plan_file(p) and p.stat().st_size > 0:  # mktemp's empty file: fine
         raise UsageError(f"{flag} {path} exists and is not a zplan plan; remove it or write the "
                          f"plan elsewhere (nothing was replaced)")
     if replaces == "not-plan" and is_plan_file(p):

@@ -503,8 +503,9 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
             s, at = shorter
             flags = f"--seq-len {s}" + (f" --gpus {at}" if at != base.n else "")
             hints.append(f"{flags} (zero3 fits it on {at} GPU{'s' if at > 1 else ''}, micro-batch 1, "
-                         f"full checkpointing; at {base.train.seq_len} one sequence's activations and "
-                         f"this loss exceed the GPU whatever the GPU count: zplan plans no context parallelism)")
+                         f"full checkpointing; at {base.train.seq_len}, with the whole logits, one sequence's "
+                         f"activations and loss exceed the GPU at any GPU count: zplan plans no context "
+                         f"parallelism)")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
     tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
     return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "

@@ -97,7 +97,7 @@ class ScenarioOptions:
 FIELDS = [f.name for f in fields(ScenarioOptions)]
 
 
-def check_flag_pairs(o: ScenarioOptions) -> None:
+def check_flag_pairs(o: ScenarioOptions, strategies: list[str] | tuple[str, ...] | None = None) -> None:
     """Refuse, in one line, what the user typed that the scenario would silently not use: a k of
     every-k or first-k under another mode, an attention kernel beside --no-flash. For the
     commands' own options only (build takes any combination: a plan's TrainSpec carries both k
@@ -111,14 +111,17 @@ def check_flag_pairs(o: ScenarioOptions) -> None:
     if not o.flash and o.attention_kernel != defaults.attention_kernel:
         raise UsageError(f"--no-flash prices attention without a flash kernel and --attention-kernel "
                          f"{o.attention_kernel} names one: drop one of them")
+    if strategies and o.shard_size is not None and "hsdp" not in strategies:
+        raise UsageError(f"--shard-size {o.shard_size} sets HSDP's shard group, and --strategy "
+                         f"{' '.join(strategies)} has no hsdp: add --strategy hsdp or drop --shard-size")
 
 
 def resolve_hardware(cluster_name: str | None, gpu_name: str | None, extra: tuple[str, ...] = ()):
     """The cluster and GPU presets a run plans for. --cluster names the node (links, network,
     GPUs per node) and, without --gpu, its GPU; --gpu alone plans for the node that GPU usually
     sits in (GPUSpec.cluster; a calibrated preset's, its base part's), not another GPU's node: an
-    L40S planned on dgx-h100's NVSwitch and 400 Gb/s NICs would come out twice as fast. Neither:
-    dgx-h100 and its H100 SXM."""
+    L40S planned on dgx-h100's NVSwitch and 400 Gb/s NICs would come out twice as fast; a GPU
+    that names none, dgx-h100's (said as an assumption). Neither: dgx-h100 and its H100 SXM."""
     if cluster_name is not None:
         cluster = presets.cluster(cluster_name, extra)
         return cluster, presets.gpu(gpu_name or cluster.gpu or "h100-sxm", extra)
@@ -129,11 +132,9 @@ def resolve_hardware(cluster_name: str | None, gpu_name: str | None, extra: tupl
     home = gpu.cluster
     if home is None and gpu.base is not None:
         home = presets.gpu(gpu.base, extra).cluster
-    if home is None:
-        raise UsageError(f"--gpu {gpu_name}: no cluster preset is this GPU's node; name one with "
-                         f"--cluster (its links and network: {', '.join(presets.names('clusters', extra))}, "
-                         f"or a .toml file)")
-    return presets.cluster(home, extra), gpu
+    # a GPU that names no node (h100-pcie, a file of the user's): dgx-h100's links, which
+    # estimate states as an assumption (`node_links`) with the flag that changes them
+    return presets.cluster(home or DEFAULT_CLUSTER, extra), gpu
 
 
 def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
@@ -164,7 +165,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             update["intra_node_allreduce_gpus"] = max(2, cluster.gpus_per_node)  # the figure stays the preset node's
         cluster = cluster.model_copy(update=update)
     if o.gpus is None:
-        n = gpus_found or cluster.gpus_per_node
+        # one node; CPU ranks share one host, whose cpu-local preset allows 64: 8 as before
+        n = gpus_found or (min(8, cluster.gpus_per_node) if gpu.device == "cpu" else cluster.gpus_per_node)
     else:
         n = parse_count(o.gpus, "--gpus", MAX_GPUS, integer=True, example="64")
     if o.model is not None:
@@ -183,6 +185,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         model = model.model_copy(update={"qkv_fused": o.qkv_fused})
     seq = o.seq_len if o.seq_len is not None else min(4096, model.max_seq_len)
     check_range(seq, "--seq-len", 1, 10**7)
+    if model.position == "learned" and seq > model.max_seq_len:
+        # a learned position table has a row per position: a run at this length builds that many
+        # (llm-foundry sets max_seq_len = the run's; GPT-2 at 4096 needs 4096 rows, not its 1024)
+        model = model.model_copy(update={"max_seq_len": seq})
     check_range(o.micro_batch, "--micro-batch", 1, 10**5)
     check_range(o.grad_accum, "--grad-accum", 1, 10**6)
     check_range(o.blocks_per_unit, "--blocks-per-unit", 1, model.num_layers)

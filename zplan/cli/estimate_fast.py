@@ -29,9 +29,6 @@ def run(opts: ScenarioOptions, strategy: list[str] | None = None, as_json: bool 
     check_choice(unit, "--unit", ("GB", "GiB"))
     for s in strategy or ():
         check_choice(s, "--strategy", tuple(STRATEGIES))
-    if strategy and opts.shard_size is not None and "hsdp" not in strategy:
-        raise UsageError(f"--shard-size {opts.shard_size} sets HSDP's shard group, and --strategy "
-                         f"{' '.join(strategy)} shows no hsdp: add --strategy hsdp or drop --shard-size")
     if plan is not None:
         from ..plan import load
 
@@ -42,7 +39,7 @@ def run(opts: ScenarioOptions, strategy: list[str] | None = None, as_json: bool 
         p = load(plan)
         sc, names = p.scenario(), strategy or [p.strategy]
     else:
-        check_flag_pairs(opts)
+        check_flag_pairs(opts, strategy)
         sc, names = build(opts), strategy or list(STRATEGIES)
     results = run_estimate(sc, names)
     if as_json:

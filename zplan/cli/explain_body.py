@@ -22,7 +22,7 @@ def run(opts: ScenarioOptions, strategy: str = "zero3", as_json: bool = False) -
     from ..strategies import STRATEGIES
 
     check_choice(strategy, "--strategy", tuple(STRATEGIES))
-    check_flag_pairs(opts)
+    check_flag_pairs(opts, [strategy])
     sc = build(opts)
     lines = explain_lines(sc, strategy)
     if as_json:

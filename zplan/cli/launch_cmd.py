@@ -212,10 +212,13 @@ def launch(
         raise PlanError(f"zplan's trainer cannot run {plan or 'this plan'}: {why}")
     planned = min(p.cluster.gpus_per_node, p.num_gpus)
     if plan is not None and per_node != planned:
-        print(f"zplan: note: {plan} was priced for {p.num_gpus // planned} node(s) of {planned} "
-              f"({p.cluster.name}'s links); this launch runs {nnodes} node(s) of {per_node} ranks, so its "
-              f"communication is not the plan's (--nnodes {-(-p.num_gpus // planned)} --nproc {planned} on "
-              f"each node, or zplan export --plan {plan} --to torchrun)", file=sys.stderr)
+        nodes, last = -(-p.num_gpus // planned), p.num_gpus % planned
+        shape = f"{nodes} node(s) of {planned}" + (f", the last with {last}" if last else "")
+        how = (f"--nnodes {nodes} --nproc {planned} on each node" if not last else
+               f"zplan launch runs equal nodes: plan again with a multiple of {planned} GPUs")
+        print(f"zplan: note: {plan} was priced for {shape} ({p.cluster.name}'s links); this launch runs "
+              f"{nnodes} node(s) of {per_node} ranks, so its communication is not the plan's ({how}, "
+              f"or zplan export --plan {plan} --to torchrun)", file=sys.stderr)
     if found.gpus and not slurm and per_node > len(found.gpus):
         raise UsageError(f"{per_node} ranks per node but this node has {len(found.gpus)} GPUs: run on "
                          f"{-(-per_node * nnodes // len(found.gpus))} nodes (--nnodes), or plan again with "
@@ -246,6 +249,10 @@ def launch(
         if len(os.fsencode(Path(plan_path).name)) > 255:
             raise UsageError(f"--slurm {slurm}: the plan written beside it, {Path(plan_path).name}, "
                              f"would be a file name over 255 bytes; choose a shorter name")
+        from ..files import check_user_output
+
+        check_user_output(plan_path, "--slurm", "plan beside the script", reads=(plan,) if plan else (),
+                          replaces="plan")
         spec = LaunchSpec(plan_path, per_node, nnodes, None, rdzv_endpoint, rdzv_id, max_restarts, script,
                           tuple(extra), torchrun_opts=opts, env=env_for_plan)
         save(p, plan_path)

@@ -6,6 +6,7 @@ reads a plain command line into the same call without Typer, or answers None and
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..errors import PlanError, UsageError
@@ -67,6 +68,7 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
 
     for name in strategy or ():
         check_choice(name, "--strategy", tuple(STRATEGIES))
+    asked = list(strategy or ())  # the user's list, before DeepSpeed's default below
     if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
         strategy = [s for s in STRATEGIES if s != "hsdp"]
         used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp to plan it anyway)")
@@ -75,8 +77,11 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     for path, flag, what, kind in ((write, "--write", "output", "plan"), (plot, "--plot", "plot", "not-plan")):
         if path is not None:
             check_user_output(path, flag, what, replaces=kind)  # before the search, not after it
+    if write and plot and os.path.abspath(write) == os.path.abspath(plot):
+        raise UsageError(f"--write and --plot name the same file, {write}: the plot would replace the "
+                         f"plan; give them two names")
     with project_file_named(used):
-        check_flag_pairs(opts)
+        check_flag_pairs(opts, asked)
         sc = build(opts)
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
     if gb is not None and gbt is not None:

@@ -28,6 +28,13 @@ def console_width() -> int:
     return DEFAULT_WIDTH
 
 
+def _partial_node(n: int, per_node: int) -> str:
+    """A node the GPUs do not fill, said: 2 of one node's 8, or the last node's 4 of 8."""
+    if n < per_node:
+        return f" ({n} GPUs used)"
+    return f" (the last with {n % per_node})" if n % per_node else ""
+
+
 def make_console() -> Out:
     """Standard output at console_width(): plain text where rich would not write to a terminal
     (piped or redirected output), else a rich Console. Emoji codes are never replaced: a name such as
@@ -79,7 +86,8 @@ def header(console: Out, sc: Scenario, unit: str) -> None:
     )
     console.print(
         f"{hw.num_gpus} x {escape(hw.gpu.name)} ({fmt_bytes(hw.gpu.memory_bytes, unit)} each), "
-        f"{sc.hw.num_nodes} node(s) of {hw.cluster.gpus_per_node} on {escape(hw.cluster.name)}; "
+        f"{sc.hw.num_nodes} node(s) of {hw.cluster.gpus_per_node}{_partial_node(hw.num_gpus, hw.cluster.gpus_per_node)}"
+        f" on {escape(hw.cluster.name)}; "
         f"{len(sc.units)} units; seq {t.seq_len}, micro-batch {t.micro_batch}, accumulation {t.grad_accum}; "
         f"checkpointing {checkpointing_label(t)}; layout {t.layout}; params {t.precision.param}, "
         f"reduce {t.precision.reduce}, master {t.precision.master}, {t.optimizer}"

@@ -91,6 +91,8 @@ def verify(
             raise UsageError(f"{flag} {k} sets the k of --checkpointing {mode}: add --checkpointing {mode}")
     ks = {**({"checkpoint_every": checkpoint_every} if checkpoint_every is not None else {}),
           **({"checkpoint_first": checkpoint_first} if checkpoint_first is not None else {})}
+    if fake and markdown is not None:
+        raise UsageError("--markdown writes the real matrix's table; drop it with --fake (its table is on stdout)")
     if fake and as_json:
         raise UsageError("--json covers the real matrix; drop it with --fake (its table is on stdout)")
     if fake:
