@@ -453,3 +453,15 @@ def test_a_refused_count_shows_a_value_of_its_own_flag(run_zplan):
     assert p.stderr.strip() == "zplan: error: --gpus '-1' must be a positive count; write it like 64"
     p = run_zplan("estimate", "--params", "-7", "--gpus", "8")
     assert p.returncode == 2 and "write it like 70e9" in p.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (("estimate", "--seq-len", "8e3"), "--seq-len '8e3' is not a whole number (write it out: 8192, not 8e3)"),
+    (("estimate", "--micro-batch=2.5"), "--micro-batch '2.5' is not a whole number"),
+    (("recommend", "--context-gib", "abc"), "--context-gib 'abc' is not a number"),
+])
+def test_a_number_flag_given_text_names_the_value(capsys, args, line):
+    """Typer said "Input should be a valid integer, unable to parse string as an integer" with
+    neither the value nor the fix (the QA pass); the line now names both."""
+    rc, _, err = cli(capsys, *args)
+    assert rc == 2 and one_error(err).startswith(f"zplan: error: {line}")

@@ -267,3 +267,22 @@ def test_deepspeed_export_of_a_plan_for_zplans_trainer_says_so(tmp_path, capsys,
     assert ("recommend --for deepspeed" in r.stderr) == (layout == "torch")
     r = cli(capsys, "export", "--plan", str(path), "--to", "torchrun")
     assert r.returncode == 0 and r.stderr == ""
+
+
+def test_a_plan_edited_past_its_gpu_is_said_not_to_fit_where_it_is_used(tmp_path, capsys):
+    """recommend writes plans that fit; one edited by hand to a 20 GB GPU: estimate --plan exits
+    1, and export and launch, which run it, now say so (the QA pass found them silent)."""
+    from zplan.plan import save
+    from tests.helpers import cli
+
+    path = tmp_path / "plan.json"
+    save(plan_for("zero3", layout="torch"), path)
+    data = json.loads(path.read_text())
+    data["gpu"]["memory_bytes"] = 20 * 10**9
+    path.write_text(json.dumps(data))
+    assert cli(capsys, "estimate", "--plan", str(path)).returncode == 1
+    r = cli(capsys, "export", "--plan", str(path), "--to", "torchrun")
+    assert r.returncode == 0 and "does not fit a h100-sxm" in r.stderr and "of 20.0 GB" in r.stderr
+    r = cli(capsys, "launch", "--plan", str(path), "--dry-run", "--no-save", "--run-dir", str(tmp_path / "r"),
+            "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1")
+    assert r.returncode == 0 and "does not fit a h100-sxm" in r.stderr

@@ -167,3 +167,18 @@ def test_the_header_names_a_partial_node_and_a_counted_model(capsys):
     r = cli(capsys, "estimate", "--gpus", "16")
     assert "2 node(s) of 8 on dgx-h100" in r.stdout
     assert cli(capsys, "estimate", "--params", "70e9").stdout.startswith("70B-params: 70,000,000,000 params")
+
+
+def test_checkpointing_the_attention_core_under_a_flash_kernel_says_it_saves_nothing(capsys):
+    """--checkpointing attention with a flash kernel keeps what none keeps (the QA pass: same
+    memory, 3% slower): the estimate says it saves 0 bytes and what to use; without a flash
+    kernel, where the s x s probabilities go, it says nothing."""
+    import json
+
+    from tests.helpers import cli
+    a = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--checkpointing", "attention",
+                       "--json").stdout)["assumptions"]
+    assert a["attention_checkpointing"]["value"] == "0 bytes saved" and "selective" in a["attention_checkpointing"]["flag"]
+    a = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--checkpointing", "attention", "--no-flash",
+                       "--json").stdout)["assumptions"]
+    assert "attention_checkpointing" not in a

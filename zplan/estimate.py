@@ -241,6 +241,15 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                + ("at s=4096 (calibrated)" if measured else "at long sequences")
                + ": --attention-kernel cudnn (zplan's trainer runs the plan's kernel)"
                if preferred and cudnn and cudnn[0] > 1 and t.attention_kernel == "flash2" else "")}
+    if t.checkpointing == "attention" and t.flash_attention:
+        from .activation_memory import block_saved_bytes
+
+        saved = block_saved_bytes(sc.model, t, "none") - block_saved_bytes(sc.model, t, "attention")
+        out["attention_checkpointing"] = {
+            "value": f"{saved * sc.model.num_layers:,} bytes saved", "flag": "--checkpointing selective or full",
+            "meaning": "a flash kernel keeps no s x s tensor: recomputing the attention core saves only what "
+                       "the block keeps anyway (its output is the next projection's saved input) and reruns "
+                       "its forward in backward; it pays without a flash kernel (--no-flash)"}
     if sc.hw.gpu.caveat:
         out["gpu_figures"] = {"value": sc.hw.gpu.name, "flag": "zplan calibrate",
                               "meaning": sc.hw.gpu.caveat}

@@ -82,7 +82,8 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
         big = max(sc.padded_elems(u, D) for u in us)
         how = ("all units stay gathered from forward to backward" if not st.reshard_after_forward
                else "current + prefetched unit" if t.prefetch else "one unit at a time")
-        out.append(f"gathered weights ({how}) x {b(p.param)} B = {_gb(mem.gather_buffer_bytes)}")
+        out.append(f"gathered weights live at the peak ({how}) x {b(p.param)} B = {_gb(mem.gather_buffer_bytes)} "
+                   f"(at the peak's phase, {mem.peak_phase}; a whole unit's, the largest: {_gb(big * b(p.param))})")
         whole = big * (b(p.param) + b(p.reduce))
         out.append(f"reduce: unsharded gradients + reduce-scatter inputs live at the peak = {_gb(mem.reduce_buffer_bytes)} "
                    f"(a whole unit's, the largest: {big:,} x ({b(p.param)} B grad + {b(p.reduce)} B reduce-scatter "

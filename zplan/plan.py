@@ -299,3 +299,15 @@ def check_plan_numbers(plan: Plan, p: Path) -> None:
         if v is not None and not 1 <= v <= hi:
             raise UsageError(f"plan {p}: field '{name}' is {v}, outside 1..{hi}; "
                              f"write it again with zplan recommend --write")
+
+
+def fit_note(plan: Plan, path: str) -> str | None:
+    """A plan that does not fit its own GPU by zplan's estimate (a hand-edited one: recommend
+    writes only plans that fit), said before it is exported or launched; None where it fits."""
+    from .estimate import estimate_one
+
+    r = estimate_one(plan.scenario(), plan.strategy)
+    if r.memory is None or r.fits:
+        return None
+    return (f"by zplan's own estimate {path} does not fit a {plan.gpu.name} ({r.memory.total_bytes / 1e9:.1f} "
+            f"GB of {plan.gpu.memory_bytes / 1e9:.1f} GB); zplan estimate --plan {path} says why")

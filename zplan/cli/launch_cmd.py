@@ -210,6 +210,12 @@ def launch(
         from ..errors import PlanError
 
         raise PlanError(f"zplan's trainer cannot run {plan or 'this plan'}: {why}")
+    if plan is not None:
+        from ..plan import fit_note
+
+        note = fit_note(p, plan)
+        if note:
+            print(f"zplan: note: {note}", file=sys.stderr)
     planned = min(p.cluster.gpus_per_node, p.num_gpus)
     if plan is not None and per_node != planned:
         nodes, last = -(-p.num_gpus // planned), p.num_gpus % planned

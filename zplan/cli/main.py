@@ -7,6 +7,7 @@ import errno
 import functools
 import importlib
 import os
+import re
 import sys
 
 from ..errors import ZplanError
@@ -94,6 +95,30 @@ def _environment_error(e: BaseException) -> tuple[str, int]:
     return f"{what} ({detail}); check the values given", 2
 
 
+_BAD_NUMBER = re.compile(r"Invalid value for '(--[\w-]+)': Input should be a valid (integer|number)")
+
+
+def _bad_number(msg: str, args: list[str]) -> str:
+    """Typer's "Input should be a valid integer" for a flag, with the value typed and what to
+    type instead (the value from the command line: the last occurrence, as the parser takes)."""
+    m = _BAD_NUMBER.match(msg)
+    if not m:
+        return msg
+    flag, kind = m.groups()
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    if value is None:
+        return msg
+    if kind == "number":
+        return f"{flag} {value!r} is not a number"
+    written = " (write it out: 8192, not 8e3)" if "e" in value.lower() else ""
+    return f"{flag} {value!r} is not a whole number{written}"
+
+
 def run(argv: list[str] | None = None) -> int:
     """Entry point: the one place that turns errors into one line and an exit code."""
     debug = os.environ.get("ZPLAN_DEBUG") == "1"
@@ -142,7 +167,7 @@ def run(argv: list[str] | None = None) -> int:
         if kind in ("UsageError", "ClickException"):
             ctx = getattr(e, "ctx", None)
             cmd = f"zplan {ctx.info_name}" if ctx is not None and ctx.info_name != "zplan" else "zplan"
-            msg = one_line(e.format_message())
+            msg = _bad_number(one_line(e.format_message()), sys.argv[1:] if argv is None else argv)
             print(f"zplan: error: {msg} (see {cmd} --help)", file=sys.stderr)
             return int(getattr(e, "exit_code", 2))
         print(f"zplan: internal error: {type(e).__name__}: {one_line(str(e))} (rerun with ZPLAN_DEBUG=1 and report it)",

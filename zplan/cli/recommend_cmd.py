@@ -58,7 +58,9 @@ def export(
         check_user_output(output, "--output", "export", reads=(plan,), replaces="not-plan")
     loaded = load(plan)
     text = do_export(loaded, to, plan, zeropp)
-    for note in (layout_note(loaded), checkpointing_note(loaded)) if to == "deepspeed" else ():
+    from ..plan import fit_note
+
+    for note in (fit_note(loaded, plan),) + ((layout_note(loaded), checkpointing_note(loaded)) if to == "deepspeed" else ()):
         if note:
             print(f"zplan: note: {note}", file=sys.stderr)
     if output is not None:
