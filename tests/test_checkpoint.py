@@ -227,6 +227,13 @@ def test_nothing_loadable_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="none of the 1 checkpoints"):
         _resume(tmp_path)
     assert _resume(tmp_path / "empty")[0] is None
+    # the only checkpoint's metadata damaged: the error says why (the run-half QA pass found it
+    # silent there, and the fallback's reason read "it unpickling stack underflow")
+    _save(tmp_path / "m", 2, seed=1)
+    (tmp_path / "m" / "step_00000002" / ".metadata").write_bytes(b"0")
+    with pytest.raises(CheckpointError, match=r"none of the 1 checkpoints .* \(step_00000002: refused checkpoint "
+                                               r"metadata .*not a checkpoint's pickle"):
+        _resume(tmp_path / "m")
 
 
 def test_consolidate_output_that_cannot_be_written_is_one_line(tmp_path, capsys):

@@ -247,6 +247,8 @@ def test_rich_markup_in_a_model_name_is_printed_as_text(capsys, tmp_path):
     (["explain", "--model", "tiny", "--gpus", "4", "--shard-size", "2"], "--strategy zero3 has no hsdp"),
     (["estimate", "--presets", "/dev/null"], "--presets /dev/null is not a folder"),
     (["launch", "--dry-run", "--nproc", "0"], "--nproc 0 is out of range"),
+    (["launch", "--dry-run", "--run-dir", ""], "--run-dir '' is empty"),
+    (["consolidate", "README.md", "o.safetensors"], "checkpoint README.md is not a folder"),
     (["launch", "--dry-run", "--global-batch", "0"], "--global-batch 0 is out of range"),
     (["launch", "--dry-run", "--save-every", "-5"], "--save-every -5 is out of range"),
     (["launch", "--dry-run", "--data", "no-such.txt"], "--data 'no-such.txt' is not a file"),
@@ -279,6 +281,7 @@ def test_verify_hugging_face_loop_flags_go_with_fake(capsys, flag):
 @pytest.mark.parametrize("args, needle", [
     (("--checkpoint-first", "3"), "--checkpoint-first 3 sets the k of --checkpointing first-k: add --checkpointing first-k"),
     (("--fake", "--markdown", "t.md"), "--markdown writes the real matrix's table; drop it with --fake"),
+    (("--fake", "--model", "tiny", "--strategy", "offload-all"), "--fake compares device memory"),
     (("--fake", "--checkpointing", "first-k", "--checkpoint-every", "2"), "add --checkpointing every-k"),
     (("--checkpointing", "first-k", "--checkpoint-first", "5"), "--checkpoint-first 5 is out of range; use a value in 1..4"),
     (("--checkpointing", "every-k", "--checkpoint-every", "0"), "--checkpoint-every 0 is out of range"),
@@ -465,3 +468,16 @@ def test_a_number_flag_given_text_names_the_value(capsys, args, line):
     neither the value nor the fix (the QA pass); the line now names both."""
     rc, _, err = cli(capsys, *args)
     assert rc == 2 and one_error(err).startswith(f"zplan: error: {line}")
+
+
+def test_zplan_toml_counts_are_checked_where_a_flag_overrides_them(tmp_path, capsys, monkeypatch):
+    """docs/reliability.md: the whole zplan.toml is checked even where a flag overrides a key; the
+    run-half QA pass found gpus = -3 beside --gpus 4 taken silently."""
+    monkeypatch.chdir(tmp_path)
+    for value, needle in (("-3", "gpus '-3' must be a positive count; write it like 64"),
+                          ('"two"', "gpus 'two' is not a number")):
+        (tmp_path / "zplan.toml").write_text(f'model = "tiny"\ngpus = {value}\n')
+        rc, _, err = cli(capsys, "recommend", "--gpus", "4")
+        assert rc == 2 and needle in one_error(err), err
+    (tmp_path / "zplan.toml").write_text('model = "tiny"\ngpus = 2\n')
+    assert cli(capsys, "recommend", "--gpus", "4")[0] == 0

@@ -1,5 +1,6 @@
 """zplan launch: the torchrun command as data, the Slurm script, detection through a fake NVML."""
 
+import json
 import os
 import signal
 import subprocess
@@ -653,3 +654,52 @@ def test_an_uneven_plan_launched_says_equal_nodes_and_exports_the_last_nodes_cou
     r = cli(capsys, "export", "--plan", str(plan), "--to", "torchrun")
     assert r.returncode == 0 and "--nnodes=2 --nproc-per-node=8" in r.stdout
     assert "the last, which runs 4 (--nproc-per-node=4 there)" in r.stdout
+
+
+def test_a_run_directory_keeps_its_run_and_its_plan(tmp_path, capsys, monkeypatch):
+    """The run-half QA pass: a fresh launch into a folder holding a run put its checkpoints beside
+    the old ones (a later --resume loaded the old run's newer step) and replaced its report and
+    plan; --resume wrote a fresh recommendation over the run's plan (zero2 at seq 64 became ddp
+    at 256). Now: a fresh run refuses such a folder; --resume continues the run's own plan and
+    refuses flags that would change it; --resume under another --plan keeps the run's as
+    plan.prev.json and says what changes. All before a rank starts (dry runs here)."""
+    from tests.helpers import cli
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    base = ("launch", "--dry-run", "--no-save", "--nproc", "2", "--run-dir", str(run))
+    assert cli(capsys, *base, "--seq-len", "64", "--strategy", "zero2").returncode == 0
+    own = (run / "plan.json").read_bytes()
+    assert json.loads(own)["strategy"] == "zero2"
+    for held in ("run_report.json", "step_00000002"):
+        (run / held).mkdir() if held.startswith("step_") else (run / held).write_text("{}")
+        r = cli(capsys, *base, "--seq-len", "64")
+        assert r.returncode == 2 and f"already holds a run" in r.stderr and held in r.stderr and "--resume" in r.stderr
+        assert (run / "plan.json").read_bytes() == own
+    r = cli(capsys, *base, "--resume", "--strategy", "ddp")
+    assert r.returncode == 2 and "--resume continues the run's plan" in r.stderr and "--strategy" in r.stderr
+    r = cli(capsys, *base, "--resume")
+    assert r.returncode == 0 and f"ZPLAN_PLAN={run.resolve() / 'plan.json'}" in r.stdout
+    assert (run / "plan.json").read_bytes() == own and not (run / "plan.prev.json").exists()
+    other = tmp_path / "ddp.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--gpu", "cpu",
+               "--strategy", "ddp", "--write", str(other)).returncode == 0
+    r = cli(capsys, "launch", "--dry-run", "--no-save", "--run-dir", str(run), "--resume", "--plan", str(other))
+    assert r.returncode == 0 and "under another plan (strategy zero2 -> ddp" in r.stderr
+    assert (run / "plan.prev.json").read_bytes() == own and json.loads((run / "plan.json").read_text())["strategy"] == "ddp"
+
+
+def test_a_data_file_too_short_is_refused_before_the_ranks(tmp_path, capsys):
+    """--data shorter than a sequence: one line, exit 2, before a folder is made (it was the
+    trainer's ValueError inside the ranks: 'internal error', exit 1, a folder left behind); the
+    trainer's own check is a usage error too."""
+    from tests.helpers import cli
+    from zplan.errors import UsageError
+    from zplan.trainer.data import TokenSource
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x" * 65)
+    r = cli(capsys, "launch", "--nproc", "1", "--steps", "2", "--seq-len", "64", "--data", str(short),
+            "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2 and "has 65 bytes; the trainer needs more than seq_len + 1 = 65" in r.stderr
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UsageError, match="needs more than seq_len"):
+        TokenSource(256, 64, text=str(short))

@@ -463,3 +463,13 @@ def test_nothing_fits_at_long_sequences_names_the_chunked_loss_that_does(capsys)
     assert r.returncode == 0, r.stderr
     w = json.loads(r.stdout)["winner"]
     assert w["fits"] and w["train"]["linear_loss"] == "chunked" and family in ("zero3", "offload-opt", "offload-all")
+
+
+def test_nothing_fits_for_no_memory_reason_gives_no_memory_advice(capsys):
+    """hsdp alone on 2 GPUs (no shard size divides them): memory was never the problem, so the
+    advice is another strategy, not --linear-loss or --gpus (the run-half QA pass, through
+    launch, which has neither flag)."""
+    from tests.helpers import cli
+    r = cli(capsys, "recommend", "--gpu", "cpu", "--model", "tiny", "--gpus", "2", "--strategy", "hsdp")
+    assert r.returncode == 1 and "no shard size" in r.stderr and r.stderr.rstrip().endswith("try another --strategy")
+    assert "--gpus" not in r.stderr.split("try")[-1] and "--linear-loss" not in r.stderr

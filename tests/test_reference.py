@@ -165,3 +165,18 @@ def test_verify_fake_traces_first_k_at_the_k_asked(run_zplan):
         assert row.startswith(f"zero3 ckpt=first-k k={k} ")
         traced[k] = float(row.split("GiB")[1].split()[-1])
     assert traced[8] < traced[1]
+
+
+@pytest.mark.slow
+def test_a_one_rank_cpu_calibration_keeps_its_ranks_on_one_host(run_zplan, tmp_path):
+    """calibrate --ranks 1 on CPU wrote a node of one rank, so two ranks were priced as two
+    nodes over network figures never measured (the run-half QA pass): CPU ranks share the host,
+    one node of them on cpu-local's links, said so in the source."""
+    out = tmp_path / "cal"
+    p = run_zplan("calibrate", "--ranks", "1", "--output", str(out), "--max-mb", "1", "--json", timeout=200)
+    assert p.returncode == 0, p.stderr[-2000:]
+    c = json.loads(p.stdout)["cluster"]
+    assert c["gpus_per_node"] == 64 and "links as the cpu-local preset's" in c["source"]
+    e = run_zplan("estimate", "--presets", str(out), "--gpu", "calibrated", "--cluster", "calibrated",
+                  "--model", "tiny", "--gpus", "2", "--json")
+    assert e.returncode == 0 and json.loads(e.stdout)["inputs"]["gpus_per_node"] == 64

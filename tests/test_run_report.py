@@ -28,3 +28,16 @@ def test_a_measured_peak_has_its_error_and_no_note():
     assert _row(lines, "peak allocated per rank")[-1] == "-25.0%"  # (3 - 4) / 4
     assert not any("not measured" in ln for ln in lines)
     assert _row(lines, "step time")[-1] == "-20.0%"  # (400 - 500) / 500
+
+
+def test_offload_all_on_cpu_ranks_says_what_its_memory_is_compared_with():
+    """A CPU rank has no device to offload to: the report compares offload-all's peak with
+    zero3's prediction and now says so (the run-half QA pass read 35.0 MiB predicted against
+    estimate --plan's 18.4 MB unexplained); other strategies and GPUs print no such line."""
+    from zplan.trainer.report import compare_lines
+    report = {"device": "cpu", "strategy": "offload-all", "measured": {"peak_memory_bytes": 36 << 20},
+              "predicted": {"peak_memory_bytes": 35 << 20}}
+    assert any("compared with zero3's prediction" in l for l in compare_lines(report))
+    for device, strategy in (("cpu", "zero3"), ("cuda", "offload-all")):
+        lines = compare_lines({**report, "device": device, "strategy": strategy})
+        assert not any("zero3's prediction" in l for l in lines)

@@ -469,6 +469,11 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
                   expandable: Candidate | None = None) -> str:
     from .estimate import smallest_n
 
+    if rejected and not any("usable" in r for r in rejected.values()):
+        # no family was too large (hsdp with no shard size at 2 GPUs, a strategy that cannot run
+        # here): memory advice would mislead
+        return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} ("
+                + "; ".join(rejected.values()) + "); try another --strategy")
     hints = []
     if expandable is not None:
         hints.append(f"--expandable-segments ({expandable.label()} fits with them; {_expandable_run(base)})")

@@ -408,7 +408,12 @@ def _project_value(p: Any, key: str, v: Any, hint: Any) -> Any:
     """A zplan.toml value checked against the option's type (a flag would be parsed to it)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     want = args[0]
-    if key in ("params", "gpus", "unit_params") and isinstance(v, (int, float)) and not isinstance(v, bool):
+    if key in ("params", "gpus", "unit_params") and not isinstance(v, bool) and isinstance(v, (int, float, str)):
+        # a count, checked here as its flag would be, used or not (a flag may override it)
+        if key == "gpus":
+            parse_count(str(v), f"{p}: {key}", MAX_GPUS, integer=True, example="64")
+        else:
+            parse_count(str(v), f"{p}: {key}")
         return str(v)
     if key == "presets_dir" and isinstance(v, str):
         return [v]

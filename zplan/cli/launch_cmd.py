@@ -171,6 +171,16 @@ def launch(
             if _given(ctx, name):
                 raise UsageError(f"--{name.replace('_', '-')} applies to a fresh plan, and --plan {plan} fixes it; "
                                  f"drop one of them")
+    if resume and plan is None and run_dir is not None and (Path(run_dir) / "plan.json").is_file():
+        # a resume continues the run's own plan: a fresh one (another strategy, sequence, batch)
+        # would change the run under its checkpoints, and replace the plan its report was made for
+        own = str(Path(run_dir) / "plan.json")
+        for name in FRESH_PLAN_FLAGS:
+            if _given(ctx, name):
+                raise UsageError(f"--resume continues the run's plan, {own}; --{name.replace('_', '-')} would "
+                                 f"change it: drop it, or pass a new plan with --plan (the run's shards reload "
+                                 f"at another world size)")
+        plan = own
     if script is None and "--no-save" in extra:  # the trainer's flag after `--`: the same run
         checkpoints = False
     if not checkpoints and (save_every or keep):
@@ -179,6 +189,8 @@ def launch(
     if not checkpoints and max_restarts:
         raise UsageError(f"--max-restarts {max_restarts} resumes from checkpoints, which --no-save "
                          f"does not write: drop one of them")
+    if run_dir == "":
+        raise UsageError("--run-dir '' is empty; name a folder (or drop it for runs/<time>)")
     if resume and run_dir is None:
         raise UsageError("--resume needs --run-dir: the folder of the run to resume")
     if slurm is not None:
@@ -199,12 +211,18 @@ def launch(
             per_node = nproc or (p.num_gpus // nnodes)
         if per_node * nnodes != p.num_gpus:
             raise UsageError(f"the plan is for {p.num_gpus} ranks; --nproc {per_node} x --nnodes {nnodes} "
-                             f"gives {per_node * nnodes}: drop --nproc or plan again with --gpus {per_node * nnodes}")
+                             f"gives {per_node * nnodes}: drop --nproc, or pass a plan for {per_node * nnodes} "
+                             f"(zplan recommend --gpus {per_node * nnodes} --write P, then --plan P)")
     else:
         p, per_node = _fresh_plan(model, nproc, nnodes, found, global_batch, strategy, seq_len,
                                   here=not slurm)
     from ..plan import trainer_refusal
 
+    if data and script is None:  # what the trainer's TokenSource would refuse inside the ranks, said here
+        size = os.path.getsize(data)
+        if size <= p.train.seq_len + 1:
+            raise UsageError(f"--data {data} has {size} bytes; the trainer needs more than seq_len + 1 = "
+                             f"{p.train.seq_len + 1} (a longer text file, or a shorter --seq-len)")
     why = trainer_refusal(p) if script is None else None
     if why:
         from ..errors import PlanError
@@ -227,8 +245,9 @@ def launch(
               f"or zplan export --plan {plan} --to torchrun)", file=sys.stderr)
     if found.gpus and not slurm and per_node > len(found.gpus):
         raise UsageError(f"{per_node} ranks per node but this node has {len(found.gpus)} GPUs: run on "
-                         f"{-(-per_node * nnodes // len(found.gpus))} nodes (--nnodes), or plan again with "
-                         f"--gpus {len(found.gpus) * nnodes}")
+                         f"{-(-per_node * nnodes // len(found.gpus))} nodes (--nnodes), or pass a plan for "
+                         f"{len(found.gpus) * nnodes} (zplan recommend --gpus {len(found.gpus) * nnodes} --write P, "
+                         f"then --plan P)")
     from .. import arch
     from ..launch.run_dir import checkpoint_bytes
 
@@ -269,6 +288,8 @@ def launch(
     spec = LaunchSpec(plan_path, per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, 0, script,
                       tuple(extra), torchrun_opts=opts, env=env_for_plan)
     argv, env = torchrun_argv(spec)
+    if resume:
+        _keep_replaced_plan(Path(plan_path), p)
     save(p, plan_path)
     if dry_run:
         print(shell_line(argv, env))
@@ -282,6 +303,29 @@ def launch(
     rc = run_with_restarts(argv, env, max_restarts)
     if rc:
         raise typer.Exit(rc)
+
+
+def _keep_replaced_plan(path: Path, new) -> None:
+    """A resume under another plan than the run's (--plan): the run's own is kept beside it as
+    plan.prev.json and what changes is said (the run's shards reload at another world size; a
+    new sequence length or batch changes the data from here on)."""
+    from ..plan import load, save
+
+    if not path.is_file():
+        return
+    try:
+        old = load(str(path))
+    except UsageError:
+        return
+    if old == new:
+        return
+    pairs = (("strategy", old.strategy, new.strategy), ("ranks", old.num_gpus, new.num_gpus),
+             ("seq_len", old.train.seq_len, new.train.seq_len), ("global batch", old.global_batch, new.global_batch),
+             ("model", old.model.name, new.model.name))
+    changed = ", ".join(f"{k} {a} -> {b}" for k, a, b in pairs if a != b) or "other fields"
+    save(old, path.with_name("plan.prev.json"))
+    print(f"zplan: note: resuming {path.parent} under another plan ({changed}); the run's own plan is kept "
+          f"as {path.with_name('plan.prev.json')}", file=sys.stderr)
 
 
 @app.command()
@@ -302,10 +346,11 @@ def consolidate(
 
     if not output.endswith((".safetensors", ".pt")):
         raise UsageError(f"output {output!r} must end in .safetensors or .pt")
-    writable_report(output)
+    writable_report(output, "name another output file")
     src = Path(checkpoint)
     if not src.is_dir():
-        raise UsageError(f"no such checkpoint folder: {checkpoint}; pass a step_N folder or a run folder")
+        what = "is not a folder" if src.exists() else "does not exist"
+        raise UsageError(f"checkpoint {checkpoint} {what}; pass a step_N folder or a run folder")
     if not (src / ".metadata").exists():
         found = newest(src, lambda line: print(f"zplan: warning: {line}", file=sys.stderr))
         if found is None:

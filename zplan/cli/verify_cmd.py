@@ -254,6 +254,11 @@ def calibrate(
         cluster.update(cal.nvls_fields(busbw, bw, world))
     if cuda and world == 1:
         cal.one_gpu_links(cluster, gpu.get("base"))
+    if not cuda and world == 1:  # CPU ranks share this host: one node of them, on cpu-local's links
+        from ..presets import cluster as cluster_preset
+
+        cal.one_gpu_links(cluster, "cpu")
+        cluster["gpus_per_node"] = cluster_preset("cpu-local").gpus_per_node
     g, c = cal.write_presets(Path(output), name, gpu, cluster)
     if as_json:
         emit_json({"gpu": gpu, "cluster": cluster, "matmul_flops": {d: {str(k): v for k, v in x.items()} for d, x in flops.items()},
@@ -300,6 +305,11 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
         check_choice(mode, "--checkpointing", CHECKPOINTING)
     check_choice(linear_loss, "--linear-loss", ("none", "chunked"))
     check_choice(embed_head_unit, "--embed-head-unit", get_args(EmbedHeadUnit))
+    from ..trainer.fake_trace import planned_cell
+
+    for name in names:  # a refused strategy or model is said before the table's header
+        planned_cell(model, world, seq_len, micro_batch, modes[0], name, linear_loss,
+                     embed_head_unit=embed_head_unit, logits_kept=logits_kept, **options)
     bad = []
     print(f"{'strategy':28s} {'predicted':>12s} {'traced':>12s} {'error':>8s} {'phase (pred/traced)':>22s}"
           f"   traced by category (GiB)")

@@ -23,6 +23,18 @@ def checkpoint_bytes(param_count: int) -> int:
     return CKPT_BYTES_PER_PARAM * param_count
 
 
+def holds_run(p: Path) -> str:
+    """What of a run a folder holds (its report, its checkpoints), '' for none: a fresh launch
+    there would put its checkpoints beside the old run's (a later --resume loading the newer of
+    either) and replace the old run's report and plan."""
+    try:
+        steps = sorted(c.name for c in p.iterdir() if c.name.startswith("step_") and c.is_dir())
+    except OSError:
+        return ""
+    found = (["run_report.json"] if (p / "run_report.json").is_file() else []) + steps[-1:]
+    return ", ".join(found)
+
+
 def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, create: bool = True) -> Path:
     """Refuse, with one line, a run directory that is the wrong kind of file, missing on
     --resume, unwritable, or without room for one checkpoint; return it resolved."""
@@ -31,6 +43,11 @@ def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, c
         raise UsageError(f"run directory {p} exists and is not a directory; pass a folder with --run-dir")
     if resume and not p.is_dir():
         raise UsageError(f"--resume: run directory {p} does not exist; pass the run's folder with --run-dir")
+    if not resume and p.is_dir():
+        held = holds_run(p)
+        if held:
+            raise UsageError(f"run directory {p} already holds a run ({held}): --resume continues it; pass "
+                             f"another --run-dir for a new run")
     if not create and not p.is_dir():
         return p.resolve()
     made = [a for a in (p, *p.parents) if not a.exists()]  # the folders mkdir makes, deepest first
@@ -54,10 +71,11 @@ def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, c
     return p.resolve()
 
 
-def writable_report(path: str | Path) -> None:
-    """Refuse a report path that is a directory or a special file."""
+def writable_report(path: str | Path, other: str = "pass another --run-dir") -> None:
+    """Refuse a report (or consolidate's output, `other` naming its fix) that is a directory or a
+    special file."""
     p = Path(path)
     if p.exists() and not p.is_file():
-        raise UsageError(f"{p} exists and is not a regular file; move it away or pass another --run-dir")
+        raise UsageError(f"{p} exists and is not a regular file; move it away or {other}")
     if os.path.realpath(p).startswith(("/proc/", "/sys/", "/dev/")):
-        raise UsageError(f"{p} is under /proc, /sys or /dev; pass another --run-dir")
+        raise UsageError(f"{p} is under /proc, /sys or /dev; {other}")

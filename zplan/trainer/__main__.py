@@ -101,7 +101,7 @@ def _main(args: argparse.Namespace) -> int:
     plan = load(path)
     _check_args(args, plan)
     resume = args.resume or restarted()
-    check_run_dir(args.ckpt_dir, resume=args.resume,
+    check_run_dir(args.ckpt_dir, resume=resume,  # a restart attempt resumes too
                   need_bytes=0 if args.no_save else checkpoint_bytes(arch.param_count(plan.model)))
     import torch
     import torch.distributed as dist

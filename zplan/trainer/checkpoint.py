@@ -270,18 +270,27 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
     from .rank_errors import dcp_failures
 
     published = _published(Path(root))
-    for path in complete(root, _say):
+    last = ""  # why the oldest one tried could not be loaded, for the error when none can
+
+    def skipped(line: str) -> None:  # complete()'s "checkpoint NAME is incomplete (WHY); skipping it"
+        nonlocal last
+        name, _, why = line.removeprefix("checkpoint ").partition(" is incomplete (")
+        last = f"{name}: {why.removesuffix('); skipping it')}"
+        _say(line)
+
+    for path in complete(root, skipped):
         try:
             return load(path, model, optim, world, zero1, model_name)
         except UsageError as e:
             if not isinstance(e, CheckpointError):
                 raise
+            last = f"{path.name}: {e}"
             _say(f"checkpoint {path.name} cannot be read ({e}); trying the previous one")
         except CheckpointException as e:  # a BaseException: DCP gathers every rank's failure
             first = next(iter(dcp_failures(e)), e)
-            _say(f"checkpoint {path.name} cannot be loaded ({type(first).__name__}: "
-                 f"{str(first).splitlines()[0] if str(first) else ''}); trying the previous one")
+            last = f"{path.name}: {type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
+            _say(f"checkpoint {path.name} cannot be loaded ({last.split(': ', 1)[1]}); trying the previous one")
     if published:
-        raise CheckpointError(f"none of the {len(published)} checkpoints in {root} can be loaded; "
-                              f"move them away to start again from step 0")
+        raise CheckpointError(f"none of the {len(published)} checkpoints in {root} can be loaded"
+                              + (f" ({last})" if last else "") + "; move them away to start again from step 0")
     return None

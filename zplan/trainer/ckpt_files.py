@@ -66,7 +66,8 @@ def read_metadata(folder: str | Path):
     try:
         md = _MetadataUnpickler(io.BytesIO(raw)).load()
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"refused checkpoint metadata {path}: it {e} (the file may be crafted; "
+        why = f"it {e}" if str(e).startswith("refers to") else f"not a checkpoint's pickle ({e})"
+        raise CheckpointError(f"refused checkpoint metadata {path}: {why} (the file may be crafted; "
                               f"nothing from it was run)") from None
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError,
             MemoryError, RuntimeError, OverflowError) as e:

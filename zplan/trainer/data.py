@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageError
+
 FOLLOW = 0.9
 
 
@@ -26,9 +28,10 @@ class TokenSource:
         if text is not None:
             raw = Path(text).read_bytes()
             if vocab < 256:
-                raise ValueError(f"a text file needs a vocabulary of 256 bytes; the model has {vocab}")
+                raise UsageError(f"--data {text}: a text file needs a vocabulary of 256 bytes; the model has {vocab}")
             if len(raw) <= seq_len + 1:
-                raise ValueError(f"{text} has {len(raw)} bytes; it needs more than seq_len + 1 = {seq_len + 1}")
+                raise UsageError(f"--data {text} has {len(raw)} bytes; the trainer needs more than seq_len + 1 = "
+                                 f"{seq_len + 1} (a longer text file, or a shorter --seq-len)")
             self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         g = torch.Generator().manual_seed(seed)
         self.perm = torch.randperm(vocab, generator=g)

@@ -163,6 +163,9 @@ def planned_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpo
 
     if strategy in ("ddp", "zero1"):
         raise UsageError(f"--fake traces the FSDP2 strategies; {strategy} replicates the model")
+    if strategy.startswith("offload"):
+        raise UsageError(f"--fake compares device memory, and the tracker counts {strategy}'s host-resident "
+                         f"state as its own (the trace equals zero3's): trace zero3, or run verify without --fake")
     sc = build(cpu_ranks(model=model, gpu=None, cluster=DEFAULT_CLUSTER, gpus=str(world),
                          seq_len=seq_len, micro_batch=micro_batch, fused_norm=False,
                          checkpointing=checkpointing, optimizer_kernels="single",

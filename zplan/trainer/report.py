@@ -167,6 +167,9 @@ def compare_lines(report: dict) -> list[str]:
                    f"of a run of at least {MIN_TRACKED_STEPS} steps: --steps)")
     if reserved.endswith("*"):
         out.append("* predicted reserved is the plan's total, CUDA context included (no reserved prediction)")
+    if report.get("device") == "cpu" and report.get("strategy") == "offload-all" and m.get("peak_memory_bytes"):
+        out.append("peak allocated: offload-all on CPU ranks has no device to offload to, so the run holds what "
+                   "zero3 does and is compared with zero3's prediction (estimate --plan shows the GPU's)")
     out += [f"warning: {w}" for w in report.get("warnings", [])]
     return out
 
