@@ -481,3 +481,24 @@ def test_zplan_toml_counts_are_checked_where_a_flag_overrides_them(tmp_path, cap
         assert rc == 2 and needle in one_error(err), err
     (tmp_path / "zplan.toml").write_text('model = "tiny"\ngpus = 2\n')
     assert cli(capsys, "recommend", "--gpus", "4")[0] == 0
+
+
+def test_detect_says_in_text_what_its_json_says_of_bf16(capsys):
+    """README: detect reports whether the CPU has bf16 matrix instructions; the text form left
+    it out (the run-half QA pass). Both forms from one detection now agree."""
+    import json
+    rc, out, _ = cli(capsys, "detect", "--json")
+    flag = json.loads(out)["cpu_bf16"]
+    rc, out, _ = cli(capsys, "detect")
+    assert rc == 0
+    said = out.split("CPU bf16 matrix instructions: ")[1].split()[0]
+    assert said == {True: "yes", False: "no", None: "unknown"}[flag]
+
+
+def test_a_bad_number_names_the_value_that_fails(capsys):
+    """The review: with a flag repeated or after a script, the line named a good value ('2' for
+    --ranks x --ranks 2; the script's own --seq-len 64); and 'ten' got the 8e3 hint."""
+    rc, _, err = cli(capsys, "verify", "--ranks", "x", "--ranks", "2")
+    assert rc == 2 and "--ranks 'x' is not a whole number" in err and "8e3" not in err
+    rc, _, err = cli(capsys, "estimate", "--seq-len", "ten")
+    assert rc == 2 and "--seq-len 'ten' is not a whole number (" not in err.replace("(see", "")

@@ -683,9 +683,17 @@ def test_a_run_directory_keeps_its_run_and_its_plan(tmp_path, capsys, monkeypatc
     other = tmp_path / "ddp.json"
     assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--gpu", "cpu",
                "--strategy", "ddp", "--write", str(other)).returncode == 0
-    r = cli(capsys, "launch", "--dry-run", "--no-save", "--run-dir", str(run), "--resume", "--plan", str(other))
-    assert r.returncode == 0 and "under another plan (strategy zero2 -> ddp" in r.stderr
-    assert (run / "plan.prev.json").read_bytes() == own and json.loads((run / "plan.json").read_text())["strategy"] == "ddp"
+    # what a (non-dry) resume under another plan does before it writes the new one: keep each
+    # replaced plan, and say what changes
+    from zplan.cli.launch_cmd import _keep_replaced_plan
+    from zplan.plan import load, save
+    new = load(str(other))
+    _keep_replaced_plan(run / "plan.json", new)
+    assert "under another plan (strategy zero2 -> ddp" in capsys.readouterr().err
+    assert (run / "plan.prev.json").read_bytes() == own
+    save(new, run / "plan.json")
+    _keep_replaced_plan(run / "plan.json", load(str(run / "plan.prev.json")))
+    assert (run / "plan.prev2.json").is_file() and (run / "plan.prev.json").read_bytes() == own
 
 
 def test_a_data_file_too_short_is_refused_before_the_ranks(tmp_path, capsys):
@@ -703,3 +711,51 @@ def test_a_data_file_too_short_is_refused_before_the_ranks(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     with pytest.raises(UsageError, match="needs more than seq_len"):
         TokenSource(256, 64, text=str(short))
+
+
+def test_resume_rules_the_review_found(tmp_path, capsys, monkeypatch):
+    """After review: --resume with a flag equal to the run's plan is fine (re-running the first
+    command with --resume added); --resume without the run's plan.json asks for --plan (a
+    --slurm run keeps its plan beside the script) and with a damaged one says so; a dry run
+    under another --plan leaves the run's plan alone and prints the command reading the plan
+    given; --slurm --resume writes its script into a folder that holds the run."""
+    from tests.helpers import cli
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    base = ("launch", "--dry-run", "--no-save", "--nproc", "2", "--run-dir", str(run))
+    assert cli(capsys, *base, "--seq-len", "64", "--strategy", "zero2").returncode == 0
+    (run / "step_00000002").mkdir()
+    own = (run / "plan.json").read_bytes()
+    assert cli(capsys, *base, "--seq-len", "64", "--strategy", "zero2", "--resume").returncode == 0
+    r = cli(capsys, *base, "--seq-len", "128", "--resume")
+    assert r.returncode == 2 and "(seq len 64); --seq-len 128 would change it" in r.stderr
+    other = tmp_path / "ddp.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--gpu", "cpu",
+               "--strategy", "ddp", "--write", str(other)).returncode == 0
+    r = cli(capsys, "launch", "--dry-run", "--no-save", "--run-dir", str(run), "--resume", "--plan", str(other))
+    assert r.returncode == 0 and f"ZPLAN_PLAN={other.resolve()}" in r.stdout
+    assert (run / "plan.json").read_bytes() == own and not (run / "plan.prev.json").exists()
+    r = cli(capsys, "launch", "--slurm", str(tmp_path / "job.sbatch"), "--run-dir", str(run), "--resume",
+            "--plan", str(other))
+    assert r.returncode == 0 and (tmp_path / "job.sbatch").is_file()
+    (run / "plan.json").write_text("{broken")
+    r = cli(capsys, *base, "--resume")
+    assert r.returncode == 2 and "the run's plan cannot be read" in r.stderr and "--plan" in r.stderr
+    (run / "plan.json").unlink()
+    r = cli(capsys, *base, "--resume")
+    assert r.returncode == 2 and "plan.json is not there" in r.stderr and "--plan" in r.stderr
+
+
+def test_a_users_script_may_reuse_its_run_directory(tmp_path, capsys):
+    """A script through api.init resumes by itself in its folder: a second launch of the same
+    command there is not refused as a fresh run of zplan's trainer would be (the review)."""
+    from tests.helpers import cli
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step_00000008").mkdir()
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = cli(capsys, "launch", "--dry-run", "--nproc", "1", "--run-dir", str(run), str(script))
+    assert r.returncode == 0, r.stderr
+    r = cli(capsys, "launch", "--dry-run", "--nproc", "1", "--run-dir", str(run))
+    assert r.returncode == 2 and "already holds a run" in r.stderr

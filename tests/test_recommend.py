@@ -473,3 +473,35 @@ def test_nothing_fits_for_no_memory_reason_gives_no_memory_advice(capsys):
     r = cli(capsys, "recommend", "--gpu", "cpu", "--model", "tiny", "--gpus", "2", "--strategy", "hsdp")
     assert r.returncode == 1 and "no shard size" in r.stderr and r.stderr.rstrip().endswith("try another --strategy")
     assert "--gpus" not in r.stderr.split("try")[-1] and "--linear-loss" not in r.stderr
+
+
+def test_a_loser_slower_in_compute_is_told_why_from_its_own_figures():
+    """The run-half QA pass read "more compute (recomputation, smaller micro-batches)" for a ddp
+    candidate at micro-batch 8 without checkpointing: the reason now names recomputation or
+    smaller micro-batches only where the loser has them, else its kernels."""
+    from dataclasses import replace
+
+    from zplan.estimate import estimate_one
+    from zplan.recommend import Candidate, _why_lost
+    from zplan.scenario_options import ScenarioOptions, build
+
+    def cand(family, **kw):
+        sc = build(ScenarioOptions(model="llama-3.2-1b", gpus="8", layout="torch", **kw))
+        return Candidate(family, sc, estimate_one(sc, family), 0)
+
+    w = cand("zero3", micro_batch=2)
+    slower = lambda c: replace(c, result=replace(c.result, timing=replace(  # noqa: E731
+        w.result.timing, compute_s=w.result.timing.compute_s + 1.0, step_s=w.result.timing.step_s + 1.0,
+        breakdown=c.result.timing.breakdown)))
+    assert "more compute (its kernels" in _why_lost(slower(cand("ddp", micro_batch=2)), w, "throughput")
+    assert "more compute (smaller micro-batches)" in _why_lost(slower(cand("ddp", micro_batch=1)), w, "throughput")
+    said = _why_lost(slower(cand("zero3", micro_batch=2, checkpointing="full")), w, "throughput")
+    assert "more compute (recomputation)" in said
+
+
+def test_a_host_ram_refusal_is_a_memory_refusal(capsys):
+    """offload-all of 405B on one GPU fails on host RAM: that is memory, so the advice stays
+    memory advice (more GPUs), not 'another strategy' (the review of the non-memory rule)."""
+    from tests.helpers import cli
+    r = cli(capsys, "recommend", "--model", "llama-3.1-405b", "--gpus", "1", "--strategy", "offload-all")
+    assert r.returncode == 1 and "host RAM" in r.stderr and "--gpus" in r.stderr.split("try")[-1]

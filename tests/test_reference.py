@@ -176,7 +176,20 @@ def test_a_one_rank_cpu_calibration_keeps_its_ranks_on_one_host(run_zplan, tmp_p
     p = run_zplan("calibrate", "--ranks", "1", "--output", str(out), "--max-mb", "1", "--json", timeout=200)
     assert p.returncode == 0, p.stderr[-2000:]
     c = json.loads(p.stdout)["cluster"]
-    assert c["gpus_per_node"] == 64 and "links as the cpu-local preset's" in c["source"]
+    assert c["gpus_per_node"] == 64 and "one rank: no collective measured, links as the cpu-local preset's" in c["source"]
+    assert "assumed 1/10" not in c["source"]
     e = run_zplan("estimate", "--presets", str(out), "--gpu", "calibrated", "--cluster", "calibrated",
                   "--model", "tiny", "--gpus", "2", "--json")
     assert e.returncode == 0 and json.loads(e.stdout)["inputs"]["gpus_per_node"] == 64
+
+
+@pytest.mark.slow
+def test_verify_into_a_reused_workdir_runs_each_cell_afresh(run_zplan, tmp_path):
+    """A fresh run never lands in a run's folder: verify --workdir reused (or a cell asked twice)
+    gives each run a folder of its own instead of every cell failing (the review)."""
+    args = ("verify", "--strategy", "ddp", "--ranks", "1", "--dtype", "fp32", "--checkpointing", "none",
+            "--workdir", str(tmp_path / "w"))
+    for _ in range(2):
+        p = run_zplan(*args, timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert sorted(d.name for d in (tmp_path / "w").iterdir()) == ["ddp_N1_fp32_ckptnone", "ddp_N1_fp32_ckptnone-2"]

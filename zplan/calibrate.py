@@ -277,7 +277,7 @@ LINK_FIELDS = ("intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes
                "inter_node_busbw_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s", "base_latency_s",
                "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s", "tree_busbw_fraction")
 
-def one_gpu_links(cluster: dict, base: str | None) -> None:
+def one_gpu_links(cluster: dict, base: str | None, what: str = "GPU") -> None:
     """With one GPU no collective is measured: the cluster preset takes its link figures from
     the base GPU preset's own node (GPUSpec.cluster: hgx-h200 for an H200), said so in its source, so that a
     plan for more GPUs on it is priced on that node's links, not at this GPU's copy rate; its
@@ -289,7 +289,7 @@ def one_gpu_links(cluster: dict, base: str | None) -> None:
     home = presets.gpu(base).cluster if base is not None else None  # the GPU preset's own node
     stock = presets.cluster(home) if home is not None else None
     if stock is None:
-        cluster["source"] += "; one GPU: no collective measured, the link figures are its copy rate"
+        cluster["source"] += f"; one {what}: no collective measured, the link figures are its copy rate"
         return
     for f in LINK_FIELDS:
         v = getattr(stock, f)
@@ -297,7 +297,7 @@ def one_gpu_links(cluster: dict, base: str | None) -> None:
             cluster.pop(f, None)
         else:
             cluster[f] = list(v) if isinstance(v, tuple) else v
-    cluster["source"] += f"; one GPU: no collective measured, links as the {stock.name} preset's"
+    cluster["source"] += f"; one {what}: no collective measured, links as the {stock.name} preset's"
 
 
 def collective_times(world: int, sizes: list[int], reps: int = 3, backend: str = "gloo") -> dict:

@@ -391,9 +391,15 @@ def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
     if c.step_s <= w.step_s * (1 + TIE):
         return f"as fast ({fmt_s(c.step_s)}) but {w.family} is simpler"
     a, b = c.result.timing, w.result.timing
+    recompute = lambda t: t.breakdown.get("recompute", 0.0)  # noqa: E731  (the kernel model's; 0 at one efficiency)
+    why = [r for r, applies in (("recomputation", recompute(a) > recompute(b) * (1 + TIE) + 1e-9
+                                 or policy.uniform_mode(c.sc.train, c.sc.model.num_layers) != "none"
+                                 and policy.uniform_mode(w.sc.train, w.sc.model.num_layers) == "none"),
+                                ("smaller micro-batches", c.sc.train.micro_batch < w.sc.train.micro_batch))
+           if applies] or ["its kernels: casts, copies, the layout's"]
     deltas = {
         "exposed communication": a.exposed_comm_s - b.exposed_comm_s,
-        "compute (recomputation, smaller micro-batches)": a.compute_s - b.compute_s,
+        f"compute ({', '.join(why)})": a.compute_s - b.compute_s,
         "optimizer step": a.optimizer_s - b.optimizer_s,
         "offload (CPU optimizer and PCIe)": a.offload_s - b.offload_s,
         "contention (NCCL kernels holding SMs beside compute)": a.contention_s - b.contention_s,
@@ -469,7 +475,7 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
                   expandable: Candidate | None = None) -> str:
     from .estimate import smallest_n
 
-    if rejected and not any("usable" in r for r in rejected.values()):
+    if rejected and not any(("usable" in r or "host RAM" in r) for r in rejected.values()):
         # no family was too large (hsdp with no shard size at 2 GPUs, a strategy that cannot run
         # here): memory advice would mislead
         return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} ("

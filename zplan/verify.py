@@ -145,7 +145,12 @@ def run_cell(cell: Cell, workdir: Path, calibrated: str | None = None) -> CellRe
     if cell.strategy in CPU_LEFT_OUT:
         res.skipped = CPU_LEFT_OUT[cell.strategy]
         return res
-    d = workdir / cell.name.replace(" ", "_").replace("=", "")
+    from .launch.run_dir import holds_run
+
+    base = cell.name.replace(" ", "_").replace("=", "")
+    d, k = workdir / base, 2
+    while d.is_dir() and holds_run(d):  # a reused --workdir, or a cell asked twice: a fresh folder
+        d, k = workdir / f"{base}-{k}", k + 1
     d.mkdir(parents=True, exist_ok=True)
     try:
         plan = plan_for(cell, calibrated=calibrated)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -36,7 +37,10 @@ def detect(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON 
     else:
         print(f"No GPU: {d.gpu_reason}. zplan launch will run {CPU_RANKS} CPU ranks over gloo"
               f"{'' if d.cpu_bf16 is not False else ', in fp32: ' + NO_BF16}.")
-    print(f"Host RAM: {d.host_ram_bytes / 2**30:.1f} GiB ({d.host_ram_source}); usable CPUs: {d.cpus}")
+    bf16 = {True: "yes", False: "no (bf16 matmuls emulated, some 40-50x slower than fp32)",
+            None: "unknown (no /proc/cpuinfo flags read)"}[d.cpu_bf16]
+    print(f"Host RAM: {d.host_ram_bytes / 2**30:.1f} GiB ({d.host_ram_source}); usable CPUs: {d.cpus}; "
+          f"CPU bf16 matrix instructions: {bf16}")
 
 
 NO_BF16 = ("this CPU has no bf16 matrix instructions (avx512_bf16 or amx_bf16 on x86, bf16 on Arm, "
@@ -171,16 +175,29 @@ def launch(
             if _given(ctx, name):
                 raise UsageError(f"--{name.replace('_', '-')} applies to a fresh plan, and --plan {plan} fixes it; "
                                  f"drop one of them")
-    if resume and plan is None and run_dir is not None and (Path(run_dir) / "plan.json").is_file():
+    if resume and plan is None and run_dir is not None and Path(run_dir).is_dir():
         # a resume continues the run's own plan: a fresh one (another strategy, sequence, batch)
         # would change the run under its checkpoints, and replace the plan its report was made for
-        own = str(Path(run_dir) / "plan.json")
+        own = Path(run_dir) / "plan.json"
+        if not own.is_file():
+            raise UsageError(f"--resume: {own} is not there (a --slurm run's plan sits beside its script); pass "
+                             f"the run's plan with --plan")
+        try:
+            kept = load(str(own))
+        except UsageError as e:
+            raise UsageError(f"--resume: the run's plan cannot be read ({e}); pass it with --plan, or move "
+                             f"{own} away") from None
+        planned = {"model": kept.model.name, "strategy": kept.strategy, "global_batch": kept.global_batch,
+                   "seq_len": kept.train.seq_len}
+        given = {"model": model, "strategy": strategy, "global_batch": global_batch, "seq_len": seq_len}
         for name in FRESH_PLAN_FLAGS:
-            if _given(ctx, name):
-                raise UsageError(f"--resume continues the run's plan, {own}; --{name.replace('_', '-')} would "
-                                 f"change it: drop it, or pass a new plan with --plan (the run's shards reload "
-                                 f"at another world size)")
-        plan = own
+            value = given[name]
+            same = value == [planned[name]] if name == "strategy" else value == planned[name]
+            if _given(ctx, name) and not same:
+                raise UsageError(f"--resume continues the run's plan, {own} ({name.replace('_', ' ')} "
+                                 f"{planned[name]}); --{name.replace('_', '-')} {value} would change it: drop it, "
+                                 f"or pass a new plan with --plan (the run's shards reload at another world size)")
+        plan = str(own)
     if script is None and "--no-save" in extra:  # the trainer's flag after `--`: the same run
         checkpoints = False
     if not checkpoints and (save_every or keep):
@@ -221,8 +238,9 @@ def launch(
     if data and script is None:  # what the trainer's TokenSource would refuse inside the ranks, said here
         size = os.path.getsize(data)
         if size <= p.train.seq_len + 1:
+            shorter = ", or a shorter --seq-len" if plan is None else ""  # a plan fixes the sequence
             raise UsageError(f"--data {data} has {size} bytes; the trainer needs more than seq_len + 1 = "
-                             f"{p.train.seq_len + 1} (a longer text file, or a shorter --seq-len)")
+                             f"{p.train.seq_len + 1} (a longer text file{shorter})")
     why = trainer_refusal(p) if script is None else None
     if why:
         from ..errors import PlanError
@@ -251,10 +269,12 @@ def launch(
     from .. import arch
     from ..launch.run_dir import checkpoint_bytes
 
+    fresh = script is None and not resume  # a new run of zplan's trainer: never in a run's folder
     if slurm:  # the run directory lives on the cluster: refuse only what is wrong from here
-        check_run_dir(run, resume=False, create=False)
+        check_run_dir(run, resume=False, create=False, fresh=fresh)
     else:
-        check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)) if checkpoints else 0)
+        check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)) if checkpoints else 0,
+                      fresh=fresh)
     if plan is not None and not found.gpus and not slurm and found.cpu_bf16 is False \
             and p.train.precision.param == "bf16":
         print(f"zplan: note: {plan} computes in bf16 on CPU ranks, but {NO_BF16}; a plan with "
@@ -287,10 +307,15 @@ def launch(
         return
     spec = LaunchSpec(plan_path, per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, 0, script,
                       tuple(extra), torchrun_opts=opts, env=env_for_plan)
+    if dry_run and resume and plan is not None and (run / "plan.json").is_file() \
+            and Path(plan).resolve() != (run / "plan.json").resolve():
+        # a dry run leaves the run's own plan alone: the command it prints reads the plan given
+        spec = replace(spec, plan_path=str(Path(plan).resolve()))
     argv, env = torchrun_argv(spec)
-    if resume:
-        _keep_replaced_plan(Path(plan_path), p)
-    save(p, plan_path)
+    if not dry_run or spec.plan_path == plan_path:
+        if resume:
+            _keep_replaced_plan(Path(plan_path), p)
+        save(p, plan_path)
     if dry_run:
         print(shell_line(argv, env))
         if max_restarts:
@@ -323,9 +348,13 @@ def _keep_replaced_plan(path: Path, new) -> None:
              ("seq_len", old.train.seq_len, new.train.seq_len), ("global batch", old.global_batch, new.global_batch),
              ("model", old.model.name, new.model.name))
     changed = ", ".join(f"{k} {a} -> {b}" for k, a, b in pairs if a != b) or "other fields"
-    save(old, path.with_name("plan.prev.json"))
-    print(f"zplan: note: resuming {path.parent} under another plan ({changed}); the run's own plan is kept "
-          f"as {path.with_name('plan.prev.json')}", file=sys.stderr)
+    kept = path.with_name("plan.prev.json")
+    n = 2
+    while kept.exists():  # each replaced plan kept: plan.prev.json, plan.prev2.json, ...
+        kept, n = path.with_name(f"plan.prev{n}.json"), n + 1
+    save(old, kept)
+    print(f"zplan: note: resuming {path.parent} under another plan ({changed}); the run's plan so far is "
+          f"kept as {kept}", file=sys.stderr)
 
 
 @app.command()

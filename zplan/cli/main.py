@@ -105,17 +105,28 @@ def _bad_number(msg: str, args: list[str]) -> str:
     if not m:
         return msg
     flag, kind = m.groups()
-    value = None
+    values = []
     for i, a in enumerate(args):
+        if a == "--":
+            break
         if a == flag and i + 1 < len(args):
-            value = args[i + 1]
+            values.append(args[i + 1])
         elif a.startswith(flag + "="):
-            value = a[len(flag) + 1:]
+            values.append(a[len(flag) + 1:])
+
+    def parses(v: str, as_type) -> bool:
+        try:
+            as_type(v)
+            return True
+        except ValueError:
+            return False
+
+    value = next((v for v in values if not parses(v, int if kind == "integer" else float)), None)
     if value is None:
         return msg
     if kind == "number":
         return f"{flag} {value!r} is not a number"
-    written = " (write it out: 8192, not 8e3)" if "e" in value.lower() else ""
+    written = " (write it out: 8192, not 8e3)" if "e" in value.lower() and parses(value, float) else ""
     return f"{flag} {value!r} is not a whole number{written}"
 
 

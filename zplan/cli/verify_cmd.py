@@ -249,7 +249,7 @@ def calibrate(
                "intra_node_latency_s": float(f"{alpha:.3g}"), "inter_node_latency_s": float(f"{alpha * 4:.3g}"),
                "link": "nvlink" if cuda else "loopback",
                "host_ram_bytes": int(found.host_ram_bytes), "cpu_adam_params_per_s": float(f"{adam:.4g}"),
-               "source": source + "; inter-node figures are not measured (assumed 1/10 and 4x)"}
+               "source": source + ("; inter-node figures are not measured (assumed 1/10 and 4x)" if world > 1 else "")}
     if cuda and world > 1:
         cluster.update(cal.nvls_fields(busbw, bw, world))
     if cuda and world == 1:
@@ -257,7 +257,7 @@ def calibrate(
     if not cuda and world == 1:  # CPU ranks share this host: one node of them, on cpu-local's links
         from ..presets import cluster as cluster_preset
 
-        cal.one_gpu_links(cluster, "cpu")
+        cal.one_gpu_links(cluster, "cpu", "rank")
         cluster["gpus_per_node"] = cluster_preset("cpu-local").gpus_per_node
     g, c = cal.write_presets(Path(output), name, gpu, cluster)
     if as_json:

@@ -35,15 +35,18 @@ def holds_run(p: Path) -> str:
     return ", ".join(found)
 
 
-def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, create: bool = True) -> Path:
+def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, create: bool = True,
+                  fresh: bool | None = None) -> Path:
     """Refuse, with one line, a run directory that is the wrong kind of file, missing on
-    --resume, unwritable, or without room for one checkpoint; return it resolved."""
+    --resume, unwritable, or without room for one checkpoint; return it resolved. `fresh` (a
+    new run of zplan's trainer; default: not resume) also refuses one that holds a run. A
+    user's script keeps its own folder's meaning (api.init resumes by itself)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UsageError(f"run directory {p} exists and is not a directory; pass a folder with --run-dir")
     if resume and not p.is_dir():
         raise UsageError(f"--resume: run directory {p} does not exist; pass the run's folder with --run-dir")
-    if not resume and p.is_dir():
+    if (not resume if fresh is None else fresh) and p.is_dir():
         held = holds_run(p)
         if held:
             raise UsageError(f"run directory {p} already holds a run ({held}): --resume continues it; pass "

@@ -275,7 +275,7 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
     def skipped(line: str) -> None:  # complete()'s "checkpoint NAME is incomplete (WHY); skipping it"
         nonlocal last
         name, _, why = line.removeprefix("checkpoint ").partition(" is incomplete (")
-        last = f"{name}: {why.removesuffix('); skipping it')}"
+        last = f"{name}: {why.removesuffix('); skipping it').replace('; pass another step_N folder', '')}"
         _say(line)
 
     for path in complete(root, skipped):
@@ -284,7 +284,7 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
         except UsageError as e:
             if not isinstance(e, CheckpointError):
                 raise
-            last = f"{path.name}: {e}"
+            last = f"{path.name}: {str(e).replace('; pass another step_N folder', '')}"
             _say(f"checkpoint {path.name} cannot be read ({e}); trying the previous one")
         except CheckpointException as e:  # a BaseException: DCP gathers every rank's failure
             first = next(iter(dcp_failures(e)), e)
