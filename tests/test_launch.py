@@ -759,3 +759,16 @@ def test_a_users_script_may_reuse_its_run_directory(tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     r = cli(capsys, "launch", "--dry-run", "--nproc", "1", "--run-dir", str(run))
     assert r.returncode == 2 and "already holds a run" in r.stderr
+
+
+def test_more_cpu_ranks_than_cpus_is_said(tmp_path, capsys, monkeypatch):
+    """--nproc 100 on a 2-CPU host passed --dry-run without a word (the run-half QA pass)."""
+    from tests.helpers import cli
+    from zplan import hardware
+    from dataclasses import replace
+    real = hardware.detect
+    monkeypatch.setattr(hardware, "detect", lambda: replace(real(), gpus=[], cpus=2))
+    r = cli(capsys, "launch", "--dry-run", "--no-save", "--nproc", "4", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 0 and "4 CPU ranks on 2 usable CPUs" in r.stderr
+    r = cli(capsys, "launch", "--dry-run", "--no-save", "--nproc", "2", "--run-dir", str(tmp_path / "r2"))
+    assert r.returncode == 0 and "usable CPUs" not in r.stderr

@@ -505,3 +505,12 @@ def test_a_host_ram_refusal_is_a_memory_refusal(capsys):
     from tests.helpers import cli
     r = cli(capsys, "recommend", "--model", "llama-3.1-405b", "--gpus", "1", "--strategy", "offload-all")
     assert r.returncode == 1 and "host RAM" in r.stderr and "--gpus" in r.stderr.split("try")[-1]
+
+
+def test_the_scaling_plot_draws_hsdp_only_where_it_has_replicas():
+    """recommend --plot drew hsdp at N = 1..8 on 8-GPU nodes, where its one shard group is zero3
+    and recommend calls hsdp infeasible (the run-half QA pass): it starts at two nodes."""
+    from zplan.plot import scaling_series
+    from zplan.scenario_options import ScenarioOptions, build
+    series = scaling_series(build(ScenarioOptions(model="llama-3.1-8b", gpus="8")), 64)
+    assert [p[0] for p in series["hsdp"]] == [16, 32, 64] and [p[0] for p in series["zero3"]][:1] == [1]

@@ -41,3 +41,20 @@ def test_offload_all_on_cpu_ranks_says_what_its_memory_is_compared_with():
     for device, strategy in (("cpu", "zero3"), ("cuda", "offload-all")):
         lines = compare_lines({**report, "device": device, "strategy": strategy})
         assert not any("zero3's prediction" in l for l in lines)
+
+
+def test_a_resumed_runs_report_keeps_the_earlier_parts(tmp_path):
+    """A resume wrote a report of the resumed steps only, and the earlier losses were gone (the
+    run-half QA pass): the earlier report is kept as run_report.steps{A}-{B}.json; a report of
+    the same start replaces as before."""
+    import json
+
+    from zplan.trainer.report import write_report
+    first = {"start_step": 0, "end_step": 3, "losses": [3.0, 2.9, 2.8]}
+    write_report(first, str(tmp_path))
+    write_report({**first, "losses": [3.0, 2.9, 2.7]}, str(tmp_path))
+    assert not list(tmp_path.glob("run_report.steps*"))
+    write_report({"start_step": 3, "end_step": 5, "losses": [2.6, 2.5]}, str(tmp_path))
+    kept = json.loads((tmp_path / "run_report.steps0-3.json").read_text())
+    assert kept["losses"] == [3.0, 2.9, 2.7]
+    assert json.loads((tmp_path / "run_report.json").read_text())["start_step"] == 3

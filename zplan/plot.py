@@ -21,6 +21,8 @@ def scaling_series(sc: Scenario, max_n: int | None = None) -> dict[str, list[tup
         shard = min(sc.hw.cluster.gpus_per_node, n)
         s = replace(sc, hw=hw, shard_size=shard if n % shard == 0 else None)
         for name in STRATEGIES:
+            if name == "hsdp" and s.hsdp_shard >= n:  # one replica is zero3, not an HSDP recommend plans
+                continue
             r = estimate_one(s, name)
             if r.memory is not None:
                 series.setdefault(name, []).append((n, r.memory.total_bytes / GB, r.timing.step_s))

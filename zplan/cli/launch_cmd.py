@@ -266,6 +266,9 @@ def launch(
                          f"{-(-per_node * nnodes // len(found.gpus))} nodes (--nnodes), or pass a plan for "
                          f"{len(found.gpus) * nnodes} (zplan recommend --gpus {len(found.gpus) * nnodes} --write P, "
                          f"then --plan P)")
+    if not found.gpus and not slurm and found.cpus and per_node > found.cpus:
+        print(f"zplan: note: {per_node} CPU ranks on {found.cpus} usable CPUs share them: each rank gets "
+              f"under one core, so steps run slower than the plan's CPU preset assumes", file=sys.stderr)
     from .. import arch
     from ..launch.run_dir import checkpoint_bytes
 

@@ -179,5 +179,22 @@ def write_report(report: dict, ckpt_dir: str) -> Path:
 
     path = Path(ckpt_dir) / "run_report.json"
     writable_report(path)  # a directory or special file there is one line, not a traceback
+    _keep_earlier_segment(path, report)
     write_atomic(path, json.dumps(report, indent=2, default=str) + "\n")
     return path
+
+
+def _keep_earlier_segment(path: Path, report: dict) -> None:
+    """A resumed run's report covers the steps it ran; the report of the run's earlier part
+    (its losses, its measured figures) is kept beside it as run_report.steps{A}-{B}.json rather
+    than replaced."""
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return
+    if not isinstance(old, dict) or not isinstance(old.get("start_step"), int) \
+            or old["start_step"] >= report.get("start_step", 0):
+        return
+    kept = path.with_name(f"run_report.steps{old['start_step']}-{old.get('end_step')}.json")
+    if not kept.exists():
+        write_atomic(kept, path.read_text())
