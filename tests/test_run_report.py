@@ -58,3 +58,14 @@ def test_a_resumed_runs_report_keeps_the_earlier_parts(tmp_path):
     kept = json.loads((tmp_path / "run_report.steps0-3.json").read_text())
     assert kept["losses"] == [3.0, 2.9, 2.7]
     assert json.loads((tmp_path / "run_report.json").read_text())["start_step"] == 3
+
+
+def test_an_earlier_report_with_odd_fields_is_replaced_not_followed(tmp_path):
+    """The earlier report is data: an end_step that is not a whole number (a path, say) keeps
+    nothing and names no file from it."""
+    import json
+
+    from zplan.trainer.report import write_report
+    (tmp_path / "run_report.json").write_text(json.dumps({"start_step": 0, "end_step": "../../x"}))
+    write_report({"start_step": 3, "end_step": 5, "losses": []}, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run_report.json"]

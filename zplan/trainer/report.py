@@ -192,9 +192,9 @@ def _keep_earlier_segment(path: Path, report: dict) -> None:
         old = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
         return
-    if not isinstance(old, dict) or not isinstance(old.get("start_step"), int) \
+    if not isinstance(old, dict) or not all(type(old.get(k)) is int for k in ("start_step", "end_step")) \
             or old["start_step"] >= report.get("start_step", 0):
-        return
-    kept = path.with_name(f"run_report.steps{old['start_step']}-{old.get('end_step')}.json")
+        return  # not a report this trainer wrote (data, never a path to follow), or the same part
+    kept = path.with_name(f"run_report.steps{old['start_step']}-{old['end_step']}.json")
     if not kept.exists():
         write_atomic(kept, path.read_text())
