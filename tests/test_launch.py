@@ -729,6 +729,7 @@ def test_resume_rules_the_review_found(tmp_path, capsys, monkeypatch):
     assert cli(capsys, *base, "--seq-len", "64", "--strategy", "zero2", "--resume").returncode == 0
     r = cli(capsys, *base, "--seq-len", "128", "--resume")
     assert r.returncode == 2 and "(seq len 64); --seq-len 128 would change it" in r.stderr
+    assert cli(capsys, *base, "--model", "TINY", "--resume").returncode == 0  # the plan's model, as typed
     other = tmp_path / "ddp.json"
     assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--gpu", "cpu",
                "--strategy", "ddp", "--write", str(other)).returncode == 0

@@ -192,6 +192,10 @@ def launch(
         given = {"model": model, "strategy": strategy, "global_batch": global_batch, "seq_len": seq_len}
         for name in FRESH_PLAN_FLAGS:
             value = given[name]
+            if name == "model" and _given(ctx, name):  # a preset name in any case, or its file
+                from ..presets import model as model_preset
+
+                value = model_preset(value).name
             same = value == [planned[name]] if name == "strategy" else value == planned[name]
             if _given(ctx, name) and not same:
                 raise UsageError(f"--resume continues the run's plan, {own} ({name.replace('_', ' ')} "

@@ -9,6 +9,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+from ..errors import UsageError
 from ..plan import write_atomic
 from ..units import relative_error
 
@@ -192,9 +193,13 @@ def _keep_earlier_segment(path: Path, report: dict) -> None:
         old = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
         return
-    if not isinstance(old, dict) or not all(type(old.get(k)) is int for k in ("start_step", "end_step")) \
+    if not isinstance(old, dict) or not all(type(old.get(k)) is int and 0 <= old[k] < 10**12
+                                            for k in ("start_step", "end_step")) \
             or old["start_step"] >= report.get("start_step", 0):
         return  # not a report this trainer wrote (data, never a path to follow), or the same part
     kept = path.with_name(f"run_report.steps{old['start_step']}-{old['end_step']}.json")
-    if not kept.exists():
-        write_atomic(kept, path.read_text())
+    try:  # a copy kept at best: it never stands in the way of the run's own report
+        if not kept.exists():
+            write_atomic(kept, path.read_text())
+    except (OSError, UsageError):
+        pass
