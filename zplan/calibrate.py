@@ -286,7 +286,7 @@ def one_gpu_links(cluster: dict, base: str | None, what: str = "GPU") -> None:
     measured."""
     from . import presets
 
-    home = presets.gpu(base).cluster if base is not None else None  # the GPU preset's own node
+    home = presets.home_cluster(presets.gpu(base)) if base is not None else None
     stock = presets.cluster(home) if home is not None else None
     if stock is None:
         cluster["source"] += f"; one {what}: no collective measured, the link figures are its copy rate"

@@ -193,8 +193,10 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         "cpu_adam_params_per_s": {"value": sc.hw.cluster.cpu_adam_params_per_s, "flag": "cluster preset",
                                   "meaning": "CPU optimizer throughput per node (offload), at fp32 master weights and states; other dtypes by the bytes the step moves (bf16: twice as fast)"},
     }
+    from .presets import home_cluster
+
     g = sc.hw.gpu
-    if g.cluster is None and g.base is None and g.device == "gpu":  # resolve_hardware's fallback
+    if g.device == "gpu" and home_cluster(g) is None:  # resolve_hardware's fallback
         out["node_links"] = {
             "value": sc.hw.cluster.name, "flag": "--cluster NAME or FILE.toml",
             "meaning": f"{g.name} names no node of its own (the GPU preset's `cluster`): its links, "

@@ -108,6 +108,8 @@ def checkpointed_blocks(num_layers: int, mode: str, every: int, first: int = 1) 
 
 # the modes that wrap some blocks whole and leave the others keeping everything
 PARTIAL_CHECKPOINTING = ("every-k", "first-k")
+# the TrainSpec / ScenarioOptions field holding each partial mode's k
+K_FIELD = {"every-k": "checkpoint_every", "first-k": "checkpoint_first"}
 
 
 def checkpointing_label(train) -> str:

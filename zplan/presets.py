@@ -144,3 +144,15 @@ def cluster(name: str, extra: tuple[str, ...] = ()) -> ClusterSpec:
 
 def model(name: str, extra: tuple[str, ...] = ()) -> ModelSpec:
     return load("models", name, extra)  # type: ignore[return-value]
+
+
+def home_cluster(g: GPUSpec, extra: tuple[str, ...] = ()) -> str | None:
+    """The cluster preset a GPU preset sits in (GPUSpec.cluster; a calibrated preset's, its base
+    part's): what --gpu alone plans for and a one-GPU calibration takes its links from. None: no
+    node of its own (h100-pcie, a file of the user's)."""
+    if g.cluster is not None or g.base is None:
+        return g.cluster
+    try:
+        return gpu(g.base, extra).cluster
+    except UsageError:  # a base without a preset file
+        return None

@@ -475,9 +475,10 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
                   expandable: Candidate | None = None) -> str:
     from .estimate import smallest_n
 
-    if rejected and not any(("usable" in r or "host RAM" in r) for r in rejected.values()):
+    too_large = [f for f in rejected if (v := _variants(base, f)) and not unavailable_reason(v[0], f)]
+    if rejected and not too_large:
         # no family was too large (hsdp with no shard size at 2 GPUs, a strategy that cannot run
-        # here): memory advice would mislead
+        # here: search's own two refusals besides _why_not's memory): memory advice would mislead
         return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} ("
                 + "; ".join(rejected.values()) + "); try another --strategy")
     hints = []

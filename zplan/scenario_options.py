@@ -129,12 +129,9 @@ def resolve_hardware(cluster_name: str | None, gpu_name: str | None, extra: tupl
         cluster = presets.cluster(DEFAULT_CLUSTER, extra)
         return cluster, presets.gpu(cluster.gpu or "h100-sxm", extra)
     gpu = presets.gpu(gpu_name, extra)
-    home = gpu.cluster
-    if home is None and gpu.base is not None:
-        home = presets.gpu(gpu.base, extra).cluster
     # a GPU that names no node (h100-pcie, a file of the user's): dgx-h100's links, which
     # estimate states as an assumption (`node_links`) with the flag that changes them
-    return presets.cluster(home or DEFAULT_CLUSTER, extra), gpu
+    return presets.cluster(presets.home_cluster(gpu, extra) or DEFAULT_CLUSTER, extra), gpu
 
 
 def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:

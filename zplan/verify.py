@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .policy import K_FIELD
 from .units import relative_error
 
 ALL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3-noreshard", "hsdp", "offload-all")
@@ -42,7 +43,7 @@ class Cell:
     @property
     def name(self) -> str:
         hs = f" {self.world // self.shard_size}x{self.shard_size}" if self.shard_size else ""
-        k = f" k={self.checkpoint_k}" if self.checkpoint_k and self.checkpointing in ("every-k", "first-k") else ""
+        k = f" k={self.checkpoint_k}" if self.checkpoint_k and self.checkpointing in K_FIELD else ""
         return f"{self.strategy}{hs} N={self.world} {self.param_dtype} ckpt={self.checkpointing}{k}"
 
 
@@ -130,8 +131,8 @@ def plan_for(cell: Cell, model: str = "tiny", seq_len: int = 128, per_rank: int 
                      gpus=str(cell.world), gpus_per_node=max(2, cell.world),
                      seq_len=seq_len, micro_batch=per_rank, param_dtype=cell.param_dtype,
                      checkpointing=cell.checkpointing, shard_size=cell.shard_size,
-                     **({"checkpoint_every": cell.checkpoint_k} if cell.checkpoint_k and cell.checkpointing == "every-k" else {}),
-                     **({"checkpoint_first": cell.checkpoint_k} if cell.checkpoint_k and cell.checkpointing == "first-k" else {}))
+                     **({K_FIELD[cell.checkpointing]: cell.checkpoint_k}
+                        if cell.checkpoint_k and cell.checkpointing in K_FIELD else {}))
     sc = build(opts)
     r = estimate_one(sc, cell.strategy)
     return make_plan(sc, cell.strategy, per_rank * cell.world, r)

@@ -319,7 +319,9 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
         c = fake_cell(model, world, seq_len, micro_batch, mode, name, linear_loss,
                       embed_head_unit=embed_head_unit, logits_kept=logits_kept, reserved=reserved,
                       **options)
-        k = options.get({"every-k": "checkpoint_every", "first-k": "checkpoint_first"}.get(mode, ""))
+        from ..policy import K_FIELD
+
+        k = options.get(K_FIELD.get(mode, ""))
         label = f"{name} ckpt={mode}" + (f" k={k}" if k else "")
         cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
         print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "
