@@ -125,11 +125,13 @@ def _overlap_times(device, dist, full, part, reps: int, agree=None) -> dict:
     collective runs beside compute from start to end (collective_slowdown's rule)."""
     import torch
 
+    from . import tensor_collectives
+
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     n = 8192 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device, dtype=dt)
     b = torch.randn(n, n, device=device, dtype=dt)
-    m_s = _timeit(lambda: dist.all_gather_into_tensor(full, part), device, reps, agree=agree)
+    m_s = _timeit(lambda: tensor_collectives.all_gather(full, part), device, reps, agree=agree)
     one = _timeit(lambda: a @ b, device, reps)
     count = max(1, math.ceil(2 * m_s / one))
     if agree is not None:  # every rank computes beside the all-gather as long: the largest count
@@ -140,7 +142,7 @@ def _overlap_times(device, dist, full, part, reps: int, agree=None) -> dict:
             a @ b
 
     def both():
-        work = dist.all_gather_into_tensor(full, part, async_op=True)
+        work = tensor_collectives.all_gather(full, part, async_op=True)
         gemms()
         work.wait()
 
@@ -177,6 +179,7 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     # the bookkeeping all-reduce below is of CPU tensors: on GPUs gloo carries it beside NCCL
     from .trainer.distributed import init_process_group_for
+    from . import tensor_collectives
 
     init_process_group_for(device, init_method=init, rank=rank, world_size=world)
     res = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}, "overlap": {}}
@@ -192,8 +195,8 @@ def _collective_worker(rank, world, init, sizes, reps, backend, out):
             full = torch.ones(n, device=device)
             part = torch.ones(n // world, device=device)
             ops = {
-                "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+                "all_gather": lambda: tensor_collectives.all_gather(full, part),
+                "reduce_scatter": lambda: tensor_collectives.reduce_scatter(part, full),
                 "all_reduce": lambda: dist.all_reduce(full),
             }
             for name, fn in ops.items():

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ordered_reduce import ordered_reduce_scatter
+from ..tensor_collectives import all_gather as gather_flat, reduce_scatter as reduce_scatter_flat
 
 
 class Traffic:
@@ -52,7 +53,7 @@ def reduce_scatter(full: torch.Tensor, world: int, traffic: Traffic, ring: bool 
     traffic.add("reduce_scatter", full.numel())
     if ring:
         out = torch.empty(full.numel() // world)
-        dist.reduce_scatter_tensor(out, full)
+        reduce_scatter_flat(out, full)
         return out / world
     return ordered_reduce_scatter(full)
 
@@ -60,7 +61,7 @@ def reduce_scatter(full: torch.Tensor, world: int, traffic: Traffic, ring: bool 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, traffic: Traffic, async_op: bool = False):
     if dist.get_world_size() > 1:
         traffic.add("all_gather", out.numel())
-    return dist.all_gather_into_tensor(out, shard, async_op=async_op)
+    return gather_flat(out, shard, async_op=async_op)
 
 
 class Unit:
@@ -212,7 +213,7 @@ class ZeRO:
         out = []
         for u in self.units:
             buf = torch.empty(u.padded)
-            dist.all_gather_into_tensor(buf, u.shard.detach())
+            gather_flat(buf, u.shard.detach())
             out.append(buf[: u.numel].clone())
         return out
 
@@ -231,7 +232,7 @@ def clip_coefficient(local_sq: torch.Tensor, world: int, max_norm: float) -> tor
     in ring order). Bookkeeping of N floats: not counted as model traffic."""
     if world > 1:
         parts = torch.empty(world)
-        dist.all_gather_into_tensor(parts, local_sq.reshape(1))
+        gather_flat(parts, local_sq.reshape(1))
         total = sum_in_order(list(parts))
     else:
         total = local_sq
