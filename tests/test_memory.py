@@ -1276,6 +1276,28 @@ def test_one_partition_gathers_nothing_in_either_layout():
         assert two >= 2 * 60_000_000, layout  # a block's weights in bf16
 
 
+def test_one_partition_under_param_offload_copies_its_weights_to_the_gpu():
+    """DeepSpeed's one-partition path under offload_param: the partition is in host memory and
+    NoGatherHandle copies it to the GPU (`param.ds_tensor.data.to(device=...)` in the installed
+    partition_parameters.py), so one GPU holds the fetched weights as two do (was 0 bytes: a
+    one-GPU offload-all plan 1.5-5.8 GB light, fitting where two GPUs would not)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        pytest.skip("deepspeed is not installed")
+    src = (Path(spec.origin).parent / "runtime" / "zero" / "partition_parameters.py").read_text()
+    handle = src[src.index("class NoGatherHandle"):src.index("class NoGatherCoalescedHandle")]
+    assert re.search(r"param\.data = param\.ds_tensor\.data\.to\(device=get_accelerator\(\)\.current_device_name\(\)", handle)
+    st = effective("offload-all", "zero")
+    one, two = (max(e.live.get("gathered", 0) for e in timeline(
+        _sc(model="llama-3.2-1b", gpus=str(n), layout="zero", seq_len=2048), st)) for n in (1, 2))
+    assert two >= 2 * 60_000_000  # a block's weights in bf16 (60.8M elements), gathered
+    assert abs(one - two) <= 2 * 2 * 64  # the same set; padding to 2 ranks, a few elements a unit
+
+
 def test_one_rank_copies_are_priced_as_fsdp2_makes_them():
     """FSDP2 on a shard group of one (the installed torch's _fsdp_param_group.py and
     _fsdp_collectives.py): each shard copied into its unsharded parameter (a cast only where the

@@ -222,16 +222,22 @@ def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
     return 0
 
 
-def deepspeed_step_temp_bytes(local_elems: int, params_sharded: bool, p) -> int:
+def deepspeed_step_temps(local_elems: int, params_sharded: bool, p) -> tuple[int, ...]:
     """DeepSpeed ZeRO-1/2/3's optimizer step makes its fp32 gradient partition from the 16-bit
     one: `flatten(averaged_gradients).to(fp32)`, both alive for a moment (stage_1_and_2.py step;
     stage3.py _prepare_fp32_grad_for_sub_group, one sub-group of at most sub_group_size
     elements at a time, default 1e9: config.py), the fp32 one through the update (FusedAdam
-    works in place). With 16-bit master weights `.to` returns the flat copy itself."""
+    works in place). With 16-bit master weights `.to` returns the flat copy itself. Bytes of
+    each tensor."""
     from .deepspeed import SUB_GROUP_ELEMS
 
     chunk = min(local_elems, SUB_GROUP_ELEMS) if params_sharded else local_elems
-    return nbytes(chunk, p.param) + (nbytes(chunk, p.master) if p.master != p.param else 0)
+    return (nbytes(chunk, p.param),) + ((nbytes(chunk, p.master),) if p.master != p.param else ())
+
+
+def deepspeed_step_temp_bytes(local_elems: int, params_sharded: bool, p) -> int:
+    """The bytes of deepspeed_step_temps, alive together."""
+    return sum(deepspeed_step_temps(local_elems, params_sharded, p))
 
 
 def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[Event]:
@@ -376,8 +382,11 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
         return 0, 2 * sc.assume.ddp_bucket_bytes  # DeepSpeed's reduce buckets
     # one partition: DeepSpeed points each parameter at its shard, gathering nothing
     # (partition_parameters.py all_gather_coalesced: `_no_gather_coalesced` when num_partitions
-    # == 1, v0.16.6 and v0.19.2)
-    one = sc.shard_degree(st.hsdp) == 1
+    # == 1, v0.16.6 and v0.19.2): a view where the shard is on the GPU; under offload_param the
+    # shard is in host memory and NoGatherHandle copies it to the GPU
+    # (`param.ds_tensor.data.to(device=current_device_name())`, v0.19.8), the gathered set as on
+    # more ranks
+    one = sc.shard_degree(st.hsdp) == 1 and not st.offload_params
     if t.deepspeed_defaults and st.reshard_after_forward:
         gather_b, reduce_b = deepspeed_default_buffers(sc, pb, rb)
         return (0 if one else gather_b), reduce_b
@@ -606,14 +615,31 @@ def _param_block_cache(sc: Scenario, st: Strategy) -> tuple[int, int]:
     if (t.layout != "zero" or st.params_sharded or not st.optim_sharded or t.deepspeed_param_groups != "one"
             or _cache_unpriced(sc, st)):
         return 0, 0
-    pb = DTYPE_BITS[t.precision.param] // 8
     mode = policy.uniform_mode(t, m.num_layers)  # every-1 and first-L are full
     kept = activation_memory.block_kept_tensors(m, t, mode)
     working = activation_memory.block_recompute_tensors(m, t, mode)
     if working is None:  # the sets not derived: the whole no-recomputation list, a bound
         working = activation_memory.block_kept_tensors(m, t, "none")
-    params = tuple(math.prod(s) * pb for u in sc.units for s in u.shapes)  # model order
-    return _cached_blocks(params, kept, working, m.num_layers)
+    return _cached_blocks(_param_blocks(sc), kept, working, m.num_layers)
+
+
+def _param_blocks(sc: Scenario) -> tuple[int, ...]:
+    """Each parameter's own block, bytes in the param dtype, model order."""
+    pb = DTYPE_BITS[sc.train.precision.param] // 8
+    return tuple(math.prod(s) * pb for u in sc.units for s in u.shapes)
+
+
+def _param_block_cache_at_step(sc: Scenario, st: Strategy) -> tuple[int, int]:
+    """_param_block_cache at the optimizer step: every activation freed, the step's flat
+    temporaries made (deepspeed_step_temps: the 16-bit gradient partition flattened and its fp32
+    copy, each one tensor of the rank's partition, which fits a parameter's block only at many
+    ranks); what of the cache they leave unused, and the wholly free part. (0, 0) where the
+    cache is not priced."""
+    if _param_block_cache(sc, st) == (0, 0):
+        return 0, 0
+    local = sum(optimizer_tensor_sizes(sc, sc.shard_degree(st.hsdp), zero1=st.name == "zero1"))
+    temps = deepspeed_step_temps(local, st.params_sharded, sc.train.precision)
+    return _cached_blocks(_param_blocks(sc), (), temps, 0)
 
 
 def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
@@ -661,6 +687,8 @@ class _Allocation:
     stream_peaks: tuple[tuple[str, int], ...]
     loss_start: Event | None
     step_peak_bytes: int  # the largest event after setup (setup_events)
+    optimizer_peak_bytes: int  # the largest event of the optimizer step
+    activation_peak_bytes: int  # the largest event of forward, loss and backward
 
 
 _ALLOCATIONS = SegmentFreeMemo()
@@ -675,7 +703,10 @@ def _allocation(sc: Scenario, st: Strategy) -> _Allocation:
         events = timeline(sc, st, ms)
         return _Allocation(ms, mt.peak(events), tuple(allocator.stream_peaks(events).items()),
                            next((e for e in events if e.label == "loss forward"), None),
-                           max((e.total_bytes for e in events if e.phase != "setup"), default=0))
+                           max((e.total_bytes for e in events if e.phase != "setup"), default=0),
+                           max((e.total_bytes for e in events if e.phase == "optimizer"), default=0),
+                           max((e.total_bytes for e in events if e.phase not in ("setup", "optimizer")),
+                               default=0))
     return _ALLOCATIONS.get(sc, st, make)
 
 
@@ -703,9 +734,18 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     residue, residue_releasable = _forward_residue(sc, st, acts.logits_elems)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
     peaks = dict(alloc.stream_peaks)
-    cache_unused, cache_free = _param_block_cache(sc, st)
-    reserved = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
-                                             _all_gather_reserved(sc, st, ms)) + cache_unused
+    # DeepSpeed ZeRO-1/2's cached parameter blocks (_param_block_cache): what the step leaves
+    # unused of them at its peak's moment, and at least the other moment's live bytes with what
+    # that one leaves unused (at the optimizer step no activation holds a block, so the cache is
+    # wholly unused beside the step's flat temporaries, however little checkpointing keeps)
+    at_step = _param_block_cache_at_step(sc, st)
+    at_acts = _param_block_cache(sc, st)
+    (cache_unused, cache_free), (other_unused, other_free), other_b = (
+        (at_step, at_acts, alloc.activation_peak_bytes) if top.phase == "optimizer"
+        else (at_acts, at_step, alloc.optimizer_peak_bytes))
+    reserved = max(allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
+                                                 _all_gather_reserved(sc, st, ms)) + cache_unused,
+                   other_b + other_unused if other_unused else 0)
     reduce_stream = reduce_stream_bytes(sc, st)
 
     def beside_step(r: int) -> int:  # the reduce stream is made in backward: beside the step only
@@ -719,6 +759,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     loss_packed = loss_reserved - loss_releasable
     packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
         start, loss_b, loss_packed, residue - residue_releasable)) + cache_unused - cache_free
+    packed = max(packed, other_b + other_unused - other_free if other_unused else 0)
     packed = beside_step(packed)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
