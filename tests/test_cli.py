@@ -67,6 +67,10 @@ def test_one_strategy(run_zplan):
     (["--model", "llama-3.1-8b", "--logits-fp32", "--linear-loss", "chunked"], "drop --logits-fp32"),
     (["--model", "llama-3.1-8b", "--logits-fp32", "--no-loss-fp32"], "drop --no-loss-fp32"),
     (["--model", "llama-3.1-8b", "--last-block-kept"], "--last-block-kept is how FSDP reshards"),
+    # hsdp alone at a GPU count its default shard (a node) does not divide: a usage error with
+    # the shard size that works (was exit 1, "no strategy fits ... zero3 fits")
+    (["--model", "llama-3.1-8b", "--gpus", "12", "--strategy", "hsdp"],
+     "shard size 8 (a node) does not divide 12 GPUs: --shard-size 4 divides them"),
 ])
 def test_bad_input_is_one_line_exit_2(run_zplan, args, needle):
     p = run_zplan("estimate", *args)

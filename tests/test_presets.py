@@ -312,3 +312,15 @@ def test_cpu_ranks_default_to_eight_on_their_own_node(capsys):
     def n(*flags):
         return json.loads(cli(capsys, "estimate", "--model", "tiny", "--json", *flags).stdout)["inputs"]["num_gpus"]
     assert n("--gpu", "cpu") == 8 and n("--gpu", "rtx-4090") == 4 and n() == 8
+
+
+def test_a_gpu_on_another_gpus_node_is_said(capsys):
+    """--gpu h200 --cluster dgx-a100 plans an H200 on an A100 node's links: said among the
+    assumptions, naming the node's own GPU; a GPU on its own node says nothing."""
+    from tests.helpers import cli
+    r = cli(capsys, "estimate", "--gpu", "h200", "--cluster", "dgx-a100", "--gpus", "8", "--json")
+    a = json.loads(r.stdout)["assumptions"]["node_links"]
+    assert r.returncode == 0 and a["value"] == "dgx-a100" and presets.cluster("dgx-a100").gpu in a["meaning"]
+    for args in (("--gpu", "h200"), ("--gpu", "h200", "--cluster", "hgx-h200"), ("--cluster", "dgx-a100")):
+        r = cli(capsys, "estimate", *args, "--gpus", "8", "--json")
+        assert "node_links" not in json.loads(r.stdout)["assumptions"], args

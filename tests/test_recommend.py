@@ -514,3 +514,25 @@ def test_the_scaling_plot_draws_hsdp_only_where_it_has_replicas():
     from zplan.scenario_options import ScenarioOptions, build
     series = scaling_series(build(ScenarioOptions(model="llama-3.1-8b", gpus="8")), 64)
     assert [p[0] for p in series["hsdp"]] == [16, 32, 64] and [p[0] for p in series["zero3"]][:1] == [1]
+
+
+def test_a_near_tie_says_how_near_and_the_tolerance(capsys):
+    """A loser within the model's resolution says by how much it differs from the winner and the
+    tolerance (the QA pass: 'as fast' for a loser 1% faster read as an error): the percentage is
+    its step over the winner's, from the JSON's own figures."""
+    import json as _json
+    import re
+
+    from tests.helpers import cli
+    from zplan.recommend import TIE
+
+    r = cli(capsys, "recommend", "--model", "llama-3.2-1b", "--gpus", "8", "--seq-len", "32768", "--json")
+    d = _json.loads(r.stdout)
+    win = d["winner"]["time"]["step_s"]
+    steps = {f: c["time"]["step_s"] for f, c in d["best_by_family"].items()}
+    near = {f: why for f, why in d["lost"].items() if why.startswith("as fast")}
+    assert near, d["lost"]
+    for family, why in near.items():
+        pct = float(re.search(r", ([+-]\d+\.\d)%: within the model's (\d+)% resolution", why).group(1))
+        assert abs(pct - 100 * (steps[family] / win - 1)) <= 0.051, (family, why)
+        assert f"{TIE:.0%} resolution" in why

@@ -93,7 +93,12 @@ def unavailable_reason(sc: Scenario, name: str) -> str | None:
     if name == "hsdp":
         S = sc.hsdp_shard
         if sc.n % S:
-            return f"shard size {S} does not divide {sc.n} GPUs"
+            node = sc.hw.cluster.gpus_per_node
+            fits = [d for d in range(min(node, sc.n), 1, -1) if sc.n % d == 0]
+            inside = [d for d in fits if node % d == 0]  # shard groups that stay inside a node
+            fix = (f": --shard-size {(inside or fits)[0]} divides them" if fits else
+                   f": no shard size from 2 to {node} divides {sc.n} GPUs")
+            return f"shard size {S} (a node) does not divide {sc.n} GPUs{fix}"
     return None
 
 
@@ -201,6 +206,11 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
             "value": sc.hw.cluster.name, "flag": "--cluster NAME or FILE.toml",
             "meaning": f"{g.name} names no node of its own (the GPU preset's `cluster`): its links, "
                        f"GPUs per node and network are {sc.hw.cluster.name}'s"}
+    elif g.device == "gpu" and sc.hw.cluster.gpu not in (None, g.name):  # --gpu X --cluster Y
+        out["node_links"] = {
+            "value": sc.hw.cluster.name, "flag": "--cluster NAME or FILE.toml",
+            "meaning": f"{sc.hw.cluster.name}'s node holds {sc.hw.cluster.gpu}; {g.name} is planned on its "
+                       f"links, GPUs per node and network as they are"}
     if sc.model.position == "learned":
         out["position_table"] = {
             "value": f"{sc.model.max_seq_len:,} rows", "flag": "--seq-len, or max_seq_len in a model file",

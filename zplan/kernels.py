@@ -486,6 +486,13 @@ MTA_MAX_BLOCKS = (320, 320, 320, 320, 320)
 
 
 def multi_tensor_launches(sizes: list[int], depth: int, scalar_list: bool = False) -> int:
+    """_multi_tensor_launches, remembered by the sizes (an MoE model's optimizer steps tens of
+    thousands of tensors, the same list for every configuration recommend tries)."""
+    return _multi_tensor_launches(tuple(sizes), depth, scalar_list)
+
+
+@lru_cache(maxsize=256)
+def _multi_tensor_launches(sizes: tuple[int, ...], depth: int, scalar_list: bool = False) -> int:
     """Kernel launches of one multi_tensor_apply over tensors of these element counts, with
     `depth` tensor lists (fused Adam: param, grad, exp_avg, exp_avg_sq = 4): torch's loop, which
     launches when the blocks fill, or the tensors fill on a tensor's last chunk, and once more for

@@ -389,7 +389,8 @@ def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
     if objective == "memory":
         return f"uses {fmt_bytes(c.total_bytes)} per GPU vs {fmt_bytes(w.total_bytes)}"
     if c.step_s <= w.step_s * (1 + TIE):
-        return f"as fast ({fmt_s(c.step_s)}) but {w.family} is simpler"
+        return (f"as fast ({fmt_s(c.step_s)}, {c.step_s / w.step_s - 1:+.1%}: within the model's "
+                f"{TIE:.0%} resolution) but {w.family} is simpler")
     a, b = c.result.timing, w.result.timing
     recompute = lambda t: t.breakdown.get("recompute", 0.0)  # noqa: E731  (the kernel model's; 0 at one efficiency)
     why = [r for r, applies in (("recomputation", recompute(a) > recompute(b) * (1 + TIE) + 1e-9

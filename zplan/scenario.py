@@ -53,7 +53,10 @@ class Scenario:
         """
         if self.train.layout == "zero" or degree == 1:
             return ceil_div(unit.numel, degree)
-        return _dim0_shard(unit.shapes, degree)
+        known = unit.dim0_shards.get(degree)
+        if known is None:
+            known = unit.dim0_shards[degree] = _dim0_shard(unit.shapes, degree)
+        return known
 
     def padded_elems(self, unit: arch.Unit, degree: int) -> int:
         """The unit's gathered size including padding: what one all-gather moves."""

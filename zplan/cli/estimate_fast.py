@@ -42,6 +42,8 @@ def run(opts: ScenarioOptions, strategy: list[str] | None = None, as_json: bool 
         check_flag_pairs(opts, strategy)
         sc, names = build(opts), strategy or list(STRATEGIES)
     results = run_estimate(sc, names)
+    if not any(r.memory for r in results):  # every strategy asked for was refused, not priced
+        raise UsageError("; ".join(f"--strategy {r.name}: {r.unavailable}" for r in results))
     if as_json:
         emit_json(to_json(sc, results))
     else:
