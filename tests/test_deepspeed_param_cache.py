@@ -158,3 +158,18 @@ def test_checkpointing_never_raises_the_zero2_reserve():
                 effective("zero2", "zero")).reserved_bytes for mode in ("none", "selective", "full")]
     slack = 20 * MiB  # the moments' segment rounding
     assert r[0] + slack >= r[1] and r[1] + slack >= r[2]
+
+
+def test_the_step_temporaries_are_their_own_column():
+    """At a peak in the optimizer step the flat temporaries (2 + 4 bytes a local element) are
+    reported as step temporaries, not activations (the QA pass: 'activ. 9.76 GB' under full
+    checkpointing at a moment no activation is alive), and the components still add up to the
+    allocated peak."""
+    sc = scenario(model="llama-2-13b", gpus=8, seq_len=2048, layout="zero", checkpointing="full")
+    m = memory(sc, effective("zero2", "zero"))
+    assert m.peak_phase == "optimizer"
+    assert m.activation_bytes == 0
+    assert m.step_temp_bytes == pytest.approx(6 * sc.params / 8, rel=1e-6)
+    parts = (m.model_state_bytes + m.gather_buffer_bytes + m.reduce_buffer_bytes + m.accum_grad_bytes
+             + m.activation_bytes + m.step_temp_bytes)
+    assert parts == m.allocated_bytes

@@ -51,6 +51,9 @@ class Memory:
     # the stream's packed peak): the caching allocator
     # releases them and retries before failing an allocation, so "fits" does not count them
     releasable_bytes: int = 0
+    # the optimizer step's temporaries alive at the peak (foreach AdamW's, DeepSpeed's flat fp32
+    # gradient partition, Newton-Schulz's): 0 unless the peak is the step
+    step_temp_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The byte figures (the plan file's per_gpu); the peak's phase and event are apart."""
@@ -777,6 +780,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
                              + live.get("reduce_scatter", 0)),
         accum_grad_bytes=accum,
         activation_bytes=live.get("activations", 0),
+        step_temp_bytes=live.get("step_temps", 0),
         overhead_bytes=sc.assume.cuda_context_bytes + reserved - allocated,
         allocated_bytes=allocated,
         reserved_bytes=reserved,

@@ -24,7 +24,7 @@ from .specs import TrainSpec
 from .units import DTYPE_BITS
 
 KINDS = ("state", "grads", "gathered", "all_gather", "unsharded_grads", "reduce_scatter",
-         "activations")
+         "activations", "step_temps")
 # The CUDA stream each kind is allocated on: the caching allocator reuses a freed block only for
 # requests on the stream it was allocated on. FSDP2 allocates all-gather outputs on its
 # all-gather (copy-in) stream and the reduce-scatter outputs (the sharded gradients are views of
@@ -33,7 +33,7 @@ KINDS = ("state", "grads", "gathered", "all_gather", "unsharded_grads", "reduce_
 # foreach_all_gather, foreach_reduce in torch 2.13).
 STREAM = {"state": "default", "gathered": "default", "unsharded_grads": "default",
           "activations": "default", "all_gather": "all-gather", "grads": "reduce-scatter",
-          "reduce_scatter": "default"}
+          "reduce_scatter": "default", "step_temps": "default"}
 
 
 def tied_grads_summed_out_of_place(sc: Scenario) -> bool:
@@ -479,7 +479,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                           unsharded_grads=(acc_upto[j] if accum else max(0, accum_b - reduce_in[j])) + others,
                           reduce_scatter=2 * reduce_in[j], **at_reduce))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
-                  activations=opt_temp_b + out.optimizer()))
+                  step_temps=opt_temp_b, activations=out.optimizer()))
     return ev
 
 
@@ -565,7 +565,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                           **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])
                              + wait[0]}))
     step_kw = kw if step_gathered_b is None else {**kw, "gathered": step_gathered_b}
-    ev.append(_ev("optimizer", "optimizer step", activations=opt_temp_b + out.optimizer(), **step_kw))
+    ev.append(_ev("optimizer", "optimizer step", step_temps=opt_temp_b, activations=out.optimizer(), **step_kw))
     return ev
 
 

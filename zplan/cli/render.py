@@ -56,17 +56,17 @@ COMPONENTS = (
     ("params_bytes", "P", "blue"), ("grads_bytes", "G", "magenta"), ("master_bytes", "M", "cyan"),
     ("optimizer_bytes", "O", "green"), ("gather_buffer_bytes", "W", "yellow"),
     ("reduce_buffer_bytes", "R", "bright_yellow"), ("accum_grad_bytes", "a", "bright_magenta"),
-    ("activation_bytes", "A", "red"), ("overhead_bytes", "x", "white"),
+    ("activation_bytes", "A", "red"), ("step_temp_bytes", "T", "bright_red"), ("overhead_bytes", "x", "white"),
 )
 
 
 def bar(mem: dict, capacity: int) -> str:
     """A letter per component; the full width is one GPU's memory (or the total, if larger)."""
-    total_b = sum(mem[k] for k, _, _ in COMPONENTS)
+    total_b = sum(mem.get(k, 0) for k, _, _ in COMPONENTS)
     scale = BAR_WIDTH / max(capacity, total_b)
     out, used = [], 0.0
     for key, letter, colour in COMPONENTS:
-        cells = mem[key] * scale
+        cells = mem.get(key, 0) * scale
         n = int(round(used + cells)) - int(round(used))
         used += cells
         if n > 0:
@@ -156,7 +156,7 @@ def _host(r: StrategyEstimate, d: dict, unit: str) -> str:
 
 # (heading, how a row fills it); the narrow table keeps the columns a reader decides by
 MEMORY_WIDE = ("params", "grads", "master", "optim", "model state", "gather", "reduce", "activ.",
-               "overhead", "allocated", "reserved", "peak at")
+               "step temps", "overhead", "allocated", "reserved", "peak at")
 MEMORY_NARROW = ("model state", "buffers", "activ.", "reserved")
 
 
@@ -165,8 +165,10 @@ def _memory_cells(d: dict, unit: str, phase: str = "") -> dict[str, str]:
     return {"params": f("params_bytes"), "grads": f("grads_bytes"), "master": f("master_bytes"),
             "optim": f("optimizer_bytes"), "model state": f("model_state_bytes"),
             "gather": f("gather_buffer_bytes"), "reduce": f("reduce_buffer_bytes"),
-            "buffers": fmt_bytes(d["gather_buffer_bytes"] + d["reduce_buffer_bytes"], unit),
-            "activ.": f("activation_bytes"), "overhead": f("overhead_bytes"),
+            "buffers": fmt_bytes(d["gather_buffer_bytes"] + d["reduce_buffer_bytes"]
+                                 + d.get("step_temp_bytes", 0), unit),
+            "activ.": f("activation_bytes"), "step temps": fmt_bytes(d.get("step_temp_bytes", 0), unit),
+            "overhead": f("overhead_bytes"),
             "allocated": f("allocated_bytes"), "reserved": f("reserved_bytes"), "peak at": phase}
 
 
