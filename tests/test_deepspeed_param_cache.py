@@ -173,3 +173,17 @@ def test_the_step_temporaries_are_their_own_column():
     parts = (m.model_state_bytes + m.gather_buffer_bytes + m.reduce_buffer_bytes + m.accum_grad_bytes
              + m.activation_bytes + m.step_temp_bytes)
     assert parts == m.allocated_bytes
+
+
+def test_explain_names_the_cache_and_the_step_temporaries():
+    """explain says which share of what is releasable is DeepSpeed's cached parameter blocks and
+    how much of the allocated peak is the step's temporaries (figures from the memory model)."""
+    from zplan.explain import explain_lines
+    from zplan.memory import param_block_cache_bytes
+
+    sc = scenario(model="llama-2-13b", gpus=8, seq_len=2048, layout="zero", checkpointing="full")
+    st = effective("zero2", "zero")
+    text = "\n".join(explain_lines(sc, "zero2"))
+    m = memory(sc, st)
+    assert f"DeepSpeed's cached parameter blocks, {param_block_cache_bytes(sc, st) / 1e9:.3f} GB" in text
+    assert f"{m.step_temp_bytes / 1e9:.3f} GB is the optimizer step's temporaries" in text

@@ -645,6 +645,13 @@ def _param_block_cache_at_step(sc: Scenario, st: Strategy) -> tuple[int, int]:
     return _cached_blocks(_param_blocks(sc), (), temps, 0)
 
 
+def param_block_cache_bytes(sc: Scenario, st: Strategy) -> int:
+    """The most of DeepSpeed ZeRO-1/2's cached parameter blocks the step leaves unused, at the
+    activations' moment or the optimizer step's (0 where not priced), for explain."""
+    sc = sc.for_strategy(st.fsdp)
+    return max(_param_block_cache(sc, st)[0], _param_block_cache_at_step(sc, st)[0])
+
+
 def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
     """Why the parameters' cached blocks are not priced for this scenario ('' where they are)."""
     t, m = sc.train, sc.model
