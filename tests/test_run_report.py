@@ -71,3 +71,11 @@ def test_an_earlier_report_with_odd_fields_is_replaced_not_followed(tmp_path):
         write_report({"start_step": 3, "end_step": 5, "losses": []}, str(tmp_path))
         assert sorted(p.name for p in tmp_path.iterdir()) == ["run_report.json"]
         assert json.loads((tmp_path / "run_report.json").read_text())["start_step"] == 3
+
+
+def test_cpu_ranks_say_their_step_time_does_not_test_the_time_model():
+    """On CPU ranks the step time is off by 8x either way (nominal preset: +714%; calibrated:
+    -86%, the tiny model's step dominated by per-op dispatch): the report says what those rows
+    are; a GPU run's report does not."""
+    assert any(ln.startswith("step time, tokens/s, MFU on CPU ranks") for ln in compare_lines(_report(4 * 2**20)))
+    assert not any("CPU ranks" in ln for ln in compare_lines(_report(4 * 2**20, device="cuda")))

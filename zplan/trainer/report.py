@@ -171,6 +171,11 @@ def compare_lines(report: dict) -> list[str]:
     if report.get("device") == "cpu" and report.get("strategy") == "offload-all" and m.get("peak_memory_bytes"):
         out.append("peak allocated: offload-all on CPU ranks has no device to offload to, so the run holds what "
                    "zero3 does and is compared with zero3's prediction (estimate --plan shows the GPU's)")
+    if report.get("device") == "cpu" and m.get("step_s") is not None:
+        out.append("step time, tokens/s, MFU on CPU ranks: zplan's time model prices GPU kernels and NCCL; "
+                   "here it prices a nominal (or calibrated) CPU preset and leaves out what dominates a CPU "
+                   "step (each op's dispatch, gloo, low-precision arithmetic on cores), so these rows "
+                   "rehearse the run, they do not test the model: memory and communication do")
     out += [f"warning: {w}" for w in report.get("warnings", [])]
     return out
 
