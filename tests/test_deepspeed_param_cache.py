@@ -187,3 +187,23 @@ def test_explain_names_the_cache_and_the_step_temporaries():
     m = memory(sc, st)
     assert f"DeepSpeed's cached parameter blocks, {param_block_cache_bytes(sc, st) / 1e9:.3f} GB" in text
     assert f"{m.step_temp_bytes / 1e9:.3f} GB is the optimizer step's temporaries" in text
+
+
+def test_recommends_headroom_does_not_count_the_cache_released_once():
+    """The cached parameter blocks are handed back at the first failed cudaMalloc and never made
+    again, unlike the step's own freed blocks: recommend's headroom (the whole reserve within
+    90% of the GPU) leaves them out (Memory.released_once_bytes), so ZeRO-2 without
+    checkpointing is not refused for 2 Psi of blocks it would release once."""
+    from zplan.estimate import fits
+    from zplan.memory import _param_block_cache_at_step
+
+    sc = scenario(model="llama-2-13b", gpus=8, seq_len=2048, layout="zero", checkpointing="none")
+    st = effective("zero2", "zero")
+    m = memory(sc, st)
+    usable = int(0.9 * sc.hw.gpu.memory_bytes)
+    assert m.total_bytes > usable  # the whole reserve would not be within the headroom
+    assert 0 < m.released_once_bytes <= min(m.releasable_bytes,
+                                            _param_block_cache_at_step(sc.for_strategy(False), st)[1])
+    assert fits(sc, "zero2", usable) == (m.total_bytes - m.released_once_bytes <= usable) is True
+    # FSDP2 (torch layout) keeps no such cache: nothing released once
+    assert memory(scenario(model="llama-2-13b", gpus=8, seq_len=2048), effective("zero2", "torch")).released_once_bytes == 0

@@ -156,7 +156,8 @@ def test_ranked_by_step_time_and_feasible():
     r = rec(64, model="llama-3.1-8b", gpus=8)
     steps = [c.step_s for c in r.ranked[1:]]
     assert steps == sorted(steps)
-    assert all(c.total_bytes <= c.usable_bytes for c in r.ranked)
+    # the whole reserve within the headroom, less DeepSpeed's cached blocks released once
+    assert all(c.total_bytes - c.result.memory.released_once_bytes <= c.usable_bytes for c in r.ranked)
     per_gpu = 64 // 8
     assert all(c.sc.train.micro_batch * c.sc.train.grad_accum == per_gpu for c in r.ranked)
 

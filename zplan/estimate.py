@@ -132,15 +132,17 @@ def _fits(sc: Scenario, mem: Memory, usable_bytes: int | None = None) -> tuple[b
     judged on the reserve less its segments wholly free at the peak (Memory.releasable_bytes): on
     a failed cudaMalloc PyTorch's caching allocator releases its free cached segments and retries
     (release_cached_blocks), so those cost time near the limit, not the run, and such a fit is
-    tight (headroom below zero). Within recommend's headroom the whole reserve must fit: a run
-    that releases and re-reserves segments every step is slower than planned."""
+    tight (headroom below zero). Within recommend's headroom the whole reserve must fit, less
+    what is released once and never made again (Memory.released_once_bytes: DeepSpeed's cached
+    parameter blocks): a run that releases and re-reserves segments every step is slower than
+    planned."""
     host_fits = None
     if mem.host_bytes_per_node:
         host_fits = mem.host_bytes_per_node <= sc.hw.cluster.host_ram_bytes
     if usable_bytes is None:
         need, cap = mem.total_bytes - mem.releasable_bytes, sc.hw.gpu.memory_bytes
     else:
-        need, cap = mem.total_bytes, usable_bytes
+        need, cap = mem.total_bytes - mem.released_once_bytes, usable_bytes
     return need <= cap and host_fits is not False, host_fits
 
 

@@ -54,6 +54,10 @@ class Memory:
     # the optimizer step's temporaries alive at the peak (foreach AdamW's, DeepSpeed's flat fp32
     # gradient partition, Newton-Schulz's): 0 unless the peak is the step
     step_temp_bytes: int = 0
+    # of releasable_bytes, what is released once and not made again: DeepSpeed ZeRO-1/2's cached
+    # parameter blocks in wholly free segments (the first failed cudaMalloc hands them back for
+    # good; the step's own freed blocks would be re-reserved every step)
+    released_once_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The byte figures (the plan file's per_gpu); the peak's phase and event are apart."""
@@ -753,9 +757,11 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     (cache_unused, cache_free), (other_unused, other_free), other_b = (
         (at_step, at_acts, alloc.activation_peak_bytes) if top.phase == "optimizer"
         else (at_acts, at_step, alloc.optimizer_peak_bytes))
-    reserved = max(allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
-                                                 _all_gather_reserved(sc, st, ms)) + cache_unused,
-                   other_b + other_unused if other_unused else 0)
+    at_top = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
+                                           _all_gather_reserved(sc, st, ms)) + cache_unused
+    at_other = other_b + other_unused if other_unused else 0
+    reserved = max(at_top, at_other)
+    cache_free_segments = cache_free if at_top >= at_other else other_free
     reduce_stream = reduce_stream_bytes(sc, st)
 
     def beside_step(r: int) -> int:  # the reduce stream is made in backward: beside the step only
@@ -793,6 +799,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         reserved_bytes=reserved,
         total_bytes=reserved + sc.assume.cuda_context_bytes,
         releasable_bytes=max(0, reserved - packed),
+        released_once_bytes=min(max(0, reserved - packed), cache_free_segments),
         peak_phase=top.phase,
         peak_event=top.label,
         host_bytes_per_rank=ms.host_bytes,
