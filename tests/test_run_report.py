@@ -79,3 +79,27 @@ def test_cpu_ranks_say_their_step_time_does_not_test_the_time_model():
     are; a GPU run's report does not."""
     assert any(ln.startswith("step time, tokens/s, MFU on CPU ranks") for ln in compare_lines(_report(4 * 2**20)))
     assert not any("CPU ranks" in ln for ln in compare_lines(_report(4 * 2**20, device="cuda")))
+
+
+def test_a_resume_on_other_data_is_said(tmp_path, monkeypatch):
+    """--resume with another --data than the run's report names (or none where it had one) is
+    said before the ranks start; the same file by another spelling, a missing or odd report say
+    nothing."""
+    import json
+
+    from zplan.launch.run_dir import resumed_data_note
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("x")
+    report = tmp_path / "run_report.json"
+    assert resumed_data_note(tmp_path, "a.txt") is None  # no report yet
+    for before, now, said in ((None, None, False), (None, "a.txt", True), ("a.txt", None, True),
+                              ("a.txt", str(tmp_path / "a.txt"), False), ("a.txt", "b.txt", True)):
+        report.write_text(json.dumps({"config": {"data": before}}))
+        note = resumed_data_note(tmp_path, now)
+        assert (note is not None) == said, (before, now, note)
+        if said:
+            assert (before or "built-in") in note and (now or "no --data") in note
+    for odd in ("[1, 2]", '{"config": {"data": 7}}', "not json"):
+        report.write_text(odd)
+        assert resumed_data_note(tmp_path, "a.txt") is None

@@ -282,6 +282,12 @@ def launch(
     else:
         check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)) if checkpoints else 0,
                       fresh=fresh)
+        if resume and script is None:
+            from ..launch.run_dir import resumed_data_note
+
+            note = resumed_data_note(run, data)
+            if note:
+                print(f"zplan: note: {note}", file=sys.stderr)
     if plan is not None and not found.gpus and not slurm and found.cpu_bf16 is False \
             and p.train.precision.param == "bf16":
         print(f"zplan: note: {plan} computes in bf16 on CPU ranks, but {NO_BF16}; a plan with "

@@ -82,3 +82,27 @@ def writable_report(path: str | Path, other: str = "pass another --run-dir") -> 
         raise UsageError(f"{p} exists and is not a regular file; move it away or {other}")
     if os.path.realpath(p).startswith(("/proc/", "/sys/", "/dev/")):
         raise UsageError(f"{p} is under /proc, /sys or /dev; {other}")
+
+
+def resumed_data_note(run: Path, data: str | None) -> str | None:
+    """A resume reading other data than the run's report says it trained on (its config's
+    `data`: a path as the run was given it, or None for the built-in synthetic tokens): said,
+    not refused (a run may move on to new data on purpose). None where they agree or the report
+    is missing or unreadable (it is data: anything but a string or null names nothing)."""
+    from ..files import read_json
+
+    report = run / "run_report.json"
+    if not report.is_file():
+        return None
+    try:
+        config = read_json(report, "run report").get("config", {})
+        before = config.get("data")
+    except (UsageError, AttributeError):
+        return None
+    if before is not None and not isinstance(before, str):
+        return None
+    if (before is None) == (data is None) and (data is None or Path(before).resolve() == Path(data).resolve()):
+        return None
+    was = f"--data {before}" if before is not None else "the built-in synthetic tokens"
+    now = f"--data {data}" if data is not None else "the built-in synthetic tokens (no --data)"
+    return f"the run's report says it trained on {was}; this resume reads {now}"
