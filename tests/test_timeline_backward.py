@@ -63,10 +63,22 @@ def test_cpu_ranks_hold_a_second_reduce_scatter_input_at_the_collective():
 def test_gloo_copy_after_an_accumulated_gradient_is_dropped():
     """Reducing only on the last micro-batch, the unit's accumulated gradient (fp32, the reduce
     dtype) is copied in and dropped before the collective (post_backward, then foreach_reduce's
-    clear): the gloo event holds the other units' accumulated gradients only."""
+    clear), but its last parameter's: foreach_reduce's dim-0 loop variable (`for i, (fsdp_param,
+    unsharded_grad) in enumerate(zip(fsdp_params, unsharded_grads))`, in the installed torch's
+    _fsdp_collectives.py before the clear) still references it until foreach_reduce returns.
+    The gloo event holds the other units' accumulated gradients and that one."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin is not None:
+        src = (Path(spec.origin).parent / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_collectives.py").read_text()
+        loop = src.index("for i, (fsdp_param, unsharded_grad) in enumerate(")
+        assert loop < src.index("unsharded_grads.clear()")
     ev = _cpu_events("cpu", "cpu-local", grad_accum=2, reduce_last_only=True)
     at, before = ev["reduce-scatter blocks.1 (gloo's copy)"], ev["reduce-scatter blocks.1"]
-    assert before.live["unsharded_grads"] - at.live["unsharded_grads"] == 4 * TINY_BLOCK
+    last = 256 * 688  # the block's last parameter, an MLP matrix (688 x 256)
+    assert before.live["unsharded_grads"] - at.live["unsharded_grads"] == 4 * TINY_BLOCK - 4 * last
 
 
 GLOO_PROBE = r'''

@@ -285,7 +285,8 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
             [g * rb for g in padded],
             [x * grad_store for x in shards],
             st.reshard_after_forward, [nbytes(u.numel, p.reduce) for u in sc.units] if accum_b else None,
-            opt_temp, one_rank_copy=one_copy if D == 1 else None, reduce_out=[x * rb for x in shards])
+            opt_temp, one_rank_copy=one_copy if D == 1 else None, reduce_out=[x * rb for x in shards],
+            last_grad=[math.prod(u.shapes[-1]) * (rb if accum_b else pb) if u.shapes else 0 for u in sc.units])
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
     # DeepSpeed ZeRO-3 releases every gathered parameter at the end of backward
     # (PartitionedParameterCoordinator.release_and_reset_all): none is gathered at the step

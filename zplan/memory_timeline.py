@@ -266,7 +266,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 reduce_in: list[int],
                 sharded_grad: list[int], reshard: bool, accum: list[int] | None, opt_temp_b: int,
                 one_rank_copy: list[int] | None = None,
-                reduce_out: list[int] | None = None) -> list[Event]:
+                reduce_out: list[int] | None = None, last_grad: list[int] | None = None) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
 
     `one_rank_copy` given: a shard group of one rank, where FSDP2 issues no all-gather and
@@ -283,7 +283,13 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     (the others were reduced and freed: FSDP2's post_backward clears each unit's accumulated
     gradient after its reduce-scatter) beside the reduced ones' sharded gradients; in a micro-
     batch before it, no sharded gradient, and the accumulated ones of every unit from the second
-    micro-batch on (of the units already through backward in the first)."""
+    micro-batch on (of the units already through backward in the first).
+
+    `last_grad` given (bytes per unit): the unit's last parameter's gradient, which the loop
+    variable of foreach_reduce's dim-0 check (`for i, (fsdp_param, unsharded_grad) in ...`, run
+    where the group has more than one rank) still references after `unsharded_grads.clear()`,
+    until foreach_reduce returns (torch 2.11 and 2.13 _fsdp_collectives.py): alive when the
+    reduce-scatter output is allocated."""
     n = len(gathered)
     accum_b = sum(accum) if accum else 0
     one_rank = one_rank_copy is not None
@@ -311,8 +317,6 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     blocks_rec = acts.block_recompute or ((),) * n
     ends = _run_ends(list(zip(moving, acts.saved, acts.recompute, acts.backward_temp,
                               unsharded_grad, first_grad, reduce_in, sharded_grad, blocks_saved, blocks_rec)))
-    head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
-    root_head = held[head]  # the head sits in the held root (tied, or embed_head_unit root)
     logits_b = acts.logits_elems * acts.act_bytes  # the head's output, and the logits' gradient
     # the logits stay referenced until backward ends, unless the loop drops them first
     logits_ref = 0 if sc.train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
@@ -326,6 +330,12 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     in_place_acc = bool(accum) and sc.train.precision.reduce == sc.train.precision.param
     # before the last micro-batch: every unit's from the second on, else the units through backward
     skipping = (lambda j: accum_b if sc.train.grad_accum > 2 else accum_b - acc_upto[j + 1]) if accum else None  # noqa: E731
+    head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
+    root_head = held[head]  # the head sits in the held root (tied, or embed_head_unit root)
+    # the head's saved tensors (its norm's and its input), counted with the held root, which
+    # comes first in forward order: they exist only from the head's forward, at the end of
+    # forward, to its backward, at the start of backward (not beside the blocks)
+    head_saved = acts.saved[head] if root_head else 0
     ev: list[Event] = []
     for i in ends:
         # its compute, after the copy-out of its all-gather into its unsharded parameters (the
@@ -336,7 +346,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # its pre-forward (explicit prefetch) or allocated at the next pre-forward, after this
         # unit has resharded (none)
         kept = moving_upto[i] if not reshard else 0
-        act = saved_upto[i + 1]
+        act = saved_upto[i + 1] - head_saved
         if i == n - 1 and not root_head:
             act += logits_b  # the head's output
         ev.append(_ev("forward", f"forward {sc.units[i].name}", state=state_b, grads=all_grads,
@@ -385,6 +395,13 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       all_gather=last_ag if phase == "forward" else 0, unsharded_grads=accum_b,
                       activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
                       + acts.linear_loss[phase] + out.loss(phase)))
+    if linear and root_head and reshard and not kept_at_loss[head] and not one_rank:
+        # the held root's pre-backward (a hook on the loss) gathers it again: its all-gather
+        # output beside its unsharded weights at the copy-out, the loss's forward having made
+        # every tensor its backward reads (linear_loss_bytes)
+        ev.append(_ev("backward", f"gather {sc.units[head].name} again", state=state_b, grads=all_grads,
+                      gathered=at_loss, all_gather=unshard(head), unsharded_grads=accum_b,
+                      activations=saved_upto[n] + acts.linear_loss["backward"] + out.loss("backward")))
     if root_head and not linear:
         root = sc.units[head].name
         loss_grad = saved_upto[n] + logits_ref + logits_b + out.loss("backward")  # the logits and their gradient
@@ -404,7 +421,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     for j in reversed(ends):
         name = sc.units[j].name
         gath = held_b + moving[j] + (0 if reshard else moving_upto[j]) + kept_last(j)
-        before = saved_upto[j] + logits_ref
+        before = saved_upto[j] - (head_saved if j > head else 0) + logits_ref
         act = before + acts.saved[j] + acts.recompute[j] + acts.backward_temp[j] + out.backward(j)
         if j == n - 1 and not root_head:
             act += logits_b  # the logits' gradient (the head's own unit)
@@ -469,6 +486,12 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       # into its accumulated ones (accum_b), which are what is copied in
                       unsharded_grads=(acc_upto[j + 1] if accum else accum_b + (0 if accum_b else unsharded_grad[j])) + others,
                       reduce_scatter=reduce_in[j], **at_reduce))
+        lingering = last_grad[j] if last_grad and not one_rank and reduce_in[j] else 0
+        if lingering and not gloo_copy and reduce_out is not None:
+            # its output allocated, the gradients cleared but the last one (last_grad)
+            ev.append(_ev("backward", f"reduce-scatter {name} (output)", grads=grads_at(j + 1) + reduce_out[j],
+                          unsharded_grads=(acc_upto[j] if accum else max(0, accum_b - reduce_in[j])) + others
+                          + lingering, reduce_scatter=reduce_in[j], **at_reduce))
         if gloo_copy and reduce_in[j]:
             # gloo, at the collective: the unit's unsharded (or accumulated) gradients freed
             # (foreach_reduce clears them after the copy-in; post_backward drops an accumulated
@@ -476,8 +499,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
             # (gloo_reduce_scatter_copies_its_input)
             ev.append(_ev("backward", f"reduce-scatter {name} (gloo's copy)",
                           grads=grads_at(j + 1) + reduce_out[j],
-                          unsharded_grads=(acc_upto[j] if accum else max(0, accum_b - reduce_in[j])) + others,
-                          reduce_scatter=2 * reduce_in[j], **at_reduce))
+                          unsharded_grads=(acc_upto[j] if accum else max(0, accum_b - reduce_in[j])) + others
+                          + lingering, reduce_scatter=2 * reduce_in[j], **at_reduce))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   step_temps=opt_temp_b, activations=out.optimizer()))
     return ev
@@ -548,8 +571,13 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     logits_ref = 0 if sc.train.logits_unreferenced else acts.logits_elems * acts.kept_logit_bytes
     # eager where the tied root is in no compiled graph (per-block compile leaves it eager)
     wait = tied_head_grad_wait(sc) if graph_of[0] is None else (0, 0)
+    # a tied model's head is in its first unit (forward order): its saved tensors are freed in
+    # its backward, at the start of backward, not kept beside the blocks' (fsdp_events alike)
+    head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
+    head_saved = acts.saved[head] if head < n - 1 else 0
     for j in reversed(ends):
-        act = saved_upto[j] + inside[j][0] + acts.backward_temp[j] + logits_ref + out.backward(j)
+        act = (saved_upto[j] - (head_saved if j > head else 0) + inside[j][0] + acts.backward_temp[j]
+               + logits_ref + out.backward(j))
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,

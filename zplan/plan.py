@@ -195,15 +195,25 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
                      ("fused", "--fused-loss") if t.fused_loss else ("in the logits' dtype", "--no-loss-fp32"))
         return (f"the trainer computes the loss eager over fp32 logits, not {why}: plan again "
                 f"without {flag}, or export the plan")
+    why = model_refusal(m)
+    if why:
+        fix = ("plan again with --model NAME" if m.total_params is not None else
+               "plan again with --no-qkv-fused, or export the plan" if why.startswith("the trainer runs q")
+               else "export the plan for your own training code")
+        return f"{why}: {fix}"
+    return None
+
+
+def model_refusal(m) -> str | None:
+    """Why zplan's trainer cannot build model `m` (a ModelSpec), without the fix (the caller's:
+    launch and the trainer say how to plan again, verify --fake which models it traces); None
+    where it can."""
     if m.total_params is not None:
-        return (f"model {m.name} is a bare parameter count, not an architecture the trainer can "
-                f"build: plan again with --model NAME")
+        return f"model {m.name} is a bare parameter count, not an architecture the trainer can build"
     if m.num_experts or m.position != "rope" or m.norm != "rmsnorm" or m.dropout:
-        return (f"the trainer builds dense RoPE/RMSNorm decoders without dropout; {m.name} is not "
-                f"one: export the plan for your own training code")
+        return f"the trainer builds dense RoPE/RMSNorm decoders without dropout; {m.name} is not one"
     if m.qkv_fused:
-        return (f"the trainer runs q, k and v as three linears, not one ({m.name}'s layout or "
-                f"--qkv-fused): plan again with --no-qkv-fused, or export the plan")
+        return f"the trainer runs q, k and v as three linears, not one ({m.name}'s layout or --qkv-fused)"
     return None
 
 

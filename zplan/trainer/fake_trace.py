@@ -171,6 +171,12 @@ def planned_cell(model: str, world: int, seq_len: int, micro_batch: int, checkpo
                          checkpointing=checkpointing, optimizer_kernels="single",
                          linear_loss=linear_loss, embed_head_unit=embed_head_unit,
                          logits_kept=logits_kept, grad_accum=grad_accum, **options))
+    from ..plan import model_refusal
+
+    why = model_refusal(sc.model)
+    if why:  # the trace runs the trainer's model: one it cannot build is refused, not crashed on
+        raise UsageError(f"--fake traces zplan's trainer on {model}, and {why}: trace a model it builds "
+                         f"(llama-3.1-8b, qwen3-8b, mistral-7b, ...)")
     r = estimate_one(sc, strategy)
     if r.memory is None:
         raise UsageError(f"{strategy}: {r.unavailable}")

@@ -32,13 +32,26 @@ from functools import lru_cache, wraps
 
 
 def phase(tracker) -> str:
-    """The phase the tracker is in now, from its module stack (ModTracker.parents)."""
+    """The phase the tracker is in now, from its module stack (ModTracker.parents). No module on
+    the stack is the loss (between the root's forward and its backward) until a module's
+    backward has run; after that it is backward's end (FSDP2's final callback: the root's
+    reduce-scatter), which the loss's label hid (the survey of verify --fake: a peak at the
+    embedding's reduce-scatter read as the loss's)."""
     if tracker._in_opt:
         return "optimizer"
     mt = tracker._mod_tracker
     if not (set(mt.parents) - {"Global"}):
-        return "loss"  # between the root's forward and its backward: the loss, forward or backward
+        return "backward" if getattr(tracker, "_zplan_backward_seen", False) else "loss"
     return "backward" if mt.is_bw else "forward"
+
+
+def note_moment(tracker) -> None:
+    """At every allocation: whether the last moment inside a module was in its backward (phase's
+    test for a moment outside every module; autograd's graph task is live through the loss's
+    backward too, so is_bw alone cannot tell the loss from backward's end)."""
+    mt = tracker._mod_tracker
+    if set(mt.parents) - {"Global"}:
+        tracker._zplan_backward_seen = mt.is_bw
 
 
 @contextlib.contextmanager
@@ -109,6 +122,7 @@ def tracker_class():
             REF only relabels a storage."""
             if self.allocations is not None and u_type.name != "REF":
                 self.allocations.append((u_type.name, winfo, winfo.mem_consumed))
+            note_moment(self)
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
         def _update_peak_stats(self, _peak_state) -> None:
