@@ -321,6 +321,9 @@ def test_a_gpu_on_another_gpus_node_is_said(capsys):
     r = cli(capsys, "estimate", "--gpu", "h200", "--cluster", "dgx-a100", "--gpus", "8", "--json")
     a = json.loads(r.stdout)["assumptions"]["node_links"]
     assert r.returncode == 0 and a["value"] == "dgx-a100" and presets.cluster("dgx-a100").gpu in a["meaning"]
-    for args in (("--gpu", "h200"), ("--gpu", "h200", "--cluster", "hgx-h200"), ("--cluster", "dgx-a100")):
+    # nor a GPU on its own home node whose preset names another part (the review: a100-40gb on
+    # dgx-a100, whose node preset holds the 80 GB part)
+    for args in (("--gpu", "h200"), ("--gpu", "h200", "--cluster", "hgx-h200"), ("--cluster", "dgx-a100"),
+                 ("--gpu", "a100-40gb"), ("--gpu", "h100-hbm2e-500w")):
         r = cli(capsys, "estimate", *args, "--gpus", "8", "--json")
         assert "node_links" not in json.loads(r.stdout)["assumptions"], args

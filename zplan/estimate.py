@@ -42,7 +42,8 @@ class StrategyEstimate:
     @property
     def tight(self) -> bool:
         """Fits, with less than TIGHT_FREE_FRACTION of the GPU left."""
-        cap = self.headroom_bytes + (self.memory.total_bytes if self.memory else 0)
+        cap = self.headroom_bytes + (self.memory.total_bytes - self.memory.released_once_bytes
+                                     if self.memory else 0)
         return self.fits and self.headroom_bytes < TIGHT_FREE_FRACTION * cap
 
     @property
@@ -110,7 +111,10 @@ def estimate_one(sc: Scenario, name: str) -> StrategyEstimate:
     mem = memory(sc, st)
     colls, tm = _traffic_and_time(sc, st, mem)
     fits, host_fits = _fits(sc, mem)
-    return StrategyEstimate(name, st, mem, colls, tm, fits, sc.hw.gpu.memory_bytes - mem.total_bytes,
+    # headroom: what is left beside the reserve less what it releases once and never makes again
+    # (DeepSpeed's cached parameter blocks, Memory.released_once_bytes)
+    return StrategyEstimate(name, st, mem, colls, tm, fits,
+                            sc.hw.gpu.memory_bytes - (mem.total_bytes - mem.released_once_bytes),
                             host_fits)
 
 
@@ -208,7 +212,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
             "value": sc.hw.cluster.name, "flag": "--cluster NAME or FILE.toml",
             "meaning": f"{g.name} names no node of its own (the GPU preset's `cluster`): its links, "
                        f"GPUs per node and network are {sc.hw.cluster.name}'s"}
-    elif g.device == "gpu" and sc.hw.cluster.gpu not in (None, g.name):  # --gpu X --cluster Y
+    elif g.device == "gpu" and sc.hw.cluster.gpu not in (None, g.name) and home_cluster(g) != sc.hw.cluster.name:
         out["node_links"] = {
             "value": sc.hw.cluster.name, "flag": "--cluster NAME or FILE.toml",
             "meaning": f"{sc.hw.cluster.name}'s node holds {sc.hw.cluster.gpu}; {g.name} is planned on its "

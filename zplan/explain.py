@@ -14,7 +14,6 @@ from . import unit_ops
 from .compute import CPU_ADAM_REFERENCE_BYTES, cpu_optimizer_bytes_per_param, optimizer_ops, uses_kernel_model
 from .estimate import TIGHT_FREE_FRACTION, estimate_one
 from .deepspeed import reduce_stream_bytes
-from .memory import param_block_cache_bytes
 from .scenario import Scenario
 from .units import DTYPE_BITS, GB, fmt_s, nbytes
 
@@ -119,14 +118,14 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                    "(the loss's blocks no later tensor of it fits): the allocator unmaps them "
                    "and retries before failing, so the fit counts the rest")
     elif mem.releasable_bytes:
-        cached = param_block_cache_bytes(sc, st)
+        cached = mem.released_once_bytes
         out.append(f"of the reserve, {_gb(mem.releasable_bytes)} sits in segments wholly free at the peak "
                    "(the last checkpointed block's freed working set and weights, not the "
                    "holes beside what the blocks keep; the loss's blocks no later tensor of it "
                    "fits; all-gather "
                    "segments beyond the stream's peak"
-                   + (f"; DeepSpeed's cached parameter blocks, {_gb(cached)} of them unused at the "
-                      "activations' moment or the step's (docs/formulas.md section 3)" if cached else "")
+                   + (f"; DeepSpeed's cached parameter blocks, {_gb(cached)} of them, released once "
+                      "and never made again (docs/formulas.md section 3)" if cached else "")
                    + "): the allocator releases them and retries before failing, so the fit counts the rest")
     if mem.step_temp_bytes:
         out.append(f"of the allocated peak, {_gb(mem.step_temp_bytes)} is the optimizer step's temporaries")

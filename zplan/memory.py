@@ -523,7 +523,7 @@ def _head_tail(sc: Scenario, st: Strategy, ms: ModelState,
         last_reduce_in_bytes=last * rb // 8,
         freed_block_bytes=freed,
         held_root=u.held, tied=u.held and sc.model.tied_embeddings,
-        tied_out_of_place=u.held and mt.tied_grads_summed_out_of_place(sc),
+        tied_out_of_place=u.held and mt.fsdp_tied_grads_summed_out_of_place(sc),
         accumulating=accum_grad_bytes(sc, st) > 0)
 
 
@@ -650,13 +650,6 @@ def _param_block_cache_at_step(sc: Scenario, st: Strategy) -> tuple[int, int]:
     return _cached_blocks(_param_blocks(sc), (), temps, 0)
 
 
-def param_block_cache_bytes(sc: Scenario, st: Strategy) -> int:
-    """The most of DeepSpeed ZeRO-1/2's cached parameter blocks the step leaves unused, at the
-    activations' moment or the optimizer step's (0 where not priced), for explain."""
-    sc = sc.for_strategy(st.fsdp)
-    return max(_param_block_cache(sc, st)[0], _param_block_cache_at_step(sc, st)[0])
-
-
 def _cache_unpriced(sc: Scenario, st: Strategy) -> str:
     """Why the parameters' cached blocks are not priced for this scenario ('' where they are)."""
     t, m = sc.train, sc.model
@@ -749,20 +742,19 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     residue, residue_releasable = _forward_residue(sc, st, acts.logits_elems)
     floor = allocator.default_stream_floor(start, loss_b, loss_reserved, residue)
     peaks = dict(alloc.stream_peaks)
-    # DeepSpeed ZeRO-1/2's cached parameter blocks (_param_block_cache): what the step leaves
-    # unused of them at its peak's moment, and at least the other moment's live bytes with what
-    # that one leaves unused (at the optimizer step no activation holds a block, so the cache is
-    # wholly unused beside the step's flat temporaries, however little checkpointing keeps)
-    at_step = _param_block_cache_at_step(sc, st)
-    at_acts = _param_block_cache(sc, st)
-    (cache_unused, cache_free), (other_unused, other_free), other_b = (
-        (at_step, at_acts, alloc.activation_peak_bytes) if top.phase == "optimizer"
-        else (at_acts, at_step, alloc.optimizer_peak_bytes))
-    at_top = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor,
-                                           _all_gather_reserved(sc, st, ms)) + cache_unused
-    at_other = other_b + other_unused if other_unused else 0
-    reserved = max(at_top, at_other)
-    cache_free_segments = cache_free if at_top >= at_other else other_free
+    # DeepSpeed ZeRO-1/2's cached parameter blocks (_param_block_cache): each moment with what it
+    # leaves unused of them, the activations' (the reserve of the step's streams, whose floors
+    # are the loss's) and the optimizer step's (its live bytes: no activation holds a block
+    # then, so the cache is wholly unused beside the step's flat temporaries, however little
+    # checkpointing keeps); the reserve is the larger
+    acts_unused, acts_free = _param_block_cache(sc, st)
+    step_unused, step_free = _param_block_cache_at_step(sc, st)
+    streams = allocator.reserved_from_peaks(allocated, peaks, sc.assume, floor, _all_gather_reserved(sc, st, ms))
+    step_b = alloc.optimizer_peak_bytes
+    at_acts = streams + acts_unused
+    at_step = step_b + step_unused if step_unused else 0
+    reserved = max(at_acts, at_step)
+    cache_free_segments = acts_free if at_acts >= at_step else step_free
     reduce_stream = reduce_stream_bytes(sc, st)
 
     def beside_step(r: int) -> int:  # the reduce stream is made in backward: beside the step only
@@ -775,8 +767,8 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     # (slower, no out-of-memory)
     loss_packed = loss_reserved - loss_releasable
     packed = allocator.reserved_from_peaks(allocated, peaks, sc.assume, allocator.default_stream_floor(
-        start, loss_b, loss_packed, residue - residue_releasable)) + cache_unused - cache_free
-    packed = max(packed, other_b + other_unused - other_free if other_unused else 0)
+        start, loss_b, loss_packed, residue - residue_releasable)) + acts_unused - acts_free
+    packed = max(packed, step_b + step_unused - step_free if step_unused else 0)
     packed = beside_step(packed)
     ranks_per_node = min(sc.n, sc.hw.cluster.gpus_per_node)
     live = top.live
