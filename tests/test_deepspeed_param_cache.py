@@ -225,3 +225,18 @@ def test_estimates_headroom_leaves_out_what_is_released_once():
     assert m.released_once_bytes > 0
     assert r.headroom_bytes == sc.hw.gpu.memory_bytes - need
     assert r.tight == (r.fits and r.headroom_bytes < TIGHT_FREE_FRACTION * sc.hw.gpu.memory_bytes)
+
+
+def test_recommend_shows_the_need_without_the_cache_released_once(capsys):
+    """recommend's runners-up list a DeepSpeed ZeRO-2 candidate by what it needs (the reserve less
+    the cached blocks released once, marked *) and say so under the table: a reserve above the
+    GPU (the review: 93.5 GB on an 85.5 GB H100) read as a plan that cannot run."""
+    import re
+
+    from tests.helpers import cli
+    r = cli(capsys, "recommend", "--model", "llama-2-13b", "--gpus", "8", "--seq-len", "2048", "--layout", "zero",
+            "--global-batch", "64", "--strategy", "zero2")
+    assert r.returncode == 0, r.stderr
+    starred = [float(x) for x in re.findall(r"(\d+\.\d) GB \*", r.stdout)]
+    assert starred and max(starred) <= 85.5
+    assert "* without DeepSpeed's cached parameter blocks" in r.stdout

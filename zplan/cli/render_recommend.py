@@ -21,7 +21,10 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
                   f"global batch {rec.global_batch} x {sc.train.seq_len} tokens; "
                   f"{rec.evaluated} configurations searched. Sizes in GB (10^9 bytes).")
     console.print(f"[bold green]Recommended:[/] {w.label()}")
-    console.print(f"  per GPU {fmt_bytes(m.total_bytes)} of {fmt_bytes(sc.hw.gpu.memory_bytes)} "
+    once = (f" ({fmt_bytes(m.total_bytes - m.released_once_bytes)} once DeepSpeed's cached parameter "
+            f"blocks, {fmt_bytes(m.released_once_bytes)}, are released at the first failed allocation)"
+            if m.released_once_bytes else "")
+    console.print(f"  per GPU {fmt_bytes(m.total_bytes)} of {fmt_bytes(sc.hw.gpu.memory_bytes)}{once} "
                   f"|{bar(m.as_dict(), sc.hw.gpu.memory_bytes)}|"
                   + (f" [yellow]tight[/] (under {TIGHT_FREE_FRACTION:.0%} free, by --headroom: inside the "
                      "memory model's error, where the caching allocator's retries slow steps)"
@@ -40,6 +43,8 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
         console.print("  " + escape(sentence(sc.hw.gpu.name, acc)))
     if top:
         console.print(runners_up(rec, top, wide))
+        if any(c.result.memory.released_once_bytes for c in rec.ranked[1: top + 1]):
+            console.print("  * without DeepSpeed's cached parameter blocks, released once at the first failed allocation")
     console.print("[bold]Each strategy family:[/]")
     for fam, why in rec.lost.items():
         console.print(f"  {fam}: {escape(why)}")
@@ -60,6 +65,8 @@ def runners_up(rec: Recommendation, top: int, wide: bool = False):
     for i, c in enumerate(rec.ranked[1: top + 1], start=2):
         ct = c.result.timing
         more = (fmt_s(ct.compute_s), fmt_s(ct.exposed_comm_s), fmt_bytes(c.result.bytes_per_step)) if wide else ()
-        tb.add_row(str(i), c.label(), fmt_bytes(c.total_bytes), fmt_s(ct.step_s), *more,
+        m = c.result.memory  # what it needs: less DeepSpeed's cached blocks, released once (marked *)
+        per_gpu = fmt_bytes(m.total_bytes - m.released_once_bytes) + (" *" if m.released_once_bytes else "")
+        tb.add_row(str(i), c.label(), per_gpu, fmt_s(ct.step_s), *more,
                    f"{ct.tokens_per_s_per_gpu:,.0f}", f"{ct.mfu:.1%}")
     return tb
