@@ -93,12 +93,10 @@ def verify(
           **({"checkpoint_first": checkpoint_first} if checkpoint_first is not None else {})}
     if fake and markdown is not None:
         raise UsageError("--markdown writes the real matrix's table; drop it with --fake (its table is on stdout)")
-    if fake and as_json:
-        raise UsageError("--json covers the real matrix; drop it with --fake (its table is on stdout)")
     if fake:
         return _verify_fake(strategy, world_size, model, seq_len, micro_batch, tolerance,
                             checkpointing or ["none"], linear_loss, reserved, expandable_segments,
-                            logits_kept, embed_head_unit, logits_fp32=logits_fp32,
+                            logits_kept, embed_head_unit, as_json, logits_fp32=logits_fp32,
                             last_block_kept=last_block_kept, kv_cache=kv_cache,
                             outputs_until_next_forward=outputs_until_next_forward,
                             loss_shifted_copy=loss_shifted_copy, attention_expands_kv=attention_expands_kv,
@@ -285,7 +283,7 @@ def calibrate(
 def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: int, tolerance: float,
                  modes: list[str], linear_loss: str = "none", reserved: bool = False,
                  expandable: bool = False, logits_kept: bool = True,
-                 embed_head_unit: str = "separate", **options) -> None:
+                 embed_head_unit: str = "separate", as_json: bool = False, **options) -> None:
     """One traced step per strategy at real scale, against the planner (torch layout): the
     allocated peak (the tracker counts live tensors, not the allocator's reserve) and its phase;
     with `reserved`, the planner's reserved bytes against the caching allocator simulated over
@@ -310,9 +308,10 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     for name in names:  # a refused strategy or model is said before the table's header
         planned_cell(model, world, seq_len, micro_batch, modes[0], name, linear_loss,
                      embed_head_unit=embed_head_unit, logits_kept=logits_kept, **options)
-    bad = []
-    print(f"{'strategy':28s} {'predicted':>12s} {'traced':>12s} {'error':>8s} {'phase (pred/traced)':>22s}"
-          f"   traced by category (GiB)")
+    bad, cells = [], []
+    if not as_json:  # --json: one object at the end, the exact bytes of every cell
+        print(f"{'strategy':28s} {'predicted':>12s} {'traced':>12s} {'error':>8s} {'phase (pred/traced)':>22s}"
+              f"   traced by category (GiB)")
     if expandable and not reserved:
         raise UsageError("--expandable-segments goes with --reserved: add --reserved")
     for name, mode in ((n, md) for n in names for md in modes):
@@ -324,6 +323,17 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
         k = options.get(K_FIELD.get(mode, ""))
         label = f"{name} ckpt={mode}" + (f" k={k}" if k else "")
         cats = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in c.categories.items() if v and k != "Total")
+        cells.append({"cell": label, "strategy": name, "checkpointing": mode, "checkpoint_k": k,
+                      "predicted_bytes": c.predicted_bytes, "traced_bytes": c.traced_bytes, "error": c.error,
+                      "predicted_phase": c.predicted_phase, "traced_phase": c.traced_phase,
+                      "traced_by_category": c.categories, "ok": c.ok(tolerance),
+                      "reserved": ({how: {"predicted_bytes": p, "simulated_bytes": t}
+                                    for how, (p, t) in c.reserved_by_allocator.items()}
+                                   if c.reserved_by_allocator else None)})
+        if as_json:
+            if not c.ok(tolerance):
+                bad.append(label)
+            continue
         print(f"{label:28s} {c.predicted_bytes / 2**30:>8.2f} GiB {c.traced_bytes / 2**30:>8.2f} GiB "
               f"{c.error:>+8.1%} {c.predicted_phase + '/' + c.traced_phase:>22s}   {cats}")
         if reserved:
@@ -334,6 +344,12 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
                   f"{RESERVE_STEPS} steps' tensors")
         if not c.ok(tolerance):
             bad.append(label)
+    if as_json:
+        from ..verify import SIGN
+
+        emit_json({"sign": SIGN, "tolerance": tolerance, "model": model, "world": world, "seq_len": seq_len,
+                   "micro_batch": micro_batch, "compared": "allocated peak, FSDPMemTracker under FakeTensorMode",
+                   "cells": cells, "ok": not bad})
     if bad:
         raise PlanError(f"{', '.join(bad)}: predicted peak outside {tolerance:.0%} of PyTorch's tracker, "
                         f"or in another phase, at {world} ranks")
