@@ -247,9 +247,22 @@ def materialise(model: nn.Module, host_params: bool, device: torch.device) -> No
     (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_move_states_to_device`), and nothing
     moves them later: a model built on the meta device and materialised on the host under
     offload-all would keep its buffers (rotary tables, for one) there and fail on a GPU at its
-    first forward. A model built with storage was placed by fully_shard already."""
+    first forward. A model built with storage was placed by fully_shard already.
+
+    Tied parameters stay tied: Module._apply gives each module a new Parameter of a meta
+    tensor it converts (torch/nn/modules/module.py, where swap_tensors is not used: plain
+    tensors, DDP's and ZeRO-1's path), so after to_empty a tied head would own a weight of its
+    own and DDP would train an untied model (the real-run survey: a tied model's run measured
+    byte for byte the untied one's). FSDP2's DTensor parameters are swapped in place and keep
+    their ties; re-tying them changes nothing."""
     if any(p.is_meta for p in model.parameters()):
+        shared = _shared_parameters(model)
         model.to_empty(device=torch.device("cpu") if host_params else device)
+        for aliases in shared:
+            first_mod, first_name = aliases[0]
+            kept = first_mod._parameters[first_name]
+            for mod, name in aliases[1:]:
+                mod._parameters[name] = kept
         if host_params:
             for mod in model.modules():
                 for name, buf in list(mod._buffers.items()):
@@ -257,6 +270,18 @@ def materialise(model: nn.Module, host_params: bool, device: torch.device) -> No
                         mod._buffers[name] = buf.to(device)
     elif not host_params:
         model.to(device)
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Each parameter registered under more than one (module, name), those places in order."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None and (id(mod), name) not in seen:
+                seen.add((id(mod), name))
+                places.setdefault(id(p), []).append((mod, name))
+    return [v for v in places.values() if len(v) > 1]
 
 
 def _torch_before(version: tuple[int, int]) -> bool:
