@@ -258,17 +258,15 @@ def test_verify_takes_the_chunked_loss_only_for_fake_traces(capsys, args, needle
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-TIED_SMALL = """name = "tied-small"
-num_layers = 2
-hidden = 256
-ffn_hidden = 688
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 32000
-max_seq_len = 256
-tied_embeddings = true
-source = "test: tied, a large vocabulary"
-"""
+def small_model(name: str, hidden: int, ffn: int, heads: int, vocab: int, **extra) -> str:
+    """A 2-block model file the trainer builds (RoPE, RMSNorm, SwiGLU, 2 key/value heads)."""
+    lines = [f'name = "{name}"', "num_layers = 2", f"hidden = {hidden}", f"ffn_hidden = {ffn}",
+             f"num_heads = {heads}", "num_kv_heads = 2", f"vocab_size = {vocab}", "max_seq_len = 256",
+             *(f"{k} = {str(v).lower()}" for k, v in extra.items()), 'source = "test: a small model"']
+    return "\n".join(lines) + "\n"
+
+
+TIED_SMALL = small_model("tied-small", 256, 688, 4, 32000, tied_embeddings=True)
 
 
 @pytest.mark.slow
@@ -298,27 +296,8 @@ def test_a_tied_weights_gradients_meet_out_of_place_under_fsdp2_with_a_chunked_l
     assert cats["Activation"] + cats["Temp"] >= 3 * W and W <= cats["Unsharded Param"] < W + 4096  # + the norm
 
 
-M5 = """name = "m5"
-num_layers = 2
-hidden = 512
-ffn_hidden = 1376
-num_heads = 8
-num_kv_heads = 2
-vocab_size = 8000
-max_seq_len = 256
-qk_norm = true
-source = "test: the real-run survey's m5"
-"""
-M1 = """name = "m1"
-num_layers = 2
-hidden = 256
-ffn_hidden = 688
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 32000
-max_seq_len = 256
-source = "test: the real-run survey's m1"
-"""
+M5 = small_model("m5", 512, 1376, 8, 8000, qk_norm=True)  # the real-run survey's m5 and m1
+M1 = small_model("m1", 256, 688, 4, 32000)
 
 
 @pytest.mark.slow
