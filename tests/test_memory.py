@@ -647,17 +647,16 @@ def test_the_roots_head_gradient_beside_accumulated_gradients(reduce, held):
     """Accumulating without reducing (reduce_last_only), FSDP2 adds a unit's new gradients into
     its accumulated ones in its post-backward, converting them when the reduce dtype differs
     (to_accumulated_grad_if_needed): the root's new bf16 head gradient waits beside them until
-    the end of backward. In the reduce dtype autograd accumulates into .grad in place, but the
-    weight's new gradient exists before it is added (accumulate_grad.h `variable_grad +=
-    new_grad`; a real 2-rank run, fp32 weights and reduce: -0.98% and -1.94% without it)."""
+    the end of backward. In the reduce dtype autograd accumulates into .grad in place: a block's
+    new gradient is gone before its recompute's peak (the head's is not: test_linear_loss.py)."""
     sc = _sc(embed_head_unit="root", grad_accum=4, reduce_last_only=True, reduce_dtype=reduce,
              checkpointing="full")
     ev = {e.label: e for e in timeline(sc, effective("zero3", "torch"))}
     rb = {"fp32": 4, "bf16": 2}[reduce]
     hold = 2 * V_H if held else 0
-    # a micro-batch before the last (every unit's accumulated gradients there): the new weight
-    # gradient (bf16) beside them, added in place in the reduce dtype, converted in another
-    new = 2 * MLP_W
+    # a micro-batch before the last (every unit's accumulated gradients there): in the reduce
+    # dtype the new weight gradient goes into .grad in place, in another it is a new tensor
+    new = 2 * MLP_W if held else 0
     before = ev["backward blocks.1, a micro-batch before the last"].live["unsharded_grads"]
     assert before == rb * LLAMA31_8B_PARAMS + new + hold
     # the last micro-batch: blocks.2 onwards are reduced, their accumulated gradients freed; the

@@ -447,9 +447,11 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # one). `fresh`: the unit's gradients are new tensors (in the param dtype autograd adds
         # them into the accumulated ones in place, but in the first micro-batch and for a tied
         # weight, whose gradients are summed in autograd's buffer before its AccumulateGrad);
-        # the weight whose backward is running has its new gradient either way, made before
-        # AccumulateGrad adds it in place (accumulate_grad.h: `variable_grad += new_grad`; the
-        # real-run survey: -0.98% and -1.94% at the head's backward without it)
+        # the head's new weight gradient exists beside the logits' gradient either way, made
+        # before AccumulateGrad adds it in place (accumulate_grad.h: `variable_grad +=
+        # new_grad`; the real-run survey: -0.98% and -1.94% at the head's backward without it);
+        # a block's, added in place, is gone before its recompute's peak (FSDPMemTracker, the
+        # fake trace of test_accumulating_without_a_reduce_is_priced_micro_batch_by_micro_batch)
         acc_now = acc_upto[j + 1] if accum else accum_b
         in_place_j = in_place_acc and not (tied and j == head)
         variants = [(grads_at(j + 1), acc_now, "", not in_place_j)]
@@ -466,7 +468,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
             # at its largest, early in the unit's backward: one weight's gradient so far
             ev.append(_ev("backward", f"backward {name}{when}", state=state_b,
                           grads=grads_j, gathered=gath, all_gather=prv(j),
-                          unsharded_grads=acc_j + first_grad[j] + hold
+                          unsharded_grads=acc_j + (first_grad[j] if fresh or j == head else 0) + hold
                           + (tied_sum if j == head else 0),
                           reduce_scatter=prev_rs if not when else 0, activations=start))
             if mixed:
@@ -478,7 +480,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                     label = "its first block" if idx == 0 else f"its block {idx + 1} of {k}"
                     ev.append(_ev("backward", f"backward {name} ({label}){when}", state=state_b,
                                   grads=grads_j, gathered=gath, all_gather=prv(j),
-                                  unsharded_grads=acc_j + done + first_grad[j] + hold,
+                                  unsharded_grads=acc_j + done + (first_grad[j] if fresh else 0) + hold,
                                   reduce_scatter=prev_rs if not when else 0,
                                   activations=act - acts.saved[j] - acts.recompute[j] + sum(per[:idx + 1]) + rec[idx]))
             elif k > 1:
@@ -488,7 +490,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 done = unsharded_grad[j] * (k - 1) // k if fresh else 0
                 ev.append(_ev("backward", f"backward {name} (its first block){when}", state=state_b,
                               grads=grads_j, gathered=gath, all_gather=prv(j),
-                              unsharded_grads=acc_j + done + first_grad[j] + hold,
+                              unsharded_grads=acc_j + done + (first_grad[j] if fresh else 0) + hold,
                               reduce_scatter=prev_rs if not when else 0,
                               activations=act - acts.saved[j] + acts.first_block_saved[j]))
         # reduce-scatter, at its copy-in: the unit's unsharded gradients copied into the
