@@ -42,8 +42,7 @@ class StrategyEstimate:
     @property
     def tight(self) -> bool:
         """Fits, with less than TIGHT_FREE_FRACTION of the GPU left."""
-        cap = self.headroom_bytes + (self.memory.total_bytes - self.memory.released_once_bytes
-                                     if self.memory else 0)
+        cap = self.headroom_bytes + (self.memory.steady_bytes if self.memory else 0)
         return self.fits and self.headroom_bytes < TIGHT_FREE_FRACTION * cap
 
     @property
@@ -114,7 +113,7 @@ def estimate_one(sc: Scenario, name: str) -> StrategyEstimate:
     # headroom: what is left beside the reserve less what it releases once and never makes again
     # (DeepSpeed's cached parameter blocks, Memory.released_once_bytes)
     return StrategyEstimate(name, st, mem, colls, tm, fits,
-                            sc.hw.gpu.memory_bytes - (mem.total_bytes - mem.released_once_bytes),
+                            sc.hw.gpu.memory_bytes - mem.steady_bytes,
                             host_fits)
 
 
@@ -146,7 +145,7 @@ def _fits(sc: Scenario, mem: Memory, usable_bytes: int | None = None) -> tuple[b
     if usable_bytes is None:
         need, cap = mem.total_bytes - mem.releasable_bytes, sc.hw.gpu.memory_bytes
     else:
-        need, cap = mem.total_bytes - mem.released_once_bytes, usable_bytes
+        need, cap = mem.steady_bytes, usable_bytes
     return need <= cap and host_fits is not False, host_fits
 
 

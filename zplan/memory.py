@@ -59,6 +59,13 @@ class Memory:
     # good; the step's own freed blocks would be re-reserved every step)
     released_once_bytes: int = 0
 
+    @property
+    def steady_bytes(self) -> int:
+        """The reserve a run keeps step after step: total_bytes less what it releases once and
+        never makes again (released_once_bytes). estimate's headroom and tight, and recommend's
+        headroom, read this."""
+        return self.total_bytes - self.released_once_bytes
+
     def as_dict(self) -> dict[str, int]:
         """The byte figures (the plan file's per_gpu); the peak's phase and event are apart."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
@@ -620,8 +627,7 @@ def _param_block_cache(sc: Scenario, st: Strategy) -> tuple[int, int]:
     tensors (activation_memory.block_kept_tensors) and, under checkpointing, one block's
     recomputed tensors on top (activation_memory.block_recompute_tensors). (0, 0) where not priced (_cache_unpriced says why)."""
     t, m = sc.train, sc.model
-    if (t.layout != "zero" or st.params_sharded or not st.optim_sharded or t.deepspeed_param_groups != "one"
-            or _cache_unpriced(sc, st)):
+    if not _cache_priced(sc, st):
         return 0, 0
     mode = policy.uniform_mode(t, m.num_layers)  # every-1 and first-L are full
     kept = activation_memory.block_kept_tensors(m, t, mode)
@@ -637,13 +643,22 @@ def _param_blocks(sc: Scenario) -> tuple[int, ...]:
     return tuple(math.prod(s) * pb for u in sc.units for s in u.shapes)
 
 
+def _cache_priced(sc: Scenario, st: Strategy) -> bool:
+    """Whether DeepSpeed ZeRO-1/2's cached parameter blocks are priced (both moments): the zero
+    layout's unsharded weights with a sharded optimizer in one group, and no reason against it
+    (_cache_unpriced)."""
+    t = sc.train
+    return (t.layout == "zero" and not st.params_sharded and st.optim_sharded
+            and t.deepspeed_param_groups == "one" and not _cache_unpriced(sc, st))
+
+
 def _param_block_cache_at_step(sc: Scenario, st: Strategy) -> tuple[int, int]:
     """_param_block_cache at the optimizer step: every activation freed, the step's flat
     temporaries made (deepspeed_step_temps: the 16-bit gradient partition flattened and its fp32
     copy, each one tensor of the rank's partition, which fits a parameter's block only at many
     ranks); what of the cache they leave unused, and the wholly free part. (0, 0) where the
     cache is not priced."""
-    if _param_block_cache(sc, st) == (0, 0):
+    if not _cache_priced(sc, st):
         return 0, 0
     local = sum(optimizer_tensor_sizes(sc, sc.shard_degree(st.hsdp), zero1=st.name == "zero1"))
     temps = deepspeed_step_temps(local, st.params_sharded, sc.train.precision)

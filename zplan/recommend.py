@@ -359,7 +359,7 @@ def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1) -> 
         for tr in trains:
             sc = replace(v, train=tr)
             m = memory(sc, effective(family, sc.train.layout))
-            if best is None or _need(m) < _need(best[1]):
+            if best is None or m.steady_bytes < best[1].steady_bytes:
                 best = (sc, m)
     sc, m = best
     usable = _usable(sc, headroom)
@@ -380,15 +380,9 @@ def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1) -> 
                 f"{fmt_bytes(m.master_bytes + m.optimizer_bytes)}) > {cap}")
     mb = sc.train.micro_batch
     at = f"micro-batch {mb}" + (f" x {sc.train.grad_accum} accumulated" if sc.train.grad_accum > 1 else "")
-    return (f"{name}: needs {fmt_bytes(_need(m))} even at {at} with full "
+    return (f"{name}: needs {fmt_bytes(m.steady_bytes)} even at {at} with full "
             f"checkpointing (model state {fmt_bytes(m.model_state_bytes)}, gathered weights "
             f"{fmt_bytes(m.gather_buffer_bytes)}, activations {fmt_bytes(m.activation_bytes)}) > {cap}")
-
-
-def _need(m) -> int:
-    """What recommend's headroom holds a reserve to: all of it but what is released once
-    (estimate._fits, Memory.released_once_bytes)."""
-    return m.total_bytes - m.released_once_bytes
 
 
 def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:

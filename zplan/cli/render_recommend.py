@@ -21,7 +21,7 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
                   f"global batch {rec.global_batch} x {sc.train.seq_len} tokens; "
                   f"{rec.evaluated} configurations searched. Sizes in GB (10^9 bytes).")
     console.print(f"[bold green]Recommended:[/] {w.label()}")
-    once = (f" ({fmt_bytes(m.total_bytes - m.released_once_bytes)} once DeepSpeed's cached parameter "
+    once = (f" ({fmt_bytes(m.steady_bytes)} once DeepSpeed's cached parameter "
             f"blocks, {fmt_bytes(m.released_once_bytes)}, are released at the first failed allocation)"
             if m.released_once_bytes else "")
     console.print(f"  per GPU {fmt_bytes(m.total_bytes)} of {fmt_bytes(sc.hw.gpu.memory_bytes)}{once} "
@@ -66,7 +66,7 @@ def runners_up(rec: Recommendation, top: int, wide: bool = False):
         ct = c.result.timing
         more = (fmt_s(ct.compute_s), fmt_s(ct.exposed_comm_s), fmt_bytes(c.result.bytes_per_step)) if wide else ()
         m = c.result.memory  # what it needs: less DeepSpeed's cached blocks, released once (marked *)
-        per_gpu = fmt_bytes(m.total_bytes - m.released_once_bytes) + (" *" if m.released_once_bytes else "")
+        per_gpu = fmt_bytes(m.steady_bytes) + (" *" if m.released_once_bytes else "")
         tb.add_row(str(i), c.label(), per_gpu, fmt_s(ct.step_s), *more,
                    f"{ct.tokens_per_s_per_gpu:,.0f}", f"{ct.mfu:.1%}")
     return tb
