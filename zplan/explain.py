@@ -91,7 +91,11 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     else:
         out.append(f"working copy of the weights = {_gb(mem.gather_buffer_bytes)}; buckets = {_gb(mem.reduce_buffer_bytes)}")
     if mem.accum_grad_bytes:
-        out.append(f"unsharded grads kept across micro-batches: Ψ x {b(p.reduce)} B = {_gb(mem.accum_grad_bytes)}")
+        if st.grads_sharded:
+            out.append(f"unsharded grads kept across micro-batches: Ψ x {b(p.reduce)} B = {_gb(mem.accum_grad_bytes)}")
+        else:  # DDP under no_sync: .grad tensors of their own beside the buckets
+            out.append(f"gradients accumulated under no_sync beside the buckets: Ψ x {b(p.master)} B = "
+                       f"{_gb(mem.accum_grad_bytes)}")
     out.append("")
     out.append(f"## 4. Activations (s={t.seq_len}, b={t.micro_batch}, h={m.hidden}, "
                f"{policy.checkpointing_label(t)} checkpointing)")

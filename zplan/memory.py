@@ -229,11 +229,72 @@ def _largest_shard(shapes: tuple, degree: int) -> int:
 
 
 def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
-    """FSDP2 keeps unsharded grads in the reduce dtype across micro-batches that skip the reduce."""
+    """Gradients held whole across micro-batches that skip the reduce (reduce_last_only).
+    FSDP2 keeps each unit's unsharded gradients in the reduce dtype (set_requires_gradient_sync
+    False). DDP (and the trainer's ZeRO-1, which runs on DDP) under `no_sync()`: the reducer's
+    hooks do nothing, so AccumulateGrad makes and keeps `.grad` as a tensor of its own, in the
+    weights' dtype, beside the persistent buckets (zero_grad(set_to_none=True) left `.grad`
+    None, so it is not a bucket view); only the last micro-batch's hooks copy each into its
+    bucket view and point `.grad` at it (torch/csrc/distributed/c10d/reducer.cpp
+    mark_variable_ready_dense: `at::mul_out(bucket_view, grad, ...)`, then `grad =
+    bucket_view` under gradient_as_bucket_view). A real 2-rank run held them: -14.3% without."""
     t = sc.train
-    if t.grad_accum > 1 and not t.reduce_every_microbatch and st.grads_sharded:
+    if t.grad_accum <= 1 or t.reduce_every_microbatch:
+        return 0
+    if st.grads_sharded:
         return nbytes(sc.params, t.precision.reduce)
+    if t.layout == "torch" and sc.n > 1:  # one rank: no wrapper (trainer/parallel.py replicate)
+        return nbytes(sc.params, t.precision.master)
     return 0
+
+
+def replicated_new_grads(sc: Scenario, st: Strategy) -> list[int] | None:
+    """Per unit, the bytes a weight's new gradient holds before it reaches `.grad` (DDP and ZeRO-1
+    in the torch layout; memory_timeline.replicated_events `new_weight_grad`): its largest
+    weight's gradient in the master dtype, where `.grad` (or DDP's bucket) already holds one
+    (AccumulateGrad adds it in, or the reducer copies it into the bucket view and frees it; one
+    rank unwrapped without accumulation steals it into `.grad`, counted there), and under
+    autocast besides the matmul's gradient in the param dtype, which its cast's backward turns
+    into the master-dtype one. An embedding's gradient is made in the master dtype. Not where a
+    tied weight's gradients wait for each other (tied_head_grad_wait prices them)."""
+    t, p = sc.train, sc.train.precision
+    if t.layout != "torch" or st.fsdp:
+        return None
+    mb = DTYPE_BITS[p.master] // 8
+    cast_b = DTYPE_BITS[p.param] // 8 if t.autocast else 0
+    stolen = grads_made_in_backward(sc, st)
+    tied = sc.model.tied_embeddings
+    out = []
+    for u in sc.units:
+        w = _largest_shard(u.shapes, 1)
+        if tied and "head" in u.name or not w:
+            out.append(0)
+            continue
+        matmul = u.matmul_params > 0 and not (u.name.split("+")[0] == "embed" and w == math.prod(u.shapes[0]))
+        out.append(w * ((cast_b if matmul else 0) + (0 if stolen else mb)))
+    return out
+
+
+def hsdp_all_reduce_holds(sc: Scenario, st: Strategy) -> bool:
+    """Whether FSDP2's HSDP holds each unit's reduce-scatter output apart from its sharded
+    gradient until the end of backward (memory_timeline.fsdp_events `all_reduce_held`): with
+    more than one replica, where the output is added into a sharded gradient that exists
+    (accumulation with a reduce every micro-batch) or cast to the weights' dtype (a reduce
+    dtype other than the master's)."""
+    t, p = sc.train, sc.train.precision
+    if not st.hsdp or sc.n <= sc.shard_degree(True):
+        return False
+    later = t.grad_accum > 1 and t.reduce_every_microbatch
+    return later or p.reduce != p.master
+
+
+def grads_made_in_backward(sc: Scenario, st: Strategy) -> bool:
+    """One rank of a replicated strategy runs unwrapped (trainer/parallel.py replicate, as
+    single-GPU training loops do): no buckets hold the gradients, so after
+    zero_grad(set_to_none=True) a micro-batch's `.grad` exist only from their backward on;
+    with accumulation the earlier micro-batches made them."""
+    t = sc.train
+    return t.layout == "torch" and not st.fsdp and sc.n == 1 and t.grad_accum == 1
 
 
 def deepspeed_step_temps(local_elems: int, params_sharded: bool, p) -> tuple[int, ...]:
@@ -293,14 +354,18 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
             [x * grad_store for x in shards],
             st.reshard_after_forward, [nbytes(u.numel, p.reduce) for u in sc.units] if accum_b else None,
             opt_temp, one_rank_copy=one_copy if D == 1 else None, reduce_out=[x * rb for x in shards],
-            last_grad=[math.prod(u.shapes[-1]) * (rb if accum_b else pb) if u.shapes else 0 for u in sc.units])
+            last_grad=[math.prod(u.shapes[-1]) * (rb if accum_b else pb) if u.shapes else 0 for u in sc.units],
+            all_reduce_held=[x * rb for x in shards] if hsdp_all_reduce_holds(sc, st) else None)
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
     # DeepSpeed ZeRO-3 releases every gathered parameter at the end of backward
     # (PartitionedParameterCoordinator.release_and_reset_all): none is gathered at the step
     released = t.layout == "zero" and st.params_sharded and st.reshard_after_forward
     return setup_events(sc, st) + mt.replicated_events(
-        sc, acts, ms.total_bytes, static, reduce_b + accum_b, opt_temp, compiled_graphs(sc, st),
-        step_gathered_b=0 if released else None, casts=autocast_copies(sc))
+        sc, acts, ms.total_bytes, static, reduce_b, opt_temp, compiled_graphs(sc, st),
+        step_gathered_b=0 if released else None, casts=autocast_copies(sc),
+        accum=[nbytes(u.numel, p.master) for u in sc.units] if accum_b else None,
+        late=[nbytes(u.numel, p.master) for u in sc.units] if grads_made_in_backward(sc, st) else None,
+        new_weight_grad=replicated_new_grads(sc, st))
 
 
 def setup_events(sc: Scenario, st: Strategy) -> list[Event]:

@@ -278,7 +278,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 reduce_in: list[int],
                 sharded_grad: list[int], reshard: bool, accum: list[int] | None, opt_temp_b: int,
                 one_rank_copy: list[int] | None = None,
-                reduce_out: list[int] | None = None, last_grad: list[int] | None = None) -> list[Event]:
+                reduce_out: list[int] | None = None, last_grad: list[int] | None = None,
+                all_reduce_held: list[int] | None = None) -> list[Event]:
     """FSDP2's step, unit by unit (torch layout; bytes per unit in the lists, in forward order).
 
     `one_rank_copy` given: a shard group of one rank, where FSDP2 issues no all-gather and
@@ -301,8 +302,17 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     variable of foreach_reduce's dim-0 check (`for i, (fsdp_param, unsharded_grad) in ...`, run
     where the group has more than one rank) still references after `unsharded_grads.clear()`,
     until foreach_reduce returns (torch 2.11 and 2.13 _fsdp_collectives.py): alive when the
-    reduce-scatter output is allocated."""
+    reduce-scatter output is allocated.
+
+    `all_reduce_held` given (HSDP, bytes per unit): the reduce-scatter output each unit's
+    replica all-reduce ran on, where it is not the sharded gradient itself (added into one that
+    exists, or cast to the weights' dtype): FSDPParamGroup keeps it in `_all_reduce_state` until
+    its finalize_backward at the end of backward (torch 2.11 and 2.13 _fsdp_param_group.py,
+    AllReduceState), so at a unit's backward every later unit's is held. A real 4-rank run with
+    accumulation: -4.1% without it."""
     n = len(gathered)
+    ar = all_reduce_held or [0] * n
+    ar_from = [*accumulate(reversed(ar))][::-1] + [0]  # ar_from[k]: held by units >= k
     accum_b = sum(accum) if accum else 0
     one_rank = one_rank_copy is not None
     gloo_copy = gloo_reduce_scatter_copies_its_input(sc) and not one_rank and reduce_out is not None
@@ -470,7 +480,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                           grads=grads_j, gathered=gath, all_gather=prv(j),
                           unsharded_grads=acc_j + (first_grad[j] if fresh or j == head else 0) + hold
                           + (tied_sum if j == head else 0),
-                          reduce_scatter=prev_rs if not when else 0, activations=start))
+                          reduce_scatter=(prev_rs + ar_from[j + 1]) if not when else 0, activations=start))
             if mixed:
                 # then each earlier block's backward in turn, with what the blocks before it
                 # keep, its own recompute, and the gradients of the blocks after it (unsharded
@@ -481,7 +491,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                     ev.append(_ev("backward", f"backward {name} ({label}){when}", state=state_b,
                                   grads=grads_j, gathered=gath, all_gather=prv(j),
                                   unsharded_grads=acc_j + done + (first_grad[j] if fresh else 0) + hold,
-                                  reduce_scatter=prev_rs if not when else 0,
+                                  reduce_scatter=(prev_rs + ar_from[j + 1]) if not when else 0,
                                   activations=act - acts.saved[j] - acts.recompute[j] + sum(per[:idx + 1]) + rec[idx]))
             elif k > 1:
                 # its first block's backward, the unit's last: the other blocks' saved tensors
@@ -491,7 +501,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                 ev.append(_ev("backward", f"backward {name} (its first block){when}", state=state_b,
                               grads=grads_j, gathered=gath, all_gather=prv(j),
                               unsharded_grads=acc_j + done + (first_grad[j] if fresh else 0) + hold,
-                              reduce_scatter=prev_rs if not when else 0,
+                              reduce_scatter=(prev_rs + ar_from[j + 1]) if not when else 0,
                               activations=act - acts.saved[j] + acts.first_block_saved[j]))
         # reduce-scatter, at its copy-in: the unit's unsharded gradients copied into the
         # reduce-scatter input (the previous one is released first); its output, the sharded
@@ -506,7 +516,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       # accumulating (reduce skipped before), the unit's new gradients were added
                       # into its accumulated ones (accum_b), which are what is copied in
                       unsharded_grads=(acc_upto[j + 1] if accum else accum_b + (0 if accum_b else unsharded_grad[j])) + others,
-                      reduce_scatter=reduce_in[j], **at_reduce))
+                      reduce_scatter=reduce_in[j] + ar_from[j + 1], **at_reduce))
         lingering = last_grad[j] if last_grad and not one_rank and reduce_in[j] else 0
         if (lingering or one_rank and reduce_in[j]) and not gloo_copy and reduce_out is not None:
             # its output allocated, the gradients cleared but the last one (last_grad); on one
@@ -514,7 +524,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
             # param dtype makes this the unit's largest moment)
             ev.append(_ev("backward", f"reduce-scatter {name} (output)", grads=grads_at(j + 1) + reduce_out[j],
                           unsharded_grads=(acc_upto[j] if accum else max(0, accum_b - reduce_in[j])) + others
-                          + lingering, reduce_scatter=reduce_in[j], **at_reduce))
+                          + lingering, reduce_scatter=reduce_in[j] + ar_from[j + 1], **at_reduce))
         if gloo_copy and reduce_in[j]:
             # gloo, at the collective: the unit's unsharded (or accumulated) gradients freed
             # (foreach_reduce clears them after the copy-in; post_backward drops an accumulated
@@ -523,7 +533,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
             ev.append(_ev("backward", f"reduce-scatter {name} (gloo's copy)",
                           grads=grads_at(j + 1) + reduce_out[j],
                           unsharded_grads=(acc_upto[j] if accum else max(0, accum_b - reduce_in[j])) + others
-                          + lingering, reduce_scatter=2 * reduce_in[j], **at_reduce))
+                          + lingering, reduce_scatter=2 * reduce_in[j] + ar_from[j + 1], **at_reduce))
     ev.append(_ev("optimizer", "optimizer step", state=state_b, grads=grads_upto[n],
                   step_temps=opt_temp_b, activations=out.optimizer()))
     return ev
@@ -532,7 +542,8 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
 def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: int,
                       reduce_b: int, opt_temp_b: int, compiled: CompiledGraphs | None = None,
                       step_gathered_b: int | None = None,
-                      casts: AutocastCopies | None = None) -> list[Event]:
+                      casts: AutocastCopies | None = None, accum: list[int] | None = None,
+                      late: list[int] | None = None, new_weight_grad: list[int] | None = None) -> list[Event]:
     """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
     static): gradients and buffers held throughout; activations follow the step. At the
     optimizer step the gathered weights are `step_gathered_b` (default: the static buffer):
@@ -545,13 +556,34 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
 
     autocast's weight copies (`casts`) are counted as gathered weights besides `static_b`: all
     of them through forward and the loss's forward, then what the saved tensors keep, and a
-    recomputed block's own; none at the optimizer step."""
+    recomputed block's own; none at the optimizer step.
+
+    `accum` given (DDP accumulating under no_sync: each unit's gradients, tensors of their own
+    until the last micro-batch's hooks copy them into the buckets): all of them through the
+    forwards and the loss, at a unit's backward those of the units not yet reduced (itself and
+    those before it; a tied weight's once, at the end), none at the optimizer step.
+
+    `late` given (one rank, no wrapper, no accumulation: each unit's `.grad`, part of `state_b`):
+    zero_grad(set_to_none=True) left none, so a unit's exist from its backward on (a tied
+    weight's from the end of backward).
+
+    `new_weight_grad` given (eager, bytes per unit): a weight's gradient as its backward makes
+    it, before it is added into `.grad` or copied into its bucket (DDP's hook, then `.grad` is
+    the bucket view): under autocast the matmul's 16-bit gradient and the master-dtype copy its
+    cast's backward makes; at the head's, after its matmul's backward, the logits' gradient is
+    gone but the logits and the head's input gradient are not (the real-run survey: -3.1% on 2
+    ranks without it). Counted once each unit's backward is done (its largest weight)."""
     n = len(acts.saved)
+    new_w = new_weight_grad or [0] * n
+    accum_upto = [0, *accumulate(accum or (0,) * n)]  # accum_upto[j + 1]: units 0..j
+    absent_upto = [0, *accumulate(late or (0,) * n)]  # absent_upto[j]: units before j, not yet made
     total_saved = sum(acts.saved)
     if casts is None:
         casts = AutocastCopies((0,) * n, (0,) * n, (0,) * n)
     kept_upto = [0, *accumulate(casts.kept)]
-    kw = dict(state=state_b, gathered=static_b, unsharded_grads=reduce_b)
+    step_kw = dict(state=state_b, gathered=static_b if step_gathered_b is None else step_gathered_b,
+                   unsharded_grads=reduce_b)
+    kw = dict(state=state_b - absent_upto[n], gathered=static_b, unsharded_grads=reduce_b + accum_upto[n])
     made = {**kw, "gathered": static_b + sum(casts.made)}
     out = HeldOutputs(sc.train, acts)  # the model's cache, the previous output (kv_cache)
     ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.kept_logit_bytes
@@ -604,8 +636,16 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
-                      **{**kw, "unsharded_grads": reduce_b + held[j] + wait[j == 0],
+                      **{**kw, "state": state_b - absent_upto[j],
+                         "unsharded_grads": reduce_b + accum_upto[j + 1] + held[j] + wait[j == 0],
                          "gathered": static_b + kept_upto[j] + inside[j][1]}))
+        if new_w[j] and graph_of[j] is None:
+            ev.append(_ev("backward", f"backward {sc.units[j].name} (a weight's new gradient)",
+                          activations=saved_upto[j] - (head_saved if j > head else 0) + logits_ref
+                          + out.backward(j, done=True) + (acts.stream_bytes if j else 0),
+                          **{**kw, "state": state_b - absent_upto[j],
+                             "unsharded_grads": reduce_b + accum_upto[j + 1] + wait[j == 0] + new_w[j],
+                             "gathered": static_b + kept_upto[j]}))
         g = graph_of[j]
         if g is not None and j == g.start:  # the graph returns its gradients
             label = sc.units[g.start].name + (f"..{sc.units[g.stop - 1].name}" if len(g) > 1 else "")
@@ -614,9 +654,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                           + sum(end_temp[g.start:g.stop])
                           + out.backward(j, done=True)
                           + (acts.stream_bytes if j else 0),  # and its input's gradient
-                          **{**kw, "unsharded_grads": reduce_b + min(cap, after[j] - after[g.stop])
-                             + wait[0]}))
-    step_kw = kw if step_gathered_b is None else {**kw, "gathered": step_gathered_b}
+                          **{**kw, "state": state_b - absent_upto[j], "unsharded_grads": reduce_b + accum_upto[j + 1]
+                             + min(cap, after[j] - after[g.stop]) + wait[0]}))
     ev.append(_ev("optimizer", "optimizer step", step_temps=opt_temp_b, activations=out.optimizer(), **step_kw))
     return ev
 

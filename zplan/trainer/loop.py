@@ -109,7 +109,7 @@ class Trainer:
         self._tracking = None  # the memory tracker while it is active
         self.memory_by_category: dict[str, int] = {}
         self._counter_ref: list = [None]
-        if not self.par.fsdp:
+        if not self.par.fsdp and self.par.model is not self.par.inner:  # DDP (one rank: unwrapped)
             self.par.model.register_comm_hook(None, ddp_counting_hook(self._counter_ref))
         t = plan.train
         self.data = TokenSource(plan.model.vocab_size, t.seq_len, cfg.seed, cfg.data)

@@ -3,7 +3,7 @@ for ddp and zero1. Follows torchtitan: embeddings, each unit of blocks, norm + h
 root, one MixedPrecisionPolicy for all, explicit forward and backward prefetch.
 
 Strategy -> torch calls (docs/trainer.md):
-  ddp              DistributedDataParallel(gradient_as_bucket_view=True) + autocast
+  ddp              DistributedDataParallel(gradient_as_bucket_view=True) + autocast (one rank: unwrapped)
   zero1            DDP + ZeroRedundancyOptimizer(AdamW)
   zero2            fully_shard(reshard_after_forward=False)  (weights sharded between steps)
   zero3            fully_shard(reshard_after_forward=True)
@@ -178,10 +178,14 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
 
     t = plan.train
     materialise(model, False, device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
     cast = policy.autocast_dtype(False, t.layout, t.precision.param, t.precision.master)
     cast = DTYPES[cast] if cast else None
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        # one rank has nothing to reduce: no wrapper, so no buckets, and `.grad` is made by
+        # backward and accumulated in place (the planner's one-rank model, memory.timeline)
+        return Parallelized(model, model, False, [], cast)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
     return Parallelized(ddp, model, False, [], cast)
 
 
@@ -295,7 +299,7 @@ def set_sync(p: Parallelized, sync: bool):
     if p.fsdp:
         p.model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
-    return contextlib.nullcontext() if sync else p.model.no_sync()
+    return contextlib.nullcontext() if sync or p.model is p.inner else p.model.no_sync()
 
 
 def build_optimizer(p: Parallelized, plan: Plan, lr: float, weight_decay: float = 0.1):
