@@ -539,3 +539,51 @@ def test_a_near_tie_says_how_near_and_the_tolerance(capsys):
         pct = float(re.search(r", ([+-]\d+\.\d)%: within the model's (\d+)% resolution", why).group(1))
         assert abs(pct - 100 * (steps[family] / win - 1)) <= 0.051, (family, why)
         assert f"{TIE:.0%} resolution" in why
+
+
+@pytest.mark.parametrize("line", [
+    ("--micro-batch", "2", "--grad-accum", "2", "--checkpointing", "selective"),  # the plain reader
+    ("--micro-batch=2", "--grad-accum=2", "--checkpointing=selective"),  # Typer's
+])
+def test_what_the_user_gives_is_kept_not_searched(capsys, line):
+    """--checkpointing, --micro-batch and --grad-accum as given are what every candidate runs
+    (recommend chose first-3 and micro-batch 4 over them before), the global batch is theirs
+    (8 GPUs x 2 x 2) and the winner is priced as estimate prices that configuration."""
+    import json
+
+    from tests.helpers import cli, est
+
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--strategy", "zero3", "--json", *line)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["global_batch"] == 32 and "as given, not searched: --checkpointing selective, --grad-accum 2, " \
+        "--micro-batch 2" in r.stderr
+    for c in out["candidates"]:
+        assert (c["train"]["micro_batch"], c["train"]["grad_accum"], c["train"]["checkpointing"]) == (2, 2, "selective")
+    w = out["winner"]["train"]
+    alone = est("zero3", model="llama-3.1-8b", gpus="8", micro_batch=2, grad_accum=2, checkpointing="selective",
+                layout="torch", blocks_per_unit=w["blocks_per_unit"], prefetch=w["prefetch"])
+    assert out["winner"]["time"]["step_s"] == pytest.approx(alone.timing.step_s, rel=1e-9)
+
+
+def test_a_given_value_from_the_project_file_is_kept(run_zplan, tmp_path):
+    (tmp_path / "zplan.toml").write_text('checkpointing = "full"\n')
+    p = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    import json
+
+    assert {c["train"]["checkpointing"] for c in json.loads(p.stdout)["candidates"]} == {"full"}
+
+
+@pytest.mark.parametrize("args,needle,rc", [
+    (("--micro-batch", "2", "--grad-accum", "2", "--global-batch", "64"),
+     "--micro-batch 2 x --grad-accum 2 is 4 sequences per GPU", 2),
+    (("--micro-batch", "3", "--global-batch", "64"), "use --global-batch 48", 2),
+    (("--micro-batch", "8", "--checkpointing", "none"),
+     "with --checkpointing none, --micro-batch 8 as given; without them zero3", 1),
+])
+def test_given_values_that_cannot_work_are_one_line(capsys, args, needle, rc):
+    from tests.helpers import cli
+
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", *args)
+    assert r.returncode == rc and needle in r.stderr and len(r.stderr.strip().splitlines()) <= 4, r.stderr

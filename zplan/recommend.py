@@ -7,7 +7,8 @@ next smaller; one micro-batch per step is tried on its own, as accumulation chan
 held; `--objective memory`: the smallest, without prefetch) x gradient accumulation (to reach
 the global batch) x blocks per unit x prefetch. It is feasible when it fits GPU memory
 less the headroom and, with offload, the node's host RAM. Memory is checked first; only feasible
-candidates are timed.
+candidates are timed. Options the user gives (ScenarioOptions.given, PINNABLE: checkpointing
+with its k, micro-batch, accumulation, blocks per unit, prefetch) are kept as given, not searched.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from .strategies import STRATEGIES, effective
 from .units import fmt_bytes, fmt_s, nbytes
 
 CHECKPOINTING = ("none", "selective", "full", "first-k")  # every-k at the scenario's own k only
+# the scenario options the search varies; one the user gives (ScenarioOptions.given) is kept as
+# given: its checkpointing (with its k), micro-batch, accumulation, blocks per unit, prefetch
+PINNABLE = frozenset({"checkpointing", "checkpoint_every", "checkpoint_first", "micro_batch", "grad_accum",
+                      "blocks_per_unit", "prefetch"})
 BLOCKS_PER_UNIT = (1, 2, 4)
 SIMPLICITY = {n: i for i, n in enumerate(STRATEGIES)}
 TIE = 0.03  # within the model's resolution, a simpler strategy within 3% of the fastest wins
@@ -119,12 +124,15 @@ def _largest_fitting(mbs: tuple[int, ...], fits_at) -> tuple[int, int]:
     return lo, probes
 
 
-def _checkpointing(base: Scenario, num_layers: int) -> list[tuple[str, int]]:
+def _checkpointing(base: Scenario, num_layers: int, pinned: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
     """The checkpointing modes searched: none, selective, full, first-k (its k found per
     micro-batch, `_least_first_k`; only where a model has two blocks or more), and every-k where
     the scenario asks for it, at its own k. first-k at the least k that fits recomputes no more
     than every-k at any k that fits: the same blocks' activations are dropped, and the recompute
-    of the first blocks runs at the end of backward, when least is held."""
+    of the first blocks runs at the end of backward, when least is held. Only the scenario's own
+    mode where the user gave one (`pinned`)."""
+    if "checkpointing" in pinned:
+        return [(base.train.checkpointing, base.train.checkpoint_every)]
     out = [(c, base.train.checkpoint_every) for c in CHECKPOINTING if c != "first-k" or num_layers > 1]
     if base.train.checkpointing == "every-k" and base.train.checkpoint_every <= num_layers:
         out.append(("every-k", base.train.checkpoint_every))
@@ -166,14 +174,54 @@ def _variants(base: Scenario, family: str) -> list[Scenario]:
     return [replace(base, shard_size=s) for s in sizes]
 
 
+def given_text(base: Scenario, pinned: frozenset[str]) -> str:
+    """The given options of PINNABLE as flags with their values, e.g. '--micro-batch 2,
+    --checkpointing selective'."""
+    t = base.train
+    return ", ".join(f"--{k.replace('_', '-')} {str(getattr(t, k)).lower() if isinstance(getattr(t, k), bool) else getattr(t, k)}"
+                     if k != "prefetch" else ("--prefetch" if t.prefetch else "--no-prefetch")
+                     for k in sorted(pinned & PINNABLE))
+
+
+def pinned_micro_batches(base: Scenario, per_gpu: int, pinned: frozenset[str]) -> tuple[int, ...] | None:
+    """The one micro-batch a given --micro-batch or --grad-accum leaves for this per-GPU batch
+    (None where neither is given); a UsageError naming the fix where they cannot make it."""
+    t = base.train
+    mb_given, accum_given = "micro_batch" in pinned, "grad_accum" in pinned
+    if not (mb_given or accum_given):
+        return None
+    mb = t.micro_batch if mb_given else per_gpu // t.grad_accum
+    if mb_given and accum_given and mb * t.grad_accum != per_gpu:
+        raise UsageError(f"--micro-batch {t.micro_batch} x --grad-accum {t.grad_accum} is "
+                         f"{mb * t.grad_accum} sequences per GPU, the global batch {per_gpu} per GPU; "
+                         f"use --global-batch {mb * t.grad_accum * base.n}, or drop one of the two")
+    if mb < 1 or per_gpu % mb or (accum_given and mb * t.grad_accum != per_gpu):
+        given = f"--micro-batch {t.micro_batch}" if mb_given else f"--grad-accum {t.grad_accum}"
+        k = t.micro_batch if mb_given else t.grad_accum
+        raise UsageError(f"{given} does not divide the global batch's {per_gpu} sequences per GPU; use "
+                         f"--global-batch {max(1, per_gpu // k) * k * base.n} (a multiple of {k * base.n})")
+    return (mb,)
+
+
+def default_per_gpu(base: Scenario, pinned: frozenset[str], fallback: int) -> int:
+    """Sequences per GPU per step when no global batch is given: micro-batch x accumulation
+    where both are given, else `fallback` rounded to a multiple of the one given."""
+    t = base.train
+    if {"micro_batch", "grad_accum"} <= pinned:
+        return t.micro_batch * t.grad_accum
+    k = t.micro_batch if "micro_batch" in pinned else t.grad_accum if "grad_accum" in pinned else 1
+    return max(1, round(fallback / k)) * k
+
+
 def search(base: Scenario, global_batch: int, objective: str = "throughput",
            headroom: float = TIGHT_FREE_FRACTION, families: list[str] | None = None,
-           alternatives: bool = True) -> Recommendation:
+           alternatives: bool = True, pinned: frozenset[str] = frozenset()) -> Recommendation:
     """Search every configuration; raise PlanError with what would help when nothing fits.
     With `alternatives`, also under expandable segments where the plan assumes classic ones
     (`_expandable_alternative`): a flag, or a hint when nothing fits, where they change the
-    answer."""
+    answer. `pinned`: the options of PINNABLE the user gave, kept at the scenario's values."""
     n = base.n
+    pinned = frozenset(pinned) & PINNABLE
     if global_batch % n:
         raise UsageError(f"--global-batch {global_batch} is not a multiple of {n} GPUs; "
                          f"use {max(n, global_batch // n * n)} or another multiple of {n}")
@@ -181,6 +229,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
     if per_gpu > MAX_GRAD_ACCUM:
         raise UsageError(f"--global-batch {global_batch} is {per_gpu:,} sequences per GPU per step, "
                          f"over the limit of {MAX_GRAD_ACCUM:,}; use a smaller batch or more GPUs")
+    given_mbs = pinned_micro_batches(base, per_gpu, pinned)
     families = families or list(STRATEGIES)
     feasible: list[Candidate] = []
     rejected: dict[str, str] = {}
@@ -197,28 +246,32 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         found = []
         for sc0 in variants:
             usable = _usable(sc0, headroom)
-            for ckpt, every in _checkpointing(base, L):
+            for ckpt, every in _checkpointing(base, L, pinned):
                 if base.train.te_float8 and ckpt in TE_FLOAT8_UNMODELLED:
                     continue  # TransformerEngine's saves under these modes are not modelled
-                for bpu in BLOCKS_PER_UNIT:
-                    if bpu > L or (bpu > 1 and family in ("ddp", "zero1", "zero2")):
+                for bpu in ((base.train.blocks_per_unit,) if "blocks_per_unit" in pinned else BLOCKS_PER_UNIT):
+                    if "blocks_per_unit" not in pinned and (bpu > L or (bpu > 1 and family in ("ddp", "zero1", "zero2"))):
                         continue  # units only matter where weights are gathered per unit
                     taken = 0
 
-                    def at(mb: int, prefetch: bool, first: int = L - 1, mode: str = ckpt) -> Scenario:
+                    first_k = ckpt == "first-k" and "checkpointing" not in pinned  # k searched
+                    fixed_first = base.train.checkpoint_first if not first_k else L - 1
+
+                    def at(mb: int, prefetch: bool, first: int = fixed_first, mode: str = ckpt) -> Scenario:
                         return replace(sc0, train=base.train.model_copy(update={
                             "checkpointing": mode, "checkpoint_every": every, "checkpoint_first": first,
                             "blocks_per_unit": bpu, "micro_batch": mb, "grad_accum": per_gpu // mb,
                             "prefetch": prefetch}))
 
-                    mbs = _micro_batches(per_gpu)
-                    if ckpt == "first-k" and objective == "memory":
+                    mbs = given_mbs or _micro_batches(per_gpu)
+                    prefetches = (base.train.prefetch,) if "prefetch" in pinned else (True, False)
+                    if first_k and objective == "memory":
                         continue  # full checkpointing holds the least
                     if objective == "memory":  # the least memory: the smallest micro-batch, no
                         # prefetch; and one micro-batch per step, which holds no accumulated
                         # gradients (--reduce-last-only) and may need less
                         for mb in sorted({mbs[-1], per_gpu} & set(mbs)):
-                            sc = at(mb, False)
+                            sc = at(mb, prefetches[-1])
                             evaluated += 1
                             if fits(sc, family, usable):
                                 found.append(Candidate(family, sc, estimate_one(sc, family), usable))
@@ -238,9 +291,9 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                     evaluated += probes
                     unneeded = False  # first-k: nothing checkpointed fits already
                     for mb in mbs[start:]:
-                        for prefetch in (True, False):
+                        for prefetch in prefetches:
                             sc = at(mb, prefetch)
-                            if ckpt == "first-k":  # the fewest blocks checkpointed that fit
+                            if first_k:  # the fewest blocks checkpointed that fit
                                 evaluated += 1
                                 if fits(at(mb, prefetch, mode="none"), family, usable):
                                     # first-k would only recompute more, here and at every
@@ -270,7 +323,19 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         if set(rejected) == unavailable:  # every family asked for cannot run at all: not a fit
             name, why = next(iter(rejected.items()))
             raise UsageError(f"--strategy {name} cannot be planned here: {why}")
-        alt, _ = _expandable_alternative(base, global_batch, objective, headroom, families) if alternatives else (None, 0)
+        if pinned:  # what the given values cost: the search without them
+            try:
+                free = search(base, global_batch, objective, headroom, families, alternatives=False)
+            except (PlanError, UsageError):
+                free = None
+            if free is not None:
+                names = given_text(base, pinned)
+                raise PlanError(f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "
+                                f"with {names} as given; without them {free.winner.label()} fits "
+                                f"({fmt_bytes(free.winner.total_bytes)} per GPU): drop them to let "
+                                f"recommend choose")
+        alt, _ = (_expandable_alternative(base, global_batch, objective, headroom, families, pinned)
+                  if alternatives else (None, 0))
         raise PlanError(_nothing_fits(base, global_batch, headroom, rejected, alt))
     key = (lambda c: (c.step_s, c.total_bytes)) if objective == "throughput" else \
           (lambda c: (c.total_bytes, c.step_s))
@@ -286,7 +351,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         best.setdefault(c.family, c)
     lost = {f: _why_lost(c, winner, objective) for f, c in best.items() if c is not winner}
     flags = _flags(base, winner)
-    alt, alt_evaluated = (_expandable_alternative(base, global_batch, objective, headroom, families)
+    alt, alt_evaluated = (_expandable_alternative(base, global_batch, objective, headroom, families, pinned)
                           if alternatives else (None, 0))
     evaluated += alt_evaluated  # the second search's configurations are searched too
     if alt is not None and _better(alt, winner, objective):
@@ -315,7 +380,8 @@ def _expandable_run(base: Scenario) -> str:
 
 
 def _expandable_alternative(base: Scenario, global_batch: int, objective: str, headroom: float,
-                            families: list[str] | None) -> tuple[Candidate | None, int]:
+                            families: list[str] | None,
+                            pinned: frozenset[str] = frozenset()) -> tuple[Candidate | None, int]:
     """The winner were the run to use expandable segments, where the plan assumes PyTorch's
     classic ones (and no flat --fragmentation): one segment per stream, grown in 20 MiB pages,
     leaves fewer holes (docs/reserved-matrix.md: 1-15% less reserved than classic segments on
@@ -326,7 +392,7 @@ def _expandable_alternative(base: Scenario, global_batch: int, objective: str, h
         return None, 0
     other = replace(base, assume=a.model_copy(update={"expandable_segments": True}))
     try:
-        r = search(other, global_batch, objective, headroom, families, alternatives=False)
+        r = search(other, global_batch, objective, headroom, families, alternatives=False, pinned=pinned)
     except (PlanError, UsageError):
         return None, 0
     return r.winner, r.evaluated

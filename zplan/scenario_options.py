@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from . import arch, presets
 from . import kernels as K
@@ -29,7 +29,11 @@ GPU_CONTEXT_GIB = 600 / 1024  # CUDA context + cuBLAS/NCCL workspaces (Assumptio
 
 @dataclass
 class ScenarioOptions:
-    """Every model, hardware and training option, with the CLI's defaults (help: zplan/cli/options.py)."""
+    """Every model, hardware and training option, with the CLI's defaults (help: zplan/cli/options.py).
+    `given`: the options the user set (a flag on the command line, or zplan.toml), where the
+    reader knows them; recommend searches only what is not given (recommend.PINNABLE)."""
+
+    given: ClassVar[frozenset[str]] = frozenset()  # set per instance by the CLI's readers
 
     params: Optional[str] = None
     unit_params: Optional[str] = None
@@ -466,6 +470,7 @@ def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE
             v = _project_value(p, key, v, hints[key])
             if getattr(o, key) == getattr(defaults, key):
                 setattr(o, key, v)
+                o.given = o.given | {key}
                 taken.append(shown)
         elif key in extra:
             v = _project_value(p, key, v, str if isinstance(v, str) else float)

@@ -89,6 +89,19 @@ def _annotated() -> dict:
             for name in FIELDS}
 
 
+def given_on_command_line(names) -> frozenset[str]:
+    """Which of these parameters the running Typer command read from its command line (or the
+    environment), not from its defaults: click's parameter sources."""
+    import click
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return frozenset()
+    return frozenset(n for n in names if ctx.get_parameter_source(n) in
+                     (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
+
+
 def scenario_options(func):
     """Add ScenarioOptions' fields to `func`'s CLI signature; call it with opts=ScenarioOptions."""
     sig = inspect.signature(func)
@@ -103,6 +116,7 @@ def scenario_options(func):
     @functools.wraps(func)
     def wrapper(**kwargs):
         opts = ScenarioOptions(**{k: kwargs.pop(k) for k in FIELDS})
+        opts.given = given_on_command_line(FIELDS)
         return func(opts=opts, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]

@@ -83,6 +83,7 @@ def parse(args: list[str], own: dict[str, tuple[str, object]],
             return None
         values[name] = values.get(name, []) + [got] if reader == "many" else got
     opts = ScenarioOptions(**{k: v for k, v in values.items() if k in FIELDS})
+    opts.given = frozenset(k for k in values if k in FIELDS)
     own = {k: p.default for k, p in inspect.signature(run).parameters.items() if k != "opts"}
     return opts, {**own, **{k: v for k, v in values.items() if k not in FIELDS}}
 

@@ -53,7 +53,7 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
         strategy: list[str] | None = None, wide: bool = False, runner: str | None = None) -> None:
     """The fastest configuration that fits, and why every other one lost."""
     from ..plan import make_plan, save
-    from ..recommend import plan_for_runner, search
+    from ..recommend import PINNABLE, default_per_gpu, given_text, plan_for_runner, search
 
     extra = {"global_batch": global_batch, "global_batch_tokens": global_batch_tokens,
              "objective": None, "headroom": None}
@@ -83,6 +83,7 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     with project_file_named(used):
         check_flag_pairs(opts, asked)
         sc = build(opts)
+    pinned = opts.given & PINNABLE  # what the user set is kept, not searched
     gb, gbt = extra["global_batch"], extra["global_batch_tokens"]
     if gb is not None and gbt is not None:
         raise UsageError("give --global-batch or --global-batch-tokens, not both")
@@ -97,12 +98,15 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     elif gb is not None:
         batch = parse_count(str(gb), "--global-batch", integer=True, example="256")
     else:
-        batch = DEFAULT_PER_GPU * sc.n
-        used.append(f"global batch {batch} sequences ({DEFAULT_PER_GPU} per GPU; --global-batch to change)")
+        per_gpu = default_per_gpu(sc, pinned, DEFAULT_PER_GPU)
+        batch = per_gpu * sc.n
+        used.append(f"global batch {batch} sequences ({per_gpu} per GPU; --global-batch to change)")
+    if pinned:
+        used.append("as given, not searched: " + given_text(sc, pinned))
     for line in used:
         print(f"zplan: using {line}", file=sys.stderr)
     try:
-        rec = search(sc, batch, objective, headroom, families=strategy or None)
+        rec = search(sc, batch, objective, headroom, families=strategy or None, pinned=pinned)
     except PlanError as e:  # nothing fits: a script reading --json still gets one object
         if as_json:
             from ..estimate import SCHEMA_VERSION
