@@ -221,6 +221,7 @@ class CompiledGraphs:
     cap_bytes: int  # the most new gradients held at once (DDP: the largest bucket)
     end_temp: tuple[int, ...]  # per unit, what its graph's end holds besides its gradients (the
     # embedding's fp32 gradient buffer)
+    tied_head: int = 0  # a tied head's weight gradient, from its backward to its graph's end
 
 
 @dataclass(frozen=True)
@@ -585,6 +586,11 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                    unsharded_grads=reduce_b)
     kw = dict(state=state_b - absent_upto[n], gathered=static_b, unsharded_grads=reduce_b + accum_upto[n])
     made = {**kw, "gathered": static_b + sum(casts.made)}
+    if compiled is None:  # eager: every gradient accumulated as soon as it is made
+        compiled = CompiledGraphs((0,) * n, (), 0, (0,) * n)
+    # a compiled graph's tied head gradient: made right after the loss's backward, beside the
+    # logits' gradient, held to the graph's end
+    tied_graph = compiled.tied_head
     out = HeldOutputs(sc.train, acts)  # the model's cache, the previous output (kv_cache)
     ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.kept_logit_bytes
               + out.forward(n - 1), **made)]
@@ -592,10 +598,9 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
                       + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase]
                       + out.loss(phase),
-                      **(made if phase == "forward" else {**kw, "gathered": static_b + kept_upto[n] + casts.until_head})))
+                      **(made if phase == "forward" else {**kw, "gathered": static_b + kept_upto[n] + casts.until_head,
+                                                          "unsharded_grads": kw["unsharded_grads"] + tied_graph})))
     saved_upto = [0, *accumulate(acts.saved)]
-    if compiled is None:  # eager: every gradient accumulated as soon as it is made
-        compiled = CompiledGraphs((0,) * n, (), 0, (0,) * n)
     new, end_temp, cap = compiled.new_grads, compiled.end_temp, compiled.cap_bytes
     graph_of: list[range | None] = [None] * n
     for g in compiled.graphs:
@@ -637,7 +642,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
                       **{**kw, "state": state_b - absent_upto[j],
-                         "unsharded_grads": reduce_b + accum_upto[j + 1] + held[j] + wait[j == 0],
+                         "unsharded_grads": reduce_b + accum_upto[j + 1] + held[j] + wait[j == 0] + tied_graph,
                          "gathered": static_b + kept_upto[j] + inside[j][1]}))
         if new_w[j] and graph_of[j] is None:
             ev.append(_ev("backward", f"backward {sc.units[j].name} (a weight's new gradient)",
