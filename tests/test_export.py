@@ -286,3 +286,32 @@ def test_a_plan_edited_past_its_gpu_is_said_not_to_fit_where_it_is_used(tmp_path
     r = cli(capsys, "launch", "--plan", str(path), "--dry-run", "--no-save", "--run-dir", str(tmp_path / "r"),
             "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1")
     assert r.returncode == 0 and "does not fit a h100-sxm" in r.stderr
+
+
+@pytest.mark.parametrize("view", [True, False])
+def test_accelerate_export_says_when_its_ddp_holds_the_gradients_apart(tmp_path, capsys, view):
+    """accelerate's DDP wraps the model with its DistributedDataParallelKwargs' default (read
+    from accelerate itself): where that differs from what the plan priced (zplan's trainer keeps
+    the gradients as bucket views), the export says how to match it."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from zplan.plan import save
+    from tests.helpers import cli
+
+    path = tmp_path / "plan.json"
+    save(plan_for("ddp", layout="torch", reduce_dtype="fp32", ddp_bucket_view=view), path)
+    r = cli(capsys, "export", "--plan", str(path), "--to", "accelerate")
+    assert r.returncode == 0, r.stderr
+    differs = DistributedDataParallelKwargs().gradient_as_bucket_view != view
+    assert ("gradient_as_bucket_view=True" in r.stderr) == differs, r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("estimate", "--no-ddp-bucket-view"), "drop it, or add --layout torch"),
+    (("estimate", "--no-ddp-bucket-view", "--layout", "torch", "--strategy", "zero3"), "runs no DDP"),
+])
+def test_no_ddp_bucket_view_where_no_ddp_runs_is_one_line(capsys, args, needle):
+    from tests.helpers import cli
+
+    r = cli(capsys, *args, "--model", "llama-3.2-1b", "--gpus", "8")
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -258,6 +258,18 @@ def layout_note(plan: Plan) -> str | None:
             "deepspeed (or estimate --layout zero)")
 
 
+def bucket_view_note(plan: Plan) -> str | None:
+    """accelerate's DDP (distributed_type MULTI_GPU) wraps the model with PyTorch's default
+    gradient_as_bucket_view=False unless the script passes DistributedDataParallelKwargs; a plan
+    priced with bucket views (`ddp_bucket_view`, zplan's trainer) says so. None otherwise."""
+    if plan.strategy != "ddp" or not plan.train.ddp_bucket_view:
+        return None
+    return ("the plan prices DDP's gradients as views of its buckets; accelerate keeps `.grad` apart "
+            "(twice the gradients by the optimizer step) unless your script passes "
+            "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)]); "
+            "or plan again with --no-ddp-bucket-view")
+
+
 def export(plan: Plan, to: str, plan_path: str, zeropp: bool = False) -> str:
     if to == "deepspeed":
         return json.dumps(deepspeed_config(plan, zeropp), indent=2) + "\n"

@@ -243,9 +243,24 @@ def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
         return 0
     if st.grads_sharded:
         return nbytes(sc.params, t.precision.reduce)
-    if t.layout == "torch" and sc.n > 1:  # one rank: no wrapper (trainer/parallel.py replicate)
+    if t.layout == "torch" and sc.n > 1 and t.ddp_bucket_view:  # one rank: no wrapper (trainer/
+        # parallel.py replicate); without bucket views `.grad` is apart anyway (ddp_own_grads)
         return nbytes(sc.params, t.precision.master)
     return 0
+
+
+def ddp_own_grads(sc: Scenario, st: Strategy) -> list[int] | None:
+    """Per unit, the bytes of DDP's `.grad` apart from its buckets where the gradients are not
+    bucket views (`TrainSpec.ddp_bucket_view` False: PyTorch's default, gradient_as_bucket_view
+    False): AccumulateGrad makes each `.grad` (zero_grad(set_to_none=True) left none) and the
+    reducer copies it into the bucket (`bucket_view.copy_(grad)`, or `mul_out`), then back after
+    the all-reduce (reducer.cpp mark_variable_ready_dense, finalize_bucket_dense): the buckets
+    (the model state's gradients) and these, from each unit's backward on, both at the step.
+    None where the gradients are the buckets, or one rank runs unwrapped."""
+    t = sc.train
+    if t.layout != "torch" or st.fsdp or sc.n == 1 or t.ddp_bucket_view:
+        return None
+    return [nbytes(u.numel, t.precision.master) for u in sc.units]
 
 
 def replicated_new_grads(sc: Scenario, st: Strategy) -> list[int] | None:
@@ -262,7 +277,9 @@ def replicated_new_grads(sc: Scenario, st: Strategy) -> list[int] | None:
         return None
     mb = DTYPE_BITS[p.master] // 8
     cast_b = DTYPE_BITS[p.param] // 8 if t.autocast else 0
-    stolen = grads_made_in_backward(sc, st)
+    # stolen into a `.grad` of its own (counted there) where none exists yet: one rank unwrapped,
+    # or DDP without bucket views in a micro-batch after zero_grad
+    stolen = grads_made_in_backward(sc, st) or (ddp_own_grads(sc, st) is not None and t.grad_accum == 1)
     tied = sc.model.tied_embeddings
     out = []
     for u in sc.units:
@@ -365,7 +382,7 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
         step_gathered_b=0 if released else None, casts=autocast_copies(sc),
         accum=[nbytes(u.numel, p.master) for u in sc.units] if accum_b else None,
         late=[nbytes(u.numel, p.master) for u in sc.units] if grads_made_in_backward(sc, st) else None,
-        new_weight_grad=replicated_new_grads(sc, st))
+        new_weight_grad=replicated_new_grads(sc, st), own_grads=ddp_own_grads(sc, st))
 
 
 def setup_events(sc: Scenario, st: Strategy) -> list[Event]:

@@ -544,7 +544,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                       reduce_b: int, opt_temp_b: int, compiled: CompiledGraphs | None = None,
                       step_gathered_b: int | None = None,
                       casts: AutocastCopies | None = None, accum: list[int] | None = None,
-                      late: list[int] | None = None, new_weight_grad: list[int] | None = None) -> list[Event]:
+                      late: list[int] | None = None, new_weight_grad: list[int] | None = None,
+                      own_grads: list[int] | None = None) -> list[Event]:
     """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
     static): gradients and buffers held throughout; activations follow the step. At the
     optimizer step the gathered weights are `step_gathered_b` (default: the static buffer):
@@ -573,8 +574,15 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     the bucket view): under autocast the matmul's 16-bit gradient and the master-dtype copy its
     cast's backward makes; at the head's, after its matmul's backward, the logits' gradient is
     gone but the logits and the head's input gradient are not (the real-run survey: -3.1% on 2
-    ranks without it). Counted once each unit's backward is done (its largest weight)."""
+    ranks without it). Counted once each unit's backward is done (its largest weight).
+
+    `own_grads` given (DDP without bucket views, bytes per unit): `.grad` apart from the buckets,
+    made in each unit's backward (all of them through a later micro-batch's forward, with
+    accumulation), all at the optimizer step."""
     n = len(acts.saved)
+    own = own_grads or [0] * n
+    own_from = [*accumulate(reversed(own))][::-1] + [0]  # own_from[j]: units >= j
+    own_all = own_from[0] if sc.train.grad_accum > 1 else 0  # made by the earlier micro-batches
     new_w = new_weight_grad or [0] * n
     accum_upto = [0, *accumulate(accum or (0,) * n)]  # accum_upto[j + 1]: units 0..j
     absent_upto = [0, *accumulate(late or (0,) * n)]  # absent_upto[j]: units before j, not yet made
@@ -583,8 +591,8 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
         casts = AutocastCopies((0,) * n, (0,) * n, (0,) * n)
     kept_upto = [0, *accumulate(casts.kept)]
     step_kw = dict(state=state_b, gathered=static_b if step_gathered_b is None else step_gathered_b,
-                   unsharded_grads=reduce_b)
-    kw = dict(state=state_b - absent_upto[n], gathered=static_b, unsharded_grads=reduce_b + accum_upto[n])
+                   unsharded_grads=reduce_b + own_from[0])
+    kw = dict(state=state_b - absent_upto[n], gathered=static_b, unsharded_grads=reduce_b + accum_upto[n] + own_all)
     made = {**kw, "gathered": static_b + sum(casts.made)}
     if compiled is None:  # eager: every gradient accumulated as soon as it is made
         compiled = CompiledGraphs((0,) * n, (), 0, (0,) * n)
@@ -642,14 +650,16 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
                       **{**kw, "state": state_b - absent_upto[j],
-                         "unsharded_grads": reduce_b + accum_upto[j + 1] + held[j] + wait[j == 0] + tied_graph,
+                         "unsharded_grads": reduce_b + accum_upto[j + 1] + held[j] + wait[j == 0] + tied_graph
+                         + max(own_all, own_from[j]),
                          "gathered": static_b + kept_upto[j] + inside[j][1]}))
         if new_w[j] and graph_of[j] is None:
             ev.append(_ev("backward", f"backward {sc.units[j].name} (a weight's new gradient)",
                           activations=saved_upto[j] - (head_saved if j > head else 0) + logits_ref
                           + out.backward(j, done=True) + (acts.stream_bytes if j else 0),
                           **{**kw, "state": state_b - absent_upto[j],
-                             "unsharded_grads": reduce_b + accum_upto[j + 1] + wait[j == 0] + new_w[j],
+                             "unsharded_grads": reduce_b + accum_upto[j + 1] + wait[j == 0] + new_w[j]
+                             + max(own_all, own_from[j]),
                              "gathered": static_b + kept_upto[j]}))
         g = graph_of[j]
         if g is not None and j == g.start:  # the graph returns its gradients
@@ -660,7 +670,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                           + out.backward(j, done=True)
                           + (acts.stream_bytes if j else 0),  # and its input's gradient
                           **{**kw, "state": state_b - absent_upto[j], "unsharded_grads": reduce_b + accum_upto[j + 1]
-                             + min(cap, after[j] - after[g.stop]) + wait[0]}))
+                             + min(cap, after[j] - after[g.stop]) + wait[0] + max(own_all, own_from[j])}))
     ev.append(_ev("optimizer", "optimizer step", step_temps=opt_temp_b, activations=out.optimizer(), **step_kw))
     return ev
 

@@ -79,6 +79,7 @@ class ScenarioOptions:
     deepspeed_param_groups: str = "one"  # zero layout, ZeRO-1/2: one | split (TrainSpec)
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
+    ddp_bucket_view: bool = True  # DDP's gradients are views of its buckets (TrainSpec)
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
     kv_cache: bool = False  # the model returns its keys and values (TrainSpec)
     attention_expands_kv: bool = False  # keys and values copied to every query head (TrainSpec)
@@ -115,6 +116,12 @@ def check_flag_pairs(o: ScenarioOptions, strategies: list[str] | tuple[str, ...]
     if not o.flash and o.attention_kernel != defaults.attention_kernel:
         raise UsageError(f"--no-flash prices attention without a flash kernel and --attention-kernel "
                          f"{o.attention_kernel} names one: drop one of them")
+    if not o.ddp_bucket_view and (o.layout or "zero") == "zero":
+        raise UsageError("--no-ddp-bucket-view describes PyTorch DDP's gradients (the torch layout); "
+                         "DeepSpeed keeps its own buckets: drop it, or add --layout torch")
+    if strategies and not o.ddp_bucket_view and not set(strategies) & {"ddp", "zero1"}:
+        raise UsageError(f"--no-ddp-bucket-view describes DDP's gradients, and --strategy "
+                         f"{' '.join(strategies)} runs no DDP: add --strategy ddp (or zero1) or drop it")
     if strategies and o.shard_size is not None and "hsdp" not in strategies:
         raise UsageError(f"--shard-size {o.shard_size} sets HSDP's shard group, and --strategy "
                          f"{' '.join(strategies)} has no hsdp: add --strategy hsdp or drop --shard-size")
@@ -374,7 +381,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             sac_saves_attention=o.sac_saves_attention,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, ddp_bucket_view=o.ddp_bucket_view, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

@@ -447,6 +447,11 @@ class TrainSpec(Spec):
     layout: Layout = Field(
         "zero", description="zero: the ZeRO paper / DeepSpeed layout; torch: DDP, ZeRO-RO and FSDP2"
     )
+    ddp_bucket_view: bool = Field(
+        True, description="DDP (and ZeRO-1 on it, torch layout) keeps each `.grad` as a view of its "
+        "reduce bucket (gradient_as_bucket_view=True: zplan's trainer); False: PyTorch's default, "
+        "and accelerate's and Lightning's: `.grad` a tensor of its own beside the buckets, made in "
+        "backward and copied into them, so twice the gradients by the optimizer step")
     logits_kept: bool = Field(
         True, description="the training loop holds the logits until backward returns (zplan's "
         "trainer, a loop that keeps a Hugging Face output beside its loss); False: it drops them "

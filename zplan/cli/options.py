@@ -40,6 +40,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "master_dtype": ((), "Master weights dtype"),
     "optimizer_dtype": ((), "Optimizer state dtype"),
     "layout": ((), "zero (ZeRO paper / DeepSpeed) | torch (DDP, ZeRO-RO, FSDP2)"),
+    "ddp_bucket_view": ((), "DDP (ddp, zero1; torch layout) keeps each gradient as a view of its reduce bucket, gradient_as_bucket_view=True, as zplan's trainer does (--no-ddp-bucket-view: PyTorch's default, and accelerate's and Lightning's unless your code passes it: `.grad` apart from the buckets, twice the gradients by the optimizer step)"),
     "logits_kept": ((), "The training loop holds the logits until backward returns (zplan's trainer, a loop keeping a Hugging Face output beside its loss); --no-logits-kept: it drops them before backward (torchtitan's `del pred`, HF Trainer's compute_loss), so backward runs without them"),
     "deepspeed_defaults": ((), "Zero layout, ZeRO-3: the run leaves DeepSpeed's stage-3 buckets at their defaults (each submodule gathered as it runs, 5e7 elements prefetched, gradients copied into a 5e8-element bucket); default: a unit at a time, as zplan's export writes them"),
     "deepspeed_param_groups": ((), "Zero layout, ZeRO-1/2: one (a DeepSpeed config with an optimizer block, as zplan's export writes, under HF Trainer or accelerate: DeepSpeed 0.19+ leaves every parameter's own block cached, reserved through training) | split (an optimizer built with decay/no-decay groups, or DeepSpeed before 0.19: none stays)"),

@@ -47,7 +47,7 @@ def export(
     zeropp: Annotated[bool, typer.Option(help="DeepSpeed: add ZeRO++ (hpZ, int8 weights, int4 grads)")] = False,
 ) -> None:
     """Write a plan as a DeepSpeed config, an accelerate config, or a torchrun command."""
-    from ..export import checkpointing_note, layout_note
+    from ..export import bucket_view_note, checkpointing_note, layout_note
     from ..export import export as do_export
     from ..plan import load, write_atomic
 
@@ -60,7 +60,8 @@ def export(
     text = do_export(loaded, to, plan, zeropp)
     from ..plan import fit_note
 
-    for note in (fit_note(loaded, plan),) + ((layout_note(loaded), checkpointing_note(loaded)) if to == "deepspeed" else ()):
+    for note in ((fit_note(loaded, plan),) + ((layout_note(loaded), checkpointing_note(loaded)) if to == "deepspeed" else ())
+                 + ((bucket_view_note(loaded),) if to == "accelerate" else ())):
         if note:
             print(f"zplan: note: {note}", file=sys.stderr)
     if output is not None:

@@ -101,6 +101,7 @@ def header(console: Out, sc: Scenario, unit: str) -> None:
 # how the run holds its loop, loss and units where it departs from zplan's trainer: (field, flag
 # when set, flag when cleared); the header names them so the figures say what they assume
 _RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", None, "--no-logits-kept"),
+              ("ddp_bucket_view", None, "--no-ddp-bucket-view"),
               ("logits_fp32", "--logits-fp32", None), ("last_block_kept", "--last-block-kept", None),
               ("kv_cache", "--kv-cache", None), ("loss_shifted_copy", "--loss-shifted-copy", None),
               ("attention_expands_kv", "--attention-expands-kv", None),

@@ -172,7 +172,8 @@ def to_master_dtype(model: nn.Module, plan: Plan) -> None:
 
 
 def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelized:
-    """ddp and zero1: DistributedDataParallel with the gradients as its buckets, autocast for
+    """ddp and zero1: DistributedDataParallel with the gradients as its buckets (unless the plan
+    says `ddp_bucket_view` False: PyTorch's default, `.grad` apart from them), autocast for
     mixed precision (the optimizer of zero1 is sharded by build_optimizer)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -185,7 +186,7 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
         # backward and accumulated in place (the planner's one-rank model, memory.timeline)
         return Parallelized(model, model, False, [], cast)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              gradient_as_bucket_view=True, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
+              gradient_as_bucket_view=t.ddp_bucket_view, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
     return Parallelized(ddp, model, False, [], cast)
 
 
