@@ -46,6 +46,22 @@ def profiled_peak_bytes(micro_batch) -> int:
     return top
 
 
+def profiled_fresh_step(model, micro_batch) -> list:
+    """PyTorch's memory profiler's timeline of `micro_batch()` run a second time, after a first
+    run and with `.grad` cleared as zero_grad(set_to_none=True) leaves it (oneDNN off: no CPU
+    scratch buffers a GPU has not)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    micro_batch()
+    for p in model.parameters():
+        p.grad = None
+    with torch.backends.mkldnn.flags(enabled=False), profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        micro_batch()
+    return prof._memory_profile().timeline
+
+
 @pytest.mark.slow  # inductor compiles the model twice on CPU (~30 s)
 def test_whole_model_graph_holds_every_gradient_as_pytorchs_profiler_measures():
     torch = pytest.importorskip("torch")
@@ -257,10 +273,10 @@ def test_a_compiled_tied_heads_gradient_lives_to_the_graphs_last_kernel():
     torch.compile(model) over a tied model in fp32 under bf16 autocast (GPT-2 as gollem and
     llm.c train it), one micro-batch: the head's bf16 weight gradient [V, h] is made early in the
     backward graph and freed only after the fp32 [V, h] tensors of its last kernel (the embedding's
-    buffer and the sum that becomes `.grad`) are made."""
+    buffer and the sum that becomes `.grad`) are made; the forward's bf16 weight copy is gone when
+    backward returns."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
     from zplan.trainer.model import Transformer
@@ -280,20 +296,17 @@ def test_a_compiled_tied_heads_gradient_lives_to_the_graphs_last_kernel():
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
         marks.append(torch.empty(12345, dtype=torch.uint8))  # allocated where backward starts
         loss.backward()
+        marks.append(torch.empty(54321, dtype=torch.uint8))  # where the optimizer step would start
 
-    micro_batch()
-    for p in model.parameters():
-        p.grad = None
-    with torch.backends.mkldnn.flags(enabled=False), profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        micro_batch()
+    timeline = profiled_fresh_step(model, micro_batch)
     w = tied.vocab_size * tied.hidden
     born, died, fp32_made = {}, {}, []
-    start = None
-    for t, action, (key, _), nbytes in prof._memory_profile().timeline:
+    start = end = None
+    for t, action, (key, _), nbytes in timeline:
         if action == Action.CREATE:
             born[key] = (t, nbytes)
             start = t if nbytes == 12345 else start
+            end = t if nbytes == 54321 else end
             if nbytes == 4 * w:
                 fp32_made.append(t)
         elif action == Action.DESTROY and key in born:
@@ -303,3 +316,7 @@ def test_a_compiled_tied_heads_gradient_lives_to_the_graphs_last_kernel():
     assert len(fp32_made) >= 2 and head, (len(fp32_made), head)
     # the bf16 head gradient: the one alive when the last fp32 [V, h] tensor is made
     assert any(born[k][0] < fp32_made[-1] < died[k] for k in head)
+    # and the forward's bf16 copy of the weight is gone by the optimizer step (memory.timeline:
+    # compile's autocast copies are not counted there)
+    copies = [k for k, (t, b) in born.items() if b == 2 * w and t < start]
+    assert copies and all(k in died and died[k] < end for k in copies), copies

@@ -121,3 +121,64 @@ def test_ddp_without_bucket_views_holds_its_gradients_twice(run_zplan, tmp_path,
                 **{"seq_len": 128, **kw})
     viewed = est(strategy, **opts).memory.allocated_bytes
     assert measured / viewed - 1 > 0.03, (measured, viewed)
+
+
+@pytest.mark.slow  # the profiler's memory timeline of a step on CPU (~20 s)
+def test_one_rank_tied_weight_gradients_against_the_real_allocator():
+    """One rank runs unwrapped (no DDP), `.grad` None after zero_grad: a tied weight's `.grad` is
+    made only by its one AccumulateGrad after the embedding's backward, so that backward holds the
+    two waiting gradients and no `.grad` besides (the review: the planner counted a third weight,
+    +16% here). MemTracker cannot see it (a dispatch mode copies what autograd steals), so this
+    reads PyTorch's memory profiler on the real allocator: the micro-batch's new bytes against
+    the planner's within 1%."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from torch.profiler._memory_profiler import Action
+
+    from tests.helpers import scenario
+    from tests.test_compile_scope import profiled_fresh_step
+    from zplan import presets
+    from zplan.memory import memory, timeline
+    from zplan.strategies import effective
+    from zplan.trainer.model import Transformer
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "m.toml"
+        path.write_text(M1_TIED)
+        m = presets.model(str(path))
+        sc = scenario(model=str(path), gpus=1, gpu="cpu", cluster="cpu-local", layout="torch", seq_len=64,
+                      micro_batch=2)
+    torch.manual_seed(0)
+    model = Transformer(m)
+    tokens = torch.randint(0, m.vocab_size, (2, 64))
+
+    def micro_batch():  # the trainer's DDP path on one rank: fp32 weights, bf16 autocast
+        with torch.autocast("cpu", torch.bfloat16):
+            logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+
+    live, cur, top = {}, 0, 0
+    for _, action, (key, _), nbytes in profiled_fresh_step(model, micro_batch):
+        if action == Action.CREATE:
+            live[key] = nbytes
+            cur += nbytes
+        elif action == Action.DESTROY and key in live:
+            cur -= live.pop(key)
+        top = max(top, cur)
+    st = effective("ddp", "torch")
+    ms = memory(sc, st)
+    base = ms.params_bytes + ms.master_bytes + ms.optimizer_bytes  # what exists before the micro-batch
+    predicted = max(e.total_bytes for e in timeline(sc, st) if e.phase != "optimizer") - base
+    assert abs(predicted / top - 1) < 0.01, (predicted, top)
+
+
+@pytest.mark.slow
+def test_hsdp_of_one_replica_runs_as_fsdp_and_holds_nothing(run_zplan, tmp_path):
+    """HSDP with the shard group the whole world (estimate's one-node column, --shard-size N):
+    the trainer builds no replicate dimension, so FSDP2 runs no all-reduce over one rank and
+    keeps no input for it (on a (1, N) mesh it did: -5.5% against the plan)."""
+    measured, predicted, _ = _real_peak(run_zplan, tmp_path, M1, "hsdp", 2, shard_size=2, micro_batch=2,
+                                        grad_accum=2, checkpointing="none")
+    assert abs(predicted / measured - 1) < 0.002, (predicted, measured)

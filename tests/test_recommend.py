@@ -587,3 +587,39 @@ def test_given_values_that_cannot_work_are_one_line(capsys, args, needle, rc):
 
     r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", *args)
     assert r.returncode == rc and needle in r.stderr and len(r.stderr.strip().splitlines()) <= 4, r.stderr
+
+
+def test_a_flag_equal_to_its_default_beats_the_project_file(run_zplan, tmp_path):
+    """--micro-batch 1 typed is kept over zplan.toml's micro_batch = 4 (it was taken for a default)."""
+    import json
+
+    (tmp_path / "zplan.toml").write_text("micro_batch = 4\n")
+    for flag in (("--micro-batch", "1"), ("--micro-batch=1",)):  # the plain reader and Typer's
+        p = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--json", *flag, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert {c["train"]["micro_batch"] for c in json.loads(p.stdout)["candidates"]} == {1}, flag
+
+
+def test_first_k_given_without_its_k_is_searched_at_the_least_k_that_fits(capsys):
+    """--checkpointing first-k alone keeps the mode and searches k, as recommend does unasked
+    (it pinned k at the default 1: a slower plan than not asking)."""
+    import json
+
+    from tests.helpers import cli
+
+    def winner(*flags):
+        r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--json", *flags)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["winner"]
+
+    free, asked = winner(), winner("--checkpointing", "first-k")
+    assert asked["train"]["checkpointing"] == "first-k" and asked["train"]["checkpoint_first"] > 1
+    assert asked["time"]["step_s"] <= free["time"]["step_s"] * 1.0001 or free["train"]["checkpointing"] != "first-k"
+
+
+def test_given_values_that_fit_only_with_expandable_segments_say_so(capsys):
+    from tests.helpers import cli
+
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--micro-batch", "8",
+            "--checkpointing", "full")
+    assert r.returncode == 1 and "--expandable-segments" in r.stderr, r.stderr

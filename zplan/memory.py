@@ -284,7 +284,8 @@ def replicated_new_grads(sc: Scenario, st: Strategy) -> list[int] | None:
     out = []
     for u in sc.units:
         w = _largest_shard(u.shapes, 1)
-        if tied and "head" in u.name or not w:
+        # a synthetic unit (--params) is one flat shape: its weights' sizes are not known
+        if tied and "head" in u.name or not w or all(len(shape) == 1 for shape in u.shapes):
             out.append(0)
             continue
         matmul = u.matmul_params > 0 and not (u.name.split("+")[0] == "embed" and w == math.prod(u.shapes[0]))
@@ -297,7 +298,8 @@ def hsdp_all_reduce_holds(sc: Scenario, st: Strategy) -> bool:
     gradient until the end of backward (memory_timeline.fsdp_events `all_reduce_held`): with
     more than one replica, where the output is added into a sharded gradient that exists
     (accumulation with a reduce every micro-batch) or cast to the weights' dtype (a reduce
-    dtype other than the master's)."""
+    dtype other than the master's). One replica runs as plain FSDP (the trainer builds no
+    replicate dimension, trainer/parallel.py build_mesh): nothing held."""
     t, p = sc.train, sc.train.precision
     if not st.hsdp or sc.n <= sc.shard_degree(True):
         return False
@@ -377,6 +379,9 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     # DeepSpeed ZeRO-3 releases every gathered parameter at the end of backward
     # (PartitionedParameterCoordinator.release_and_reset_all): none is gathered at the step
     released = t.layout == "zero" and st.params_sharded and st.reshard_after_forward
+    # the torch layout's static buffer is compile's autocast weight copies: what the graphs saved
+    # for backward, none left at the step (a tied GPT-2 under Inductor, PyTorch's memory profiler)
+    released = released or t.layout == "torch"
     return setup_events(sc, st) + mt.replicated_events(
         sc, acts, ms.total_bytes, static, reduce_b, opt_temp, compiled_graphs(sc, st),
         step_gathered_b=0 if released else None, casts=autocast_copies(sc),

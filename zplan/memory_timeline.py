@@ -643,15 +643,19 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     # its backward, at the start of backward, not kept beside the blocks' (fsdp_events alike)
     head = next((i for i, u in enumerate(sc.units) if "head" in u.name), n - 1)
     head_saved = acts.saved[head] if head < n - 1 else 0
+    # where `.grad` is made in backward (`late`, or `own_grads` without accumulation), a tied
+    # weight's is not made until its one AccumulateGrad runs, after the embedding's backward:
+    # at that backward only its waiting gradients are (wait), not its `.grad` besides
+    unmade0 = wait[0] if (late or (own_grads and not own_all)) else 0
     for j in reversed(ends):
         act = (saved_upto[j] - (head_saved if j > head else 0) + inside[j][0] + acts.backward_temp[j]
                + logits_ref + out.backward(j))
         if j == n - 1:
             act += logits_b  # their gradient
         ev.append(_ev("backward", f"backward {sc.units[j].name}", activations=act,
-                      **{**kw, "state": state_b - absent_upto[j],
+                      **{**kw, "state": state_b - absent_upto[j] - (unmade0 if late and j == 0 else 0),
                          "unsharded_grads": reduce_b + accum_upto[j + 1] + held[j] + wait[j == 0] + tied_graph
-                         + max(own_all, own_from[j]),
+                         + max(own_all, own_from[j] - (unmade0 if own_grads and j == 0 else 0)),
                          "gathered": static_b + kept_upto[j] + inside[j][1]}))
         if new_w[j] and graph_of[j] is None:
             ev.append(_ev("backward", f"backward {sc.units[j].name} (a weight's new gradient)",

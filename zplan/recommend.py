@@ -198,7 +198,7 @@ def pinned_micro_batches(base: Scenario, per_gpu: int, pinned: frozenset[str]) -
     if mb < 1 or per_gpu % mb or (accum_given and mb * t.grad_accum != per_gpu):
         given = f"--micro-batch {t.micro_batch}" if mb_given else f"--grad-accum {t.grad_accum}"
         k = t.micro_batch if mb_given else t.grad_accum
-        raise UsageError(f"{given} does not divide the global batch's {per_gpu} sequences per GPU; use "
+        raise UsageError(f"the global batch's {per_gpu} sequences per GPU are not a multiple of {given}; use "
                          f"--global-batch {max(1, per_gpu // k) * k * base.n} (a multiple of {k * base.n})")
     return (mb,)
 
@@ -254,7 +254,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                         continue  # units only matter where weights are gathered per unit
                     taken = 0
 
-                    first_k = ckpt == "first-k" and "checkpointing" not in pinned  # k searched
+                    first_k = ckpt == "first-k" and "checkpoint_first" not in pinned  # k searched
                     fixed_first = base.train.checkpoint_first if not first_k else L - 1
 
                     def at(mb: int, prefetch: bool, first: int = fixed_first, mode: str = ckpt) -> Scenario:
@@ -323,7 +323,9 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         if set(rejected) == unavailable:  # every family asked for cannot run at all: not a fit
             name, why = next(iter(rejected.items()))
             raise UsageError(f"--strategy {name} cannot be planned here: {why}")
-        if pinned:  # what the given values cost: the search without them
+        alt, _ = (_expandable_alternative(base, global_batch, objective, headroom, families, pinned)
+                  if alternatives else (None, 0))
+        if pinned and alt is None:  # what the given values cost: the search without them
             try:
                 free = search(base, global_batch, objective, headroom, families, alternatives=False)
             except (PlanError, UsageError):
@@ -334,8 +336,6 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
                                 f"with {names} as given; without them {free.winner.label()} fits "
                                 f"({fmt_bytes(free.winner.total_bytes)} per GPU): drop them to let "
                                 f"recommend choose")
-        alt, _ = (_expandable_alternative(base, global_batch, objective, headroom, families, pinned)
-                  if alternatives else (None, 0))
         raise PlanError(_nothing_fits(base, global_batch, headroom, rejected, alt))
     key = (lambda c: (c.step_s, c.total_bytes)) if objective == "throughput" else \
           (lambda c: (c.total_bytes, c.step_s))

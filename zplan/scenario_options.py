@@ -475,7 +475,7 @@ def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE
         shown = " ".join(f"{key}={v}".split())[:80]
         if key in FIELDS:  # every value is checked, used or not: a bad file is refused whole
             v = _project_value(p, key, v, hints[key])
-            if getattr(o, key) == getattr(defaults, key):
+            if key not in o.given and getattr(o, key) == getattr(defaults, key):  # the flag wins
                 setattr(o, key, v)
                 o.given = o.given | {key}
                 taken.append(shown)

@@ -115,7 +115,8 @@ def build_mesh(plan: Plan, device: torch.device):
 
     if plan.strategy == "hsdp":
         r, s = plan.mesh.shape
-        return init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
+        if r > 1:  # one replica is plain FSDP: no all-reduce over one rank, nor its held input
+            return init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
 
 
