@@ -623,3 +623,5 @@ def test_given_values_that_fit_only_with_expandable_segments_say_so(capsys):
     r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--micro-batch", "8",
             "--checkpointing", "full")
     assert r.returncode == 1 and "--expandable-segments" in r.stderr, r.stderr
+    # the reason is the given configuration's, not micro-batch 1's (which fits)
+    assert "as given, at micro-batch 8 with full checkpointing" in r.stderr, r.stderr

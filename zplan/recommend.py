@@ -318,7 +318,7 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
         if found:
             feasible += found
         else:
-            rejected[family] = _why_not(base, family, headroom, per_gpu)
+            rejected[family] = _why_not(base, family, headroom, per_gpu, pinned)
     if not feasible:
         if set(rejected) == unavailable:  # every family asked for cannot run at all: not a fit
             name, why = next(iter(rejected.items()))
@@ -408,18 +408,22 @@ def _better(c: Candidate, w: Candidate, objective: str) -> bool:
 SETUP_PEAK = "deepspeed.initialize moves the whole model to each GPU before ZeRO-3 partitions it"
 
 
-def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1) -> str:
+def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1,
+             pinned: frozenset[str] = frozenset()) -> str:
     """The exact reason no configuration of this family fits: the smallest one the search
-    tried (micro-batch 1, accumulating to the per-GPU batch), explained."""
+    tried (micro-batch 1, accumulating to the per-GPU batch; what the user gave as given),
+    explained."""
     variants = _variants(base, family)
     if not variants:
         return (f"no shard size in 2..{min(base.hw.cluster.gpus_per_node, base.n)} divides both "
                 f"{base.n} GPUs and a node below N (--shard-size plans another)")
-    base_tr = base.train.model_copy(update={"checkpointing": "full", "blocks_per_unit": 1, "prefetch": False})
+    least = {"checkpointing": "full", "blocks_per_unit": 1, "prefetch": False}
+    base_tr = base.train.model_copy(update={k: v for k, v in least.items() if k not in pinned})
     # micro-batch 1 accumulating to the per-GPU batch, and one micro-batch per step (no
     # accumulated gradients): the smaller of the two the search tried
+    mbs = pinned_micro_batches(base, per_gpu, pinned) or sorted({1, per_gpu})
     trains = [base_tr.model_copy(update={"micro_batch": mb, "grad_accum": per_gpu // mb})
-              for mb in sorted({1, per_gpu}) if mb <= MAX_MICRO_BATCH]
+              for mb in mbs if mb <= MAX_MICRO_BATCH]
     best = None
     for v in variants:
         for tr in trains:
@@ -446,9 +450,11 @@ def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1) -> 
                 f"{fmt_bytes(m.master_bytes + m.optimizer_bytes)}) > {cap}")
     mb = sc.train.micro_batch
     at = f"micro-batch {mb}" + (f" x {sc.train.grad_accum} accumulated" if sc.train.grad_accum > 1 else "")
-    return (f"{name}: needs {fmt_bytes(m.steady_bytes)} even at {at} with full "
-            f"checkpointing (model state {fmt_bytes(m.model_state_bytes)}, gathered weights "
-            f"{fmt_bytes(m.gather_buffer_bytes)}, activations {fmt_bytes(m.activation_bytes)}) > {cap}")
+    how = f"{policy.checkpointing_label(sc.train)} checkpointing"
+    even = "as given, at" if pinned & {"micro_batch", "grad_accum", "checkpointing"} else "even at"
+    return (f"{name}: needs {fmt_bytes(m.steady_bytes)} {even} {at} with {how} (model state "
+            f"{fmt_bytes(m.model_state_bytes)}, gathered weights {fmt_bytes(m.gather_buffer_bytes)}, "
+            f"activations {fmt_bytes(m.activation_bytes)}) > {cap}")
 
 
 def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
