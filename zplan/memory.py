@@ -244,23 +244,21 @@ def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:
     if st.grads_sharded:
         return nbytes(sc.params, t.precision.reduce)
     if t.layout == "torch" and sc.n > 1 and t.ddp_bucket_view:  # one rank: no wrapper (trainer/
-        # parallel.py replicate); without bucket views `.grad` is apart anyway (ddp_own_grads)
+        # parallel.py replicate); without bucket views `.grad` is apart anyway (ddp_grads_apart)
         return nbytes(sc.params, t.precision.master)
     return 0
 
 
-def ddp_own_grads(sc: Scenario, st: Strategy) -> list[int] | None:
-    """Per unit, the bytes of DDP's `.grad` apart from its buckets where the gradients are not
+def ddp_grads_apart(sc: Scenario, st: Strategy) -> bool:
+    """Whether DDP's `.grad` are tensors apart from its buckets: the gradients are not
     bucket views (`TrainSpec.ddp_bucket_view` False: PyTorch's default, gradient_as_bucket_view
     False): AccumulateGrad makes each `.grad` (zero_grad(set_to_none=True) left none) and the
     reducer copies it into the bucket (`bucket_view.copy_(grad)`, or `mul_out`), then back after
     the all-reduce (reducer.cpp mark_variable_ready_dense, finalize_bucket_dense): the buckets
     (the model state's gradients) and these, from each unit's backward on, both at the step.
-    None where the gradients are the buckets, or one rank runs unwrapped."""
+    False where the gradients are the buckets, or one rank runs unwrapped."""
     t = sc.train
-    if t.layout != "torch" or st.fsdp or sc.n == 1 or t.ddp_bucket_view:
-        return None
-    return [nbytes(u.numel, t.precision.master) for u in sc.units]
+    return t.layout == "torch" and not st.fsdp and sc.n > 1 and not t.ddp_bucket_view
 
 
 def replicated_new_grads(sc: Scenario, st: Strategy) -> list[int] | None:
@@ -279,7 +277,7 @@ def replicated_new_grads(sc: Scenario, st: Strategy) -> list[int] | None:
     cast_b = DTYPE_BITS[p.param] // 8 if t.autocast else 0
     # stolen into a `.grad` of its own (counted there) where none exists yet: one rank unwrapped,
     # or DDP without bucket views in a micro-batch after zero_grad
-    stolen = grads_made_in_backward(sc, st) or (ddp_own_grads(sc, st) is not None and t.grad_accum == 1)
+    stolen = grads_made_in_backward(sc, st) or (ddp_grads_apart(sc, st) and t.grad_accum == 1)
     tied = sc.model.tied_embeddings
     out = []
     for u in sc.units:
@@ -378,16 +376,17 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     static, reduce_b = static_buffers(sc, st, padded, pb, rb)
     # DeepSpeed ZeRO-3 releases every gathered parameter at the end of backward
     # (PartitionedParameterCoordinator.release_and_reset_all): none is gathered at the step
-    released = t.layout == "zero" and st.params_sharded and st.reshard_after_forward
-    # the torch layout's static buffer is compile's autocast weight copies: what the graphs saved
-    # for backward, none left at the step (a tied GPT-2 under Inductor, PyTorch's memory profiler)
-    released = released or t.layout == "torch"
+    # and the torch layout's static buffer is compile's autocast weight copies: what the graphs
+    # saved for backward, none left at the step (a tied GPT-2 under Inductor, PyTorch's profiler)
+    released = t.layout == "torch" or (st.params_sharded and st.reshard_after_forward)
+    # each unit's `.grad` in the weights' dtype: held apart (accum, own_grads) or made late
+    unit_grads = [nbytes(u.numel, p.master) for u in sc.units]
     return setup_events(sc, st) + mt.replicated_events(
         sc, acts, ms.total_bytes, static, reduce_b, opt_temp, compiled_graphs(sc, st),
         step_gathered_b=0 if released else None, casts=autocast_copies(sc),
-        accum=[nbytes(u.numel, p.master) for u in sc.units] if accum_b else None,
-        late=[nbytes(u.numel, p.master) for u in sc.units] if grads_made_in_backward(sc, st) else None,
-        new_weight_grad=replicated_new_grads(sc, st), own_grads=ddp_own_grads(sc, st))
+        accum=unit_grads if accum_b else None,
+        late=unit_grads if grads_made_in_backward(sc, st) else None,
+        new_weight_grad=replicated_new_grads(sc, st), own_grads=unit_grads if ddp_grads_apart(sc, st) else None)
 
 
 def setup_events(sc: Scenario, st: Strategy) -> list[Event]:
