@@ -606,6 +606,8 @@ def test_a_calibrated_preset_stays_the_gpu_it_was_measured_on(tmp_path, monkeypa
     """A preset calibrate wrote on an H200 keeps its identity: FlashAttention-3 and float8 plan
     on it (float8 at the h200 preset's achieved fp8 GEMM rate, which calibrate does not measure),
     and its plans pass the trainer's GPU check on an H200 (the device name is faked)."""
+    from types import SimpleNamespace
+
     from zplan import presets
     from zplan.plan import load
     from zplan.trainer.plan_check import check_plan
@@ -621,9 +623,40 @@ def test_a_calibrated_preset_stays_the_gpu_it_was_measured_on(tmp_path, monkeypa
     assert p.returncode == 0, p.stderr
     plan = load(str(tmp_path / "plan.json"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(total_memory=presets.gpu("h200").memory_bytes))
     assert check_plan(plan, 1, True, builtin_model=True) is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     assert "the plan is for measured" in check_plan(plan, 1, True, builtin_model=True)
+
+
+def test_a_gpu_with_less_memory_than_the_plan_counts_is_refused(tmp_path, monkeypatch, run_zplan):
+    """The trainer's GPU check holds the device's own memory (CUDA's totalGlobalMem) against the
+    plan's GPU: an H200 plan on a part of that name with 96 GB is refused in one line, before a
+    step runs out of memory; CUDA's figure a little under the preset's (nvidia-smi's) passes. The
+    device's name and properties are faked (no GPU here)."""
+    from types import SimpleNamespace
+
+    from zplan import presets
+    from zplan.plan import load
+    from zplan.trainer.plan_check import check_plan
+
+    p = run_zplan("recommend", "--gpu", "h200", "--model", "llama-3.2-1b", "--gpus", "1", "--layout",
+                  "torch", "--strategy", "zero3", "--write", str(tmp_path / "plan.json"))
+    assert p.returncode == 0, p.stderr
+    plan = load(str(tmp_path / "plan.json"))
+    preset = presets.gpu("h200").memory_bytes
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for have, ok in ((preset - 640 * 2**20, True), (96 * 10**9, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, m=have: SimpleNamespace(total_memory=m))
+        why = check_plan(plan, 1, True, builtin_model=True)
+        assert (why is None) == ok, why
+        if not ok:
+            assert "140.4 GiB" in why and "89.4 GiB" in why and "\n" not in why
+    monkeypatch.setenv("ZPLAN_ALLOW_GPU_MISMATCH", "1")
+    assert check_plan(plan, 1, True, builtin_model=True) is None
 
 
 def test_only_a_measured_preset_names_a_base():
@@ -728,3 +761,48 @@ def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset
     calibrate.one_gpu_links(bare, None)
     assert bare == {"intra_node_busbw_bytes_per_s": 4.2e12,
                     "source": "s; one GPU: no collective measured, the link figures are its copy rate"}
+
+
+def test_calibrate_attention_backward_times_no_gradient_accumulation():
+    """calibrate's attention backward is timed without AccumulateGrad's add into q/k/v.grad (each
+    call after the first added three elementwise passes to what it charged to the flash backward,
+    ~5-10% of it on an H100): the timed calls run no in-place add, by PyTorch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zplan import calibrate
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        calibrate.attention_rates(torch.device("cpu"), seq=64, heads=2, head_dim=16, reps=2)
+    names = [e.key for e in prof.key_averages()]
+    assert any("scaled_dot_product" in n and "backward" in n for n in names), names  # backward ran
+    assert "aten::add_" not in names
+
+
+def test_api_refuses_a_group_without_a_host_backend(run_zplan, tmp_path, monkeypatch):
+    """A script that started its own group as init_process_group("nccl") (cuda only; gloo stands
+    in, the device scoping NCCL's has) before api.init: the run's host-tensor collectives (the
+    gradient norm and full_state_dict under offload-all, bookkeeping) would fail mid-run with "No
+    backend type associated with device type cpu"; api.init refuses at once, in one line. A group
+    with the host's backend passes."""
+    import torch.distributed as dist
+
+    from zplan.netutil import free_port
+    from zplan.trainer import api
+
+    plan = _plan(run_zplan, tmp_path / "plan.json", "zero3", gpus=1)
+    monkeypatch.setenv("ZPLAN_PLAN", str(plan))
+    for backend, refused in ((stand_in_for_nccl("nccl", "gloo"), True), ("cpu:gloo,cuda:gloo", False)):
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group(backend, rank=0, world_size=1)
+        try:
+            if refused:
+                with pytest.raises(RuntimeError) as e:
+                    api.init(ckpt_dir=str(tmp_path))
+                assert "no backend for cpu tensors" in str(e.value) and "'gloo'" in str(e.value)
+                assert "\n" not in str(e.value)
+            else:
+                ctx = api.init(ckpt_dir=str(tmp_path))
+                assert ctx.world == 1
+        finally:
+            dist.destroy_process_group()

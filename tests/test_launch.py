@@ -191,6 +191,13 @@ def test_preset_names():
     assert preset_for("NVIDIA A100-SXM4-80GB") == "a100-80gb"
     assert preset_for("NVIDIA H200") == "h200"
     assert preset_for("Tesla T4") is None
+    # parts whose names contain a preset's: a GH200 (96 GB) is no H200 (141 GB), an H100 NVL no
+    # SXM part, a GB200 no B200 (its own preset); the most specific pattern comes first
+    assert preset_for("NVIDIA GH200 480GB") is None
+    assert preset_for("NVIDIA H100 NVL") is None
+    assert preset_for("NVIDIA GB200") == "gb200"
+    assert preset_for("NVIDIA B200") == "b200"
+    assert preset_for("NVIDIA H100 80GB HBM3") == "h100-sxm"
 
 
 def test_cgroup_limit(tmp_path):

@@ -13,11 +13,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# NVML product names -> preset names, most specific first.
-_NAME_MAP = (
-    (r"H200", "h200"), (r"H100.*PCIe", "h100-pcie"), (r"H100", "h100-sxm"), (r"B200", "b200"),
-    (r"GB200", "b200"), (r"A100.*80", "a100-80gb"), (r"A100", "a100-40gb"), (r"L40S", "l40s"),
-    (r"RTX 4090", "rtx-4090"), (r"MI300X", "mi300x"),
+# NVML product names -> preset names, most specific first (the first match wins). None: a part
+# whose name contains a preset's but which no preset describes (GH200: 96 or 144 GB beside a
+# Grace CPU, "NVIDIA GH200 480GB"; H100 NVL: 94 GB at lower clocks than the SXM part); such a
+# GPU plans with --gpu FILE.toml, or with the preset zplan calibrate writes on it.
+_NAME_MAP: tuple[tuple[str, str | None], ...] = (
+    (r"GH200", None), (r"H100 NVL", None), (r"H200", "h200"), (r"H100.*PCIe", "h100-pcie"),
+    (r"H100", "h100-sxm"), (r"GB200", "gb200"), (r"B200", "b200"), (r"A100.*80", "a100-80gb"),
+    (r"A100", "a100-40gb"), (r"L40S", "l40s"), (r"RTX 4090", "rtx-4090"), (r"MI300X", "mi300x"),
 )
 
 

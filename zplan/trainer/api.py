@@ -34,7 +34,7 @@ from torch import nn
 
 from ..plan import Plan, load
 from . import checkpoint as ckpt
-from .distributed import init_process_group_for
+from .distributed import backend_for, init_process_group_for, missing_backends
 from .micro_batch import micro_batch_context
 from .parallel import Parallelized, build_optimizer, materialise, replicate, shard_units, to_master_dtype
 
@@ -150,5 +150,10 @@ def init(ckpt_dir: str | None = None) -> Context:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         init_process_group_for(device)
+    elif missing := missing_backends(device):
+        raise RuntimeError(
+            f"the process group this script started has no backend for {' or '.join(missing)} tensors "
+            f"(backend {dist.get_backend()!r}), which the run's collectives meet (offload, bookkeeping, "
+            f"checkpoints): start it as init_process_group({backend_for(device)!r}), or let zplan's api.init start it")
     run_dir = ckpt_dir or os.environ.get("ZPLAN_RUN_DIR") or str(Path(path).parent)
     return Context(plan, dist.get_rank(), dist.get_world_size(), device, run_dir)

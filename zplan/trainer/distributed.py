@@ -72,6 +72,19 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def missing_backends(device: torch.device | str) -> list[str]:
+    """Device types the running default group has no backend for, of those a run on `device`
+    meets in collectives (`backend_for`: the host's always, the compute device's): a group a
+    user's script started as init_process_group("nccl") lacks "cpu". Read from the group's
+    device types (torch 2.11 and 2.13 `ProcessGroup._device_types`); [] where this torch does not
+    say."""
+    kinds = getattr(dist.distributed_c10d._get_default_group(), "_device_types", None)
+    if kinds is None:
+        return []
+    have = {torch.device(k).type for k in kinds}
+    return [k for k in dict.fromkeys(("cpu", torch.device(device).type)) if k not in have]
+
+
 def started_backend() -> str | None:
     """The backend string init_process_group_for gave the default group (None: this process's
     group, if any, was started elsewhere). Reported as asked: torch's own view merges a bare

@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 
+# How far below the plan's GPU memory this GPU's may be: CUDA reports totalGlobalMem some hundreds of
+# MiB under the figure nvidia-smi prints, which the presets hold (0.6% on an H100 80GB); a part
+# whose name matches a preset's but with less memory (a GH200 taken for an H200) is far below.
+MEMORY_SHORTFALL = 0.03
+
+
 def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str | None:
     """Why this plan cannot run in this world, or None (`builtin_model`: zplan's own trainer,
     whose model the plan's architecture must fit; a user's script brings its own)."""
@@ -21,10 +27,18 @@ def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str
 
         from ..hardware import preset_for
 
-        found = preset_for(torch.cuda.get_device_name())
-        if plan.gpu.family not in (found, "auto") and not os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
-            return (f"the plan is for {plan.gpu.name} but this GPU is {torch.cuda.get_device_name()} "
+        name = torch.cuda.get_device_name()
+        found = preset_for(name)
+        if os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
+            return None
+        if plan.gpu.family not in (found, "auto"):
+            return (f"the plan is for {plan.gpu.name} but this GPU is {name} "
                     f"({found or 'no preset'}); plan again with --gpu auto, or set ZPLAN_ALLOW_GPU_MISMATCH=1")
+        have = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if have < plan.gpu.memory_bytes * (1 - MEMORY_SHORTFALL):
+            return (f"the plan counts {plan.gpu.memory_bytes / 2**30:.1f} GiB per GPU ({plan.gpu.name}) but this "
+                    f"{name} has {have / 2**30:.1f} GiB; plan again with --gpu auto or a preset of this GPU, "
+                    f"or set ZPLAN_ALLOW_GPU_MISMATCH=1")
     elif plan.gpu.device != "cpu":
         return (f"the plan is for {plan.gpu.name} GPUs but this machine has none; plan for CPU ranks "
                 f"with zplan recommend --gpu cpu --cluster cpu-local")
