@@ -65,6 +65,10 @@ def test_estimate_plan_refuses_other_scenario_flags(run_zplan, tmp_path):
     line = p.stderr.strip()
     assert "\n" not in line and "--gpus" in line and "--no-flash" in line and "Traceback" not in line
     assert p.stdout == ""
+    # a flag typed at its default is refused too (it was ignored without a word), on both readers
+    for flags in (("--micro-batch", "1", "--checkpointing", "none"), ("--micro-batch", "01")):
+        p = run_zplan("estimate", "--plan", str(plan), *flags)
+        assert p.returncode == 2 and "--micro-batch" in p.stderr, (flags, p.stderr)
 
 
 def test_explain_json_carries_estimates_figures(run_zplan):

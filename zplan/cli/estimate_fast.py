@@ -56,12 +56,13 @@ def run(opts: ScenarioOptions, strategy: list[str] | None = None, as_json: bool 
 
 
 def _given_flags(opts: ScenarioOptions) -> list[str]:
-    """The scenario flags set to something other than their default, as typed."""
+    """The scenario flags typed (both readers say which: `given`, a flag equal to its default
+    included) or set to something other than their default, as typed."""
     default = ScenarioOptions()
     out = []
     for f in fields(ScenarioOptions):
         v = getattr(opts, f.name)
-        if v == getattr(default, f.name):
+        if v == getattr(default, f.name) and f.name not in opts.given:
             continue
         flag = plain_line.flag_of(f.name)
         out.append(f"--no-{flag[2:]}" if v is False else flag)

@@ -8,6 +8,7 @@ ScenarioOptions; the library's `build` turns that into a validated Scenario.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import typing
 from dataclasses import fields
@@ -92,15 +93,22 @@ def _annotated() -> dict:
 
 def given_on_command_line(names) -> frozenset[str]:
     """Which of these parameters the running Typer command read from its command line (or the
-    environment), not from its defaults: click's parameter sources."""
-    import click
-    from click.core import ParameterSource
-
-    ctx = click.get_current_context(silent=True)
+    environment), not from its defaults: click's parameter sources. Typer 0.29 runs on its own
+    copy of click (typer._click), whose context the standalone click does not see (before, every
+    flag read as not given on this path): the context is asked of whichever click Typer runs, and
+    a source is matched by its name, the same in both copies."""
+    ctx = None
+    for module in ("typer._click.globals", "click.globals"):
+        try:
+            ctx = importlib.import_module(module).get_current_context(silent=True)
+        except ImportError:
+            continue
+        if ctx is not None:
+            break
     if ctx is None:
         return frozenset()
-    return frozenset(n for n in names if ctx.get_parameter_source(n) in
-                     (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT))
+    given = ("COMMANDLINE", "ENVIRONMENT")
+    return frozenset(n for n in names if getattr(ctx.get_parameter_source(n), "name", None) in given)
 
 
 def scenario_options(func):
