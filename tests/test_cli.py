@@ -506,3 +506,22 @@ def test_a_bad_number_names_the_value_that_fails(capsys):
     assert rc == 2 and "--ranks 'x' is not a whole number" in err and "8e3" not in err
     rc, _, err = cli(capsys, "estimate", "--seq-len", "ten")
     assert rc == 2 and "--seq-len 'ten' is not a whole number (" not in err.replace("(see", "")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("estimate", "--params", "7e9", "--gpus", "0"), "--gpus '0'"),  # the error itself, not a traceback
+    (("estimate", "--params", "7e9", "--json"), "standard output is closed"),
+    (("estimate", "--params", "7e9"), "standard output is closed"),  # was exit 0 with nothing printed
+])
+def test_a_closed_stdout_is_one_line(args, needle):
+    """fd 1 closed (`>&-`: Python sets sys.stdout to None): the error boundary's flush raised
+    AttributeError (a traceback, the real error lost), --json ended in "internal error", and
+    a result went nowhere with exit 0. Now one line on stderr and exit 2."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ZPLAN_DEBUG"}
+    p = subprocess.run([sys.executable, "-m", "zplan", *args], stdout=None, stderr=subprocess.PIPE, text=True,
+                       env=env, timeout=60, preexec_fn=lambda: os.close(1))
+    assert p.returncode == 2 and needle in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

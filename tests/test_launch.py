@@ -780,3 +780,29 @@ def test_more_cpu_ranks_than_cpus_is_said(tmp_path, capsys, monkeypatch):
     assert r.returncode == 0 and "4 CPU ranks on 2 usable CPUs" in r.stderr
     r = cli(capsys, "launch", "--dry-run", "--no-save", "--nproc", "2", "--run-dir", str(tmp_path / "r2"))
     assert r.returncode == 0 and "usable CPUs" not in r.stderr
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("--redirects", "9"), "--redirects '9'"),
+    (("--local-ranks-filter", "abc"), "--local-ranks-filter 'abc'"),
+    (("--rdzv-endpoint", "localhost:99999"), "port in 1..65535"),
+    (("--rdzv-endpoint", "bad host:29500"), "--rdzv-endpoint 'bad host:29500'"),
+    (("--rdzv-id", ""), "--rdzv-id ''"),
+    (("--log-dir", "FILE"), "is not a folder"),
+    (("--redirects", "0:3,1:0", "--local-ranks-filter", "0", "--rdzv-endpoint", "[::1]:29400"), None),
+])
+def test_torchrun_options_are_checked_before_torchrun_sees_them(capsys, tmp_path, flags, needle):
+    """Values zplan passes through to torchrun, which torchrun answered with a traceback
+    (ValueError from its redirects/endpoint parsers, NotADirectoryError for a log-dir file) after
+    the run directory was made: one line, exit 2, and nothing made; good values pass."""
+    from tests.helpers import cli
+
+    (tmp_path / "FILE").write_text("x")
+    flags = tuple(str(tmp_path / "FILE") if f == "FILE" else f for f in flags)
+    run = tmp_path / "run"
+    r = cli(capsys, "launch", "--dry-run", "--steps", "2", "--nproc", "1", "--run-dir", str(run), *flags)
+    if needle is None:
+        assert r.returncode == 0, r.stderr
+        return
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and not run.exists()

@@ -150,7 +150,8 @@ def launch(
     built-in trainer that zplan does not know follow `--`: zplan launch --steps 5 -- --deterministic
     """
     from ..hardware import detect as run_detect
-    from ..launch.command import LaunchSpec, rank_env, shell_line, slurm_script, torchrun_argv
+    from ..launch.command import (LaunchSpec, check_torchrun_options, rank_env, shell_line, slurm_script,
+                                  torchrun_argv)
     from ..launch.run_dir import check_run_dir
     from ..plan import load, save, write_atomic
 
@@ -159,6 +160,7 @@ def launch(
     check_range(save_every, "--save-every", 0, 10**9)
     _check_ranges(strategy, global_batch, seq_len, nproc, nnodes, node_rank, max_restarts, data)
     check_range(keep, "--keep", 0, 10**6)
+    check_torchrun_options(rdzv_endpoint, rdzv_id, log_dir, redirects, local_ranks_filter)
     if log_every is not None:
         check_range(log_every, "--log-every", 0, 10**9)
     script, extra = _split_args(ctx, script)

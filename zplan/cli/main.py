@@ -6,11 +6,12 @@ import copy
 import errno
 import functools
 import importlib
+import io
 import os
 import re
 import sys
 
-from ..errors import ZplanError
+from ..errors import UsageError, ZplanError
 
 # Every command and the module that registers it on the app, in `zplan --help`'s order. A run of
 # one command imports and builds only that one (start-up time: estimate answers in < 0.3 s).
@@ -130,9 +131,28 @@ def _bad_number(msg: str, args: list[str]) -> str:
     return f"{flag} {value!r} is not a whole number{written}"
 
 
+class _ClosedStdout(io.TextIOBase):
+    """sys.stdout where fd 1 was closed (`>&-`, some daemons; Python then sets it to None): what a
+    command prints is refused in one line, not lost without a word (exit 0) nor a traceback."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not text:
+            return 0
+        raise UsageError("standard output is closed, and this command prints its result there; redirect it "
+                         "(> FILE, or > /dev/null) instead of closing it")
+
+    def flush(self) -> None:
+        pass
+
+
 def run(argv: list[str] | None = None) -> int:
     """Entry point: the one place that turns errors into one line and an exit code."""
     debug = os.environ.get("ZPLAN_DEBUG") == "1"
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
     try:
         args = sys.argv[1:] if argv is None else argv
         first = next(iter(args), None)

@@ -8,9 +8,11 @@ script runs plain `python -m torch.distributed.run` on every node.
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import UsageError
 
@@ -46,6 +48,37 @@ class LaunchSpec:
 
     def target(self) -> list[str]:
         return (["-m", "zplan.trainer"] if self.script is None else [self.script]) + list(self.script_args)
+
+
+_REDIRECTS = re.compile(r"[0-3]|(\d+:[0-3],)*\d+:[0-3]")  # torchrun's Std.from_str: one, or rank:value pairs
+
+
+def check_torchrun_options(rdzv_endpoint: str | None, rdzv_id: str, log_dir: str | None,
+                           redirects: str | None, local_ranks_filter: str | None) -> None:
+    """Refuse, in one line, the values zplan passes to torchrun that torchrun would answer with a
+    traceback (torch/distributed/run.py, elastic/multiprocessing/api.py Std.from_str,
+    elastic/rendezvous/utils.py parse_rendezvous_endpoint), before a run directory is made."""
+    if redirects is not None and not _REDIRECTS.fullmatch(redirects):
+        raise UsageError(f"--redirects {redirects!r} is not one of 0-3 (none, stdout, stderr, both) nor rank:value "
+                         f"pairs like 0:3,1:0")
+    if local_ranks_filter is not None and not re.fullmatch(r"\d+(,\d+)*", local_ranks_filter):
+        raise UsageError(f"--local-ranks-filter {local_ranks_filter!r} is not a comma-separated list of local "
+                         f"ranks; write it like 0,1")
+    if not rdzv_id.strip() or not rdzv_id.isprintable():
+        raise UsageError(f"--rdzv-id {rdzv_id!r} is empty or not printable; name the job, e.g. --rdzv-id myrun")
+    if rdzv_endpoint is not None:
+        host, port = rdzv_endpoint, ""
+        if rdzv_endpoint.startswith("["):  # an IPv6 address: [::1]:29400
+            host, _, rest = rdzv_endpoint[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ("?" if rest else "")
+        elif ":" in rdzv_endpoint:
+            host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or any(c.isspace() for c in host) or not host.isprintable() or \
+                (port and not (port.isdigit() and 0 < int(port) < 65536)):
+            raise UsageError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT with a port in 1..65535; "
+                             f"write it like node0:29500")
+    if log_dir is not None and (not log_dir or Path(log_dir).exists() and not Path(log_dir).is_dir()):
+        raise UsageError(f"--log-dir {log_dir!r} is not a folder; name a folder (it is made if missing)")
 
 
 def torchrun_argv(spec: LaunchSpec, module: str = ELASTIC) -> tuple[list[str], dict[str, str]]:
