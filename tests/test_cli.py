@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from tests.conftest import ROOT
+
 REQUIRED = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "model_state_bytes",
             "gather_buffer_bytes", "activation_bytes", "total_bytes")
 
@@ -87,6 +89,34 @@ def test_malformed_preset_file(run_zplan, tmp_path):
     assert p.returncode == 2
     assert "broken.toml" in p.stderr and "num_layers" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind,src,field,line", [
+    ("gpus", "h100-sxm", "host_link_bytes_per_s", "host_link_bytes_per_s = 1e-300"),
+    ("gpus", "h100-sxm", "kernel_floor_s", "kernel_floor_s = 1e6"),
+    ("clusters", "dgx-h100", "intra_node_busbw_bytes_per_s", "intra_node_busbw_bytes_per_s = 1e-300"),
+    ("clusters", "dgx-h100", "cpu_adam_params_per_s", "cpu_adam_params_per_s = 1e-300"),
+])
+def test_a_preset_rate_too_small_to_price_is_refused(run_zplan, tmp_path, kind, src, field, line):
+    """A rate of 1e-300 passed the spec (> 0) and ran every time to infinity: the tables printed
+    inf and NaN, --json (strict, finite numbers) ended in "internal error". Rates are bounded
+    below (specs.MIN_RATE) and the kernel floor above: the file and field in one line, exit 2."""
+    import re
+    import tomllib
+
+    text = (ROOT / "presets" / kind / f"{src}.toml").read_text()
+    text = re.sub(rf"(?m)^{field} = .*$", line, text)
+    text = re.sub(r'(?m)^name = ".*"$', 'name = "odd"', text)
+    data = tomllib.loads(text)
+    assert data.get("kernels", data).get(field, data.get(field)) == float(line.split(" = ")[1])  # changed
+    (tmp_path / kind).mkdir()
+    (tmp_path / kind / "odd.toml").write_text(text)
+    which = ("--gpu", "odd", "--cluster", "dgx-h100") if kind == "gpus" else ("--gpu", "h100-sxm", "--cluster", "odd")
+    for extra in ((), ("--json",)):
+        p = run_zplan("estimate", "--presets", str(tmp_path), *which, "--params", "7e9", "--strategy",
+                      "offload-all", *extra)
+        assert p.returncode == 2 and "odd.toml" in p.stderr and field in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and p.stdout == ""
 
 
 def test_nothing_fits_is_exit_1_with_the_fix(run_zplan):

@@ -166,3 +166,23 @@ def test_a_fused_qkv_linear_casts_as_one_torchao_linear(recipe):
                 assert sum(o.bytes for o in ops if "rescale" in o.name) == 4 * traced[phase]["rescale_elems"]
             else:
                 assert sum(o.bytes for o in ops) == pytest.approx(traced[phase]["other_bytes"], rel=0.005)
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "b200", "mi300x"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_mfu_of_float8_with_fp32_parameters_is_against_the_bf16_peak(gpu, recipe):
+    """MFU was taken against the parameters' dtype's peak: fp32 parameters with float8 linears
+    read up to 226% (the fp32 non-tensor-core peak, 67 TFLOP/s on H100, while the GEMMs run at
+    float8's). Under float8 MFU is against the bf16 peak (torchtitan's get_peak_flops, "BF16
+    peak flops", float8 or not): a fraction below 1, the same model FLOPs over the same step;
+    bf16 parameters keep their figure."""
+    from tests.helpers import est
+    from zplan import arch, presets
+
+    peak = presets.gpu(gpu).flops("bf16")
+    flop = arch.model_flop_per_token(presets.model("llama-3.1-8b"), 4096) * 4096  # mb 1 x seq 4096
+    for dtype in ("fp32", "bf16"):
+        r = est("zero3", model="llama-3.1-8b", gpu=gpu, gpus="8", float8=True, compile=True,
+                float8_recipe=recipe, param_dtype=dtype, seq_len=4096, micro_batch=1, grad_accum=1)
+        assert r.timing.mfu == pytest.approx(flop / (r.timing.step_s * peak), rel=1e-9), dtype
+        assert 0 < r.timing.mfu < 1

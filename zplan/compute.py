@@ -272,6 +272,16 @@ def optimizer_ops(sc: Scenario, st: Strategy) -> list[K.Op]:
     return unit_ops.optimizer_ops(sc, steps, grads)
 
 
+def mfu_peak_flops(sc: Scenario) -> float:
+    """The dense peak MFU is taken against: the parameters' dtype's, the dtype the matmuls compute
+    in; under float8 never below bf16's, torchtitan's convention for float8 runs (MFU against the
+    bf16 peak: torchtitan/tools/utils.py get_peak_flops): fp32 parameters with float8 linears
+    read 220% of the fp32 (non-tensor-core) peak, their GEMMs running at float8's."""
+    gpu, t = sc.hw.gpu, sc.train
+    peak = gpu.flops(t.precision.param)
+    return max(peak, gpu.flops("bf16")) if t.float8 else peak
+
+
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:
     sc = sc.for_strategy(st.fsdp)
     t, m = sc.train, sc.model
@@ -345,7 +355,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     step = A * mb_compute + exposed + opt_s + offload_s + contention + slowest
     tokens = t.micro_batch * t.seq_len * A
     flop = arch.model_flop_per_token(m, t.seq_len) * tokens
-    peak = sc.hw.gpu.flops(t.precision.param)
+    peak = mfu_peak_flops(sc)
     breakdown = {name: A * v for name, v in kinds.items()}
     breakdown.update(optimizer=opt_s, contention=contention)
     if kernels:

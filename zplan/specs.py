@@ -46,6 +46,8 @@ MAX_EXPERTS = 1024  # published MoE models have up to a few hundred
 MAX_BLOCK_EXPERTS = 100_000  # num_layers x experts: each expert of each block is priced
 MAX_MEMORY_BYTES = 2**50  # 1 PiB: per GPU or per node
 MAX_RATE = 1e18  # FLOP/s or bytes/s of one device or link
+MIN_RATE = 1e6  # the least FLOP/s, bytes/s or parameters/s a preset may state: below it a step's
+# times run to infinity (a typo's 1e-300 printed inf and NaN, and broke --json's finite numbers)
 MAX_PARAMS = 10**13
 MAX_SEQ_LEN = 10**7
 MAX_MICRO_BATCH = 10**5
@@ -106,22 +108,22 @@ class Spec(Record):
 class KernelSpec(Spec):
     """What kernels achieve on this GPU (zplan/kernels.py); each figure names its source."""
 
-    gemm_flops: dict[DTypeName, float] = Field(
+    gemm_flops: dict[DTypeName, Annotated[float, Field(ge=MIN_RATE, le=MAX_RATE)]] = Field(
         description="achieved FLOP/s of a large, well-shaped GEMM per dtype (a MAMF measurement)")
     gemm_tile_m: PositiveInt = Field(128, description="output tile rows of one GEMM thread block")
     gemm_tile_n: PositiveInt = Field(256, description="output tile columns (wave quantization)")
     sm_count: PositiveInt
-    attention_forward_flops: float = Field(gt=0, description="flash attention forward, FLOP/s "
+    attention_forward_flops: float = Field(ge=MIN_RATE, le=MAX_RATE, description="flash attention forward, FLOP/s "
                                            "at long sequences (head dim 128)")
-    attention_backward_flops: float = Field(gt=0, description="flash attention backward, FLOP/s")
+    attention_backward_flops: float = Field(ge=MIN_RATE, le=MAX_RATE, description="flash attention backward, FLOP/s")
     attention_half_seq: float = Field(
         0.0, ge=0, description="sequence length at which attention reaches half its rate")
-    hbm_achieved_bytes_per_s: float = Field(gt=0, description="a large copy (STREAM-like)")
+    hbm_achieved_bytes_per_s: float = Field(ge=MIN_RATE, le=MAX_RATE, description="a large copy (STREAM-like)")
     eager_norm_efficiency: float | None = Field(
         None, gt=0, le=1, description="share of the copy rate PyTorch's native fused norm "
         "kernels reach (layer_norm, rms_norm; forward and backward): row reductions run below a "
         "copy's pace; from kernel-level measurements; None: not measured, the copy rate")
-    kernel_floor_s: float = Field(ge=0, description="least time of one kernel as eager "
+    kernel_floor_s: float = Field(ge=0, le=1e-3, description="least time of one kernel as eager "
                                   "PyTorch issues it (launch and dispatch)")
     gemm_fixed_s: float | None = Field(
         None, ge=0, le=1e-3, description="GPU time of one GEMM kernel beyond its FLOPs, bytes and "
@@ -165,10 +167,10 @@ class GPUSpec(Spec):
 
     name: Name
     memory_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES)
-    peak_flops: dict[DTypeName, Annotated[float, Field(gt=0, le=MAX_RATE)]] = Field(
+    peak_flops: dict[DTypeName, Annotated[float, Field(ge=MIN_RATE, le=MAX_RATE)]] = Field(
         description="dense peak FLOP/s per dtype (no sparsity)")
-    hbm_bytes_per_s: float = Field(gt=0, le=MAX_RATE)
-    host_link_bytes_per_s: float = Field(gt=0, le=MAX_RATE, description="GPU<->host, one direction")
+    hbm_bytes_per_s: float = Field(ge=MIN_RATE, le=MAX_RATE)
+    host_link_bytes_per_s: float = Field(ge=MIN_RATE, le=MAX_RATE, description="GPU<->host, one direction")
     measured: bool = Field(False, description="peak_flops are achieved rates from zplan calibrate")
     base: Name | None = Field(None, description="the preset of the part a measured preset was "
                               "measured on (zplan calibrate): its family decides which kernels run "
@@ -227,11 +229,11 @@ class NcclTestFigure(Spec):
     gpus: PositiveInt
     gpus_per_node: PositiveInt
     bytes: PositiveInt = Field(description="nccl-tests 'size' column: the whole tensor")
-    busbw_bytes_per_s: float = Field(gt=0, description="nccl-tests 'busbw' column")
+    busbw_bytes_per_s: float = Field(ge=MIN_RATE, le=MAX_RATE, description="nccl-tests 'busbw' column")
     source: str
 
 
-Rate = Annotated[float, Field(gt=0, le=MAX_RATE)]
+Rate = Annotated[float, Field(ge=MIN_RATE, le=MAX_RATE)]
 
 
 class ClusterSpec(Spec):
@@ -245,15 +247,15 @@ class ClusterSpec(Spec):
     gpu: Name | None = Field(None, description="default GPU preset for this cluster")
     gpus_per_node: int = Field(gt=0, le=1024)
     intra_node_busbw_bytes_per_s: float = Field(
-        gt=0, le=MAX_RATE, description="ring all-gather/reduce-scatter busbw inside one node, large messages")
+        ge=MIN_RATE, le=MAX_RATE, description="ring all-gather/reduce-scatter busbw inside one node, large messages")
     intra_node_allreduce_busbw_bytes_per_s: float | None = Field(
-        None, gt=0, le=MAX_RATE, description="all-reduce busbw inside one node where NCCL picks NVLS "
+        None, ge=MIN_RATE, le=MAX_RATE, description="all-reduce busbw inside one node where NCCL picks NVLS "
         "(NVLink SHARP), measured over intra_node_allreduce_gpus GPUs; None: the ring figure")
     intra_node_allreduce_gpus: int | None = Field(
         None, gt=1, le=1024, description="how many GPUs of the node the NVLS figure was measured over "
         "(smaller groups get less: zplan/nccl.py nvls_busbw_share); None: gpus_per_node")
     inter_node_busbw_bytes_per_s: float = Field(
-        gt=0, le=MAX_RATE, description="per GPU: what each GPU's share of the network adds to a ring that "
+        ge=MIN_RATE, le=MAX_RATE, description="per GPU: what each GPU's share of the network adds to a ring that "
         "spans nodes; a group with g GPUs in each node gets g times this")
     intra_node_latency_s: float = Field(ge=0, le=1, description="per ring step inside a node")
     inter_node_latency_s: float = Field(ge=0, le=1, description="per ring step that crosses nodes")
@@ -274,7 +276,7 @@ class ClusterSpec(Spec):
     host_ram_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES, description="per node")
     # default: DeepSpeed CPU-Adam on 2 x Xeon Platinum 8168, ZeRO-Offload (arXiv 2101.06840) Table 4
     cpu_adam_params_per_s: float = Field(
-        3.9e9, gt=0, le=MAX_RATE, description="CPU optimizer throughput per node, at fp32 master weights, "
+        3.9e9, ge=MIN_RATE, le=MAX_RATE, description="CPU optimizer throughput per node, at fp32 master weights, "
         "gradients and states (28 B a parameter; other dtypes scale by bytes: compute.cpu_optimizer_bytes_per_param)")
     source: str
 
