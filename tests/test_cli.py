@@ -304,6 +304,19 @@ def test_calibrate_ranks_0_is_refused_not_the_default(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args,shown", [
+    (("--model", "llama-3.1-8b", "--world-size", "64"), "--model, --world-size go with --fake"),
+    (("--world-size=8",), "--world-size goes with --fake"),  # typed at its default: still not the real matrix's
+    (("--seq-len", "512", "--micro-batch", "2"), "--seq-len, --micro-batch go with --fake"),
+])
+def test_verify_fake_only_scenario_flags_are_refused_without_fake(capsys, args, shown):
+    """verify --model llama-3.1-8b --world-size 64 (no --fake) ran the real tiny-model matrix
+    (about 40 s, exit 0), the flags ignored without a word; now one line, exit 2."""
+    pytest.importorskip("torch")
+    rc, _, err = cli(capsys, "verify", *args)
+    assert rc == 2 and shown in one_error(err) and "add --fake" in one_error(err), err
+
+
 @pytest.mark.parametrize("flag", ["--kv-cache", "--outputs-until-next-forward", "--loss-shifted-copy"])
 def test_verify_hugging_face_loop_flags_go_with_fake(capsys, flag):
     """The real matrix runs zplan's plain loop: the Hugging Face loop's flags trace with --fake."""

@@ -266,7 +266,10 @@ def test_deepspeed_export_of_a_plan_for_zplans_trainer_says_so(tmp_path, capsys,
     assert r.returncode == 0 and "the first 3 blocks (first-3)" in r.stderr
     assert ("recommend --for deepspeed" in r.stderr) == (layout == "torch")
     r = cli(capsys, "export", "--plan", str(path), "--to", "torchrun")
-    assert r.returncode == 0 and r.stderr == ""
+    if layout == "torch":
+        assert r.returncode == 0 and r.stderr == ""
+    else:  # zplan's trainer does not run a DeepSpeed plan: torchrun's command for it is refused
+        assert r.returncode == 1 and "zplan's trainer cannot run" in r.stderr
 
 
 def test_a_plan_edited_past_its_gpu_is_said_not_to_fit_where_it_is_used(tmp_path, capsys):
@@ -315,3 +318,24 @@ def test_no_ddp_bucket_view_where_no_ddp_runs_is_one_line(capsys, args, needle):
 
     r = cli(capsys, *args, "--model", "llama-3.2-1b", "--gpus", "8")
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_torchrun_export_of_a_plan_the_trainer_refuses_is_refused(capsys, tmp_path):
+    """export --to torchrun printed a command for zplan's trainer (exit 0) for plans it refuses
+    (a DeepSpeed plan, fp16 parameters): now launch's refusal, exit 1; --zeropp, DeepSpeed's,
+    is refused beside another target (it was ignored). A plan it runs still exports."""
+    from tests.helpers import cli
+
+    base = ("--model", "llama-3.1-8b", "--gpus", "8")
+    for extra, ok in ((("--for", "deepspeed"), False), (("--param-dtype", "fp16"), False), ((), True)):
+        plan = tmp_path / f"p{len(extra)}{ok}.json"
+        r = cli(capsys, "recommend", *base, *extra, "--write", str(plan))
+        assert r.returncode == 0, r.stderr
+        r = cli(capsys, "export", "--plan", str(plan), "--to", "torchrun")
+        if ok:
+            assert r.returncode == 0 and "-m zplan.trainer" in r.stdout, r.stderr
+            continue
+        assert r.returncode == 1 and "zplan's trainer cannot run" in r.stderr and r.stdout == "", r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    r = cli(capsys, "export", "--plan", str(plan), "--to", "accelerate", "--zeropp")
+    assert r.returncode == 2 and "--zeropp" in r.stderr and r.stdout == ""

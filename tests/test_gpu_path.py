@@ -806,3 +806,25 @@ def test_api_refuses_a_group_without_a_host_backend(run_zplan, tmp_path, monkeyp
                 assert ctx.world == 1
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("--name", "../../stolen"), "--name '../../stolen' is not a preset name"),
+    (("--name", ""), "--name '' is not a preset name"),
+    (("--name", "a/b"), "is not a preset name"),
+    (("--output", ""), "--output '' is empty"),
+    (("--output", "FILE"), "is not a folder"),
+])
+def test_calibrate_refuses_a_path_for_a_name_before_measuring(capsys, tmp_path, monkeypatch, flags, needle):
+    """calibrate --name ../../x wrote both presets outside --output, to the same file (the cluster
+    preset over the GPU's); --output a file failed only after the measurements. Each is one line,
+    exit 2, before anything is measured (the measuring functions must not be reached)."""
+    from tests.helpers import cli
+    from zplan import calibrate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("x")
+    monkeypatch.setattr(calibrate, "matmul_flops", lambda *a, **k: pytest.fail("measured before the check"))
+    r = cli(capsys, "calibrate", *flags)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import PlanError, UsageError
 from ..parse import check_choice
 from ..scenario_options import ScenarioOptions
 from . import explain_body, recommend_body
@@ -52,11 +53,19 @@ def export(
     from ..plan import load, write_atomic
 
     check_choice(to, "--to", ("deepspeed", "accelerate", "torchrun"))
+    if zeropp and to != "deepspeed":
+        raise UsageError(f"--zeropp is DeepSpeed's ZeRO++ and goes with --to deepspeed, not --to {to}: drop it")
     if output is not None:
         from ..files import check_user_output
 
         check_user_output(output, "--output", "export", reads=(plan,), replaces="not-plan")
     loaded = load(plan)
+    if to == "torchrun":  # the command runs zplan's trainer: a plan it refuses is refused here, as launch does
+        from ..plan import trainer_refusal
+
+        why = trainer_refusal(loaded)
+        if why:
+            raise PlanError(f"zplan's trainer cannot run {plan}: {why}")
     text = do_export(loaded, to, plan, zeropp)
     from ..plan import fit_note
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Optional
 
 import typer
@@ -101,6 +102,14 @@ def verify(
                             outputs_until_next_forward=outputs_until_next_forward,
                             loss_shifted_copy=loss_shifted_copy, attention_expands_kv=attention_expands_kv,
                             **ks)
+    from .options import given_on_command_line
+
+    typed = given_on_command_line(("model", "world_size", "seq_len", "micro_batch"))
+    if typed:  # the real matrix runs its own small models: these were ignored without a word
+        shown = ", ".join(f"--{n.replace('_', '-')}" for n in ("model", "world_size", "seq_len", "micro_batch")
+                          if n in typed)
+        raise UsageError(f"{shown} {'go' if len(typed) > 1 else 'goes'} with --fake (the real matrix runs its own tiny models on CPU ranks): add "
+                         f"--fake, or drop them")
     if linear_loss != "none":
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
     if (reserved or expandable_segments or not logits_kept or embed_head_unit != "separate"
@@ -169,6 +178,25 @@ def verify(
                         f"({tolerance:.0%} memory, exact traffic bytes): first {bad[0].cell.name}")
 
 
+PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _check_calibrate_output(output: str, name: str) -> None:
+    """`--name` is a preset's name, not a path (../../x wrote outside --output, the cluster preset
+    over the GPU's); `--output` a folder, checked before anything is measured."""
+    from pathlib import Path
+
+    if not PRESET_NAME.fullmatch(name):
+        raise UsageError(f"--name {name!r} is not a preset name: letters, digits, '.', '_' and '-', starting "
+                         f"with a letter or digit (e.g. --name my-h100)")
+    if not output.strip():
+        raise UsageError("--output '' is empty; name a folder for the presets (e.g. --output zplan-presets)")
+    out = Path(output)
+    for where in (out, out / "gpus", out / "clusters"):
+        if where.exists() and not where.is_dir():
+            raise UsageError(f"--output {output!r}: {where} is not a folder; name another --output")
+
+
 @app.command()
 def calibrate(
     output: Annotated[str, typer.Option(help="Folder for the presets (gpus/NAME.toml, clusters/NAME.toml)")] = "zplan-presets",
@@ -178,6 +206,7 @@ def calibrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Measure matmul FLOP/s, memory bandwidth and collective bus bandwidth; write presets."""
+    _check_calibrate_output(output, name)  # before the minutes of measuring, and before torch
     _need_torch("calibrate")
     from pathlib import Path
 
