@@ -186,3 +186,17 @@ def test_checkpointing_the_attention_core_under_a_flash_kernel_says_it_saves_not
     a = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--checkpointing", "attention", "--no-flash",
                        "--json").stdout)["assumptions"]
     assert "attention_checkpointing" not in a
+
+
+def test_piped_tables_are_printed_whole(run_zplan):
+    """Piped with no COLUMNS, --wide was squeezed to 100 columns by rich: "16.1 …", "3.60…", and
+    every column after "step temps" (total, fits, headroom) dropped. Now a piped table is as wide
+    as its cells; COLUMNS set still bounds it (test_estimate_follows_COLUMNS)."""
+    wide = run_zplan(*ARGS, "--wide", env=_no_columns())
+    assert wide.returncode == 0, wide.stderr
+    head = next(line for line in wide.stdout.splitlines() if line.startswith("strategy") and "total" in line)
+    for col in ("step temps", "overhead", "allocated", "reserved", "total", "fits", "headroom"):
+        assert col in head, head
+    assert "…" not in wide.stdout
+    rec = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--wide", env=_no_columns())
+    assert rec.returncode == 0 and "…" not in rec.stdout and "Runners-up" in rec.stdout, rec.stderr

@@ -187,8 +187,12 @@ class Out:
     """print(markup or TableSpec) to standard output: as text where rich would not write to a
     terminal and the text is simple, else through a rich Console built as zplan always built it."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, tables_fit: bool = True):
+        """tables_fit: a table wider than `width` goes to rich, which squeezes it to the width
+        (numbers cut to "3.60…", columns dropped); False: piped output with no COLUMNS set, where
+        a table is printed whole, as wide as its cells (a file or a script has no edge to fit)."""
         self.width = width
+        self.tables_fit = tables_fit
         self._rich = None
         self.terminal = _rich_sees_a_terminal()
 
@@ -215,7 +219,7 @@ class Out:
 
     def _lines(self, item) -> list[str] | None:
         if isinstance(item, TableSpec):
-            return item.lines(self.width)
+            return item.lines(self.width if self.tables_fit else sys.maxsize)
         text = plain(item)
         return wrapped(text, self.width) if printable(text) else None
 
