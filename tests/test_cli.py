@@ -568,3 +568,22 @@ def test_a_closed_stdout_is_one_line(args, needle):
                        env=env, timeout=60, preexec_fn=lambda: os.close(1))
     assert p.returncode == 2 and needle in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_files_meet_the_checks_the_flags_do(run_zplan, tmp_path):
+    """A plan file with int4 weights was priced (a 0-byte gather buffer) where --param-dtype int4
+    is refused; a model file with total_params beside its architecture had its count replaced
+    (Llama 3.1 8B read as 1 parameter). Both are refused in one line, exit 2, naming the field."""
+    plan = tmp_path / "p.json"
+    assert run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--write", str(plan)).returncode == 0
+    d = json.loads(plan.read_text())
+    d["train"]["precision"]["param"] = "int4"
+    (tmp_path / "int4.json").write_text(json.dumps(d))
+    p = run_zplan("estimate", "--plan", str(tmp_path / "int4.json"))
+    assert p.returncode == 2 and "param dtype int4" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    text = (ROOT / "presets" / "models" / "llama-3.1-8b.toml").read_text()
+    (tmp_path / "m.toml").write_text(text + "\ntotal_params = 1\n")
+    p = run_zplan("estimate", "--model", str(tmp_path / "m.toml"), "--strategy", "zero3")
+    assert p.returncode == 2 and "total_params" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    ok = run_zplan("estimate", "--params", "7e9", "--strategy", "zero3", "--json")  # a synthesized model keeps it
+    assert ok.returncode == 0, ok.stderr

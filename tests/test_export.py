@@ -339,3 +339,32 @@ def test_torchrun_export_of_a_plan_the_trainer_refuses_is_refused(capsys, tmp_pa
         assert len(r.stderr.strip().splitlines()) == 1
     r = cli(capsys, "export", "--plan", str(plan), "--to", "accelerate", "--zeropp")
     assert r.returncode == 2 and "--zeropp" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("kw,fix,not_fix", [
+    (dict(param_dtype="fp8", reduce_dtype="bf16"), "--param-dtype bf16", "--master-dtype"),
+    (dict(master_dtype="bf16"), "--master-dtype fp32", "--param-dtype"),
+    (dict(optimizer_dtype="bf16"), "--optimizer-dtype fp32", "--master-dtype"),
+])
+def test_accelerate_refusal_names_the_dtype_that_is_wrong(kw, fix, not_fix):
+    """An fp8 (or tf32, int4) parameter dtype was told to plan again with --master-dtype fp32
+    --optimizer-dtype fp32, which it already had: the fix now names the slot that is wrong."""
+    with pytest.raises(UsageError) as e:
+        accelerate_config(plan_for("zero3", layout="torch", **kw))
+    assert fix in str(e.value) and not_fix not in str(e.value).split("plan again with")[1], str(e.value)
+
+
+@pytest.mark.parametrize("optimizer", ["adam8bit", "sgd", "muon"])
+def test_the_trainers_refusal_offers_deepspeed_only_where_its_export_works(optimizer):
+    """For 8-bit Adam the trainer's refusal said "or --for deepspeed and export", which the
+    DeepSpeed export then refused: the way it names must work."""
+    from zplan.plan import trainer_refusal
+
+    why = trainer_refusal(plan_for("zero3", layout="torch", optimizer=optimizer))
+    offered = "--for deepspeed and export" in why
+    try:
+        deepspeed_config(plan_for("zero3", layout="zero", optimizer=optimizer))
+        exports = True
+    except UsageError:
+        exports = False
+    assert offered == exports, (why, exports)

@@ -140,7 +140,10 @@ def _accelerate_refusal(plan: Plan) -> str | None:
     if p.param not in ("bf16", "fp16", "fp32") or p.master != "fp32" or p.optimizer != "fp32":
         return (f"accelerate's mixed precision keeps fp32 weights and optimizer state and computes in "
                 f"bf16/fp16/fp32; the plan has param {p.param}, master {p.master}, optimizer "
-                f"{p.optimizer}: plan again with --master-dtype fp32 --optimizer-dtype fp32")
+                f"{p.optimizer}: plan again with "
+                + " ".join(f for f, bad in (("--param-dtype bf16", p.param not in ("bf16", "fp16", "fp32")),
+                                            ("--master-dtype fp32", p.master != "fp32"),
+                                            ("--optimizer-dtype fp32", p.optimizer != "fp32")) if bad))
     wanted = p.master if plan.strategy == "ddp" else p.param  # DDP reduces the fp32 gradients
     if p.reduce != wanted:
         return (f"accelerate's config reduces gradients in {wanted}, the plan in {p.reduce}: plan again "

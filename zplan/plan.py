@@ -135,8 +135,10 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         return ("offload-opt keeps the weights on the GPU and only the optimizer in host RAM, which "
                 "FSDP2 cannot do: plan again with --strategy offload-all, or --for deepspeed and export")
     if t.optimizer != "adamw":
+        # DeepSpeed's export writes SGD and Muon, not 8-bit Adam (export.deepspeed_config)
+        other = ", or --for deepspeed and export" if t.optimizer != "adam8bit" else ", or run it in your own script"
         return (f"the trainer runs AdamW; the plan asks for {t.optimizer}: plan again with "
-                f"--optimizer adamw, or --for deepspeed and export")
+                f"--optimizer adamw{other}")
     if p.param not in TRAINER_PARAM_DTYPES:
         return (f"param dtype {p.param}: the trainer computes in {' or '.join(TRAINER_PARAM_DTYPES)} "
                 f"(fp16 needs a loss scaler it does not have): plan again with --param-dtype bf16")

@@ -143,7 +143,12 @@ def cluster(name: str, extra: tuple[str, ...] = ()) -> ClusterSpec:
 
 
 def model(name: str, extra: tuple[str, ...] = ()) -> ModelSpec:
-    return load("models", name, extra)  # type: ignore[return-value]
+    m: ModelSpec = load("models", name, extra)  # type: ignore[assignment]
+    if m.total_params is not None:  # a plan's model synthesized from --params carries it; a file does not
+        raise UsageError(f"model {name}: total_params is set only for a model synthesized from --params and "
+                         f"replaces the count of the architecture the file gives ({m.num_layers} layers, hidden "
+                         f"{m.hidden}); drop total_params (or use --params N)")
+    return m
 
 
 def home_cluster(g: GPUSpec, extra: tuple[str, ...] = ()) -> str | None:

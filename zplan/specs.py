@@ -382,6 +382,16 @@ class Precision(Spec):
     master: DTypeName = "fp32"
     optimizer: DTypeName = "fp32"
 
+    @model_validator(mode="after")
+    def _slots_hold_training_dtypes(self) -> Precision:
+        """SLOT_DTYPES for every reader (a plan file's int4 weights priced a 0-byte gather)."""
+        for slot, allowed in SLOT_DTYPES.items():
+            v = getattr(self, slot)
+            if v not in allowed:
+                raise ValueError(f"{slot} dtype {v} cannot hold that state in training; use one of: "
+                                 f"{', '.join(allowed)}")
+        return self
+
 
 class Assumptions(Spec):
     """Figures zplan cannot derive; every one is printed and can be changed."""
