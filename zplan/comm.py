@@ -254,12 +254,13 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
     """One unit's gradient reduce-scatter: one call (FSDP, zplan's DeepSpeed export), or, at
     DeepSpeed's defaults, its share of the reduce_bucket_size calls its gradients fill."""
     b = nbytes(sc.padded_elems(u, D), sc.train.precision.reduce)
+    op = "all_reduce" if policy.all_reduces_gradients(st, sc.train) else "reduce_scatter"
     if not _module_calls(sc, st):
-        return call_seconds(sc, "reduce_scatter", b, D, g)
+        return call_seconds(sc, op, b, D, g)
     bucket = _ds_reduce_bucket(sc, D)
     if b >= bucket:
-        return bucketed_seconds(sc, "reduce_scatter", b, D, g, bucket)
-    return b / bucket * call_seconds(sc, "reduce_scatter", bucket, D, g)
+        return bucketed_seconds(sc, op, b, D, g, bucket)
+    return b / bucket * call_seconds(sc, op, bucket, D, g)
 
 
 def _gather_call(sc: Scenario, st: Strategy, us, dtype: str, D: int) -> tuple[int, str]:
@@ -379,7 +380,9 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
                               "all_gather", sum(sc.padded_elems(u, D) for u in again), dt, D, scope, A,
                               sum(gather_seconds(sc, st, u, dt, D, g) for u in again),
                               0.0, g, *_gather_call(sc, st, again, dt, D)))
-    out.append(Collective("reduce-scatter (gradients)", "reduce_scatter", gathered, p.reduce, D,
+    reduce = (("all-reduce (gradients: DeepSpeed's ZeRO-3 with Muon, reduce_scatter off)", "all_reduce")
+              if policy.all_reduces_gradients(st, t) else ("reduce-scatter (gradients)", "reduce_scatter"))
+    out.append(Collective(*reduce, gathered, p.reduce, D,
                           scope, rs_calls, sum(reduce_seconds(sc, st, u, D, g) for u in units),
                           0.0, g, *_reduce_call(sc, st, D)))
     if st.hsdp and R > 1:

@@ -50,6 +50,14 @@ def _ds_precision(plan: Plan, stage: int) -> dict:
     if p.master == p.param:
         if stage == 0:
             raise UsageError(f"DeepSpeed keeps {p.master} master weights only under ZeRO 1-3, not ddp; plan again with --master-dtype fp32")
+        # 16-bit master weights need ZeRO-Offload's CPU Adam where the optimizer state is not bf16
+        # (fp16 always): deepspeed.initialize asserts it (runtime/base_optimizer.py, the
+        # bf16/fp16 offload validators of stage_1_and_2.py and stage3.py; v0.19)
+        if (p.param == "fp16" or p.optimizer != "bf16") and plan.strategy not in ("offload-opt", "offload-all"):
+            also = "--optimizer-dtype bf16, " if p.param == "bf16" else ""
+            raise UsageError(f"DeepSpeed keeps {p.master} master weights with {p.optimizer} optimizer state only "
+                             f"with the optimizer offloaded to its CPU Adam (deepspeed.initialize refuses "
+                             f"{plan.strategy}): plan again with --strategy offload-opt, {also}or --master-dtype fp32")
         block[f"{p.param}_master_weights_and_grads"] = True
     elif p.master != "fp32":
         raise UsageError(f"DeepSpeed keeps master weights in fp32 or {p.param}, not {p.master}; plan again with --master-dtype fp32")
@@ -76,6 +84,8 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
                          "or run 8-bit Adam through your own script")
     bucket = plan.assumptions.ddp_bucket_bytes
     zo: dict = {"stage": stage, "overlap_comm": plan.assumptions.overlap, "contiguous_gradients": True}
+    if stage == 3 and t.optimizer == "muon":  # ZeRO-3 refuses Muon beside its reduce-scatter; the plan
+        zo["reduce_scatter"] = False  # prices the all-reduce it runs instead (policy.all_reduces_gradients)
     if t.deepspeed_defaults:
         pass  # the run keeps DeepSpeed's own buckets, as the plan prices them
     elif stage < 3:
@@ -202,10 +212,12 @@ def accelerate_config(plan: Plan) -> str:
         r, s = plan.mesh.shape
         lines += ["parallelism_config:", f"  parallelism_config_dp_replicate_size: {r}",
                   f"  parallelism_config_dp_shard_size: {s}"]
+    lines += ["machine_rank: 0"]
+    if nodes > 1:  # accelerate's rendezvous for several machines (utils/launch.py: main_process_ip:port)
+        lines += ["main_process_ip: HEAD_NODE", "main_process_port: 29500"]
     lines += [
-        "machine_rank: 0",
         "main_training_function: main",
-        f"mixed_precision: {mp}",
+        f"mixed_precision: '{mp}'",  # quoted: YAML reads a bare no as false (accelerate then fails)
         f"num_machines: {nodes}",
         f"num_processes: {plan.num_gpus}",
         "rdzv_backend: static",
@@ -259,6 +271,17 @@ def layout_note(plan: Plan) -> str | None:
     return ("the plan was priced for zplan's FSDP2 trainer (torch layout); DeepSpeed's buffers and "
             "partitions are another memory figure: for DeepSpeed's, plan with zplan recommend --for "
             "deepspeed (or estimate --layout zero)")
+
+
+def accelerate_nodes_note(plan: Plan) -> str | None:
+    """A config for several machines names the head node as HEAD_NODE and machine rank 0: each
+    node's command gives its own. None on one node."""
+    nodes = -(-plan.num_gpus // plan.cluster.gpus_per_node)
+    if nodes == 1:
+        return None
+    return (f"the plan spans {nodes} machines: on each, run accelerate launch --config_file FILE "
+            f"--machine_rank I --main_process_ip HEAD (I = 0..{nodes - 1}; HEAD the address of machine 0, "
+            f"HEAD_NODE in the file)")
 
 
 def bucket_view_note(plan: Plan) -> str | None:

@@ -215,6 +215,16 @@ def optimizer_splits_matrices(st, layout: str) -> bool:
     return st.optim_sharded and not (st.name == "zero1" and layout == "torch")
 
 
+def all_reduces_gradients(st, t) -> bool:
+    """Whether a sharded strategy reduces its gradients with an all-reduce, not a reduce-scatter:
+    DeepSpeed's ZeRO-3 (the zero layout's sharded strategies) refuses Muon with reduce_scatter
+    on ("Muon and reduce scatter cannot be used together", runtime/zero/stage3.py, v0.19), and
+    with it off all-reduces each contiguous gradient bucket and keeps its own partition
+    (__avg_scatter_contiguous_grads): twice a reduce-scatter's bytes. The export writes
+    reduce_scatter false for it."""
+    return st.fsdp and t.layout == "zero" and t.optimizer == "muon"
+
+
 def autocast_dtype(fsdp: bool, layout: str, param: str, master: str) -> str | None:
     """The dtype the trainer autocasts forward and loss to (trainer/parallel.py, micro_batch.py),
     which the planner prices as `TrainSpec.autocast` (Scenario.for_strategy): DDP and ZeRO-1 in

@@ -48,7 +48,7 @@ def export(
     zeropp: Annotated[bool, typer.Option(help="DeepSpeed: add ZeRO++ (hpZ, int8 weights, int4 grads)")] = False,
 ) -> None:
     """Write a plan as a DeepSpeed config, an accelerate config, or a torchrun command."""
-    from ..export import bucket_view_note, checkpointing_note, layout_note
+    from ..export import accelerate_nodes_note, bucket_view_note, checkpointing_note, layout_note
     from ..export import export as do_export
     from ..plan import load, write_atomic
 
@@ -70,7 +70,7 @@ def export(
     from ..plan import fit_note
 
     for note in ((fit_note(loaded, plan),) + ((layout_note(loaded), checkpointing_note(loaded)) if to == "deepspeed" else ())
-                 + ((bucket_view_note(loaded),) if to == "accelerate" else ())):
+                 + ((bucket_view_note(loaded), accelerate_nodes_note(loaded)) if to == "accelerate" else ())):
         if note:
             print(f"zplan: note: {note}", file=sys.stderr)
     if output is not None:
