@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from zplan.errors import UsageError
 from zplan.hardware import detect, preset_for
 from zplan.launch.command import LaunchSpec, shell_line, slurm_script, torchrun_argv
@@ -283,11 +284,14 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig,mode,code", [(signal.SIGINT, "plain", 130), (signal.SIGTERM, "ignore", 143)])
+@pytest.mark.parametrize("sig,mode,code", [(signal.SIGINT, "plain", 130), (signal.SIGTERM, "ignore", 143),
+                                           (signal.SIGHUP, "plain", 129)])
 def test_signal_ends_every_rank(tmp_path, sig, mode, code):
-    """Ctrl-C or SIGTERM to zplan launch ends torchrun and every rank, even ranks that ignore the
+    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal: it ended the launcher alone and left the
+    ranks training) to zplan launch ends torchrun and every rank, even ranks that ignore the
     signal (the grace-period kill), and exits 128 + the signal. Ranks report their pids on stdout;
-    the test reads them from the pipe, then checks /proc."""
+    the test reads them from the pipe, then checks /proc. While they run, a second launch in the
+    same run directory is refused (it resumed beside the first and removed its checkpoint)."""
     import queue
     import threading
 
@@ -317,6 +321,10 @@ def test_signal_ends_every_rank(tmp_path, sig, mode, code):
         if line.startswith("pid "):
             pids.append(int(line.split()[1]))
     assert all(_alive(pid) for pid in pids)
+    if sig == signal.SIGHUP:
+        second = subprocess.run([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"),
+                                 "--dry-run", str(script), mode], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and "another zplan launch is running" in second.stderr, second.stderr
     p.send_signal(sig)
     # torchrun alone would wait 30 s for ranks that ignore SIGTERM: the grace kill is sooner
     assert p.wait(timeout=25) == code
@@ -806,3 +814,27 @@ def test_torchrun_options_are_checked_before_torchrun_sees_them(capsys, tmp_path
         return
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr and not run.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_resume_the_ranks_refuse_leaves_the_runs_plan(run_zplan, tmp_path):
+    """--resume --plan P keeps the run's plan as plan.prev.json and writes P before the ranks
+    start; when the ranks refused it (a checkpoint of another model; zero1 at another world
+    size), the folder named a plan that never ran and a plain --resume repeated the refusal.
+    Now, with no checkpoint written under P, the run's plan is put back."""
+    run = tmp_path / "run"
+    common = ("--gpu", "cpu", "--cluster", "cpu-local", "--gpus", "1", "--seq-len", "32", "--global-batch", "1",
+              "--strategy", "zero3")
+    tiny, other = tmp_path / "tiny.json", tmp_path / "other.json"
+    assert run_zplan("recommend", "--model", "tiny", *common, "--write", str(tiny)).returncode == 0
+    text = (ROOT / "presets" / "models" / "tiny.toml").read_text().replace('name = "tiny"', 'name = "tiny2"')
+    (tmp_path / "tiny2.toml").write_text(text)
+    assert run_zplan("recommend", "--model", str(tmp_path / "tiny2.toml"), *common, "--write", str(other)).returncode == 0
+    first = run_zplan("launch", "--plan", str(tiny), "--run-dir", str(run), "--steps", "1", timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    own = (run / "plan.json").read_bytes()
+    p = run_zplan("launch", "--plan", str(other), "--run-dir", str(run), "--steps", "2", "--resume", timeout=240)
+    assert p.returncode == 2 and "is of model 'tiny' but the plan trains 'tiny2'" in p.stderr, p.stderr[-2000:]
+    assert "is the run's plan again" in p.stderr
+    assert (run / "plan.json").read_bytes() == own and not (run / "plan.prev.json").exists()

@@ -327,10 +327,15 @@ def launch(
         # a dry run leaves the run's own plan alone: the command it prints reads the plan given
         spec = replace(spec, plan_path=str(Path(plan).resolve()))
     argv, env = torchrun_argv(spec)
+    from ..launch.run_dir import hold_run_dir, step_folders
+
+    lock = hold_run_dir(run)  # noqa: F841 - held until this launch ends
+    kept = None
     if not dry_run or spec.plan_path == plan_path:
         if resume:
-            _keep_replaced_plan(Path(plan_path), p)
+            kept = _keep_replaced_plan(Path(plan_path), p)
         save(p, plan_path)
+    steps_before = step_folders(run)
     if dry_run:
         print(shell_line(argv, env))
         if max_restarts:
@@ -341,24 +346,31 @@ def launch(
     from ..launch.runner import run_with_restarts
 
     rc = run_with_restarts(argv, env, max_restarts)
+    if rc and kept is not None and step_folders(run) <= steps_before:
+        # the ranks refused the new plan (or failed) before a checkpoint under it: the run's
+        # folder names the plan its checkpoints were made under again, so a plain --resume works
+        save(load(str(kept)), plan_path)
+        kept.unlink()
+        print(f"zplan: note: no checkpoint was written under the new plan; {plan_path} is the run's "
+              f"plan again", file=sys.stderr)
     if rc:
         raise typer.Exit(rc)
 
 
-def _keep_replaced_plan(path: Path, new) -> None:
+def _keep_replaced_plan(path: Path, new) -> Path | None:
     """A resume under another plan than the run's (--plan): the run's own is kept beside it as
     plan.prev.json and what changes is said (the run's shards reload at another world size; a
     new sequence length or batch changes the data from here on)."""
     from ..plan import load, save
 
     if not path.is_file():
-        return
+        return None
     try:
         old = load(str(path))
     except UsageError:
-        return
+        return None
     if old == new:
-        return
+        return None
     pairs = (("strategy", old.strategy, new.strategy), ("ranks", old.num_gpus, new.num_gpus),
              ("seq_len", old.train.seq_len, new.train.seq_len), ("global batch", old.global_batch, new.global_batch),
              ("model", old.model.name, new.model.name))
@@ -370,6 +382,7 @@ def _keep_replaced_plan(path: Path, new) -> None:
     save(old, kept)
     print(f"zplan: note: resuming {path.parent} under another plan ({changed}); the run's plan so far is "
           f"kept as {kept}", file=sys.stderr)
+    return kept
 
 
 @app.command()

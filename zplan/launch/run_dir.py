@@ -74,6 +74,37 @@ def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, c
     return p.resolve()
 
 
+LOCK_NAME = ".zplan-launch.lock"
+
+
+def hold_run_dir(run: Path):
+    """An exclusive lock on the run directory for as long as the returned file stays open (the
+    launch): a second `zplan launch` there (a --resume while the run still trains) is refused in
+    one line; before, it resumed from the first run's checkpoint and removed the checkpoint
+    folder the first was writing (.tmp-step_N), which then failed. fcntl.flock: released by the
+    kernel when the launcher ends, however it ends. None where the platform has no flock."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    f = open(run / LOCK_NAME, "a")  # noqa: SIM115 - held open for the launch's lifetime
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UsageError(f"another zplan launch is running in {run} (it holds {run / LOCK_NAME}); wait for "
+                         f"it to end, or pass another --run-dir") from None
+    return f
+
+
+def step_folders(run: Path) -> set[str]:
+    """The run's checkpoint folders (step_N) now."""
+    try:
+        return {c.name for c in run.iterdir() if c.name.startswith("step_") and c.is_dir()}
+    except OSError:
+        return set()
+
+
 def writable_report(path: str | Path, other: str = "pass another --run-dir") -> None:
     """Refuse a report (or consolidate's output, `other` naming its fix) that is a directory or a
     special file."""

@@ -1,9 +1,10 @@
 """The one place zplan starts processes: run torchrun, pass its exit code on, restart a failed
 run, and leave nothing behind.
 
-Ctrl-C or SIGTERM is forwarded to torchrun and to every rank (ranks run in sessions of their
-own: zplan/launch/procs.py finds them); if they have not ended after GRACE_S they are killed,
-and the launcher exits 128 + the signal (130, 143). The wait is a poll loop: Popen.wait()
+Ctrl-C, SIGTERM or SIGHUP (a closed terminal or ssh session) is forwarded to torchrun and to
+every rank (ranks run in sessions of their own: zplan/launch/procs.py finds them); if they have
+not ended after GRACE_S they are killed, and the launcher exits 128 + the signal (130, 143,
+129). Before, SIGHUP ended the launcher alone and left torchrun and the ranks training. The wait is a poll loop: Popen.wait()
 entered before a signal is resumed after the handler returns (PEP 475), so a grace period that
 relies on it being interrupted never fires.
 """
@@ -19,6 +20,7 @@ import time
 from .procs import become_subreaper, descendants, kill_tree, reap, signal_all
 
 GRACE_S = 5.0
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_S = 0.05
 
 
@@ -40,7 +42,7 @@ def run(argv: list[str], env: dict[str, str]) -> int:
         got.append(signum)
         signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         deadline = None
         while (rc := proc.poll()) is None:
@@ -66,7 +68,7 @@ def run_with_restarts(argv: list[str], env: dict[str, str], max_restarts: int) -
     after the first ($ZPLAN_ATTEMPT). A usage error (exit 2) or a signal is not retried."""
     for attempt in range(max_restarts + 1):
         rc = run(argv, {**env, "ZPLAN_ATTEMPT": str(attempt)})
-        if rc in (0, 2, 130, 143) or attempt == max_restarts:
+        if rc in (0, 2) or rc in (128 + s for s in FORWARDED) or attempt == max_restarts:
             return rc
         print(f"zplan: attempt {attempt + 1} failed (exit {rc}); restarting "
               f"({attempt + 1} of {max_restarts} restarts)", file=sys.stderr, flush=True)
