@@ -104,12 +104,14 @@ def test_deepspeed_refuses_what_its_config_cannot_say(strategy, kw, needle):
 
 @pytest.mark.parametrize("kw,needle", [(dict(checkpointing="first-k", checkpoint_first=5), "the first 5 blocks (first-5)"),
                                        (dict(checkpointing="every-k", checkpoint_every=4), "blocks 4, 8, ... (counting from 1)"),
-                                       (dict(checkpointing="full"), None), (dict(checkpointing="none"), None)])
+                                       (dict(checkpointing="full"), "checkpoints every block"),
+                                       (dict(checkpointing="none"), None)])
 def test_deepspeed_export_says_which_blocks_the_script_must_checkpoint(tmp_path, capsys, kw, needle):
     """A DeepSpeed config cannot say which blocks are checkpointed (its activation_checkpointing
-    section configures only DeepSpeed's own checkpoint API): the export writes the config on
-    stdout and says on stderr, in one line, what the script must checkpoint; nothing where every
-    block or none is."""
+    section configures only DeepSpeed's own checkpoint API, which the engine does not turn on,
+    deepspeed/runtime/activation_checkpointing/checkpointing.py `configure`): the export writes
+    the config on stdout and says on stderr, in one line, what the script must checkpoint, every
+    block included; nothing where no block is."""
     from zplan.plan import save
     from tests.helpers import cli
 
@@ -463,3 +465,58 @@ def test_muon_under_deepspeeds_zero3_is_priced_as_the_all_reduce_it_runs():
     assert muon.elements == adamw.elements and muon.volume_factor == 2 * adamw.volume_factor
     assert muon.seconds_per_step > 1.5 * adamw.seconds_per_step
     assert grads(layout="torch", optimizer="muon").op == "reduce_scatter"
+
+
+def test_zeropp_is_said_and_refused_where_its_groups_do_not_divide(tmp_path, capsys):
+    """--zeropp's hpZ group is a node's GPUs, and DeepSpeed's zero.Init asserts the world divides
+    into it (utils/groups.py _ensure_divisibility: "12 is not divisible by 8"): 12 GPUs on nodes
+    of 8 are refused in one line; where it is written, a note says the plan's figures do not
+    count ZeRO++."""
+    from zplan.plan import save
+    from tests.helpers import cli
+
+    with pytest.raises(UsageError, match="12 GPUs do not"):
+        deepspeed_config(plan_for("zero3", gpus=12), zeropp=True)
+    path = tmp_path / "p.json"
+    save(plan_for("zero3"), path)
+    r = cli(capsys, "export", "--plan", str(path), "--to", "deepspeed", "--zeropp")
+    assert r.returncode == 0 and json.loads(r.stdout)["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert "which the plan's memory and traffic figures do not count" in r.stderr
+
+
+@pytest.mark.parametrize("to", ["deepspeed", "accelerate"])
+@pytest.mark.parametrize("kw,said", [
+    (dict(compile=True), "torch.compile"),
+    (dict(linear_loss="chunked"), "the chunked linear loss"),
+    (dict(fused_loss=True), "a fused cross-entropy kernel"),
+    (dict(), None),
+])
+def test_exports_say_what_the_script_must_do_that_the_config_cannot(tmp_path, capsys, to, kw, said):
+    """A plan priced with torch.compile, a chunked or fused loss (25.9 and 11.2 GB against 67.9
+    without, Llama 3.2 1B on 8 GPUs) exported without a word: the config carries none of them,
+    and a run from it alone would not fit the plan. One stderr line names each."""
+    from zplan.plan import save
+    from tests.helpers import cli
+
+    path = tmp_path / "plan.json"
+    base = dict(layout="torch", reduce_dtype="bf16", embed_head_unit="head-kept", checkpointing="none")
+    save(plan_for("zero3", **base, **kw), path)
+    r = cli(capsys, "export", "--plan", str(path), "--to", to)
+    assert r.returncode == 0, r.stderr
+    code_lines = [ln for ln in r.stderr.splitlines() if "which the " + to + " config does not carry" in ln]
+    if said is None:
+        assert code_lines == []
+    else:
+        assert len(code_lines) == 1 and said in code_lines[0], r.stderr
+
+
+def test_accelerate_ddp_export_says_the_script_checkpoints(tmp_path, capsys):
+    """accelerate's DDP (MULTI_GPU) has no checkpointing key: a DDP plan priced with full
+    checkpointing (55.5 GB, 82.1 without, the QA pass) is exported with a note saying so."""
+    from zplan.plan import save
+    from tests.helpers import cli
+
+    path = tmp_path / "plan.json"
+    save(plan_for("ddp", layout="torch", reduce_dtype="fp32", checkpointing="full"), path)
+    r = cli(capsys, "export", "--plan", str(path), "--to", "accelerate")
+    assert r.returncode == 0 and "activation checkpointing (full)" in r.stderr, r.stderr

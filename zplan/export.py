@@ -117,7 +117,11 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
     if zeropp:
         if stage != 3:
             raise UsageError(f"--zeropp needs a ZeRO-3 plan; this plan is {plan.strategy}")
-        zo["zero_hpz_partition_size"] = plan.cluster.gpus_per_node
+        gpn = plan.cluster.gpus_per_node
+        if n % gpn:  # zero.Init builds the hpZ groups with _ensure_divisibility(world, hpz size)
+            raise UsageError(f"--zeropp's hpZ groups are a node's {gpn} GPUs and DeepSpeed needs the world to "
+                             f"divide into them; {n} GPUs do not: plan for a multiple of {gpn}")
+        zo["zero_hpz_partition_size"] = gpn
         zo["zero_quantized_weights"] = True
         zo["zero_quantized_gradients"] = True
     cfg: dict = {
@@ -251,8 +255,12 @@ def checkpointing_note(plan: Plan) -> str | None:
     from .policy import checkpointing_label
 
     t = plan.train
-    if t.checkpointing in ("none", "full"):
+    if t.checkpointing == "none":
         return None
+    if t.checkpointing == "full":
+        return ("the plan checkpoints every block: your script applies it (model.gradient_checkpointing_enable(), "
+                "or torch.utils.checkpoint per block); the config's activation_checkpointing section only "
+                "configures deepspeed.checkpointing, which the engine does not turn on")
     which = {"every-k": f"blocks {t.checkpoint_every}, {2 * t.checkpoint_every}, ... (counting from 1)",
              "first-k": f"the first {t.checkpoint_first} blocks",
              "selective": "every block with torchtitan's per-op policy (every second matmul kept)",
@@ -260,6 +268,26 @@ def checkpointing_note(plan: Plan) -> str | None:
     return (f"the plan checkpoints {which} ({checkpointing_label(t)}), which a DeepSpeed config does not "
             f"say: your script applies it (Hugging Face's gradient_checkpointing_enable checkpoints every "
             f"block, which zplan estimate --checkpointing full prices)")
+
+
+def code_note(plan: Plan, to: str) -> str | None:
+    """What the plan was priced with that lives in the training script, not in a DeepSpeed or
+    accelerate config, so that a run from the config alone would not have it (its memory and
+    time are then not the plan's): torch.compile, float8 linears, a chunked or fused loss, and
+    checkpointing under accelerate's DDP (MULTI_GPU has no checkpointing key). None where none."""
+    t = plan.train
+    what = (["torch.compile" + (" (the whole model)" if t.compile_scope != "block" else " (each block)")]
+            if t.compile else [])
+    what += ["float8 linears (torchao)"] if t.float8 else []
+    what += [f"the {t.linear_loss} linear loss (the head and loss over chunks, never the whole logits)"] \
+        if t.linear_loss != "none" else []
+    what += ["a fused cross-entropy kernel"] if t.fused_loss else []
+    if to == "accelerate" and plan.strategy == "ddp" and t.checkpointing != "none":
+        what.append(f"activation checkpointing ({t.checkpointing})")
+    if not what:
+        return None
+    return (f"the plan was priced with {', '.join(what)}, which the {to} config does not carry: your script "
+            f"applies it, or the run's memory and time are not the plan's")
 
 
 def layout_note(plan: Plan) -> str | None:
@@ -271,6 +299,10 @@ def layout_note(plan: Plan) -> str | None:
     return ("the plan was priced for zplan's FSDP2 trainer (torch layout); DeepSpeed's buffers and "
             "partitions are another memory figure: for DeepSpeed's, plan with zplan recommend --for "
             "deepspeed (or estimate --layout zero)")
+
+
+ZEROPP_NOTE = ("--zeropp adds ZeRO++ (a secondary bf16 partition of the weights per node, int8 gathers, "
+               "int4 gradient reduction), which the plan's memory and traffic figures do not count")
 
 
 def accelerate_nodes_note(plan: Plan) -> str | None:

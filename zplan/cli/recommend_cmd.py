@@ -48,7 +48,8 @@ def export(
     zeropp: Annotated[bool, typer.Option(help="DeepSpeed: add ZeRO++ (hpZ, int8 weights, int4 grads)")] = False,
 ) -> None:
     """Write a plan as a DeepSpeed config, an accelerate config, or a torchrun command."""
-    from ..export import accelerate_nodes_note, bucket_view_note, checkpointing_note, layout_note
+    from ..export import (ZEROPP_NOTE, accelerate_nodes_note, bucket_view_note, checkpointing_note, code_note,
+                          layout_note)
     from ..export import export as do_export
     from ..plan import load, write_atomic
 
@@ -70,7 +71,9 @@ def export(
     from ..plan import fit_note
 
     for note in ((fit_note(loaded, plan),) + ((layout_note(loaded), checkpointing_note(loaded)) if to == "deepspeed" else ())
-                 + ((bucket_view_note(loaded), accelerate_nodes_note(loaded)) if to == "accelerate" else ())):
+                 + ((bucket_view_note(loaded), accelerate_nodes_note(loaded)) if to == "accelerate" else ())
+                 + ((ZEROPP_NOTE,) if zeropp else ())
+                 + ((code_note(loaded, to),) if to != "torchrun" else ())):
         if note:
             print(f"zplan: note: {note}", file=sys.stderr)
     if output is not None:
