@@ -32,16 +32,18 @@ def _model(seed: int):
     return m, opt
 
 
-def _save(root, step, seed, model_name="tiny", keep=0):
+def _save(root, step, seed, model_name="tiny", keep=0, model_params=None):
     m, opt = _model(seed)
-    ckpt.save(root, step, m, opt, {"step": step, "data_seed": 0},
-              {"world_size": 1, "strategy": "zero3", "model": model_name}, keep=keep)
+    meta = {"world_size": 1, "strategy": "zero3", "model": model_name}
+    if model_params is not None:
+        meta["model_params"] = model_params
+    ckpt.save(root, step, m, opt, {"step": step, "data_seed": 0}, meta, keep=keep)
     return m
 
 
-def _resume(root, model_name="tiny"):
+def _resume(root, model_name="tiny", model_params=None):
     m, opt = _model(99)
-    state = ckpt.resume_newest(root, m, opt, 1, model_name=model_name)
+    state = ckpt.resume_newest(root, m, opt, 1, model_name=model_name, model_params=model_params)
     return state, m
 
 
@@ -203,6 +205,33 @@ def test_damaged_shard_same_size_falls_back(tmp_path, capsys):
     state, _ = _resume(tmp_path)
     assert state["step"] == 2
     assert "step_00000004 cannot be loaded" in capsys.readouterr().err
+
+
+def test_a_shard_torch_refuses_falls_back_without_torchs_advice(tmp_path, capsys):
+    """A shard whose pickle torch.load(weights_only=True) refuses falls back to the previous
+    checkpoint; the warning no longer passes on torch's "Re-running torch.load with
+    weights_only set to False will likely succeed" for a file zplan refused as possibly crafted."""
+    _save(tmp_path, 2, seed=1)
+    _save(tmp_path, 4, seed=2)
+    shard = next((tmp_path / "step_00000004").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[:8] = b"\x80\x02garbge"  # a pickle header that is not the tensor file torch.load expects
+    shard.write_bytes(bytes(data))
+    state, _ = _resume(tmp_path)
+    err = capsys.readouterr().err
+    assert state["step"] == 2 and "step_00000004 cannot be loaded" in err, err
+    assert "weights_only set to False" not in err and "arbitrary code" not in err, err
+
+
+def test_the_same_name_with_another_architecture_is_an_error_not_damage(tmp_path):
+    """A checkpoint of a model of the same name but another architecture failed DCP's size check
+    at every checkpoint, read as damage ("none ... can be loaded: move them away"): the manifest
+    now records the parameter count, and another count is a one-line error naming both."""
+    _save(tmp_path, 2, seed=1, model_params=1000)
+    with pytest.raises(UsageError, match="with 1,000 parameters but the plan's 'tiny' has 2,000") as e:
+        _resume(tmp_path, model_params=2000)
+    assert not isinstance(e.value, CheckpointError)  # an error, not a fallback
+    assert _resume(tmp_path, model_params=1000)[0]["step"] == 2
 
 
 def test_keep_prunes_and_stale_tmp_is_cleaned(tmp_path):

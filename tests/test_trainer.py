@@ -160,8 +160,11 @@ def test_stop_and_resume_equals_uninterrupted(run_zplan, tmp_path):
     # resuming a finished run says so and changes nothing
     report = (tmp_path / "broken" / "run_report.json").read_bytes()
     _, p = launch(run_zplan, tmp_path / "p.json", tmp_path / "broken", 6, resume=True, save_every=6)
-    assert "already finished at step 6" in p.stderr
+    assert "already reached step 6 (--steps 6)" in p.stderr
     assert (tmp_path / "broken" / "run_report.json").read_bytes() == report
+    # --steps below the newest checkpoint: the step it reached, not --steps (it said "finished at step 3")
+    _, p = launch(run_zplan, tmp_path / "p.json", tmp_path / "broken", 3, resume=True, save_every=6)
+    assert "already reached step 6 (--steps 3)" in p.stderr
 
 
 def test_save_at_4_resume_at_2(run_zplan, tmp_path):

@@ -64,12 +64,12 @@ def _check_args(args, plan) -> None:
         raise UsageError(f"--data {args.data}: no such file; pass a local text file")
 
 
-def _print_outcome(report, plan, cfg, world: int, cuda: bool) -> None:
+def _print_outcome(report, plan, cfg, world: int, cuda: bool, reached: int = 0) -> None:
     from .report import compare_lines, write_report
     from .run_setup import finished_line
 
     if report is None:
-        print(finished_line(cfg.ckpt_dir, cfg.steps), file=sys.stderr)
+        print(finished_line(cfg.ckpt_dir, reached, cfg.steps), file=sys.stderr)
         return
     where = write_report(report, cfg.ckpt_dir)
     losses = report["losses"]
@@ -128,9 +128,10 @@ def _main(args: argparse.Namespace) -> int:
                     progress=not args.no_progress and sys.stderr.isatty(), clip=args.clip,
                     deterministic=args.deterministic, keep=args.keep, log_every=args.log_every)
     agree_on_run_dir(cfg.ckpt_dir)
-    report = Trainer(plan, cfg, backend).run()
+    trainer = Trainer(plan, cfg, backend)
+    report = trainer.run()
     if dist.get_rank() == 0:
-        _print_outcome(report, plan, cfg, world, cuda)
+        _print_outcome(report, plan, cfg, world, cuda, trainer.step)
     dist.barrier()
     dist.destroy_process_group()
     return 0

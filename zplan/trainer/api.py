@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..arch import param_count
 from ..plan import Plan, load
 from . import checkpoint as ckpt
 from .distributed import backend_for, init_process_group_for, missing_backends
@@ -103,13 +104,15 @@ class Context:
     def save(self, model, optim, step: int) -> Path:
         return ckpt.save(self.ckpt_dir, step, model, optim, {"step": step, "data_seed": 0},
                          {"world_size": self.world, "strategy": self.plan.strategy,
-                          "model": self.plan.model.name}, zero1=self.plan.strategy == "zero1")
+                          "model": self.plan.model.name, "model_params": param_count(self.plan.model)},
+                         zero1=self.plan.strategy == "zero1")
 
     def resume(self, model, optim) -> int:
         """Load the newest complete checkpoint (at any world size, falling back past damaged
         ones); return its step (0: none)."""
         state = ckpt.resume_newest(self.ckpt_dir, model, optim, self.world,
-                                   zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name)
+                                   zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name,
+                                   model_params=param_count(self.plan.model))
         return 0 if state is None else int(state["step"])
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:

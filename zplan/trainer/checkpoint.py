@@ -1,7 +1,7 @@
 """Checkpoints with torch.distributed.checkpoint: each rank writes its own shard.
 
 A checkpoint is complete or invisible: all ranks write into `.tmp-step_N`, meet at a barrier,
-then rank 0 writes `zplan.json` (step, world size, strategy, model), fsyncs and renames the
+then rank 0 writes `zplan.json` (step, world size, strategy, model and its parameter count), fsyncs and renames the
 folder to `step_N`. Resume takes the newest `step_N` that has `zplan.json` and whose shards are
 all there (ckpt_files.check_complete); a damaged newest checkpoint falls back to the previous
 complete one with a one-line warning. Metadata is read as data (ckpt_files.SafeReader), never
@@ -159,10 +159,18 @@ def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zer
     return final
 
 
-def _check_fits(path: Path, meta: dict, world: int, zero1: bool, model_name: str | None) -> None:
+def _check_fits(path: Path, meta: dict, world: int, zero1: bool, model_name: str | None,
+                model_params: int | None = None) -> None:
     if model_name is not None and meta.get("model") not in (None, model_name):
         raise UsageError(f"checkpoint {path} is of model {meta.get('model')!r} but the plan trains "
                          f"{model_name!r}: pass another --run-dir, or resume with a plan for {meta.get('model')!r}")
+    saved = meta.get("model_params")
+    if model_params is not None and isinstance(saved, int) and saved != model_params:
+        # the same name, another architecture: DCP's size mismatch, which read as damage (every
+        # checkpoint "cannot be loaded": move them away) where the plan is what differs
+        raise UsageError(f"checkpoint {path} is of model {meta.get('model')!r} with {saved:,} parameters but the "
+                         f"plan's {model_name!r} has {model_params:,}: pass another --run-dir, or resume with the "
+                         f"plan the run was made under")
     if zero1 and meta.get("world_size") != world:
         raise UsageError(f"zero1 checkpoint {path} was saved at world size {meta.get('world_size')}; "
                          f"ZeroRedundancyOptimizer state resumes only at the same size: run with "
@@ -172,14 +180,15 @@ def _check_fits(path: Path, meta: dict, world: int, zero1: bool, model_name: str
                          f"cannot resume it: resume with a plan for {meta.get('strategy')!r}")
 
 
-def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_name: str | None = None) -> dict:
+def load(path: str | Path, model, optim, world: int, zero1: bool = False, model_name: str | None = None,
+         model_params: int | None = None) -> dict:
     """Load a checkpoint into a (possibly differently sharded) model and optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = Path(path)
     meta = manifest(path)
-    _check_fits(path, meta, world, zero1, model_name)
+    _check_fits(path, meta, world, zero1, model_name, model_params)
     inner = optim.optim if zero1 else optim
     planned = [{k: g[k] for k in PLANNED_GROUP_KEYS if k in g} for g in inner.param_groups]
     if not inner.state:  # get_state_dict makes a fresh optimizer's state to load into, unless a
@@ -257,8 +266,18 @@ def _say(line: str) -> None:
         print(f"zplan: warning: {line}", file=sys.stderr, flush=True)
 
 
+def _first_sentence(text: str) -> str:
+    """A failure's first line, up to torch.load's advice: a weights_only refusal goes on to say
+    that weights_only=False "will likely succeed", which for a file zplan reads as data (and
+    refused as possibly crafted) is the wrong thing to pass on."""
+    line = text.splitlines()[0] if text else ""
+    if "weights_only" in line and "Re-running" in line:  # its first sentence: "Weights only load failed."
+        line = line.split(". ", 1)[0].rstrip(".") + " (not a tensor file zplan reads as data)"
+    return line[:300]
+
+
 def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = False,
-                  model_name: str | None = None) -> dict | None:
+                  model_name: str | None = None, model_params: int | None = None) -> dict | None:
     """Load the newest checkpoint under root that loads; None when there is none.
 
     A damaged checkpoint (a shard missing or truncated, metadata refused, or DCP failing to read
@@ -280,7 +299,7 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
 
     for path in complete(root, skipped):
         try:
-            return load(path, model, optim, world, zero1, model_name)
+            return load(path, model, optim, world, zero1, model_name, model_params)
         except UsageError as e:
             if not isinstance(e, CheckpointError):
                 raise
@@ -288,7 +307,7 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
             _say(f"checkpoint {path.name} cannot be read ({e}); trying the previous one")
         except CheckpointException as e:  # a BaseException: DCP gathers every rank's failure
             first = next(iter(dcp_failures(e)), e)
-            last = f"{path.name}: {type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
+            last = f"{path.name}: {type(first).__name__}: {_first_sentence(str(first))}"
             _say(f"checkpoint {path.name} cannot be loaded ({last.split(': ', 1)[1]}); trying the previous one")
     if published:
         raise CheckpointError(f"none of the {len(published)} checkpoints in {root} can be loaded"

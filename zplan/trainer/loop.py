@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..arch import param_count
 from ..plan import Plan
 from . import checkpoint as ckpt
 from .data import Prefetcher, TokenSource
@@ -177,7 +178,8 @@ class Trainer:
     def resume(self) -> int:
         """Load the newest checkpoint that loads (falling back past damaged ones); its step."""
         state = ckpt.resume_newest(self.cfg.ckpt_dir, self.par.model, self.optim, self.world,
-                                   zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name)
+                                   zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name,
+                                   model_params=param_count(self.plan.model))
         if state is None:
             if self.rank == 0:
                 print(f"zplan: no checkpoint in {self.cfg.ckpt_dir}; starting at step 0", flush=True)
@@ -191,7 +193,8 @@ class Trainer:
         return self.step
 
     def save(self) -> Path:
-        meta = {"world_size": self.world, "strategy": self.plan.strategy, "model": self.plan.model.name}
+        meta = {"world_size": self.world, "strategy": self.plan.strategy, "model": self.plan.model.name,
+                "model_params": param_count(self.plan.model)}
         return ckpt.save(self.cfg.ckpt_dir, self.step, self.par.model, self.optim,
                          {"step": self.step, "data_seed": self.cfg.seed}, meta,
                          zero1=self.plan.strategy == "zero1", keep=self.cfg.keep)

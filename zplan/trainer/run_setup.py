@@ -45,9 +45,11 @@ def agree_on_run_dir(run_dir: str) -> None:
                          f"that rank 0 wrote: with several nodes --run-dir must be on a shared filesystem")
 
 
-def finished_line(run_dir: str, steps: int) -> str:
-    return (f"zplan: the run in {run_dir} already finished at step {steps} (--steps {steps}); "
-            f"nothing to do (its report is unchanged; pass more --steps to train on)")
+def finished_line(run_dir: str, reached: int, steps: int) -> str:
+    """A resumed run whose newest checkpoint is at or past --steps: the step it reached (it said
+    --steps, which a checkpoint past it is not)."""
+    return (f"zplan: the run in {run_dir} already reached step {reached} (--steps {steps}); "
+            f"nothing to do (its report is unchanged; pass --steps above {reached} to train on)")
 
 
 def inject_fault(step: int, rank: int) -> None:
