@@ -55,6 +55,7 @@ def test_one_strategy(run_zplan):
     (["--params", "lots"], "--params 'lots' is not a number"),
     (["--params", "-5e9"], "must be a positive count"),
     (["--params", "1e30"], "absurdly large"),
+    (["--params", "1e400"], "absurdly large"),  # a float overflow: was "must be a positive count"
     (["--params", "nan"], "--params 'nan'"),
     (["--gpus", "1,6"], "commas may only group thousands"),  # a typo, not 16
     (["--model", "llama-3.1-7b"], "did you mean"),
@@ -587,3 +588,20 @@ def test_files_meet_the_checks_the_flags_do(run_zplan, tmp_path):
     assert p.returncode == 2 and "total_params" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     ok = run_zplan("estimate", "--params", "7e9", "--strategy", "zero3", "--json")  # a synthesized model keeps it
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("args", [("--help",), ("estimate", "--help")])
+def test_help_through_a_closed_pipe_exits_0(args):
+    """`zplan --help | head -1` exited 1 with nothing said (rich's broken-pipe handler exits 1),
+    unlike every other command's output through a closed pipe (exit 0)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ZPLAN_DEBUG"}
+    env["COLUMNS"] = "200"
+    p = subprocess.Popen([sys.executable, "-m", "zplan", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    p.stdout.read(1)
+    p.stdout.close()
+    assert p.wait(timeout=60) == 0
+    assert p.stderr.read() == b""

@@ -239,6 +239,9 @@ def test_named_outputs_edge_cases_the_review_found(tmp_path, capsys, monkeypatch
     assert b"plan_version" in empty.read_bytes()
     r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", "same.json", "--plot", "./same.json")
     assert r.returncode == 2 and "name the same file" in r.stderr and not (tmp_path / "same.json").exists()
+    for name in ("p.svg", "p.txt"):  # PNG data was written into them
+        r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--plot", name)
+        assert r.returncode == 2 and "ending in .png" in r.stderr and not (tmp_path / name).exists()
     os.symlink("nodir/x.json", tmp_path / "dl.json")
     r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", "dl.json")
     assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "nodir").exists()

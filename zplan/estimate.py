@@ -407,8 +407,9 @@ def measured_error(sc: Scenario) -> dict | None:
     return public_accuracy.for_gpu(sc.hw.gpu.name)
 
 
-def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
-    """What would make a model that fits nowhere fit: more GPUs, checkpointing, a smaller batch."""
+def fit_hints(sc: Scenario, results: list[StrategyEstimate], unit: str = "GB") -> str:
+    """What would make a model that fits nowhere fit: more GPUs, checkpointing, a smaller batch;
+    sizes in `unit` (GB = 1e9 bytes or GiB = 2^30, as the tables printed them)."""
     def needs(r: StrategyEstimate) -> int:  # what _fits holds against the whole GPU
         return r.memory.total_bytes - r.memory.releasable_bytes
 
@@ -416,7 +417,7 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate]) -> str:
     hints = []
     if best is not None:
         need = needs(best) - sc.hw.gpu.memory_bytes
-        hints.append(f"{best.name} needs {need / GB:.1f} GB more per GPU")
+        hints.append(f"{best.name} needs {need / (2**30 if unit == 'GiB' else GB):.1f} {unit} more per GPU")
     full = sc.train.model_copy(update={"checkpointing": "full"})
     ckpt_fits = sc.train.checkpointing != "full" and any(
         fits(replace(sc, train=full), r.name) for r in results if r.memory)

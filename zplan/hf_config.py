@@ -43,16 +43,17 @@ class Block:
     # zplan's block keeps)
     attention_bias: str = "q/k/v/o"
     max_positions_default: int = 4096
+    moe: bool = False  # the config class reads num_local_experts / num_experts (a dense one ignores them)
 
 
 BLOCKS: dict[str, Block] = {
     "llama": Block(kv_heads_default_heads=True), "granite": Block(kv_heads_default_heads=True),
-    "granitemoe": Block(kv_heads_default_heads=True),
-    "mistral": Block(attention_bias="ignored"), "mixtral": Block(attention_bias="ignored"),
+    "granitemoe": Block(kv_heads_default_heads=True, moe=True),
+    "mistral": Block(attention_bias="ignored"), "mixtral": Block(attention_bias="ignored", moe=True),
     "smollm3": Block(tied=True),
     "qwen2": Block(qkv_bias=True, attention_bias="ignored"),
     "qwen3": Block(qk_norm=True, head_dim=128),
-    "qwen3_moe": Block(qk_norm=True, experts_moe_size=True),
+    "qwen3_moe": Block(qk_norm=True, experts_moe_size=True, moe=True),
     "gemma": Block(tied=True, head_dim=256),  # gated GELU
     "phi3": Block(qkv_fused=True, attention_bias="ignored", kv_heads_default_heads=True),
     "gpt2": Block(tied=True, gated=False, norm="layernorm", position="learned", biases=True, qkv_fused=True,
@@ -110,7 +111,9 @@ def to_model_fields(cfg: object, path: Path) -> dict:
                          f"projections without biases are not modelled; {fix}")
     hidden = get("hidden_size", "n_embd")
     heads = get("num_attention_heads", "n_head")
-    num_experts = get("num_local_experts", "num_experts", default=0)
+    # a dense model type's config class does not read the MoE keys (transformers builds the dense
+    # model whatever the file carries): stray ones priced Llama 3.1 8B as 47.5B of experts
+    num_experts = get("num_local_experts", "num_experts", default=0) if block.moe else 0
     head_dim = 0 if block.heads_only else get("head_dim", default=block.head_dim)
     if block.heads_only:
         kv_heads = heads
@@ -139,7 +142,7 @@ def to_model_fields(cfg: object, path: Path) -> dict:
         "num_experts": num_experts,
         # heads wider or narrower than hidden / heads (Qwen3-32B, Gemma 7B, Mistral NeMo)
         "attention_head_dim": head_dim if head_dim and head_dim * heads != hidden else None,
-        "experts_per_token": get("num_experts_per_tok", default=0),
+        "experts_per_token": get("num_experts_per_tok", default=0) if num_experts else 0,
         "source": f"Hugging Face config.json at {str(path)[-1000:]}",
     }
 

@@ -28,6 +28,8 @@ def parse_count(text: str, flag: str, maximum: int = MAX_PARAMS, integer: bool =
         value = float(m.group(1)) * _SUFFIX[m.group(2)]
     except ValueError:
         raise UsageError(f"{flag} {text!r} is not a number; write it like {example}") from None
+    if value == math.inf:  # 1e400: a float overflows to infinity, too large rather than not positive
+        raise UsageError(f"{flag} {text!r} is absurdly large (limit {maximum:.0e}); check the exponent")
     if not math.isfinite(value) or value < 1:
         raise UsageError(f"{flag} {text!r} must be a positive count; write it like {example}")
     if integer and value != int(value):

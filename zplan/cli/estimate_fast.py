@@ -37,10 +37,10 @@ def run(opts: ScenarioOptions, strategy: list[str] | None = None, as_json: bool 
             raise UsageError(f"--plan {plan} carries its own scenario; {', '.join(given)} would be "
                              "ignored: drop them, or estimate without --plan")
         p = load(plan)
-        sc, names = p.scenario(), strategy or [p.strategy]
+        sc, names = p.scenario(), list(dict.fromkeys(strategy)) if strategy else [p.strategy]
     else:
         check_flag_pairs(opts, strategy)
-        sc, names = build(opts), strategy or list(STRATEGIES)
+        sc, names = build(opts), list(dict.fromkeys(strategy)) if strategy else list(STRATEGIES)
     results = run_estimate(sc, names)
     if not any(r.memory for r in results):  # every strategy asked for was refused, not priced
         raise UsageError("; ".join(f"--strategy {r.name}: {r.unavailable}" for r in results))
@@ -52,7 +52,7 @@ def run(opts: ScenarioOptions, strategy: list[str] | None = None, as_json: bool 
 
         print_estimate(sc, results, assumptions(sc, tuple(r.name for r in results)), unit, wide)
     if not any(r.fits for r in results):
-        raise PlanError(f"no strategy fits {sc.hw.gpu.name} with {sc.n} GPUs: {fit_hints(sc, results)}")
+        raise PlanError(f"no strategy fits {sc.hw.gpu.name} with {sc.n} GPUs: {fit_hints(sc, results, unit)}")
 
 
 def _given_flags(opts: ScenarioOptions) -> list[str]:

@@ -166,7 +166,8 @@ def launch(
     script, extra = _split_args(ctx, script)
     if script is not None:
         if not Path(script).is_file():
-            raise UsageError(f"no such script: {script}; pass a path to your train.py, or none for zplan's trainer")
+            what = "is a folder, not a script" if Path(script).is_dir() else "does not exist"
+            raise UsageError(f"{script} {what}; pass a path to your train.py, or none for zplan's trainer")
         for name in TRAINER_FLAGS:
             if _given(ctx, name):
                 shown = FLAG_NAMES.get(name, f"--{name.replace('_', '-')}")
@@ -419,8 +420,10 @@ def consolidate(
         from ..trainer.rank_errors import dcp_failures
 
         first = next(iter(dcp_failures(e)), e)
+        from ..trainer.checkpoint import first_sentence
+
         raise UsageError(f"checkpoint {src} cannot be read ({type(first).__name__}: "
-                         f"{str(first).splitlines()[0] if str(first) else ''}); pass another step_N folder") from None
+                         f"{first_sentence(str(first))}); pass another step_N folder") from None
     except OSError as e:
         raise UsageError(f"{e.filename or output}: {e.strerror}; check the checkpoint and the output path") from None
     print(f"zplan: wrote {output} ({n / 2**20:.1f} MiB) from {src}", file=sys.stderr)

@@ -148,11 +148,21 @@ class _ClosedStdout(io.TextIOBase):
         pass
 
 
+def _stdout_is_devnull() -> bool:
+    """Whether fd 1 is /dev/null (rich's broken-pipe handler puts it there)."""
+    try:
+        a, b = os.fstat(1), os.stat(os.devnull)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino, a.st_rdev) == (b.st_dev, b.st_ino, b.st_rdev)
+
+
 def run(argv: list[str] | None = None) -> int:
     """Entry point: the one place that turns errors into one line and an exit code."""
     debug = os.environ.get("ZPLAN_DEBUG") == "1"
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
+    on_devnull = _stdout_is_devnull()
     try:
         args = sys.argv[1:] if argv is None else argv
         first = next(iter(args), None)
@@ -177,6 +187,12 @@ def run(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except SystemExit as e:
+        # rich's Console.on_broken_pipe (the help Typer prints through rich, `zplan --help | head`)
+        # points stdout at /dev/null and exits 1; zplan's own output exits 0 on a closed pipe
+        if e.code == 1 and not on_devnull and _stdout_is_devnull():
+            return 0
+        raise
     except (OSError, RecursionError, UnicodeError, OverflowError, MemoryError) as e:
         if debug:
             raise

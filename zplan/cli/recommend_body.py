@@ -80,6 +80,8 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     if write and plot and os.path.abspath(write) == os.path.abspath(plot):
         raise UsageError(f"--write and --plot name the same file, {write}: the plot would replace the "
                          f"plan; give them two names")
+    if plot is not None and not plot.lower().endswith(".png"):  # the plot is written as PNG data
+        raise UsageError(f"--plot {plot!r}: the plot is a PNG image; name a file ending in .png")
     with project_file_named(used):
         check_flag_pairs(opts, asked)
         sc = build(opts)

@@ -266,7 +266,7 @@ def _say(line: str) -> None:
         print(f"zplan: warning: {line}", file=sys.stderr, flush=True)
 
 
-def _first_sentence(text: str) -> str:
+def first_sentence(text: str) -> str:
     """A failure's first line, up to torch.load's advice: a weights_only refusal goes on to say
     that weights_only=False "will likely succeed", which for a file zplan reads as data (and
     refused as possibly crafted) is the wrong thing to pass on."""
@@ -307,7 +307,7 @@ def resume_newest(root: str | Path, model, optim, world: int, zero1: bool = Fals
             _say(f"checkpoint {path.name} cannot be read ({e}); trying the previous one")
         except CheckpointException as e:  # a BaseException: DCP gathers every rank's failure
             first = next(iter(dcp_failures(e)), e)
-            last = f"{path.name}: {type(first).__name__}: {_first_sentence(str(first))}"
+            last = f"{path.name}: {type(first).__name__}: {first_sentence(str(first))}"
             _say(f"checkpoint {path.name} cannot be loaded ({last.split(': ', 1)[1]}); trying the previous one")
     if published:
         raise CheckpointError(f"none of the {len(published)} checkpoints in {root} can be loaded"

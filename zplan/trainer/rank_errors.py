@@ -47,7 +47,9 @@ def classify(e: BaseException) -> tuple[str, int, bool]:
             line, code, secondary = min(inner, key=lambda t: (t[2], t[0].startswith("internal error")))
             if line.startswith("internal error"):
                 x = failures[0]
-                line = f"checkpoint cannot be loaded ({type(x).__name__}: {str(x).splitlines()[0][:300] if str(x) else ''})"
+                from .checkpoint import first_sentence
+
+                line = f"checkpoint cannot be loaded ({type(x).__name__}: {first_sentence(str(x))})"
             return line, code, secondary
     if isinstance(e, OSError):
         where = f"{e.filename}: " if e.filename else ""
