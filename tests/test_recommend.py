@@ -630,3 +630,17 @@ def test_given_values_that_fit_only_with_expandable_segments_say_so(capsys):
     assert r.returncode == 1 and "--expandable-segments" in r.stderr, r.stderr
     # the reason is the given configuration's, not micro-batch 1's (which fits)
     assert "as given, at micro-batch 8 with full checkpointing" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("line,said", [
+    ("headroom = 5", "(zplan.toml: headroom=5)"),
+    ('objective = "speed"', "(zplan.toml: objective=speed)"),
+    ('global_batch = "abc"', "(zplan.toml: global_batch=abc)"),
+])
+def test_a_bad_value_from_the_project_file_names_it(run_zplan, tmp_path, line, said):
+    """recommend's own keys in zplan.toml (headroom, objective, global_batch) were refused under
+    the flag's name alone, which the user never typed; the line now names the file's entry, as the
+    scenario keys' do."""
+    (tmp_path / "zplan.toml").write_text(line + "\n")
+    p = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "8", cwd=tmp_path)
+    assert p.returncode == 2 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -61,8 +61,9 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     used += plan_for_runner(opts, runner)
     objective = extra["objective"] or objective
     headroom = extra["headroom"] if extra["headroom"] is not None else headroom
-    check_choice(objective, "--objective", ("throughput", "memory"))
-    check_range(headroom, "--headroom", 0.0, 0.9)
+    with project_file_named(used):  # a bad value from zplan.toml names the file, not only the flag
+        check_choice(objective, "--objective", ("throughput", "memory"))
+        check_range(headroom, "--headroom", 0.0, 0.9)
     check_range(top, "--top", 0, 1000)
     from ..strategies import STRATEGIES
 
@@ -90,15 +91,21 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     if gb is not None and gbt is not None:
         raise UsageError("give --global-batch or --global-batch-tokens, not both")
     if gbt is not None:
-        tokens = parse_count(str(gbt), "--global-batch-tokens", integer=True, example="4M or 4194304")
-        if tokens % sc.train.seq_len:
-            raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {sc.train.seq_len}")
-        batch = tokens // sc.train.seq_len
-        if batch % sc.n:
-            raise UsageError(f"--global-batch-tokens {tokens} is {batch} sequences of {sc.train.seq_len} "
-                             f"tokens, not a multiple of {sc.n} GPUs; use a multiple of {sc.n * sc.train.seq_len}")
+        with project_file_named(used):
+            tokens = parse_count(str(gbt), "--global-batch-tokens", integer=True,
+                                 example=f"{1024 * sc.train.seq_len} (1024 sequences of {sc.train.seq_len})")
+            step = sc.n * sc.train.seq_len
+            if tokens % sc.train.seq_len:
+                raise UsageError(f"--global-batch-tokens {tokens} is not a multiple of --seq-len {sc.train.seq_len}; "
+                                 f"use a multiple of {step} ({sc.n} GPUs x {sc.train.seq_len} tokens), e.g. "
+                                 f"{max(1, round(tokens / step)) * step}")
+            batch = tokens // sc.train.seq_len
+            if batch % sc.n:
+                raise UsageError(f"--global-batch-tokens {tokens} is {batch} sequences of {sc.train.seq_len} "
+                                 f"tokens, not a multiple of {sc.n} GPUs; use a multiple of {step}")
     elif gb is not None:
-        batch = parse_count(str(gb), "--global-batch", integer=True, example="256")
+        with project_file_named(used):
+            batch = parse_count(str(gb), "--global-batch", integer=True, example="256")
     else:
         per_gpu = default_per_gpu(sc, pinned, DEFAULT_PER_GPU)
         batch = per_gpu * sc.n
