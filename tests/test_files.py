@@ -245,3 +245,16 @@ def test_named_outputs_edge_cases_the_review_found(tmp_path, capsys, monkeypatch
     os.symlink("nodir/x.json", tmp_path / "dl.json")
     r = cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--write", "dl.json")
     assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "nodir").exists()
+
+
+def test_a_number_of_thousands_of_digits_is_one_line_without_pythons_advice(tmp_path):
+    """json.loads refuses an integer of over 4300 digits with Python's "use
+    sys.set_int_max_str_digits() to increase the limit", which the line passed on (cut mid-word)."""
+    from zplan.errors import UsageError
+    from zplan.files import read_json
+
+    f = tmp_path / "p.json"
+    f.write_text('{"num_gpus": ' + "9" * 5000 + "}")
+    with pytest.raises(UsageError) as e:
+        read_json(f, "plan")
+    assert "thousands of digits" in str(e.value) and "set_int_max_str_digits" not in str(e.value)

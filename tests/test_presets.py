@@ -327,3 +327,10 @@ def test_a_gpu_on_another_gpus_node_is_said(capsys):
                  ("--gpu", "a100-40gb"), ("--gpu", "h100-hbm2e-500w")):
         r = cli(capsys, "estimate", *args, "--gpus", "8", "--json")
         assert "node_links" not in json.loads(r.stdout)["assumptions"], args
+
+
+def test_an_unknown_name_says_zplan_presets_names_no_folder(run_zplan, tmp_path):
+    """$ZPLAN_PRESETS is a search path (a missing entry is skipped, as PATH's is), so a typo in it
+    left "unknown gpu 'mine'" with no word of why: the refusal now names the entry."""
+    p = run_zplan("estimate", "--gpu", "mine", "--params", "7e9", env={"ZPLAN_PRESETS": str(tmp_path / "nope")})
+    assert p.returncode == 2 and f"$ZPLAN_PRESETS names {tmp_path / 'nope'}, which is not a folder" in p.stderr

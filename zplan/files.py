@@ -162,7 +162,10 @@ def _parse(path: str | Path, what: str, fmt: str) -> Any:
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{what} {path} is not valid TOML ({' '.join(str(e).split())}); fix the file") from None
     except (ValueError, RecursionError) as e:
-        raise UsageError(f"{what} {path} is not usable {fmt} ({' '.join(str(e).split())[:120]})") from None
+        why = " ".join(str(e).split())
+        if "integer string conversion" in why:  # Python's own advice (sys.set_int_max_str_digits) is not the fix
+            why = "a number with thousands of digits"
+        raise UsageError(f"{what} {path} is not usable {fmt} ({why[:120]}); fix the file") from None
     _check_depth(_value_depth(data), what, path)
     return data
 

@@ -128,6 +128,9 @@ def load(kind: str, name_or_path: str, extra: tuple[str, ...] = ()) -> Record:
     known = names(kind, extra)
     close = difflib.get_close_matches(key[:MAX_NAME], known, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
+    missing = [d for d in os.environ.get("ZPLAN_PRESETS", "").split(os.pathsep) if d and not _is(Path.is_dir, Path(d))]
+    if missing:  # a search path skips what is not there, as PATH does: said where a name is not found
+        hint += f"; $ZPLAN_PRESETS names {', '.join(missing)[:200]}, which is not a folder"
     shown = name_or_path if len(name_or_path) <= 80 else name_or_path[:77] + "..."
     raise UsageError(
         f"unknown {singular} {' '.join(shown.split())!r}: {hint} (or pass a path to a .toml file)"
