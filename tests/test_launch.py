@@ -383,6 +383,7 @@ def test_trainer_options_follow_double_dash(capsys, tmp_path):
     (["--plan", "PLAN", "--model", "gpt2"], "--model applies to a fresh plan"),
     (["--resume"], "--resume needs --run-dir"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "several nodes need --run-dir"),
+    (["--slurm", "job.sh"], "a --slurm job needs --run-dir"),  # one node asked: "several nodes" misled
     (["--save-every", "-5"], "--save-every"),
     (["--no-save", "--save-every", "2"], "--save-every 2 with --no-save"),
     (["--no-save", "--max-restarts", "1"], "--max-restarts 1 resumes from checkpoints, which --no-save"),

@@ -644,3 +644,13 @@ def test_a_bad_value_from_the_project_file_names_it(run_zplan, tmp_path, line, s
     (tmp_path / "zplan.toml").write_text(line + "\n")
     p = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "8", cwd=tmp_path)
     assert p.returncode == 2 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_hsdp_on_too_few_gpus_says_why(capsys, gpus):
+    """recommend --strategy hsdp --gpus 1 said "no shard size in 2..1 divides ...": HSDP's search
+    needs two replicas of shard groups of 2 or more."""
+    from tests.helpers import cli
+
+    r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--strategy", "hsdp", "--gpus", str(gpus))
+    assert r.returncode == 1 and "HSDP needs at least 4 GPUs" in r.stderr and "2..1" not in r.stderr, r.stderr

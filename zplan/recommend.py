@@ -415,7 +415,10 @@ def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1,
     explained."""
     variants = _variants(base, family)
     if not variants:
-        return (f"no shard size in 2..{min(base.hw.cluster.gpus_per_node, base.n)} divides both "
+        top = min(base.hw.cluster.gpus_per_node, base.n)
+        if top < 2 or base.n < 4:  # HSDP needs shard groups of 2 or more and 2 or more of them
+            return f"HSDP needs at least 4 GPUs (two replicas of shard groups of 2 or more); {base.n} cannot"
+        return (f"no shard size in 2..{top} divides both "
                 f"{base.n} GPUs and a node below N (--shard-size plans another)")
     least = {"checkpointing": "full", "blocks_per_unit": 1, "prefetch": False}
     base_tr = base.train.model_copy(update={k: v for k, v in least.items() if k not in pinned})

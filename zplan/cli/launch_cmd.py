@@ -222,8 +222,9 @@ def launch(
 
         check_user_output(slurm, "--slurm", "sbatch script", reads=(plan,) if plan else (), replaces="not-plan")
     if (nnodes > 1 or slurm) and run_dir is None:
-        raise UsageError("several nodes need --run-dir, a folder on a filesystem every node shares "
-                         "(each node writes its shards there)")
+        what = "a --slurm job" if slurm and nnodes == 1 else "several nodes"
+        raise UsageError(f"{what} need{'s' if what.startswith('a ') else ''} --run-dir, a folder on a filesystem "
+                         f"every node shares (each node writes its shards there)")
     found = run_detect()
     run = Path(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if plan is not None:
