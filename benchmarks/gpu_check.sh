@@ -7,7 +7,8 @@
 #   nvidia-ml-py, numpy, safetensors; pytest for the GPU tests) travels as wheels in .whl/ and is
 #   installed offline into a private folder when the machine lacks it.
 #   1. on a machine with a registry:  bash benchmarks/gpu_check.sh --fetch   (py3.12 wheels -> .whl/)
-#   2. on the GPU machine, carrying .whl/:  bash benchmarks/gpu_check.sh
+#   2. on the GPU machine, carrying .whl/ (it is gitignored: the device tool carries it only where
+#      named, carry [".whl"]):  bash benchmarks/gpu_check.sh
 #   rehearsal on CPU ranks (tiny model, 2 ranks, same steps):  bash benchmarks/gpu_check.sh --cpu-dry
 # DOES, each step under its own timeout (limits and kill grace add up to 515 s, under the 600 s
 #   a device command may run; about 4 minutes expected on one H200): environment -> zplan detect
@@ -29,7 +30,7 @@ case "${1:-}" in
   --fetch) MODE=fetch ;;
   --cpu-dry) MODE=cpu ;;
   "") ;;
-  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
   *) echo "gpu_check.sh: unknown option '$1': use --fetch, --cpu-dry or nothing" >&2; exit 2 ;;
 esac
 
