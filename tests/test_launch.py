@@ -839,3 +839,16 @@ def test_a_resume_the_ranks_refuse_leaves_the_runs_plan(run_zplan, tmp_path):
     assert p.returncode == 2 and "is of model 'tiny' but the plan trains 'tiny2'" in p.stderr, p.stderr[-2000:]
     assert "is the run's plan again" in p.stderr
     assert (run / "plan.json").read_bytes() == own and not (run / "plan.prev.json").exists()
+
+
+def test_gpu_auto_on_a_part_without_a_preset_names_the_way(monkeypatch):
+    """A GH200 (96 GB) was planned as an H200 (141 GB) by --gpu auto: its name now maps to no
+    preset, and --gpu auto says how to get one (a file, or zplan calibrate on it)."""
+    from zplan import hardware
+    from zplan.scenario_options import ScenarioOptions, build
+
+    name = "NVIDIA GH200 480GB"
+    gpu = hardware.GPUInfo(index=0, name=name, memory_bytes=96 * 10**9, preset=preset_for(name))
+    monkeypatch.setattr(hardware, "detect", lambda: hardware.Detected(gpus=[gpu]))
+    with pytest.raises(UsageError, match="GH200 480GB, which has no preset; pass --gpu FILE.toml .*calibrate"):
+        build(ScenarioOptions(gpu="auto", params="7e9"))

@@ -161,7 +161,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             raise UsageError(f"--gpu auto found no GPU ({found.gpu_reason}); name one with --gpu, e.g. --gpu h100-sxm")
         if found.gpu_preset is None:
             names = ", ".join(sorted({g.name for g in found.gpus}))
-            raise UsageError(f"--gpu auto found {names}, which has no preset; pass --gpu FILE.toml")
+            raise UsageError(f"--gpu auto found {names}, which has no preset; pass --gpu FILE.toml (zplan "
+                             f"calibrate measures this GPU and writes one)")
         gpu_name, gpus_found = found.gpu_preset, len(found.gpus)
     else:
         gpu_name = o.gpu
