@@ -580,20 +580,21 @@ def test_calibrated_attention_backward_and_the_fallback_kernel(monkeypatch):
     assert asked == [True, False, False] and "no FlashAttention kernel" in note
 
 
-def _calibrated_h200(tmp_path, spread=None):
+def _calibrated_h200(tmp_path, spread=None, part="h200", memory_bytes=150754820096):
     """A preset as calibrate writes it on an H200 (its measured figures made up; the identity and
-    the float8 rate as calibrate adds them), loaded back as the planner loads it."""
+    the float8 rate as calibrate adds them), loaded back as the planner loads it; `part`: the
+    preset calibrate found for the device's name (None: one no preset describes, a GH200)."""
     from zplan import calibrate
 
     kernels = {"gemm_flops": {"bf16": 7.6e14}, "sm_count": 132, "attention_forward_flops": 5.9e14,
                "attention_backward_flops": 4.4e14, "attention_half_seq": 300.0,
                "hbm_achieved_bytes_per_s": 4.2e12, "kernel_floor_s": 4e-6, "nccl_sm_fraction": 0.121,
                "source": "made up"}
-    gpu = {"name": "measured", "memory_bytes": 150754820096, "peak_flops": {"fp32": 5.0e13, "bf16": 7.6e14},
+    gpu = {"name": "measured", "memory_bytes": memory_bytes, "peak_flops": {"fp32": 5.0e13, "bf16": 7.6e14},
            "hbm_bytes_per_s": 4.2e12, "host_link_bytes_per_s": 5.0e10, "measured": True, "source": "made up",
            "kernels": kernels}
     calibrate.record_spread(kernels, spread, 8)
-    calibrate.keep_identity(gpu, "h200")
+    calibrate.keep_identity(gpu, part)
     cluster = {"name": "measured", "gpu": "measured", "gpus_per_node": 8,
                "intra_node_busbw_bytes_per_s": 3.6e11, "inter_node_busbw_bytes_per_s": 3.6e10,
                "intra_node_latency_s": 2e-5, "inter_node_latency_s": 8e-5, "host_ram_bytes": 2**40,
@@ -828,3 +829,27 @@ def test_calibrate_refuses_a_path_for_a_name_before_measuring(capsys, tmp_path, 
     r = cli(capsys, "calibrate", *flags)
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
+
+
+def test_a_gpu_no_preset_describes_runs_its_calibrated_plans(tmp_path, monkeypatch, run_zplan):
+    """A GH200 maps to no preset (it was taken for an H200): a plan made with the preset zplan
+    calibrate wrote on it passes the trainer's GPU check; a plan for a shipped preset is refused
+    in one line naming the way (calibrate's preset, a file), not "plan again with --gpu auto",
+    which refuses a GPU without a preset. The device's name and memory are faked."""
+    from types import SimpleNamespace
+
+    from zplan.plan import load
+    from zplan.trainer.plan_check import check_plan
+
+    _calibrated_h200(tmp_path, part=None, memory_bytes=96 * 10**9)
+    flags = ("--model", "llama-3.2-1b", "--gpus", "1", "--layout", "torch", "--strategy", "zero3")
+    for gpu, name in ((("--presets", str(tmp_path), "--gpu", "measured", "--cluster", "measured"), "mine.json"),
+                      (("--gpu", "h200"), "h200.json")):
+        p = run_zplan("recommend", *flags, *gpu, "--write", str(tmp_path / name))
+        assert p.returncode == 0, p.stderr
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA GH200 480GB")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=95 * 2**30))
+    assert check_plan(load(str(tmp_path / "mine.json")), 1, True, builtin_model=True) is None
+    why = check_plan(load(str(tmp_path / "h200.json")), 1, True, builtin_model=True)
+    assert "which no shipped preset describes" in why and "zplan calibrate" in why and "--gpu auto" not in why

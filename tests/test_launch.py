@@ -852,3 +852,16 @@ def test_gpu_auto_on_a_part_without_a_preset_names_the_way(monkeypatch):
     monkeypatch.setattr(hardware, "detect", lambda: hardware.Detected(gpus=[gpu]))
     with pytest.raises(UsageError, match="GH200 480GB, which has no preset; pass --gpu FILE.toml .*calibrate"):
         build(ScenarioOptions(gpu="auto", params="7e9"))
+
+
+def test_nohup_keeps_the_run_going():
+    """Under `nohup zplan launch` (SIGHUP ignored when the launcher starts) a hang-up must not end
+    the run: the launcher forwarded SIGHUP to torchrun and the ranks whatever its disposition.
+    The child sends SIGHUP to the launcher and lives on: exit 0, not 129."""
+    code = ("import signal, sys\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "from zplan.launch.runner import run\n"
+            "child = 'import os, signal, time; os.kill(os.getppid(), signal.SIGHUP); time.sleep(1)'\n"
+            "sys.exit(run([sys.executable, '-c', child], {}))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stderr)

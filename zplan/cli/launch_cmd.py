@@ -331,7 +331,9 @@ def launch(
     argv, env = torchrun_argv(spec)
     from ..launch.run_dir import hold_run_dir, step_folders
 
-    lock = hold_run_dir(run)  # noqa: F841 - held until this launch ends
+    # one node's launch holds the run folder (several nodes share it, each running zplan launch;
+    # a dry run starts nothing): held until this launch ends
+    lock = hold_run_dir(run) if nnodes == 1 and not dry_run else None  # noqa: F841
     kept = None
     if not dry_run or spec.plan_path == plan_path:
         if resume:
@@ -348,7 +350,7 @@ def launch(
     from ..launch.runner import run_with_restarts
 
     rc = run_with_restarts(argv, env, max_restarts)
-    if rc and kept is not None and step_folders(run) <= steps_before:
+    if rc and kept is not None and nnodes == 1 and step_folders(run) <= steps_before:
         # the ranks refused the new plan (or failed) before a checkpoint under it: the run's
         # folder names the plan its checkpoints were made under again, so a plain --resume works
         save(load(str(kept)), plan_path)

@@ -50,7 +50,7 @@ class LaunchSpec:
         return (["-m", "zplan.trainer"] if self.script is None else [self.script]) + list(self.script_args)
 
 
-_REDIRECTS = re.compile(r"[0-3]|(\d+:[0-3],)*\d+:[0-3]")  # torchrun's Std.from_str: one, or rank:value pairs
+_REDIRECTS = re.compile(r"[0-3]|(\d:[0-3],)*\d:[0-3]")  # torchrun's Std.from_str: one, or rank:value pairs (one-digit ranks)
 
 
 def check_torchrun_options(rdzv_endpoint: str | None, rdzv_id: str, log_dir: str | None,

@@ -42,7 +42,8 @@ def run(argv: list[str], env: dict[str, str]) -> int:
         got.append(signum)
         signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
 
-    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    # a signal ignored when zplan started stays ignored (`nohup zplan launch`: SIGHUP)
+    old = {s: signal.signal(s, forward) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         deadline = None
         while (rc := proc.poll()) is None:

@@ -6,9 +6,16 @@ import os
 
 
 # How far below the plan's GPU memory this GPU's may be: CUDA reports totalGlobalMem some hundreds of
-# MiB under the figure nvidia-smi prints, which the presets hold (0.6% on an H100 80GB); a part
-# whose name matches a preset's but with less memory (a GH200 taken for an H200) is far below.
+# MiB under the figure nvidia-smi prints, which the presets hold (0.6% on an H100 80GB); a GPU
+# with less memory than the plan counts (a preset or file of a larger part) is far below.
 MEMORY_SHORTFALL = 0.03
+
+
+def _shipped_gpu(name: str) -> bool:
+    """Whether `name` is one of zplan's own GPU presets (not a user's file or a calibrated one)."""
+    from ..presets import _shipped_dir
+
+    return (_shipped_dir() / "gpus" / f"{name}.toml").is_file()
 
 
 def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str | None:
@@ -31,9 +38,14 @@ def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str
         found = preset_for(name)
         if os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
             return None
-        if plan.gpu.family not in (found, "auto"):
+        if found is None and _shipped_gpu(plan.gpu.family):
+            # a part no preset describes (GH200, H100 NVL): its plans come from a file or calibrate
+            return (f"the plan is for {plan.gpu.name} but this GPU is {name}, which no shipped preset describes; "
+                    f"plan with zplan calibrate's preset of it (or --gpu FILE.toml), or set "
+                    f"ZPLAN_ALLOW_GPU_MISMATCH=1")
+        if found is not None and plan.gpu.family not in (found, "auto"):
             return (f"the plan is for {plan.gpu.name} but this GPU is {name} "
-                    f"({found or 'no preset'}); plan again with --gpu auto, or set ZPLAN_ALLOW_GPU_MISMATCH=1")
+                    f"({found}); plan again with --gpu auto, or set ZPLAN_ALLOW_GPU_MISMATCH=1")
         have = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if have < plan.gpu.memory_bytes * (1 - MEMORY_SHORTFALL):
             return (f"the plan counts {plan.gpu.memory_bytes / 2**30:.1f} GiB per GPU ({plan.gpu.name}) but this "
