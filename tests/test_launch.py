@@ -323,7 +323,7 @@ def test_signal_ends_every_rank(tmp_path, sig, mode, code):
     assert all(_alive(pid) for pid in pids)
     if sig == signal.SIGHUP:
         second = subprocess.run([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"),
-                                 "--dry-run", str(script), mode], capture_output=True, text=True, timeout=60)
+                                 str(script), mode], capture_output=True, text=True, timeout=60)
         assert second.returncode == 2 and "another zplan launch is running" in second.stderr, second.stderr
     p.send_signal(sig)
     # torchrun alone would wait 30 s for ranks that ignore SIGTERM: the grace kill is sooner
