@@ -2,6 +2,7 @@
 trainer's is (zplan/trainer/parallel.py to_master_dtype). One rank, a real gloo group."""
 
 import os
+import sys
 
 import pytest
 
@@ -40,6 +41,7 @@ def test_user_model_is_stored_in_the_plans_master_dtype(tmp_path, monkeypatch, s
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                  ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # api.init installs zplan's: put back after
     ctx = api.init(ckpt_dir=str(tmp_path))
     try:
         with torch.device("meta"):
@@ -117,3 +119,54 @@ def test_materialising_keeps_tied_weights_tied():
     materialise(t, False, torch.device("cpu"))
     assert t.output.weight is t.tok_embeddings.weight and not t.output.weight.is_meta
     assert sum(p.numel() for p in t.parameters()) == arch.param_count(m)
+
+
+def _fsdp_rank(rank: int, port: int, plan_path: str, out: str) -> None:
+    from zplan.trainer import api
+
+    os.environ.update(ZPLAN_PLAN=plan_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    ctx = api.init(ckpt_dir=out)
+    try:
+        torch.manual_seed(100 + rank)  # a per-rank seed, as scripts often set for their data
+        with torch.device("meta"):
+            model = UserModel()
+        model = ctx.apply(model, units=[model.a, model.b])
+        full = ctx.full_state_dict(model)
+        if rank == 0:
+            torch.save(full, os.path.join(out, "full.pt"))
+    finally:
+        ctx.close(leave=True)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["zero3", "offload-all"])
+def test_fsdp_on_cpu_ranks_starts_from_one_whole_initialisation(tmp_path, strategy):
+    """DTensor draws a shard's random values from one seeded stream only on cuda-like meshes: on
+    CPU ranks ctx.apply initialised each shard from its rank's own generator, and the full weights
+    were one shard repeated (rows 0-15 of a.weight equal to rows 16-31). Now the whole model is
+    initialised on CPU ranks before sharding, rank 0's values broadcast: the full weights are
+    exactly what rank 0's seed gives one unsharded model (the oracle: nn.Linear's own
+    reset_parameters in one process). Two real gloo ranks."""
+    import torch.multiprocessing as mp
+
+    kw = dict(model="llama-3.2-1b", gpus=2, micro_batch=1, grad_accum=1, layout="torch",
+              gpu="cpu", cluster="cpu-local")
+    plan = make_plan(scenario(**kw), strategy, 2, est(strategy, **kw))
+    plan = plan.model_copy(update={"train": plan.train.model_copy(update={"precision": plan.train.precision.model_copy(
+        update={"param": "fp32", "reduce": "fp32"})})})
+    save(plan, tmp_path / "plan.json")
+    mp.start_processes(_fsdp_rank, args=(free_port(), str(tmp_path / "plan.json"), str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    full = torch.load(tmp_path / "full.pt")
+    torch.manual_seed(100)
+    with torch.device("meta"):
+        ref = UserModel()
+    ref.to_empty(device="cpu")
+    with torch.no_grad():
+        for m in ref.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    assert not torch.equal(full["a.weight"][:16], full["a.weight"][16:])  # not one shard tiled
+    for name, value in ref.state_dict().items():
+        assert torch.equal(full[name].float(), value), name

@@ -228,7 +228,7 @@ def test_the_same_name_with_another_architecture_is_an_error_not_damage(tmp_path
     at every checkpoint, read as damage ("none ... can be loaded: move them away"): the manifest
     now records the parameter count, and another count is a one-line error naming both."""
     _save(tmp_path, 2, seed=1, model_params=1000)
-    with pytest.raises(UsageError, match="with 1,000 parameters but the plan's 'tiny' has 2,000") as e:
+    with pytest.raises(UsageError, match="with 1,000 parameters but the model resumed has 2,000") as e:
         _resume(tmp_path, model_params=2000)
     assert not isinstance(e.value, CheckpointError)  # an error, not a fallback
     assert _resume(tmp_path, model_params=1000)[0]["step"] == 2

@@ -865,3 +865,62 @@ def test_nohup_keeps_the_run_going():
             "sys.exit(run([sys.executable, '-c', child], {}))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, (p.returncode, p.stderr)
+
+
+USER_SCRIPT = """
+import os, sys, torch
+from zplan.trainer import api
+
+ctx = api.init()
+width = int(os.environ.get("WIDTH", "16"))
+with torch.device("meta"):
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 4))
+model = ctx.apply(model, units=[model[0], model[1]])
+optim = ctx.optimizer(model)
+start = ctx.resume(model, optim)
+if os.environ.get("FAIL") == "own":
+    raise ValueError("the script's own bug")
+loss = model(torch.randn(2, 8)).square().mean()
+loss.backward()
+optim.step()
+ctx.save(model, optim, start + 1)
+ctx.close(leave=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_users_script_errors_and_notes(run_zplan, tmp_path):
+    """A user's script under zplan launch (2 CPU ranks, zero3, a plan priced with full
+    checkpointing): ctx.apply says the script applies the checkpointing (it was silent, and a
+    plan chosen for fitting with it would not fit); the script's own error keeps its traceback,
+    exit 1; zplan's own refusal inside the script (the script's model changed width: a checkpoint
+    of another size, which read as damage) is one line, exit 2, no traceback wall; a relaunch
+    with another --plan keeps the run's plan as plan.prev.json; a launch option after the script
+    is said to go to the script."""
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT)
+    run = tmp_path / "run"
+    plans = {}
+    for name, ckpt_mode in (("full", "full"), ("none", "none")):
+        plans[name] = tmp_path / f"{name}.json"
+        p = run_zplan("recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+                      "--seq-len", "32", "--global-batch", "2", "--strategy", "zero3", "--checkpointing", ckpt_mode,
+                      "--write", str(plans[name]))
+        assert p.returncode == 0, p.stderr
+    ok = run_zplan("launch", "--plan", str(plans["full"]), "--run-dir", str(run), str(script), timeout=200)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "the plan was priced with activation checkpointing (full)" in ok.stderr
+    own = run_zplan("launch", "--plan", str(plans["full"]), "--run-dir", str(run), str(script),
+                    env={"FAIL": "own"}, timeout=200)
+    assert own.returncode == 1 and "ValueError: the script's own bug" in own.stderr and "Traceback" in own.stderr
+    wider = run_zplan("launch", "--plan", str(plans["none"]), "--run-dir", str(run), str(script), "--plan", "x",
+                      env={"WIDTH": "32"}, timeout=200)
+    assert wider.returncode == 2, wider.stderr[-3000:]
+    assert "with 212 parameters but the model resumed has 420" in wider.stderr, wider.stderr[-3000:]
+    assert "Traceback" not in wider.stderr
+    assert "--plan after" in wider.stderr and "go to your script" not in wider.stderr.split("--plan after")[0]
+    assert "under another plan" in wider.stderr  # the run's plan kept, and put back: nothing was saved
+    from zplan.plan import load
+
+    assert load(str(run / "plan.json")).train.checkpointing == "full" and not (run / "plan.prev.json").exists()

@@ -270,11 +270,10 @@ def checkpointing_note(plan: Plan) -> str | None:
             f"block, which zplan estimate --checkpointing full prices)")
 
 
-def code_note(plan: Plan, to: str) -> str | None:
-    """What the plan was priced with that lives in the training script, not in a DeepSpeed or
-    accelerate config, so that a run from the config alone would not have it (its memory and
-    time are then not the plan's): torch.compile, float8 linears, a chunked or fused loss, and
-    checkpointing under accelerate's DDP (MULTI_GPU has no checkpointing key). None where none."""
+def script_applies(plan: Plan, checkpointing: bool) -> list[str]:
+    """What of the plan's pricing a training script applies itself (nothing zplan hands it
+    carries it): torch.compile, float8 linears, a chunked or fused loss, and with `checkpointing`
+    the plan's activation checkpointing."""
     t = plan.train
     what = (["torch.compile" + (" (the whole model)" if t.compile_scope != "block" else " (each block)")]
             if t.compile else [])
@@ -282,8 +281,17 @@ def code_note(plan: Plan, to: str) -> str | None:
     what += [f"the {t.linear_loss} linear loss (the head and loss over chunks, never the whole logits)"] \
         if t.linear_loss != "none" else []
     what += ["a fused cross-entropy kernel"] if t.fused_loss else []
-    if to == "accelerate" and plan.strategy == "ddp" and t.checkpointing != "none":
+    if checkpointing and t.checkpointing != "none":
         what.append(f"activation checkpointing ({t.checkpointing})")
+    return what
+
+
+def code_note(plan: Plan, to: str) -> str | None:
+    """What the plan was priced with that lives in the training script, not in a DeepSpeed or
+    accelerate config, so that a run from the config alone would not have it (its memory and
+    time are then not the plan's): torch.compile, float8 linears, a chunked or fused loss, and
+    checkpointing under accelerate's DDP (MULTI_GPU has no checkpointing key). None where none."""
+    what = script_applies(plan, checkpointing=to == "accelerate" and plan.strategy == "ddp")
     if not what:
         return None
     return (f"the plan was priced with {', '.join(what)}, which the {to} config does not carry: your script "

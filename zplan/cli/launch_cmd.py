@@ -84,6 +84,11 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
+# zplan launch's own options a user may put after the script by mistake (they reach the script)
+LAUNCH_OPTIONS = frozenset({"--plan", "--run-dir", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint",
+                            "--max-restarts", "--slurm", "--dry-run", "--resume", "--strategy", "--global-batch"})
+
+
 def _split_args(ctx: typer.Context, script: str | None) -> tuple[str | None, list[str]]:
     """zplan's options come before the script; everything after the script is the script's.
     Options for the built-in trainer follow `--`."""
@@ -164,6 +169,10 @@ def launch(
     if log_every is not None:
         check_range(log_every, "--log-every", 0, 10**9)
     script, extra = _split_args(ctx, script)
+    mine = [a.split("=")[0] for a in extra if a.split("=")[0] in LAUNCH_OPTIONS] if script is not None else []
+    if mine:  # everything after the script is the script's: a launch option there is not zplan's
+        print(f"zplan: note: {', '.join(dict.fromkeys(mine))} after {script} go{'es' if len(set(mine)) == 1 else ''} "
+              f"to your script, not to zplan launch; zplan's options come before the script", file=sys.stderr)
     if script is not None:
         if not Path(script).is_file():
             what = "is a folder, not a script" if Path(script).is_dir() else "does not exist"
@@ -336,7 +345,7 @@ def launch(
     lock = hold_run_dir(run) if nnodes == 1 and not dry_run else None  # noqa: F841
     kept = None
     if not dry_run or spec.plan_path == plan_path:
-        if resume:
+        if resume or script is not None:  # a script resumes by itself in its folder (api.init)
             kept = _keep_replaced_plan(Path(plan_path), p)
         save(p, plan_path)
     steps_before = step_folders(run)

@@ -24,6 +24,7 @@ CPU memory.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,12 +33,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..arch import param_count
+from ..errors import UsageError
+from ..export import script_applies
 from ..plan import Plan, load
 from . import checkpoint as ckpt
 from .distributed import backend_for, init_process_group_for, missing_backends
 from .micro_batch import micro_batch_context
 from .parallel import Parallelized, build_optimizer, materialise, replicate, shard_units, to_master_dtype
+
+
+def _count(model: nn.Module) -> int:
+    """The script's model's parameters, whole (a DTensor's numel is the full tensor's; a tied
+    weight once): what its checkpoints record, not the plan's preset's count."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def _initialise(model: nn.Module, init: Callable[[nn.Module], None] | None) -> None:
@@ -77,7 +85,9 @@ class Context:
         buffers left empty too, so an `init` must fill those it needs (rotary tables, for one).
         Its parameters are stored in the plan's master dtype, as the built-in trainer's are.
         Under ddp and zero1 the model is initialised before DDP wraps it, so that DDP's
-        broadcast of rank 0's weights makes the replicas equal whatever each rank's RNG."""
+        broadcast of rank 0's weights makes the replicas equal whatever each rank's RNG; under
+        FSDP2 on a GPU after sharding (DTensor draws each shard from one seeded stream), on CPU
+        ranks before it, rank 0's weights broadcast (DTensor has no such stream there)."""
         to_master_dtype(model, self.plan)
         if self.plan.strategy in ("ddp", "zero1"):
             materialise(model, False, self.device)
@@ -86,8 +96,27 @@ class Context:
         else:
             groups = [[u] for u in (units if units is not None else
                                     [c for c in model.children() if any(True for _ in c.parameters())])]
+            first = self.device.type != "cuda"
+            if first:
+                # DTensor's random ops draw a shard's values from one seeded stream only on
+                # cuda-like meshes (torch/distributed/tensor/_random.py is_rng_supported_mesh,
+                # 2.11 and 2.13): on CPU ranks each rank drew its own shard from its own
+                # generator, the same values on every rank, so the full weights were one shard
+                # tiled. There the whole model is initialised first, rank 0's values broadcast,
+                # and fully_shard keeps each rank's piece of them.
+                materialise(model, False, self.device)
+                _initialise(model, init)
+                with torch.no_grad():
+                    for t in list(model.parameters()) + list(model.buffers()):
+                        dist.broadcast(t.data, 0)
             self._par = shard_units(model, groups, self.plan, self.device)
-            _initialise(self._par.inner, init)
+            if not first:
+                _initialise(self._par.inner, init)
+        what = script_applies(self.plan, checkpointing=True)
+        if what and self.rank == 0:  # apply shards and places; the plan's memory counted these too
+            print(f"zplan: note: the plan was priced with {', '.join(what)}; ctx.apply shards and places the "
+                  f"model only: your script applies them, or its memory and time are not the plan's",
+                  file=sys.stderr, flush=True)
         return self._par.model
 
     def optimizer(self, model: nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
@@ -104,15 +133,16 @@ class Context:
     def save(self, model, optim, step: int) -> Path:
         return ckpt.save(self.ckpt_dir, step, model, optim, {"step": step, "data_seed": 0},
                          {"world_size": self.world, "strategy": self.plan.strategy,
-                          "model": self.plan.model.name, "model_params": param_count(self.plan.model)},
+                          "model": self.plan.model.name, "model_params": _count(model)},
                          zero1=self.plan.strategy == "zero1")
 
     def resume(self, model, optim) -> int:
         """Load the newest complete checkpoint (at any world size, falling back past damaged
-        ones); return its step (0: none)."""
+        ones); return its step (0: none). A checkpoint of a model of another size (the script's
+        own model changed) is an error naming both counts, not a damaged checkpoint."""
         state = ckpt.resume_newest(self.ckpt_dir, model, optim, self.world,
                                    zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name,
-                                   model_params=param_count(self.plan.model))
+                                   model_params=_count(model))
         return 0 if state is None else int(state["step"])
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
@@ -134,11 +164,42 @@ class Context:
             leave_now(0)
 
 
+def _one_line_errors(group: bool) -> None:
+    """Uncaught errors in a script under zplan launch, reported as the built-in trainer reports
+    its own (rank_errors): zplan's (a refused plan, a checkpoint of another model), a lost peer,
+    running out of memory: one line and their exit code (2 usage, 1 otherwise), each rank's echo
+    of another's failure said as such; the script's own errors keep their traceback (its author
+    reads it). ZPLAN_DEBUG=1: Python's own hook throughout.
+
+    Installed twice: first (group False), so that api.init's own refusals are one line; then once
+    the process group exists (group True), around the hook init_process_group installs
+    (torch.distributed's _distributed_excepthook, which prints the traceback with a [rankN]
+    prefix through a buffer, so a hook below it must not end the process): that outer one ends
+    the process at once after the traceback, as rank_errors.leave does (gloo's teardown with a
+    peer gone can abort)."""
+    if os.environ.get("ZPLAN_DEBUG") == "1":
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        from .rank_errors import classify, leave, report
+
+        if not classify(value)[0].startswith("internal error"):
+            leave(report(value))
+        previous(kind, value, tb)
+        if group:
+            leave(1)
+
+    sys.excepthook = hook
+
+
 def init(ckpt_dir: str | None = None) -> Context:
-    """Join the process group torchrun set up and read the plan named by $ZPLAN_PLAN."""
+    """Join the process group torchrun set up and read the plan named by $ZPLAN_PLAN; errors that
+    escape the script are reported in one line from here on (_one_line_errors)."""
+    _one_line_errors(group=False)
     path = os.environ.get("ZPLAN_PLAN")
     if not path:
-        raise RuntimeError("$ZPLAN_PLAN is not set: start this script with zplan launch")
+        raise UsageError("$ZPLAN_PLAN is not set: start this script with zplan launch")
     plan = load(path)
     from .plan_check import check_plan
     from .run_setup import set_host_threads, set_local_device
@@ -148,15 +209,16 @@ def init(ckpt_dir: str | None = None) -> Context:
         set_local_device()
     why = check_plan(plan, int(os.environ.get("WORLD_SIZE", "1")), cuda)
     if why:
-        raise RuntimeError(why)
+        raise UsageError(why)
     set_host_threads(plan.strategy, cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         init_process_group_for(device)
     elif missing := missing_backends(device):
-        raise RuntimeError(
+        raise UsageError(
             f"the process group this script started has no backend for {' or '.join(missing)} tensors "
             f"(backend {dist.get_backend()!r}), which the run's collectives meet (offload, bookkeeping, "
             f"checkpoints): start it as init_process_group({backend_for(device)!r}), or let zplan's api.init start it")
+    _one_line_errors(group=True)
     run_dir = ckpt_dir or os.environ.get("ZPLAN_RUN_DIR") or str(Path(path).parent)
     return Context(plan, dist.get_rank(), dist.get_world_size(), device, run_dir)

@@ -169,8 +169,8 @@ def _check_fits(path: Path, meta: dict, world: int, zero1: bool, model_name: str
         # the same name, another architecture: DCP's size mismatch, which read as damage (every
         # checkpoint "cannot be loaded": move them away) where the plan is what differs
         raise UsageError(f"checkpoint {path} is of model {meta.get('model')!r} with {saved:,} parameters but the "
-                         f"plan's {model_name!r} has {model_params:,}: pass another --run-dir, or resume with the "
-                         f"plan the run was made under")
+                         f"model resumed has {model_params:,}: pass another --run-dir, or resume with the plan "
+                         f"(and model) the run was made under")
     if zero1 and meta.get("world_size") != world:
         raise UsageError(f"zero1 checkpoint {path} was saved at world size {meta.get('world_size')}; "
                          f"ZeroRedundancyOptimizer state resumes only at the same size: run with "
