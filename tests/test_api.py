@@ -61,19 +61,25 @@ def test_user_model_is_stored_in_the_plans_master_dtype(tmp_path, monkeypatch, s
             dist.destroy_process_group()
 
 
-def _ddp_rank(rank: int, port: int, plan_path: str, out: str) -> None:
-    import torch.distributed as dist
-
+def _applied(rank: int, port: int, plan_path: str, out: str):
+    """One of two ranks: the group, and UserModel built on meta and applied, each rank seeded
+    apart (as scripts often seed for their data)."""
     from zplan.trainer import api
 
     os.environ.update(ZPLAN_PLAN=plan_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     ctx = api.init(ckpt_dir=out)
+    torch.manual_seed(100 + rank)
+    with torch.device("meta"):
+        model = UserModel()
+    return ctx, ctx.apply(model, units=[model.a, model.b])
+
+
+def _ddp_rank(rank: int, port: int, plan_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    ctx, model = _applied(rank, port, plan_path, out)
     try:
-        torch.manual_seed(100 + rank)  # a per-rank seed, as scripts often set for their data
-        with torch.device("meta"):
-            model = UserModel()
-        model = ctx.apply(model, units=[model.a, model.b])
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         both = [torch.empty_like(flat) for _ in range(2)]
         dist.all_gather(both, flat)
@@ -122,16 +128,8 @@ def test_materialising_keeps_tied_weights_tied():
 
 
 def _fsdp_rank(rank: int, port: int, plan_path: str, out: str) -> None:
-    from zplan.trainer import api
-
-    os.environ.update(ZPLAN_PLAN=plan_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    ctx = api.init(ckpt_dir=out)
+    ctx, model = _applied(rank, port, plan_path, out)
     try:
-        torch.manual_seed(100 + rank)  # a per-rank seed, as scripts often set for their data
-        with torch.device("meta"):
-            model = UserModel()
-        model = ctx.apply(model, units=[model.a, model.b])
         full = ctx.full_state_dict(model)
         if rank == 0:
             torch.save(full, os.path.join(out, "full.pt"))
