@@ -46,7 +46,17 @@ def test_user_model_is_stored_in_the_plans_master_dtype(tmp_path, monkeypatch, s
     try:
         with torch.device("meta"):
             model = UserModel().to(torch.bfloat16)
+        # the API's order, refused in one line where it is not kept (it was an AssertionError, DCP's
+        # "Cannot copy out of meta tensor", or a second wrap failing in backward: the QA pass)
+        from zplan.errors import UsageError
+
+        for call in (lambda: ctx.optimizer(model), lambda: ctx.save(model, None, 1),
+                     lambda: ctx.resume(model, None), lambda: ctx.accumulate(model, True)):
+            with pytest.raises(UsageError, match=r"call ctx.apply\(model\) first"):
+                call()
         model = ctx.apply(model, units=[model.a, model.b])
+        with pytest.raises(UsageError, match="ctx.apply was called already"):
+            ctx.apply(model)
         dtypes = {p.dtype for p in model.parameters()}
         assert dtypes == {torch.float32}
         opt = ctx.optimizer(model)

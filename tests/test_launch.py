@@ -924,3 +924,18 @@ def test_a_users_script_errors_and_notes(run_zplan, tmp_path):
     from zplan.plan import load
 
     assert load(str(run / "plan.json")).train.checkpointing == "full" and not (run / "plan.prev.json").exists()
+
+
+def test_a_plan_the_api_refuses_is_refused_before_any_rank(tmp_path, capsys):
+    """api.init refuses a plan the trainer cannot apply to any model (--compile: it runs eager
+    linears) in every rank after the rendezvous, a traceback each (the QA pass); zplan launch
+    says it once, before starting anything."""
+    from tests.helpers import cli
+
+    plan, script = tmp_path / "p.json", tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    r = cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+            "--seq-len", "64", "--strategy", "zero3", "--compile", "--write", str(plan))
+    assert r.returncode == 0, r.stderr
+    r = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"), str(script))
+    assert r.returncode == 1 and "cannot run" in r.stderr and "compile" in r.stderr and r.stdout == "", r.stderr

@@ -258,7 +258,9 @@ def launch(
             shorter = ", or a shorter --seq-len" if plan is None else ""  # a plan fixes the sequence
             raise UsageError(f"--data {data} has {size} bytes; the trainer needs more than seq_len + 1 = "
                              f"{p.train.seq_len + 1} (a longer text file{shorter})")
-    why = trainer_refusal(p) if script is None else None
+    # a script's api.init refuses what the trainer cannot apply to any model (its own): said here,
+    # once, before a rank starts, not by every rank after the rendezvous
+    why = trainer_refusal(p, builtin_model=script is None)
     if why:
         from ..errors import PlanError
 

@@ -88,6 +88,9 @@ class Context:
         broadcast of rank 0's weights makes the replicas equal whatever each rank's RNG; under
         FSDP2 on a GPU after sharding (DTensor draws each shard from one seeded stream), on CPU
         ranks before it, rank 0's weights broadcast (DTensor has no such stream there)."""
+        if self._par is not None:
+            raise UsageError("ctx.apply was called already: apply the model once (a second FSDP2 or DDP wrap "
+                             "fails later, in backward or at the first step)")
         to_master_dtype(model, self.plan)
         if self.plan.strategy in ("ddp", "zero1"):
             materialise(model, False, self.device)
@@ -119,18 +122,23 @@ class Context:
                   file=sys.stderr, flush=True)
         return self._par.model
 
+    def _applied(self, what: str) -> Parallelized:
+        if self._par is None:
+            raise UsageError(f"ctx.{what} needs the model ctx.apply returns: call ctx.apply(model) first")
+        return self._par
+
     def optimizer(self, model: nn.Module, lr: float = 3e-4, weight_decay: float = 0.1):
-        assert self._par is not None, "call ctx.apply(model) first"
-        return build_optimizer(self._par, self.plan, lr, weight_decay)
+        return build_optimizer(self._applied("optimizer"), self.plan, lr, weight_decay)
 
     def accumulate(self, model: nn.Module, last: bool):
         """Skip the gradient reduction on non-final micro-batches when the plan says so; under
         DDP also autocast to the plan's param dtype."""
-        assert self._par is not None
+        par = self._applied("accumulate")
         sync = last or self.plan.train.reduce_every_microbatch
-        return micro_batch_context(self._par, sync, self.device.type)
+        return micro_batch_context(par, sync, self.device.type)
 
     def save(self, model, optim, step: int) -> Path:
+        self._applied("save")
         return ckpt.save(self.ckpt_dir, step, model, optim, {"step": step, "data_seed": 0},
                          {"world_size": self.world, "strategy": self.plan.strategy,
                           "model": self.plan.model.name, "model_params": _count(model)},
@@ -140,6 +148,7 @@ class Context:
         """Load the newest complete checkpoint (at any world size, falling back past damaged
         ones); return its step (0: none). A checkpoint of a model of another size (the script's
         own model changed) is an error naming both counts, not a damaged checkpoint."""
+        self._applied("resume")
         state = ckpt.resume_newest(self.ckpt_dir, model, optim, self.world,
                                    zero1=self.plan.strategy == "zero1", model_name=self.plan.model.name,
                                    model_params=_count(model))
