@@ -178,3 +178,52 @@ def test_fsdp_on_cpu_ranks_starts_from_one_whole_initialisation(tmp_path, strate
     assert not torch.equal(full["a.weight"][:16], full["a.weight"][16:])  # not one shard tiled
     for name, value in ref.state_dict().items():
         assert torch.equal(full[name].float(), value), name
+
+
+def _host_shard_rank(rank: int, port: int, plan_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from zplan.plan import load
+    from zplan.trainer import api
+    from zplan.trainer.parallel import shard_units
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo")
+    try:
+        plan = load(plan_path)
+        full = {}
+        for how in ("alike", "own"):
+            torch.manual_seed(0)  # the script seeds every rank alike
+            with torch.device("meta"):
+                model = UserModel()
+            par = shard_units(model, [[model.a], [model.b]], plan, torch.device("cpu"))
+            if how == "alike":
+                api._initialise(par.inner, None)
+            else:
+                api._initialise_host_shards(par.inner, None, rank)
+            full[how] = model.a.weight.full_tensor()
+        if rank == 0:
+            torch.save(full, os.path.join(out, "host.pt"))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_host_shards_are_drawn_apart(tmp_path):
+    """Shards on the host (offload-all) are outside DTensor's RNG tracker, which drives the GPU's
+    stream: initialised from each rank's CPU generator seeded alike, the full weight is one shard
+    twice (shown here on CPU ranks, where no tracker runs at all); _initialise_host_shards, which
+    apply uses for offload-all on a GPU, draws each rank's shard from a stream of its own."""
+    import torch.multiprocessing as mp
+
+    kw = dict(model="llama-3.2-1b", gpus=2, micro_batch=1, grad_accum=1, layout="torch",
+              gpu="cpu", cluster="cpu-local")
+    save(make_plan(scenario(**kw), "offload-all", 2, est("offload-all", **kw)), tmp_path / "plan.json")
+    mp.start_processes(_host_shard_rank, args=(free_port(), str(tmp_path / "plan.json"), str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    full = torch.load(tmp_path / "host.pt")
+    assert torch.equal(full["alike"][:16], full["alike"][16:])  # the bug: one shard tiled
+    assert not torch.equal(full["own"][:16], full["own"][16:])
+    bound = 1 / 16 ** 0.5  # nn.Linear(16, 32)'s kaiming-uniform bound: the distribution is kept
+    assert full["own"].abs().max() <= bound and full["own"].std() > bound / 3

@@ -42,6 +42,18 @@ from .micro_batch import micro_batch_context
 from .parallel import Parallelized, build_optimizer, materialise, replicate, shard_units, to_master_dtype
 
 
+def _initialise_host_shards(model: nn.Module, init, rank: int) -> None:
+    """Initialise FSDP2 shards that sit on the host (offload-all on a GPU): DTensor's RNG
+    tracker drives the GPU's stream, not the host's, so each rank drew its shard from its CPU
+    generator, the same values on every rank where the script seeded them alike (the full
+    weights one shard tiled). Each rank draws from a stream of its own instead: distinct shards
+    of the same distribution (not the unsharded model's values). The script's generator is left
+    as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((torch.initial_seed() + 1_000_003 * (rank + 1)) % 2**63)
+        _initialise(model, init)
+
+
 def _count(model: nn.Module) -> int:
     """The script's model's parameters, whole (a DTensor's numel is the full tensor's; a tied
     weight once): what its checkpoints record, not the plan's preset's count."""
@@ -113,7 +125,9 @@ class Context:
                     for t in list(model.parameters()) + list(model.buffers()):
                         dist.broadcast(t.data, 0)
             self._par = shard_units(model, groups, self.plan, self.device)
-            if not first:
+            if not first and self.plan.strategy == "offload-all":
+                _initialise_host_shards(self._par.inner, init, self.rank)
+            elif not first:
                 _initialise(self._par.inner, init)
         what = script_applies(self.plan, checkpointing=True)
         if what and self.rank == 0:  # apply shards and places; the plan's memory counted these too
