@@ -299,8 +299,12 @@ def test_signal_ends_every_rank(tmp_path, sig, mode, code):
     script.write_text(RANK_SCRIPT)
     err_path = tmp_path / "launch.err"  # kept for the failure message
     with open(err_path, "w") as err:
+        # the signals' default dispositions in the launcher, whatever this process inherited (a
+        # harness under nohup ignores SIGHUP, which the launcher then keeps ignoring, as it should)
         p = subprocess.Popen([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"),
-                              str(script), mode], stdout=subprocess.PIPE, stderr=err, text=True)
+                              str(script), mode], stdout=subprocess.PIPE, stderr=err, text=True,
+                             preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in
+                                                 (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: ([lines.put(x) for x in p.stdout], lines.put("")), daemon=True).start()
     pids, deadline = [], time.monotonic() + 120

@@ -200,3 +200,28 @@ def test_piped_tables_are_printed_whole(run_zplan):
     assert "…" not in wide.stdout
     rec = run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--wide", env=_no_columns())
     assert rec.returncode == 0 and "…" not in rec.stdout and "Runners-up" in rec.stdout, rec.stderr
+
+
+def test_the_overlap_table_folds_only_units_alike(run_zplan):
+    """Units were folded into one row by their gather, forward and exposed times, not their
+    backward: under every-k checkpointing the checkpointed blocks (their recompute in backward)
+    were shown at the plain blocks' backward time (llama-3.1-8b, every 4th block: 31 blocks at
+    20.8 ms, where 8 of them take 28.1). Each row's count and backward time must match the JSON."""
+    args = ("estimate", "--model", "llama-3.1-8b", "--gpu", "a100-40gb", "--gpus", "8", "--checkpointing",
+            "every-k", "--checkpoint-every", "4", "--strategy", "zero3")
+    units = json.loads(run_zplan(*args, "--json").stdout)["strategies"][0]["overlap"]
+    text = run_zplan(*args, env=_no_columns({"COLUMNS": "200"})).stdout
+    table = text[text.index("Overlap per unit"):].splitlines()[3:]
+    import re
+
+    rows = [re.split(r"\s{2,}", line.strip()) for line in table if line.strip() and not line.startswith("─")]
+    rows = [r for r in rows if len(r) == 8 and r[1].isdigit()]
+    assert sum(int(r[1]) for r in rows) == len(units)
+    i = 0
+    for r in rows:  # each folded row: its units' backward times all print as the row's
+        n = int(r[1])
+        value, unit = r[6].split()
+        shown = float(value) * {"ms": 1, "s": 1e3, "us": 1e-3, "µs": 1e-3}[unit]
+        for u in units[i:i + n]:
+            assert abs(u["backward_s"] * 1e3 - shown) <= 0.051, (r, u["backward_s"])
+        i += n

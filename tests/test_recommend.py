@@ -476,7 +476,7 @@ def test_nothing_fits_for_no_memory_reason_gives_no_memory_advice(capsys):
     launch, which has neither flag)."""
     from tests.helpers import cli
     r = cli(capsys, "recommend", "--gpu", "cpu", "--model", "tiny", "--gpus", "2", "--strategy", "hsdp")
-    assert r.returncode == 1 and "no shard size" in r.stderr and r.stderr.rstrip().endswith("try another --strategy")
+    assert r.returncode == 1 and "HSDP needs at least 4 GPUs" in r.stderr and r.stderr.rstrip().endswith("try another --strategy")
     assert "--gpus" not in r.stderr.split("try")[-1] and "--linear-loss" not in r.stderr
 
 

@@ -145,6 +145,12 @@ def cluster(name: str, extra: tuple[str, ...] = ()) -> ClusterSpec:
     return load("clusters", name, extra)  # type: ignore[return-value]
 
 
+def shipped(kind: str, name: str) -> bool:
+    """Whether `name` is one of zplan's own presets of this kind (not a user's file or folder,
+    nor one zplan calibrate wrote)."""
+    return _is(Path.is_file, _shipped_dir() / kind / f"{name}.toml")
+
+
 def model(name: str, extra: tuple[str, ...] = ()) -> ModelSpec:
     m: ModelSpec = load("models", name, extra)  # type: ignore[assignment]
     if m.total_params is not None:  # a plan's model synthesized from --params carries it; a file does not

@@ -243,7 +243,7 @@ def overlap_table(r: StrategyEstimate) -> TableSpec:
     rows: list[list] = []
     for u in r.timing.units:
         key = (round(u.all_gather_s, 9), round(u.forward_s, 9), round(u.forward_exposed_s, 9),
-               round(u.backward_exposed_s, 9), round(u.reduce_s, 9))
+               round(u.backward_s, 9), round(u.backward_exposed_s, 9), round(u.reduce_s, 9))
         if rows and rows[-1][0] == key:
             rows[-1][2] += 1
             continue

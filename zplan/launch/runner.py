@@ -42,8 +42,10 @@ def run(argv: list[str], env: dict[str, str]) -> int:
         got.append(signum)
         signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
 
-    # a signal ignored when zplan started stays ignored (`nohup zplan launch`: SIGHUP)
-    old = {s: signal.signal(s, forward) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
+    # SIGHUP ignored when zplan started stays ignored (`nohup zplan launch`); SIGINT and SIGTERM
+    # are always forwarded (a background job's ignored SIGINT is the shell's, not a wish)
+    old = {s: signal.signal(s, forward) for s in FORWARDED
+           if not (s == signal.SIGHUP and signal.getsignal(s) is signal.SIG_IGN)}
     try:
         deadline = None
         while (rc := proc.poll()) is None:

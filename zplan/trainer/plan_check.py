@@ -11,13 +11,6 @@ import os
 MEMORY_SHORTFALL = 0.03
 
 
-def _shipped_gpu(name: str) -> bool:
-    """Whether `name` is one of zplan's own GPU presets (not a user's file or a calibrated one)."""
-    from ..presets import _shipped_dir
-
-    return (_shipped_dir() / "gpus" / f"{name}.toml").is_file()
-
-
 def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str | None:
     """Why this plan cannot run in this world, or None (`builtin_model`: zplan's own trainer,
     whose model the plan's architecture must fit; a user's script brings its own)."""
@@ -38,7 +31,9 @@ def check_plan(plan, world: int, cuda: bool, builtin_model: bool = False) -> str
         found = preset_for(name)
         if os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH"):
             return None
-        if found is None and _shipped_gpu(plan.gpu.family):
+        from ..presets import shipped
+
+        if found is None and shipped("gpus", plan.gpu.family):
             # a part no preset describes (GH200, H100 NVL): its plans come from a file or calibrate
             return (f"the plan is for {plan.gpu.name} but this GPU is {name}, which no shipped preset describes; "
                     f"plan with zplan calibrate's preset of it (or --gpu FILE.toml), or set "
