@@ -115,10 +115,11 @@ class Context:
             if first:
                 # DTensor's random ops draw a shard's values from one seeded stream only on
                 # cuda-like meshes (torch/distributed/tensor/_random.py is_rng_supported_mesh,
-                # 2.11 and 2.13): on CPU ranks each rank drew its own shard from its own
-                # generator, the same values on every rank, so the full weights were one shard
-                # tiled. There the whole model is initialised first, rank 0's values broadcast,
-                # and fully_shard keeps each rank's piece of them.
+                # 2.11 and 2.13): on CPU ranks each rank drew its shard from its own generator,
+                # the same values wherever the script seeded the ranks alike (the full weights
+                # one shard tiled), unrelated pieces where not. There the whole model is
+                # initialised first, rank 0's values broadcast, and fully_shard keeps each rank's
+                # piece of them: the unsharded model rank 0's seed gives.
                 materialise(model, False, self.device)
                 _initialise(model, init)
                 with torch.no_grad():
