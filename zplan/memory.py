@@ -897,8 +897,10 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
         padding_bytes=ms.padding_bytes,
         gather_buffer_bytes=live.get("gathered", 0) + live.get("all_gather", 0),
         # the accumulated gradients sit in the unsharded_grads kind: reported once, on their own
+        # (and, under offload, a sharded gradient on the GPU on its way to the host, which the
+        # model state counts there: no component held it, allocated exceeded their sum)
         reduce_buffer_bytes=(live.get("unsharded_grads", 0) - min(accum, live.get("unsharded_grads", 0))
-                             + live.get("reduce_scatter", 0)),
+                             + live.get("reduce_scatter", 0) + max(0, live.get("grads", 0) - ms.grads_bytes)),
         accum_grad_bytes=accum,
         activation_bytes=live.get("activations", 0),
         step_temp_bytes=live.get("step_temps", 0),
