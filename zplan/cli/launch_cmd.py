@@ -84,11 +84,6 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-# zplan launch's own options a user may put after the script by mistake (they reach the script)
-LAUNCH_OPTIONS = frozenset({"--plan", "--run-dir", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint",
-                            "--max-restarts", "--slurm", "--dry-run", "--resume", "--strategy", "--global-batch"})
-
-
 def _split_args(ctx: typer.Context, script: str | None) -> tuple[str | None, list[str]]:
     """zplan's options come before the script; everything after the script is the script's.
     Options for the built-in trainer follow `--`."""
@@ -169,7 +164,12 @@ def launch(
     if log_every is not None:
         check_range(log_every, "--log-every", 0, 10**9)
     script, extra = _split_args(ctx, script)
-    mine = [a.split("=")[0] for a in extra if a.split("=")[0] in LAUNCH_OPTIONS] if script is not None else []
+    # zplan launch's own options put after the script by mistake (they reach the script), read
+    # from the command's declared options; the built-in trainer's (--steps, --data, ...) left out,
+    # which a script's own options often share
+    own = {o for param in ctx.command.params if param.name not in TRAINER_FLAGS
+           for o in getattr(param, "opts", ()) if o.startswith("--")}
+    mine = [a.split("=")[0] for a in extra if a.split("=")[0] in own] if script is not None else []
     if mine:  # everything after the script is the script's: a launch option there is not zplan's
         print(f"zplan: note: {', '.join(dict.fromkeys(mine))} after {script} go{'es' if len(set(mine)) == 1 else ''} "
               f"to your script, not to zplan launch; zplan's options come before the script", file=sys.stderr)

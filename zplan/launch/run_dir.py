@@ -27,10 +27,7 @@ def holds_run(p: Path) -> str:
     """What of a run a folder holds (its report, its checkpoints), '' for none: a fresh launch
     there would put its checkpoints beside the old run's (a later --resume loading the newer of
     either) and replace the old run's report and plan."""
-    try:
-        steps = sorted(c.name for c in p.iterdir() if c.name.startswith("step_") and c.is_dir())
-    except OSError:
-        return ""
+    steps = sorted(step_folders(p))
     found = (["run_report.json"] if (p / "run_report.json").is_file() else []) + steps[-1:]
     return ", ".join(found)
 
