@@ -552,23 +552,28 @@ def test_a_bad_number_names_the_value_that_fails(capsys):
     assert rc == 2 and "--seq-len 'ten' is not a whole number (" not in err.replace("(see", "")
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("estimate", "--params", "7e9", "--gpus", "0"), "--gpus '0'"),  # the error itself, not a traceback
-    (("estimate", "--params", "7e9", "--json"), "standard output is closed"),
-    (("estimate", "--params", "7e9"), "standard output is closed"),  # was exit 0 with nothing printed
+@pytest.mark.parametrize("args", [
+    ("estimate", "--params", "7e9", "--gpus", "0"),  # was a traceback (the error boundary's flush)
+    ("estimate", "--params", "7e9", "--json"),  # was "internal error"
+    ("estimate", "--params", "7e9"),  # was exit 0 with nothing printed
+    ("recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--write", "{tmp}/plan.json"),  # wrote, then exit 2
+    ("export", "--plan", "{tmp}/none.json", "--to", "torchrun", "--output", "{tmp}/run.sh"),
 ])
-def test_a_closed_stdout_is_one_line(args, needle):
+def test_a_closed_stdout_is_one_line_before_any_work(args, tmp_path):
     """fd 1 closed (`>&-`: Python sets sys.stdout to None): the error boundary's flush raised
-    AttributeError (a traceback, the real error lost), --json ended in "internal error", and
-    a result went nowhere with exit 0. Now one line on stderr and exit 2."""
+    AttributeError (a traceback, the real error lost), --json ended in "internal error", a
+    result went nowhere with exit 0, and `recommend --write` wrote its plan before failing to
+    print. Now one line on stderr, exit 2, and nothing written."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "ZPLAN_DEBUG"}
-    p = subprocess.run([sys.executable, "-m", "zplan", *args], stdout=None, stderr=subprocess.PIPE, text=True,
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    p = subprocess.run([sys.executable, "-m", "zplan", *argv], stdout=None, stderr=subprocess.PIPE, text=True,
                        env=env, timeout=60, preexec_fn=lambda: os.close(1))
-    assert p.returncode == 2 and needle in p.stderr, p.stderr
+    assert p.returncode == 2 and "standard output is closed" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_files_meet_the_checks_the_flags_do(run_zplan, tmp_path):

@@ -6,7 +6,6 @@ import copy
 import errno
 import functools
 import importlib
-import io
 import os
 import re
 import sys
@@ -131,23 +130,6 @@ def _bad_number(msg: str, args: list[str]) -> str:
     return f"{flag} {value!r} is not a whole number{written}"
 
 
-class _ClosedStdout(io.TextIOBase):
-    """sys.stdout where fd 1 was closed (`>&-`, some daemons; Python then sets it to None): what a
-    command prints is refused in one line, not lost without a word (exit 0) nor a traceback."""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        if not text:
-            return 0
-        raise UsageError("standard output is closed, and this command prints its result there; redirect it "
-                         "(> FILE, or > /dev/null) instead of closing it")
-
-    def flush(self) -> None:
-        pass
-
-
 def _stdout_is_devnull() -> bool:
     """Whether fd 1 is /dev/null (rich's broken-pipe handler puts it there)."""
     try:
@@ -161,7 +143,12 @@ def run(argv: list[str] | None = None) -> int:
     """Entry point: the one place that turns errors into one line and an exit code."""
     debug = os.environ.get("ZPLAN_DEBUG") == "1"
     if sys.stdout is None:
-        sys.stdout = _ClosedStdout()
+        # fd 1 closed (`>&-`, some daemons; Python then sets sys.stdout to None): every command
+        # prints its result there, so refuse before any work, not after a plan, an export or a
+        # run folder was written (nor a traceback, nor a silent exit 0)
+        print("zplan: error: standard output is closed, and every zplan command prints its result there; "
+              "redirect it (> FILE, or > /dev/null) instead of closing it", file=sys.stderr)
+        return 2
     on_devnull = _stdout_is_devnull()
     try:
         args = sys.argv[1:] if argv is None else argv
