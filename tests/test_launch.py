@@ -436,6 +436,22 @@ def test_run_directory_is_checked_before_anything_runs(capsys, tmp_path):
     assert p.returncode == 2 and "/sys/zplan-run is not writable" in p.stderr, p.stderr
 
 
+def test_the_first_node_of_several_holds_the_run_directory(capsys, tmp_path):
+    """Multi-node launches shared their run folder without a lock: a second job's node 0 in the
+    same folder resumed beside a running one. Node 0 now holds it (the other nodes share it)."""
+    from zplan.launch.run_dir import hold_run_dir
+
+    run = tmp_path / "r"
+    run.mkdir()
+    held = hold_run_dir(run)  # a running launch's lock
+    try:
+        p = cli(capsys, "launch", "--nnodes", "2", "--node-rank", "0", "--nproc", "1",
+                "--rdzv-endpoint", "127.0.0.1:29999", "--run-dir", str(run))
+        assert p.returncode == 2 and "another zplan launch is running" in p.stderr, p.stderr
+    finally:
+        held.close()
+
+
 def test_run_directory_without_room_is_refused(monkeypatch, tmp_path):
     import shutil as sh
 

@@ -342,9 +342,10 @@ def launch(
     argv, env = torchrun_argv(spec)
     from ..launch.run_dir import hold_run_dir, step_folders
 
-    # one node's launch holds the run folder (several nodes share it, each running zplan launch;
-    # a dry run starts nothing): held until this launch ends
-    lock = hold_run_dir(run) if nnodes == 1 and not dry_run else None  # noqa: F841
+    # the launch on the first node holds the run folder until it ends: a one-node launch, or node 0
+    # of several (the others share the folder, each running zplan launch; a rendezvous that ranks
+    # the nodes itself names none of them first); a dry run starts nothing
+    lock = hold_run_dir(run) if (nnodes == 1 or node_rank == 0) and not dry_run else None  # noqa: F841
     kept = None
     if not dry_run or spec.plan_path == plan_path:
         if resume or script is not None:  # a script resumes by itself in its folder (api.init)
