@@ -227,30 +227,45 @@ def test_export_cli(run_zplan, tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_deepspeed_collectives_are_timed_with_the_exported_buckets(strategy):
-    """The config's reduce_bucket_size (25 MiB of fp32 gradients) and allgather_bucket_size (of
-    bf16 weights) are the buckets the plan times: ceil(padded / bucket) calls, each full bucket
-    one NCCL call and the remainder one more."""
+@pytest.mark.parametrize("allreduce", [True, False])
+def test_deepspeed_collectives_are_timed_with_the_exported_buckets(strategy, allreduce):
+    """The config's reduce_bucket_size (25 MiB of fp32 gradients) is the cap of the IPG buckets
+    the plan's gradient calls are made of, and the config says how they are reduced, as the plan
+    prices it (use_multi_rank_bucket_allreduce: an all-reduce per bucket, or a reduce per owner;
+    tests/test_deepspeed_reduce.py holds the calls against DeepSpeed's own); the weights'
+    all-gather splits the partition into allgather_bucket_size calls, the last the remainder."""
     from zplan import comm
 
-    kw = dict(model="llama-3.1-8b", gpus=16, micro_batch=2, grad_accum=4, checkpointing="full")
-    plan = plan_for(strategy)
+    kw = dict(model="llama-3.1-8b", gpus=16, micro_batch=2, grad_accum=4, checkpointing="full",
+              deepspeed_bucket_allreduce=allreduce)
+    plan = plan_for(strategy, deepspeed_bucket_allreduce=allreduce)
     zo = deepspeed_config(plan)["zero_optimization"]
     assert (zo["reduce_bucket_size"], zo["allgather_bucket_size"]) == (BUCKET // 4, BUCKET // 2)
+    assert zo["use_multi_rank_bucket_allreduce"] is allreduce
     sc = scenario(layout="zero", **kw)
-    colls = {c.name: c for c in est(strategy, layout="zero", **kw).collectives}
-    g = sc.hw.cluster.gpus_per_node
-    for name, op, bucket, width in (("reduce-scatter (gradients)", "reduce_scatter", zo["reduce_bucket_size"], 4),
-                                    ("all-gather (updated weights)", "all_gather", zo["allgather_bucket_size"], 2)):
-        c = colls[name]
-        padded = c.elements
-        assert 8_030_261_248 <= padded < 8_030_261_248 + 16 * len(sc.units)  # Llama 3.1 8B, padded
-        calls = -(-padded // bucket)
-        assert calls == (1226 if width == 4 else 613)
-        rest = padded - (calls - 1) * bucket
-        by_hand = ((calls - 1) * comm.call_seconds(sc, op, bucket * width, 16, min(g, 16))
-                   + comm.call_seconds(sc, op, rest * width, 16, min(g, 16)))
-        assert c.seconds_per_call == pytest.approx(by_hand, rel=1e-9)
+    colls = est(strategy, layout="zero", **kw).collectives
+    (grads,) = [c for c in colls if "gradients" in c.name]
+    assert grads.op == ("all_reduce" if allreduce else "reduce")
+    buckets = comm.bucket_calls(sc, "fp32", grads.elements * 4, BUCKET, deepspeed=True)
+    assert sum(buckets) == grads.elements * 4
+    # a parameter over the cap is a bucket of its own: Llama 3.1 8B's embedding and head (128256 x
+    # 4096; the embedding's, backward's last, with DeepSpeed's padding) and each MLP matrix
+    pad = grads.elements * 4 - 8_030_261_248 * 4
+    top = sorted(buckets)[-3:]
+    assert top == [14336 * 4096 * 4, 128256 * 4096 * 4, 128256 * 4096 * 4 + pad]
+    assert buckets[-1] == top[-1] and buckets.count(14336 * 4096 * 4) == 3 * 32
+    assert grads.call_bytes == (max(buckets) if allreduce else max(
+        b for bs in comm.owner_reduce_calls(buckets, grads.elements * 4, 16) for b in bs))
+    (ag,) = [c for c in colls if c.name == "all-gather (updated weights)"]
+    padded, bucket = ag.elements, zo["allgather_bucket_size"]
+    assert 8_030_261_248 <= padded < 8_030_261_248 + 16 * len(sc.units)  # Llama 3.1 8B, padded
+    calls = -(-padded // bucket)
+    assert calls == 613
+    rest = padded - (calls - 1) * bucket
+    g = min(sc.hw.cluster.gpus_per_node, 16)
+    by_hand = ((calls - 1) * comm.call_seconds(sc, "all_gather", bucket * 2, 16, g)
+               + comm.call_seconds(sc, "all_gather", rest * 2, 16, g))
+    assert ag.seconds_per_call == pytest.approx(by_hand, rel=1e-9)
 
 
 @pytest.mark.parametrize("layout", ["torch", "zero"])

@@ -71,8 +71,17 @@ def test_zero3_peak_extra_is_two_units_of_bf16_weights():
                                          ("zero3-noreshard", 2)])
 def test_traffic_volumes(name, factor):
     # 64 ranks and a unit size divisible by 64: no padding, so the ZeRO paper's volumes exactly
-    r = est(name, params="6.4e9", gpus=64)
+    # (ZeRO-1/2 reducing to each owner, as the paper's reduce-scatter)
+    r = est(name, params="6.4e9", gpus=64, deepspeed_bucket_allreduce=False)
     assert r.elements_per_step == factor * 6_400_000_000
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_deepspeeds_zero12_all_reduce_moves_half_again_the_papers_volume(name):
+    """DeepSpeed since 0.12.4 all-reduces each gradient bucket (use_multi_rank_bucket_allreduce):
+    2 Psi for the gradients and Psi for the updated weights, against the paper's 2 Psi."""
+    r = est(name, params="6.4e9", gpus=64)
+    assert r.elements_per_step == 3 * 6_400_000_000
 
 
 def test_torch_zero1_is_all_reduce_plus_gather():
@@ -183,3 +192,18 @@ def test_unit_size_given_with_params():
     assert len(sc.units) == 80 and all(u.numel == 875_000_000 for u in sc.units)
     # two units of bf16 weights gathered at the peak: the design's ~2 x 1.75 GB
     assert r.memory.gather_buffer_bytes == 2 * 2 * 875_000_000
+
+
+def test_the_json_and_plan_file_docs_name_every_train_field():
+    """docs/json.md and docs/plan-file.md list TrainSpec's fields (a QA pass found two DeepSpeed
+    fields in every written plan and in neither doc); `autocast` is never written to a plan."""
+    import re
+    from pathlib import Path
+
+    from zplan.specs import TrainSpec
+
+    root = Path(__file__).resolve().parents[1] / "docs"
+    for doc, left_out in (("json.md", set()), ("plan-file.md", {"autocast"})):
+        text = (root / doc).read_text()
+        missing = [f for f in TrainSpec.model_fields if f not in left_out and not re.search(rf"\b{f}\b", text)]
+        assert missing == [], (doc, missing)

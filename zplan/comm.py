@@ -33,7 +33,7 @@ def bucket_elements(bucket_bytes: int, dtype: str) -> int:
 @dataclass(frozen=True)
 class Collective:
     name: str  # e.g. "all-gather (forward)"
-    op: str  # all_gather | reduce_scatter | all_reduce | h2d | d2h
+    op: str  # all_gather | reduce_scatter | all_reduce | reduce | h2d | d2h
     elements: int  # size of the full tensor the op works on, per call
     dtype: str
     group_size: int
@@ -124,25 +124,76 @@ def gradient_buckets(sc: Scenario, grad_b: int, cap_bytes: int, first_cap_bytes:
     return out + [cur] if cur else out
 
 
+def bucket_calls(sc: Scenario, dtype: str, total_bytes: int, bucket_bytes: int,
+                 first_bucket_bytes: int | None = None, deepspeed: bool = False) -> list[int]:
+    """The bytes of each call of a gradient reduction issued in buckets, in the order backward
+    fills them (gradient_buckets: DDP's Reducer, or DeepSpeed's IPG bucket where `deepspeed`),
+    with what DeepSpeed pads its flat partitions by in the last."""
+    buckets = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed)
+    buckets[-1] += max(0, total_bytes - sum(buckets))
+    return buckets
+
+
+def calls_seconds(sc: Scenario, op: str, sizes: list[int], n: int, per_node: int) -> float:
+    """The calls of these sizes one after another, each as NCCL runs it (call_seconds)."""
+    seen: dict[int, float] = {}
+    for b in sizes:
+        if b not in seen:
+            seen[b] = call_seconds(sc, op, b, n, per_node)
+    return sum(seen[b] for b in sizes)
+
+
 def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0,
           first_bucket_bytes=None, deepspeed=False) -> Collective:
-    """One collective; a gradient reduction in buckets (bucket_bytes > 0) also times its final
-    bucket (gradient_buckets, DeepSpeed's rule where `deepspeed`), which nothing hides, and
-    records its largest bucket as its largest call: a parameter larger than the cap makes a
-    bucket of its own (an embedding's gradient, GBs against DDP's 25 MiB)."""
+    """One collective; a gradient reduction in buckets (bucket_bytes > 0) is the calls its
+    buckets make, each timed as NCCL runs it (bucket_calls: a parameter larger than the cap
+    makes a bucket of its own, an embedding's gradient GBs against DDP's 25 MiB), and also
+    times its final bucket, which nothing hides; other bucketed calls (DeepSpeed's all-gather
+    of the updated weights) split the tensor evenly."""
     scope = "intra-node" if group <= per_node else "inter-node"
     total = nbytes(elements, dtype)
-    t = bucketed_seconds(sc, op, total, group, per_node, bucket_bytes)
     last = 0.0
     call_b, call = total, "the whole tensor"
-    if 0 < bucket_bytes < total:
-        call_b, call = bucket_bytes, "a bucket"
     if bucket_bytes > 0 and op in ("all_reduce", "reduce_scatter"):
-        buckets = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed)
-        last = call_seconds(sc, op, min(buckets[-1], total), group, per_node)
+        buckets = bucket_calls(sc, dtype, total, bucket_bytes, first_bucket_bytes, deepspeed)
+        t = calls_seconds(sc, op, buckets, group, per_node)
+        last = call_seconds(sc, op, buckets[-1], group, per_node)
         if len(buckets) > 1:
-            call_b, call = min(max(buckets), total), "the largest bucket"
+            call_b, call = max(buckets), "the largest bucket"
+    else:
+        t = bucketed_seconds(sc, op, total, group, per_node, bucket_bytes)
+        if 0 < bucket_bytes < total:
+            call_b, call = bucket_bytes, "a bucket"
     return Collective(name, op, elements, dtype, group, scope, calls, t, last, per_node, call_b, call)
+
+
+def owner_reduce_calls(buckets: list[int], total_bytes: int, n: int) -> list[list[int]]:
+    """Per bucket (backward's order: the flat buffer filled from its end), the bytes of each
+    reduce DeepSpeed's ZeRO-1/2 issues without use_multi_rank_bucket_allreduce: one per
+    owning rank whose partition (a contiguous 1/n of the flat buffer, in forward order) the
+    bucket overlaps (stage_1_and_2.py average_tensor: slices merged by destination ->
+    allreduce_no_retain(rank=dst) -> dist.reduce)."""
+    part = total_bytes / n
+    out, end = [], total_bytes
+    for b in buckets:
+        lo, hi = end - b, end
+        first, last = int(lo // part), min(n - 1, int((hi - 1) // part))
+        out.append([int(min(hi, (r + 1) * part) - max(lo, r * part)) for r in range(first, last + 1)])
+        end = lo
+    return out
+
+
+def _owner_reduces(sc, elements, dtype, group, per_node, calls, bucket_bytes) -> Collective:
+    """DeepSpeed's ZeRO-1/2 gradient reduction with use_multi_rank_bucket_allreduce off: per IPG
+    bucket, a reduce to each owning rank (owner_reduce_calls), each timed as NCCL runs a reduce."""
+    total = nbytes(elements, dtype)
+    per_bucket = owner_reduce_calls(bucket_calls(sc, dtype, total, bucket_bytes, None, True), total, group)
+    t = calls_seconds(sc, "reduce", [b for bs in per_bucket for b in bs], group, per_node)
+    last = calls_seconds(sc, "reduce", per_bucket[-1], group, per_node)
+    big = max(b for bs in per_bucket for b in bs)
+    return Collective("reduce (gradients, to each owning rank)", "reduce", elements, dtype, group,
+                      "intra-node" if group <= per_node else "inter-node", calls, t, last, per_node,
+                      big, "the largest slice")
 
 
 @dataclass(frozen=True)
@@ -346,8 +397,11 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
 
             rs_bucket = nbytes(REDUCE_BUCKET_ELEMS, p.reduce)
             ag_bucket = nbytes(ALLGATHER_BUCKET_ELEMS, p.param)
-        out.append(_coll(sc, "reduce-scatter (gradients)", "reduce_scatter", padded, p.reduce,
-                         N, g_world, grad_calls, rs_bucket, deepspeed=True))
+        if t.deepspeed_bucket_allreduce:  # DeepSpeed's default since 0.12.4: every rank gets every bucket
+            out.append(_coll(sc, "all-reduce (gradients, each bucket: DeepSpeed's multi-rank bucket all-reduce)",
+                             "all_reduce", padded, p.reduce, N, g_world, grad_calls, rs_bucket, deepspeed=True))
+        else:
+            out.append(_owner_reduces(sc, padded, p.reduce, N, g_world, grad_calls, rs_bucket))
         out.append(_coll(sc, "all-gather (updated weights)", "all_gather", padded, p.param, N,
                          g_world, 1, ag_bucket))
         return out

@@ -321,7 +321,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         exposed = 0.0
         after = reduces_after_backward(st.name, t.layout)  # DeepSpeed stage 0
         for c in colls:
-            if c.op not in ("all_reduce", "reduce_scatter"):
+            if c.op not in ("all_reduce", "reduce_scatter", "reduce"):
                 continue
             per = c.seconds_per_call
             last_bucket = c.last_bucket_s or per  # backward's end waits for the final bucket

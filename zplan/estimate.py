@@ -313,6 +313,14 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         + (f"; not priced here: {why_not}" if why_not else "") if one else
                         "decay/no-decay groups, or DeepSpeed before 0.19: the parameters' own blocks "
                         "do not stay cached")}
+        on = sc.train.deepspeed_bucket_allreduce
+        out["deepspeed_bucket_allreduce"] = {
+            "value": on, "flag": "--no-deepspeed-bucket-allreduce" if on else "--deepspeed-bucket-allreduce",
+            "meaning": ("DeepSpeed's ZeRO-1/2 all-reduce each gradient bucket and every rank keeps its "
+                        "partition (use_multi_rank_bucket_allreduce, DeepSpeed's default since 0.12.4): "
+                        "twice the reduce-scatter the ZeRO paper counts" if on else
+                        "one reduce per owning rank (use_multi_rank_bucket_allreduce false, or "
+                        "DeepSpeed before 0.12.4): the ZeRO paper's volume")}
     unaligned = unaligned_gemm_dims(sc.model, sc.train.precision.param)
     if unaligned and sc.hw.gpu.kernels is not None:
         slow = sc.hw.gpu.kernels.unaligned_gemm_slowdown

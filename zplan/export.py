@@ -84,6 +84,8 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
                          "or run 8-bit Adam through your own script")
     bucket = plan.assumptions.ddp_bucket_bytes
     zo: dict = {"stage": stage, "overlap_comm": plan.assumptions.overlap, "contiguous_gradients": True}
+    if stage in (1, 2):  # how its gradient buckets are reduced, as the plan prices it
+        zo["use_multi_rank_bucket_allreduce"] = t.deepspeed_bucket_allreduce
     if stage == 3 and t.optimizer == "muon":  # ZeRO-3 refuses Muon beside its reduce-scatter; the plan
         zo["reduce_scatter"] = False  # prices the all-reduce it runs instead (policy.all_reduces_gradients)
     if t.deepspeed_defaults:

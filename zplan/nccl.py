@@ -8,6 +8,7 @@ from the cluster preset) in place of NCCL's internal estimates:
 - ring, Simple protocol: latency = baseLat + (steps - inter)·intraLat + inter·interLat, with
   steps = n-1 for all-gather/reduce-scatter and 2(n-1) for all-reduce, inter = the steps that
   cross nodes (nodes-1, or 2(nodes-1)); time = latency + S·(n-1)/(n·busbw) (x2 for all-reduce).
+  A reduce to one root (ring only) moves the whole S at the busbw, with one hop's latency.
 - ring, LL protocol: NCCL's LL latencies, half the bandwidth and at most NCCL's llMaxBw for the
   group (tuning.cc: busBw = min(llMaxBw, busBw * .5); the cluster preset's
   ll_max_busbw_bytes_per_s: by GPU generation in one node, by host CPU across nodes, 20-39 GB/s
@@ -139,6 +140,8 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
         return CollectiveTime(0.0, "none", "none", 0.0, 1, 1)
     f = _factor(op)
     bw, algo = group_busbw(c, op, n, per_node)
+    if op == "reduce":
+        return _reduce_time(c, nbytes, bw, nodes, per_node)
     wire = f * nbytes * (n - 1) / n
     nvls = None
     if algo == "nvls":  # NVLS where it is faster; small all-reduces run the ring's LL protocol
@@ -172,10 +175,31 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
     return best
 
 
+def _reduce_time(c: ClusterSpec, nbytes: int, bw: float, nodes: int, per_node: int) -> CollectiveTime:
+    """One ncclReduce of S bytes to one root (DeepSpeed's ZeRO-1/2 with
+    use_multi_rank_bucket_allreduce off): NCCL runs it on the ring alone, with nsteps = n, so
+    its algbw is the busbw itself (tuning.cc: ratio = nRanks / nsteps) and every rank sends the
+    whole S, not S(n-1)/n; the pipeline pays one hop's latency on top of the base (tuning.cc,
+    Reduce with sameChannels). LL where it is faster, as for the other collectives."""
+    hop = c.intra_node_latency_s if nodes == 1 else c.inter_node_latency_s
+    best = CollectiveTime(c.base_latency_s + hop + nbytes / bw, "ring", "Simple", bw, nodes, per_node)
+    if c.link in _LL_STEP_S:
+        ll_bw = 0.5 * bw
+        if c.ll_max_busbw_bytes_per_s is not None:
+            ll_bw = min(ll_bw, c.ll_max_busbw_bytes_per_s[min(nodes, 3) - 1])
+        ll = _LL_BASE_S + (_LL_STEP_S[c.link] if nodes == 1 else _LL_NET_STEP_S) + nbytes / ll_bw
+        if ll < best.seconds:
+            best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
+    return best
+
+
 def busbw_at(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int) -> float:
-    """The busbw nccl-tests would print for this call: S/t x (n-1)/n (x2 for all-reduce)."""
+    """The busbw nccl-tests would print for this call: S/t x (n-1)/n (x2 for all-reduce; S/t
+    for reduce, whose busbw nccl-tests takes as its algbw)."""
     t = collective_time(c, op, nbytes, n, per_node).seconds
-    return _factor(op) * nbytes * (n - 1) / (n * t) if t > 0 else 0.0
+    if t <= 0:
+        return 0.0
+    return nbytes / t if op == "reduce" else _factor(op) * nbytes * (n - 1) / (n * t)
 
 
 def contiguous_shape(n: int, gpus_per_node: int, world: int | None = None) -> int:

@@ -77,6 +77,7 @@ class ScenarioOptions:
     sac_saves_attention: bool = True  # TrainSpec.sac_saves_attention
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_param_groups: str = "one"  # zero layout, ZeRO-1/2: one | split (TrainSpec)
+    deepspeed_bucket_allreduce: bool = True  # zero layout, ZeRO-1/2: each gradient bucket all-reduced (TrainSpec)
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     ddp_bucket_view: bool = True  # DDP's gradients are views of its buckets (TrainSpec)
@@ -304,6 +305,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if layout == "torch" and o.deepspeed_defaults:
         raise UsageError("--deepspeed-defaults is about DeepSpeed's config (the zero layout); FSDP "
                          "(--layout torch) has no such buckets: drop --deepspeed-defaults")
+    if layout == "torch" and not o.deepspeed_bucket_allreduce:
+        raise UsageError("--no-deepspeed-bucket-allreduce is about DeepSpeed's ZeRO-1/2 (the zero layout); "
+                         "FSDP (--layout torch) reduce-scatters: drop --no-deepspeed-bucket-allreduce")
     if layout == "torch" and not o.zero_init:
         raise UsageError("--no-zero-init is about deepspeed.initialize (the zero layout); FSDP "
                          "(--layout torch) never holds the whole model: drop --no-zero-init")
@@ -382,7 +386,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             sac_saves_attention=o.sac_saves_attention,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, ddp_bucket_view=o.ddp_bucket_view, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_bucket_allreduce=o.deepspeed_bucket_allreduce, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, ddp_bucket_view=o.ddp_bucket_view, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

@@ -508,6 +508,13 @@ class TrainSpec(Spec):
         "Trainer, accelerate's zero3_init_flag), so no GPU ever holds it whole; False: built "
         "without it, deepspeed.initialize first moves the whole model to each GPU "
         "(runtime/engine.py _configure_distributed_model) and only then partitions it")
+    deepspeed_bucket_allreduce: bool = Field(
+        True, description="zero layout, ZeRO-1/2: DeepSpeed reduces each gradient bucket with one "
+        "all-reduce, every rank then keeping its own partition (use_multi_rank_bucket_allreduce, "
+        "its default since v0.12.4, PR #4695: stage_1_and_2.py average_tensor -> "
+        "allreduce_and_scatter), twice a reduce-scatter's bytes; False: one reduce per owning "
+        "rank's slice of the bucket (the key false, or DeepSpeed before 0.12.4), about a "
+        "reduce-scatter's bytes, as the ZeRO paper has it")
     deepspeed_param_groups: DeepSpeedParamGroups = Field(
         "one", description="zero layout, ZeRO-1/2: how DeepSpeed's optimizer holds the parameters. "
         "DeepSpeed from 0.19.0 (stage_1_and_2.py flatten_on_accelerator, PR #7828) flattens each "
@@ -636,6 +643,8 @@ class TrainSpec(Spec):
             raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:
             raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
+        if self.layout == "torch" and not self.deepspeed_bucket_allreduce:
+            raise ValueError("deepspeed_bucket_allreduce false is about DeepSpeed's ZeRO-1/2 (the zero layout)")
         if self.layout == "torch" and self.deepspeed_param_groups != "one":
             raise ValueError("deepspeed_param_groups is about DeepSpeed's ZeRO-1/2 optimizer (the zero layout)")
         if self.linear_loss != "none" and self.loss_fused:

@@ -1,0 +1,161 @@
+"""Gradient reductions issued in buckets, held against the libraries that issue them: DDP's
+bucket assignment (torch's own, on meta tensors) and DeepSpeed's ZeRO-1/2 calls (a real
+two-rank run on its CPU accelerator, its c10d calls recorded)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from tests.helpers import scenario
+
+
+def test_ddp_buckets_are_the_reducers():
+    """DDP rebuilds its buckets after the first step in the order gradients became ready (the
+    parameters reversed) with limits [1 MiB, 25 MiB] (reducer.cpp rebuild_buckets ->
+    compute_bucket_assignment_by_size): torch's own assignment on meta tensors is the oracle for
+    the calls zplan times, here Llama 3.2 1B's fp32 gradients (a weight over 25 MiB alone)."""
+    import torch
+    import torch.distributed as dist
+
+    from zplan import comm
+
+    sc = scenario(model="llama-3.2-1b", gpus=16, layout="torch")
+    params = [torch.empty(s, device="meta") for u in sc.units for s in u.shapes]
+    rev = list(reversed(params))
+    groups, _ = dist._compute_bucket_assignment_by_size(rev, [2**20, 25 * 2**20], [False] * len(rev))
+    oracle = [4 * sum(rev[i].numel() for i in g) for g in groups]
+    total = 4 * sum(p.numel() for p in params)
+    assert comm.bucket_calls(sc, "fp32", total, 25 * 2**20, comm.DDP_FIRST_BUCKET_BYTES) == oracle
+    assert len(oracle) < total // (25 * 2**20)  # fewer calls than equal 25 MiB pieces (the old pricing)
+    (ar,) = [c for c in comm.collectives(sc, __import__("zplan.strategies", fromlist=["x"]).STRATEGIES["ddp"])
+             if c.op == "all_reduce"]
+    g = sc.hw.cluster.gpus_per_node
+    assert ar.seconds_per_call == pytest.approx(sum(comm.call_seconds(sc, "all_reduce", b, 16, g) for b in oracle),
+                                                rel=1e-12)
+    assert ar.call_bytes == max(oracle)
+
+
+def test_a_reduce_moves_the_whole_tensor_at_the_bus_bandwidth():
+    """ncclReduce runs the ring alone with nsteps = n, so its algbw is the busbw (tuning.cc:
+    ratio = nRanks / nsteps): S / busbw plus NCCL's base latency and one hop, where a
+    reduce-scatter of S moves S(n-1)/n; nccl-tests prints a reduce's algbw as its busbw."""
+    from zplan import nccl, presets
+
+    c = presets.cluster("dgx-h100")
+    S = 2**30
+    t = nccl.collective_time(c, "reduce", S, 8, 8)
+    assert t.seconds == pytest.approx(c.base_latency_s + c.intra_node_latency_s + S / c.intra_node_busbw_bytes_per_s,
+                                      rel=1e-12)
+    rs = nccl.collective_time(c, "reduce_scatter", S, 8, 8).seconds
+    assert t.seconds / rs == pytest.approx(8 / 7, rel=0.02)  # less the reduce-scatter's ring latency
+    assert nccl.busbw_at(c, "reduce", S, 8, 8) == pytest.approx(S / t.seconds)
+    across = nccl.collective_time(c, "reduce", S, 16, 8)  # two nodes: the ring through 8 NICs
+    assert across.seconds == pytest.approx(c.base_latency_s + c.inter_node_latency_s
+                                           + S / min(c.intra_node_busbw_bytes_per_s, 8 * c.inter_node_busbw_bytes_per_s),
+                                           rel=1e-12)
+
+
+_DS_RUN = r"""
+import json, os, sys
+rank, port, multi = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                  WORLD_SIZE="2", LOCAL_RANK=str(rank))
+import torch, deepspeed
+from torch.utils._python_dispatch import TorchDispatchMode
+deepspeed.init_distributed(dist_backend="gloo")
+
+class Calls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            t = args[0]
+            n = sum(x.numel() for x in t) if isinstance(t, (list, tuple)) else t.numel()
+            self.calls.append((func._schema.name.split("::")[-1], n))
+        return func(*args, **(kwargs or {}))
+
+cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+       "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000, "allgather_bucket_size": 100000,
+                             "use_multi_rank_bucket_allreduce": multi, "overlap_comm": False}}
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 48), torch.nn.Linear(48, 16))
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+x = torch.randn(4, 32)
+for step in range(2):  # the second step: buckets as they run every step
+    with Calls() as rec:
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+if rank == 0:
+    print("CALLS", json.dumps(rec.calls), flush=True)
+"""
+
+LINEARS = ((32, 64), (64, 48), (48, 16))
+
+
+def _deepspeed_calls(tmp_path, multi: bool) -> list:
+    from zplan.netutil import free_port
+
+    script = tmp_path / "ds_run.py"
+    script.write_text(_DS_RUN)
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, "1" if multi else "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    (line,) = [x for x in outs[0][0].splitlines() if x.startswith("CALLS ")]
+    return json.loads(line[len("CALLS "):])
+
+
+def _zplan_scenario():
+    """The test model as zplan's units: one per Linear, its weight and bias, fp32 throughout,
+    on two ranks, DeepSpeed's reduce_bucket_size of 3000 elements as the bucket assumption."""
+    from zplan import arch, presets
+    from zplan.scenario import Scenario
+    from zplan.specs import Hardware, TrainSpec
+
+    units = tuple(arch.Unit(f"linear{i}", ((o, i_), (o,)), 1, i, o * i_ + o) for i, (i_, o) in enumerate(LINEARS))
+    hw = Hardware(gpu=presets.gpu("cpu"), cluster=presets.cluster("cpu-local"), num_gpus=2)
+    sc = Scenario(arch.synthetic(sum(u.numel for u in units)), hw,
+                  TrainSpec(precision={"param": "fp32", "reduce": "fp32"}), custom_units=units)
+    return replace(sc, assume=sc.assume.model_copy(update={"ddp_bucket_bytes": 3000 * 4}))
+
+
+@pytest.mark.slow  # two processes importing deepspeed: seconds each
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("multi", [True, False])
+def test_deepspeed_zero2_reduces_the_buckets_zplan_prices(tmp_path, multi):
+    """DeepSpeed's own ZeRO-2 (stage_1_and_2.py, two gloo ranks) is the oracle: by default
+    (use_multi_rank_bucket_allreduce) one all-reduce per IPG bucket, each bucket closed before
+    the gradient that would overflow reduce_bucket_size; with it off, one reduce per owning
+    rank's slice of each bucket. zplan's calls (comm.bucket_calls, owner_reduce_calls) are
+    DeepSpeed's, op and elements, call by call; its collectives name the same op."""
+    pytest.importorskip("deepspeed")
+    from zplan import comm
+    from zplan.strategies import effective
+
+    calls = _deepspeed_calls(tmp_path, multi)
+    psi = sum(o * i + o for i, o in LINEARS)
+    grads = [(op, n) for op, n in calls if op in ("allreduce_", "reduce_") and n > 1]  # not the overflow flag
+    assert [n for op, n in calls if op == "_allgather_base_"] == [psi]  # the updated weights
+    sc = _zplan_scenario()
+    buckets = [b // 4 for b in comm.bucket_calls(sc, "fp32", psi * 4, 3000 * 4, deepspeed=True)]
+    if multi:
+        assert grads == [("allreduce_", b) for b in buckets]
+    else:
+        owners = comm.owner_reduce_calls([b * 4 for b in buckets], psi * 4, 2)
+        assert grads == [("reduce_", b // 4) for bs in owners for b in bs]
+    colls = comm.collectives(replace(sc, train=sc.train.model_copy(update={"layout": "zero",
+                                                                            "deepspeed_bucket_allreduce": multi})),
+                             effective("zero2", "zero"))
+    (g,) = [c for c in colls if "gradients" in c.name]
+    assert (g.op, g.elements) == ("all_reduce" if multi else "reduce", psi)
+    assert math.isclose(sum(n for _, n in grads), psi)
