@@ -82,7 +82,7 @@ def main() -> None:
     tail = ["", "## Step time after `zplan calibrate`", "", "```", steps.stdout.strip(), "```", "",
             "## At real scale: Llama-3.1-8B traced under FakeTensorMode (PyTorch's FSDPMemTracker)", ""]
     for w, f in zip((8, 64), fakes):
-        tail += [f"{w} ranks, seq 4096, micro-batch 1 (`zplan verify --fake --world-size {w}`; exit {f.returncode}):",
+        tail += [f"{w} ranks, seq 4096, micro-batch 1 (`zplan verify --fake --model llama-3.1-8b --world-size {w} --seq-len 4096 --strategy zero3 --strategy zero2`; exit {f.returncode}):",
                  "", "```", f.stdout.strip(), (f.stderr.strip().splitlines() or [""])[-1], "```", ""]
     tail += WHY
     Path(a.out).write_text("\n".join(head) + body + "\n".join(tail))

@@ -610,3 +610,50 @@ def test_help_through_a_closed_pipe_exits_0(args):
     p.stdout.close()
     assert p.wait(timeout=60) == 0
     assert p.stderr.read() == b""
+
+
+def test_recommend_help_says_its_search_dimensions_are_searched(run_zplan):
+    """recommend --help showed `[default: 1]` for --micro-batch (and none for --checkpointing,
+    1 for --blocks-per-unit...), which typed pins the search and changes the answer (a QA pass:
+    global batch 64 -> 8, another winner). Each search dimension now says it is searched."""
+    from zplan.cli.options import OPTION_ARGS
+    from zplan.recommend import PINNABLE
+
+    p = run_zplan("recommend", "--help", env={"COLUMNS": "300"})
+    assert p.returncode == 0
+    rows = {}
+    for line in p.stdout.splitlines():
+        cells = line.strip("│ ").split()
+        if cells and cells[0].startswith("--"):
+            rows[cells[0]] = line
+    for name in PINNABLE:
+        line = rows["--" + name.replace("_", "-")]
+        assert "default: searched" in line and "[default:" not in line, line
+    assert "[default: 1]" in run_zplan("estimate", "--help", env={"COLUMNS": "300"}).stdout  # estimate's are defaults
+    assert set(PINNABLE) <= set(OPTION_ARGS)
+
+
+@pytest.mark.parametrize("bad", ["zero4", ""])
+def test_verify_fake_refuses_an_unknown_strategy_in_one_line(capsys, bad):
+    """--fake ran its strategies before verify's own checks: an unknown one was `internal error:
+    KeyError` with exit 1 (a QA pass). Now the choice is refused as without --fake."""
+    rc, _, err = cli(capsys, "verify", "--fake", "--strategy", "zero3", "--strategy", bad)
+    assert rc == 2 and f"--strategy '{bad}' is not one of" in err and "internal error" not in err
+
+
+def test_zplan_toml_takes_the_presets_options_long_name(tmp_path, capsys, monkeypatch):
+    """README: zplan.toml's keys are the long option names; `presets = [...]` (--presets) was
+    refused as unknown, only the field's name presets_dir read (a QA pass). Both now read."""
+    import shutil
+
+    from zplan.presets import _shipped_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine" / "models").mkdir(parents=True)
+    shutil.copy(_shipped_dir() / "models" / "tiny.toml", tmp_path / "mine" / "models" / "mytiny.toml")
+    text = (tmp_path / "mine" / "models" / "mytiny.toml").read_text().replace('name = "tiny"', 'name = "mytiny"')
+    (tmp_path / "mine" / "models" / "mytiny.toml").write_text(text)
+    for key in ("presets", "presets_dir"):
+        (tmp_path / "zplan.toml").write_text(f'{key} = ["{tmp_path / "mine"}"]\nmodel = "mytiny"\ngpus = 2\n')
+        rc, out, err = cli(capsys, "recommend")
+        assert rc == 0, err

@@ -426,6 +426,21 @@ def test_no_save_reaches_the_trainer_and_asks_no_room(capsys, tmp_path, monkeypa
     assert p.returncode == 0 and p.stdout.count(" --no-save") == 1, p.stderr  # after `--`: the same
 
 
+def test_a_gpu_plan_where_there_is_no_gpu_is_refused_before_anything_starts(capsys, tmp_path, monkeypatch):
+    """The launcher never asked node_problem: an H100 plan on this CPU-only machine started
+    torchrun and its ranks, each then refusing it (or, for an 8B plan, a disk-space error hid the
+    reason). Now one line, exit 2, before torchrun or the run folder."""
+    import zplan.launch.runner as runner
+
+    monkeypatch.setattr(runner, "run_with_restarts", lambda *a, **k: pytest.fail("torchrun started"))
+    plan = tmp_path / "h100.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpus", "2", "--gpu", "h100-sxm",
+               "--write", str(plan)).returncode == 0
+    p = cli(capsys, "launch", "--plan", str(plan), "--run-dir", str(tmp_path / "r"), "--steps", "1")
+    assert p.returncode == 2 and "the plan is for h100-sxm GPUs but this node has none" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
 def test_run_directory_is_checked_before_anything_runs(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     p = cli(capsys, "launch", "--dry-run", "--run-dir", str(tmp_path / "file"))

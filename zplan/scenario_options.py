@@ -477,6 +477,7 @@ def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE
     taken = []
     for k, v in data.items():
         key = k.replace("-", "_")
+        key = {"presets": "presets_dir"}.get(key, key)  # --presets' long name, as its flag reads
         shown = " ".join(f"{key}={v}".split())[:80]
         if key in FIELDS:  # every value is checked, used or not: a bad file is refused whole
             v = _project_value(p, key, v, hints[key])

@@ -285,6 +285,13 @@ def launch(
                          f"{-(-per_node * nnodes // len(found.gpus))} nodes (--nnodes), or pass a plan for "
                          f"{len(found.gpus) * nnodes} (zplan recommend --gpus {len(found.gpus) * nnodes} --write P, "
                          f"then --plan P)")
+    if not slurm and not dry_run:  # a GPU plan where there is none, a CPU plan on a GPU node: before
+        # any rank starts (a dry run starts none: it prints the command for the node it is meant for)
+        from ..plan import node_problem
+
+        problem = node_problem(p, per_node, len(found.gpus))
+        if problem and not (p.gpu.device == "cpu" and os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH")):
+            raise UsageError(problem)
     if not found.gpus and not slurm and found.cpus and per_node > found.cpus:
         print(f"zplan: note: {per_node} CPU ranks on {found.cpus} usable CPUs share them: each rank gets "
               f"under one core, so steps run slower than the plan's CPU preset assumes", file=sys.stderr)

@@ -83,13 +83,19 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _annotated() -> dict:
+SEARCHED_HELP = " (default: searched; a value given is kept, not searched)"
+
+
+@functools.lru_cache(maxsize=4)
+def _annotated(searched: frozenset = frozenset()) -> dict:
+    """Each field's Typer option; those in `searched` (recommend's search dimensions) say so in
+    their help instead of showing a default, which typed would pin the search."""
     import typer  # here, not above: estimate's plain path reads OPTION_ARGS without Typer
 
     hints = typing.get_type_hints(ScenarioOptions)
-    return {name: Annotated[hints[name], typer.Option(*OPTION_ARGS[name][0], help=OPTION_ARGS[name][1])]
-            for name in FIELDS}
+    return {name: Annotated[hints[name], typer.Option(
+        *OPTION_ARGS[name][0], help=OPTION_ARGS[name][1] + (SEARCHED_HELP if name in searched else ""),
+        show_default=name not in searched)] for name in FIELDS}
 
 
 def given_on_command_line(names) -> frozenset[str]:
@@ -112,12 +118,15 @@ def given_on_command_line(names) -> frozenset[str]:
     return frozenset(n for n in names if getattr(ctx.get_parameter_source(n), "name", None) in given)
 
 
-def scenario_options(func):
-    """Add ScenarioOptions' fields to `func`'s CLI signature; call it with opts=ScenarioOptions."""
+def scenario_options(func=None, *, searched: frozenset = frozenset()):
+    """Add ScenarioOptions' fields to `func`'s CLI signature; call it with opts=ScenarioOptions.
+    `searched`: the fields the command searches where they are not given (recommend.PINNABLE)."""
+    if func is None:
+        return functools.partial(scenario_options, searched=searched)
     sig = inspect.signature(func)
     own_hints = typing.get_type_hints(func, include_extras=True)
     own = [p.replace(annotation=own_hints[p.name]) for p in sig.parameters.values() if p.name != "opts"]
-    hints = _annotated()
+    hints = _annotated(frozenset(searched))
     extra = [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
         for f in fields(ScenarioOptions)

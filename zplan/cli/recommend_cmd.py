@@ -10,6 +10,7 @@ import typer
 
 from ..errors import PlanError, UsageError
 from ..parse import check_choice
+from ..recommend import PINNABLE
 from ..scenario_options import ScenarioOptions
 from . import explain_body, recommend_body
 from .app import app
@@ -17,7 +18,7 @@ from .options import scenario_options
 
 
 @app.command()
-@scenario_options
+@scenario_options(searched=PINNABLE)
 def recommend(
     opts: ScenarioOptions,
     global_batch: Annotated[Optional[str], typer.Option(help="Sequences per optimizer step, all GPUs (default 8 per GPU)")] = None,

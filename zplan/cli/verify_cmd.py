@@ -328,6 +328,10 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
 
     check_range(world, "--world-size", 1, 1 << 20)
     names = strategy or ["zero3"]
+    from ..strategies import STRATEGIES
+
+    for name in names:
+        check_choice(name, "--strategy", tuple(STRATEGIES))
     for mode in modes:
         check_choice(mode, "--checkpointing", CHECKPOINTING)
     check_choice(linear_loss, "--linear-loss", ("none", "chunked"))
