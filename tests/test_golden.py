@@ -164,9 +164,45 @@ def test_mfu_formula_palm():
 
 def test_adam8bit_and_sgd_state():
     from zplan.memory import optimizer_state_bytes
-    assert optimizer_state_bytes(2048 * 10, "adam8bit", "fp32") == 2 * (2048 * 10 + 4 * 10)
+    # bitsandbytes >= 0.46: an fp32 absmax per 256 elements for each uint8 state (2048 before);
+    # under 4096 elements both states fp32 (optim/optimizer.py Optimizer2State.init_state)
+    assert optimizer_state_bytes(2048 * 10, "adam8bit", "fp32") == 2 * (2048 * 10 + 4 * 80)
+    assert optimizer_state_bytes(1000, "adam8bit", "fp32") == 8000
     assert optimizer_state_bytes(1000, "sgd", "fp32") == 4000
     assert optimizer_state_bytes(1000, "adamw", "bf16") == 4000
+
+
+def test_adam8bit_state_is_bitsandbytes_own():
+    """bitsandbytes' AdamW8bit itself (its CPU path) over the tiny model's parameters, as a
+    one-rank DDP plan's optimizer steps them: the bytes of every state tensor it makes (the two
+    256-entry quantization maps, shared by all, left out) are zplan's optimizer bytes."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+
+    from tests.helpers import scenario
+    from zplan.memory import adam8bit_state_bytes, optimizer_tensor_sizes
+
+    sc = scenario(model="tiny", gpus=1, layout="torch", optimizer="adam8bit")
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in optimizer_tensor_sizes(sc, 1)]
+    opt = bnb.optim.AdamW8bit(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = sum(v.numel() * v.element_size() for p in params for k, v in opt.state[p].items()
+                if torch.is_tensor(v) and not k.startswith("qmap"))
+    assert adam8bit_state_bytes(optimizer_tensor_sizes(sc, 1)) == state
+    assert est("ddp", model="tiny", gpus=1, layout="torch", optimizer="adam8bit").memory.optimizer_bytes == state
+
+
+def test_adam8bit_step_bytes_are_its_kernels_loads_and_stores():
+    """csrc/kernels.cu: the blockwise 8-bit kernel loads g, p, two uint8 states and each
+    block's absmax and stores p, the states and the absmax: fp32 weights 16 bytes an element
+    and 16 bytes a 256-element block; the 32-bit kernel under 4096 elements 28 (AdamW's)."""
+    from zplan.unit_ops import adam8bit_bytes
+
+    assert adam8bit_bytes(2**20, 4) == 16 * 2**20 + 16 * 2**12
+    assert adam8bit_bytes(1000, 4) == 28 * 1000
+    assert adam8bit_bytes(2**20, 2) == 10 * 2**20 + 16 * 2**12
 
 
 def test_fsdp2_layout_keeps_fp32_shards_as_master():

@@ -71,17 +71,32 @@ class Memory:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
 
 
+ADAM8BIT_BLOCK = 256  # bitsandbytes >= 0.46 (optim/optimizer.py, 0cafa7f4 "Specify blocksize")
+ADAM8BIT_MIN_8BIT_SIZE = 4096  # min_8bit_size's default: smaller tensors keep fp32 states
+
+
 def optimizer_state_bytes(elements: int, optimizer: str, dtype: str) -> int:
-    """AdamW: m and v. SGD: momentum. 8-bit Adam: two uint8 states plus one fp32 absmax per
-    block of 2048 (Dettmers et al. 2022, block-wise quantization). Muon: momentum only (of the
-    tensors it steps: model_state gives the rest AdamW's two, zplan/muon.py)."""
+    """AdamW: m and v. SGD: momentum. 8-bit Adam over one tensor of `elements`
+    (adam8bit_state_bytes). Muon: momentum only (of the tensors it steps: model_state gives the
+    rest AdamW's two, zplan/muon.py)."""
     if optimizer == "adamw":
         return 2 * nbytes(elements, dtype)
     if optimizer in ("sgd", "muon"):
         return nbytes(elements, dtype)
     if optimizer == "adam8bit":
-        return 2 * (elements + 4 * ceil_div(elements, 2048))
+        return adam8bit_state_bytes([elements])
     raise ValueError(optimizer)
+
+
+def adam8bit_state_bytes(tensor_sizes) -> int:
+    """bitsandbytes' AdamW8bit state over the tensors it steps (Optimizer2State.init_state,
+    bitsandbytes >= 0.46): per tensor two uint8 states and, for each, one fp32 absmax per block
+    of 256 elements (block-wise quantization, Dettmers et al. 2022, with the block 0.46 fixed;
+    2048 before); a tensor under min_8bit_size (4096 elements: norm gains, biases) keeps both
+    states in fp32, 8 bytes an element. The two shared 256-entry quantization maps (2 KiB) are
+    left out. Held against bitsandbytes' own optimizer on CPU tensors (tests/test_golden.py)."""
+    return sum(8 * n if n < ADAM8BIT_MIN_8BIT_SIZE else 2 * (n + 4 * ceil_div(n, ADAM8BIT_BLOCK))
+               for n in tensor_sizes)
 
 
 def muon_state_bytes(holding, dtype: str) -> int:
@@ -185,6 +200,8 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
         opt_elems = flat(st.optim_sharded)
     if t.optimizer == "muon":  # Muon over the blocks' matrices, AdamW over the rest (zplan/muon.py)
         opt_b = max(muon_state_bytes(h, p.optimizer) for h in muon.holdings(sc, st.name, D if st.optim_sharded else 1))
+    elif t.optimizer == "adam8bit":  # its state is per tensor: the tensors this rank's optimizer steps
+        opt_b = adam8bit_state_bytes(optimizer_tensor_sizes(sc, D if st.optim_sharded else 1, zero1=st.name == "zero1"))
     else:
         opt_b = optimizer_state_bytes(opt_elems, t.optimizer, p.optimizer)
     # What padding each unit to a multiple of D adds to the sharded state on this rank.

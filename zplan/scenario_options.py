@@ -262,9 +262,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     check_choice(o.optimizer_kernels, "--optimizer-kernels", OPTIMIZER_KERNELS)
     layout = o.layout or "zero"
     check_choice(layout, "--layout", ("zero", "torch"))
-    if o.optimizer_kernels != "fused" and o.optimizer != "adamw":
-        raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is one of AdamW's implementations; "
-                         f"--optimizer {o.optimizer} is priced as its own: drop --optimizer-kernels")
+    if o.optimizer_kernels != "fused" and o.optimizer not in ("adamw", "sgd"):
+        raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is one of torch's AdamW and SGD "
+                         f"implementations; --optimizer {o.optimizer} is priced as its own: drop --optimizer-kernels")
     check_choice(o.embed_head_unit, "--embed-head-unit", ("separate", "head-kept", "root", "root-kept"))
     if layout == "zero" and o.embed_head_unit != "separate":
         raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP groups its units; DeepSpeed "

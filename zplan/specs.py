@@ -449,9 +449,9 @@ class TrainSpec(Spec):
         "explicit attention mask, as Hugging Face's padded batches: the whole s x s square)")
     optimizer: OptimizerName = "adamw"
     optimizer_kernels: OptimizerKernels = Field(
-        "fused", description="how AdamW's step runs: fused (one multi-tensor kernel: "
+        "fused", description="how AdamW's (and SGD's) step runs: fused (one multi-tensor kernel: "
         "torch.optim.AdamW(fused=True), DeepSpeed's FusedAdam), foreach (torch's multi-tensor "
-        "ops, AdamW's default on CUDA without fused=True) or single (a loop over parameters: "
+        "ops, the default on CUDA without fused=True) or single (a loop over parameters: "
         "foreach=False, Composer's DecoupledAdamW)")
     grad_clip: bool = Field(True, description="gradients clipped by their global norm every "
                             "step (clip_grad_norm_: read each gradient, then scale it)")
@@ -612,8 +612,8 @@ class TrainSpec(Spec):
         """optimizer_kernels names torch's AdamW implementations (DeepSpeed, the zero layout, runs
         its FusedAdam, other optimizers their own); a linear loss is not also a compiled or fused
         one; TransformerEngine's float8 only where its saved tensors are modelled."""
-        if self.optimizer_kernels != "fused" and (self.layout != "torch" or self.optimizer != "adamw"):
-            raise ValueError(f"optimizer_kernels {self.optimizer_kernels} applies to AdamW in the torch "
+        if self.optimizer_kernels != "fused" and (self.layout != "torch" or self.optimizer not in ("adamw", "sgd")):
+            raise ValueError(f"optimizer_kernels {self.optimizer_kernels} applies to AdamW and SGD in the torch "
                              f"layout, not {self.optimizer} in the {self.layout} layout")
         if self.layout == "zero" and self.embed_head_unit != "separate":
             raise ValueError(f"embed_head_unit {self.embed_head_unit} is how FSDP groups its units; "

@@ -534,16 +534,74 @@ def optimizer_ops(sc: Scenario, local_sizes: list[int], grad_sizes: list[int] | 
     torch's multi_tensor_apply chunking (kernels.multi_tensor_launches). The trainer's
     --deterministic runs single where the plan says fused, a run option the plan does not carry:
     priced as planned (docs/formulas.md, section 6)."""
-    gpu, t = sc.hw.gpu, sc.train
-    tensors = sum(1 for n in local_sizes if n)
-    local_elems = sum(local_sizes)
+    t = sc.train
     ops = grad_clip_ops(sc, local_sizes if grad_sizes is None else grad_sizes)
     if t.optimizer == "muon" and muon_split is not None:  # muon.holdings' entry for this rank
         elems, tensors, adamw_sizes, matrices = muon_split
         return ops + _adamw_ops(sc, list(adamw_sizes)) + muon_ops(sc, elems, tensors, matrices)
-    if t.optimizer not in ("adamw", "adam8bit"):
-        return ops + [K.memory(gpu, f"{t.optimizer} step", 24 * local_elems, 2 * tensors)]
+    if t.optimizer == "adam8bit":
+        return ops + _adam8bit_ops(sc, local_sizes)
+    if t.optimizer == "sgd":
+        return ops + _sgd_ops(sc, local_sizes)
     return ops + _adamw_ops(sc, local_sizes)
+
+
+# torch.optim.SGD with momentum (no weight decay, its default) as the foreach path runs it
+# (_multi_tensor_sgd, PyTorch 2.13): the momentum's _foreach_mul_ (2S), the gradient's
+# _foreach_add_ into it (2S + G) and the weights' _foreach_add_ of it (2P + S): 2P + G + 5S bytes
+# an element in three multi-tensor ops (depths 1, 2, 2); single runs the same three a tensor;
+# fused (_fused_sgd_) loads p, g and the buffer and stores p and the buffer, 2P + G + 2S, in one.
+SGD_FOREACH_DEPTHS = (1, 2, 2)
+
+
+def _sgd_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
+    """SGD with momentum over these tensors as the run launches it (SGD_FOREACH_DEPTHS), P the
+    master dtype, S the momentum's; the zero layout's copy into the 16-bit weights as AdamW's."""
+    gpu, t = sc.hw.gpu, sc.train
+    sizes = [n for n in local_sizes if n]
+    if not sizes:
+        return []
+    P, S, n = _b(t.precision.master), _b(t.precision.optimizer), sum(sizes)
+    if t.optimizer_kernels == "fused":
+        ops: Ops = [K.memory(gpu, "SGD (fused)", (3 * P + 2 * S) * n, K.multi_tensor_launches(sizes, 3))]
+    elif t.optimizer_kernels == "foreach" or t.layout == "zero":
+        ops = [K.memory(gpu, "SGD (foreach, 3 ops)", (3 * P + 5 * S) * n,
+                        sum(K.multi_tensor_launches(sizes, d) for d in SGD_FOREACH_DEPTHS))]
+    else:
+        ops = [K.memory(gpu, "SGD (per parameter, 3 ops)", (3 * P + 5 * S) * n, 3 * len(sizes))]
+    if t.layout == "zero" and t.precision.master != t.precision.param:
+        ops.append(K.memory(gpu, "weight copy (master to 16-bit)", (P + _b(t.precision.param)) * n, 1))
+    return ops
+
+
+def adam8bit_bytes(n: int, P: int) -> float:
+    """Bytes bitsandbytes' AdamW8bit step moves over a tensor of n elements, weights and
+    gradients of P bytes (bitsandbytes csrc/kernels.cu at 95f9af30): at 4096 elements and over,
+    kOptimizerStatic8bit2StateBlockwise loads g, p and the two uint8 states and stores p and the
+    states, with the fp32 absmax of each 256-element block of each state read and written
+    (2P + G + 4 + 16/256 a element); under min_8bit_size, kOptimizer32bit2State on fp32 states
+    (2P + G + 16, AdamW's fused bytes)."""
+    from .memory import ADAM8BIT_BLOCK, ADAM8BIT_MIN_8BIT_SIZE
+
+    if n < ADAM8BIT_MIN_8BIT_SIZE:
+        return (3 * P + 16) * n
+    return (3 * P + 4) * n + 16 * -(-n // ADAM8BIT_BLOCK)
+
+
+def _adam8bit_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
+    """bitsandbytes' AdamW8bit over these tensors: one kernel per tensor (its step loops over
+    the parameters, Optimizer8bit.step -> update_step), bytes as adam8bit_bytes, P the master
+    dtype (the weights it steps); the zero layout's copy into the 16-bit weights as AdamW's."""
+    gpu, t = sc.hw.gpu, sc.train
+    P = _b(t.precision.master)
+    sizes = [n for n in local_sizes if n]
+    if not sizes:
+        return []
+    ops: Ops = [K.memory(gpu, "AdamW8bit (bitsandbytes, a kernel per tensor)",
+                         int(sum(adam8bit_bytes(n, P) for n in sizes)), len(sizes))]
+    if t.layout == "zero" and t.precision.master != t.precision.param:
+        ops.append(K.memory(gpu, "weight copy (master to 16-bit)", (P + _b(t.precision.param)) * sum(sizes), 1))
+    return ops
 
 
 def _adamw_ops(sc: Scenario, local_sizes: list[int]) -> Ops:

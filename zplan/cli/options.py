@@ -56,7 +56,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "eager_loss": ((), "With --compile, the loss stays eager (torchtitan before 2025-04, KempnerForge)"),
     "compile_scope": ((), "With --compile: block (each block compiled on its own, as torchtitan) | model (torch.compile(model) over a model no DDP/FSDP wraps: its backward returns every gradient at once)"),
     "loss_fp32": ((), "The loss upcasts the logits to fp32 (--no-loss-fp32: in the logits' dtype)"),
-    "optimizer_kernels": ((), "How AdamW's step runs: fused (one kernel: AdamW(fused=True), DeepSpeed's FusedAdam) | foreach (torch's multi-tensor ops, AdamW's default on CUDA) | single (a loop over parameters: foreach=False, Composer's DecoupledAdamW)"),
+    "optimizer_kernels": ((), "How AdamW's (and SGD's) step runs: fused (one kernel: AdamW(fused=True), DeepSpeed's FusedAdam) | foreach (torch's multi-tensor ops, the default on CUDA) | single (a loop over parameters: foreach=False, Composer's DecoupledAdamW)"),
     "grad_clip": ((), "Gradients are clipped by their global norm every step (--no-grad-clip: no clipping)"),
     "sac_saves_attention": ((), "Selective checkpointing keeps the attention kernel's output (--no-sac-saves-attention: its save list misses the kernel, as torchtitan's before 2025-12 with cuDNN's attention: the attention forward reruns in backward; other modes and recommend's other candidates are unaffected)"),
     "last_block_kept": ((), "FSDP: the last block's unit stays gathered from its forward to its backward, which gathers nothing (reshard_after_forward=False on it alone: torchtitan from 2024-03 until 2025-07)"),
