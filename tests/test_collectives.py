@@ -282,17 +282,38 @@ def test_tree_all_reduce_across_many_nodes():
 
 
 def test_a_presets_tree_fraction_prices_its_network_tree():
-    """aws-p5 (EFA) gives its tree 0.26 of the ring's busbw where tuning.cc says 0.46: 32 MiB over
-    32 nodes of 8 by hand (latency 8.4 + 2(7 x 4 + 5 x 50) us, NCCL's correction at log2(32 MiB /
-    64) = 19: 0.7), the tree still faster than the ring there; a preset without the field keeps
-    tuning.cc's fraction (the test above)."""
+    """aws-p5 (EFA) gives its tree a fitted fraction of the ring's busbw below tuning.cc's 0.46:
+    32 MiB over 32 nodes of 8 by hand (latency 8.4 + 2(7 x 4 + 5 x alpha_net) us, NCCL's
+    correction at log2(32 MiB / 64) = 19: 0.7), the tree still faster than the ring there; a
+    preset without the field keeps tuning.cc's fraction (the test above)."""
     c = presets.cluster("aws-p5")
-    assert c.tree_busbw_fraction == 0.26 and presets.cluster("dgx-h100").tree_busbw_fraction is None
+    frac, lat = c.tree_busbw_fraction, c.inter_node_latency_s
+    assert frac < 0.46 and presets.cluster("dgx-h100").tree_busbw_fraction is None
     S = 32 << 20
     t = collective_time(c, "all_reduce", S, 256, 8)
     assert t.algorithm == "tree"
-    want = 8.4e-6 + 2 * (7 * 4e-6 + 5 * 50e-6) + S / (0.26 * 0.7 * 8 * 45e9)
+    want = 8.4e-6 + 2 * (7 * 4e-6 + 5 * lat) + S / (frac * 0.7 * 8 * 45e9)
     assert t.seconds == pytest.approx(want, rel=1e-9)
+
+
+def test_a_ring_across_nodes_pays_the_hosts_network_overhead():
+    """tuning.cc: a ring spanning nodes takes max(intraLat, getNetOverhead x 3 for Simple) per
+    intra-node step, getNetOverhead 2 us on AMD x86 hosts (DGX A100's EPYC), 1 us on Intel (DGX
+    H100's Xeon: 3 < NVLink's 3.4, no change); and with one rank a node its LL network steps take
+    the tree's 5 us. By hand: an all-gather of 1 GiB over 2 nodes of 8 A100, and 256 KiB over 4
+    ranks one a node (LL wins there)."""
+    a100 = presets.cluster("dgx-a100")
+    assert a100.net_overhead_s == 2e-6 and presets.cluster("dgx-h100").net_overhead_s == 1e-6
+    S = 1 << 30
+    t = collective_time(a100, "all_gather", S, 16, 8)
+    bw = min(a100.intra_node_busbw_bytes_per_s, 8 * a100.inter_node_busbw_bytes_per_s)
+    want = a100.base_latency_s + (15 - 1) * 6e-6 + 1 * a100.inter_node_latency_s + S * 15 / 16 / bw
+    assert (t.algorithm, t.protocol) == ("ring", "Simple") and t.seconds == pytest.approx(want, rel=1e-9)
+    h100 = presets.cluster("dgx-h100")
+    small = collective_time(h100, "all_gather", 256 << 10, 4, 1)
+    ll_bw = min(0.5 * h100.inter_node_busbw_bytes_per_s, h100.ll_max_busbw_bytes_per_s[2])
+    assert (small.protocol, small.seconds) == ("LL", pytest.approx(6.6e-6 + 3 * 5.0e-6 + (256 << 10) * 3 / 4 / ll_bw,
+                                                                   rel=1e-9))
 
 
 def test_nvls_runs_where_it_is_fastest_and_small_all_reduces_run_the_ring():

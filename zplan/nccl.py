@@ -9,6 +9,11 @@ from the cluster preset) in place of NCCL's internal estimates:
   steps = n-1 for all-gather/reduce-scatter and 2(n-1) for all-reduce, inter = the steps that
   cross nodes (nodes-1, or 2(nodes-1)); time = latency + S·(n-1)/(n·busbw) (x2 for all-reduce).
   A reduce to one root (ring only) moves the whole S at the busbw, with one hop's latency.
+- a ring spanning nodes pays the host's network overhead per step where it exceeds the link's
+  (tuning.cc getNetOverhead: 1 us on Intel and other hosts, 2 on AMD x86, x3 for Simple; the
+  cluster preset's net_overhead_s), and where each node holds one rank (HSDP's replica groups)
+  its LL network steps take the tree's latency (hwLat[NET][TREE][LL], 5 us: "With ppn=1
+  latencies are fully exposed").
 - ring, LL protocol: NCCL's LL latencies, half the bandwidth and at most NCCL's llMaxBw for the
   group (tuning.cc: busBw = min(llMaxBw, busBw * .5); the cluster preset's
   ll_max_busbw_bytes_per_s: by GPU generation in one node, by host CPU across nodes, 20-39 GB/s
@@ -44,7 +49,7 @@ from .specs import ClusterSpec
 _LL_BASE_S = 6.6e-6
 _LL_STEP_S = {"nvlink": 0.6e-6, "pcie": 1.0e-6}
 _LL_NET_STEP_S = 2.7e-6
-_NET_OVERHEAD_S = 1.0e-6  # getNetOverhead (x86 Intel); a ring spanning nodes pays it per step
+_LL_TREE_NET_STEP_S = 5.0e-6  # hwLat[NET][TREE][LL]: a ring's network step where each node has one rank
 _NVLS_LATENCY_S = 65e-6  # the measured NVLS curve (module docstring); tuning.cc says 25 µs
 _TREE_STEP_S = 4.0e-6  # hwLatencies[NVLINK or PCI][TREE][SIMPLE]
 _TREE_BW = 0.92 * 0.5  # tuning.cc: tree all-reduce busBw * .92; algbw = busBw * .5
@@ -150,17 +155,22 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
     steps = f * (n - 1)
     inter = 0 if nodes == 1 else f * (nodes - 1)
     fill = f * c.intra_node_ring_fill_s if nodes == 1 else 0.0
-    simple = (c.base_latency_s + fill + (steps - inter) * c.intra_node_latency_s
+    # a ring spanning nodes launches every step with the host's network overhead (tuning.cc:
+    # intraLat = max(intraLat, getNetOverhead x 3 for Simple)): 1 us on Intel hosts, 2 on AMD
+    intra_simple = c.intra_node_latency_s if nodes == 1 else max(c.intra_node_latency_s, 3 * c.net_overhead_s)
+    simple = (c.base_latency_s + fill + (steps - inter) * intra_simple
               + inter * c.inter_node_latency_s + wire / bw)
     best = CollectiveTime(simple, "ring", "Simple", bw, nodes, per_node)
     if nvls is not None and nvls.seconds < best.seconds:
         best = nvls
     if c.link in _LL_STEP_S:
-        intra = _LL_STEP_S[c.link] if nodes == 1 else max(_LL_STEP_S[c.link], _NET_OVERHEAD_S)
+        intra = _LL_STEP_S[c.link] if nodes == 1 else max(_LL_STEP_S[c.link], c.net_overhead_s)
         ll_bw = 0.5 * bw
         if c.ll_max_busbw_bytes_per_s is not None:
             ll_bw = min(ll_bw, c.ll_max_busbw_bytes_per_s[min(nodes, 3) - 1])
-        ll = _LL_BASE_S + (steps - inter) * intra + inter * _LL_NET_STEP_S + wire / ll_bw
+        # "With ppn=1 latencies are fully exposed, use the Tree network latency" (tuning.cc)
+        net_step = _LL_TREE_NET_STEP_S if per_node == 1 else _LL_NET_STEP_S
+        ll = _LL_BASE_S + (steps - inter) * intra + inter * net_step + wire / ll_bw
         if ll < best.seconds:
             best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
         if op == "all_reduce" and nodes > 1:  # double binary tree: log-depth latency
@@ -187,7 +197,8 @@ def _reduce_time(c: ClusterSpec, nbytes: int, bw: float, nodes: int, per_node: i
         ll_bw = 0.5 * bw
         if c.ll_max_busbw_bytes_per_s is not None:
             ll_bw = min(ll_bw, c.ll_max_busbw_bytes_per_s[min(nodes, 3) - 1])
-        ll = _LL_BASE_S + (_LL_STEP_S[c.link] if nodes == 1 else _LL_NET_STEP_S) + nbytes / ll_bw
+        ll = _LL_BASE_S + (_LL_STEP_S[c.link] if nodes == 1 else
+                           _LL_TREE_NET_STEP_S if per_node == 1 else _LL_NET_STEP_S) + nbytes / ll_bw
         if ll < best.seconds:
             best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
     return best

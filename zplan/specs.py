@@ -265,6 +265,10 @@ class ClusterSpec(Spec):
         "the pipeline fill a measured nccl-tests curve shows beyond NCCL's per-step latencies")
     link: Literal["nvlink", "pcie", "loopback"] = Field(
         "nvlink", description="intra-node link type: selects NCCL's LL latencies")
+    net_overhead_s: float = Field(
+        1.0e-6, ge=0, le=1e-3, description="NCCL's per-step overhead of a ring spanning nodes "
+        "(tuning.cc getNetOverhead): 1 us on Intel x86 and other hosts, 2 us on AMD x86; "
+        "tripled for the Simple protocol")
     ll_max_busbw_bytes_per_s: tuple[Rate, Rate, Rate] | None = Field(
         None, description="NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws): "
         "one node (by GPU generation), two nodes, more (by the host CPU's vendor); None: uncapped")
