@@ -254,26 +254,26 @@ def test_a_gpu_alone_plans_on_its_own_node(capsys):
     assert step()[0] == "dgx-h100" and step("--cluster", "dgx-a100")[0] == "dgx-a100"
 
 
-def test_every_shipped_gpu_names_a_node_or_says_whose_links_it_takes(capsys):
+def test_every_shipped_gpu_names_a_node_or_says_whose_links_it_takes(capsys, tmp_path):
     """Every shipped GPU preset names a shipped cluster whose GPUs are of its kind (same memory
-    family: the node's links are what differ), or none, and then --gpu alone plans on dgx-h100's
+    family: the node's links are what differ); a GPU file that names none plans on dgx-h100's
     links and says so among the assumptions, with the flag (the review: refusing broke bare
-    recommend and launch on an H100 PCIe machine, where the GPU comes from detection)."""
+    recommend and launch on an H100 PCIe machine, where the GPU comes from detection). h100-pcie
+    named none and was planned on NVSwitch links (an audit); it has its PCIe node now."""
     from tests.helpers import cli
     clusters = set(presets.names("clusters"))
-    homeless = []
     for name in presets.names("gpus"):
         g = presets.gpu(name)
-        if g.cluster is None:
-            homeless.append(name)
-            r = cli(capsys, "estimate", "--gpu", name, "--gpus", "8", "--json")
-            a = json.loads(r.stdout)["assumptions"]["node_links"]
-            assert r.returncode == 0 and a["value"] == "dgx-h100" and "--cluster" in a["flag"]
-            continue
         assert g.cluster in clusters, name
         node_gpu = presets.gpu(presets.cluster(g.cluster).gpu)
         assert node_gpu.device == g.device and node_gpu.name.split("-")[0] == g.name.split("-")[0], name
-    assert homeless == ["h100-pcie"]
+    assert presets.cluster(presets.gpu("h100-pcie").cluster).link == "pcie"
+    text = "\n".join(line for line in (presets._shipped_dir() / "gpus" / "h100-pcie.toml").read_text().splitlines()
+                     if not line.startswith("cluster ="))
+    (tmp_path / "mine.toml").write_text(text.replace('name = "h100-pcie"', 'name = "mine"'))
+    r = cli(capsys, "estimate", "--gpu", str(tmp_path / "mine.toml"), "--gpus", "8", "--json")
+    a = json.loads(r.stdout)["assumptions"]["node_links"]
+    assert r.returncode == 0 and a["value"] == "dgx-h100" and "--cluster" in a["flag"]
 
 
 def test_a_calibrated_gpu_plans_on_its_base_parts_node(tmp_path, capsys):
