@@ -78,14 +78,6 @@ class Collective:
         return d
 
 
-def collective_seconds(op: str, nbytes_: int, n: int, busbw: float, latency_s: float) -> float:
-    """nccl-tests ring model: t = S·(n-1)/(n·busbw) + (n-1)·α; twice both for an all-reduce."""
-    if n <= 1:
-        return 0.0
-    factor = 2 if op == "all_reduce" else 1
-    return factor * (nbytes_ * (n - 1) / (n * busbw) + (n - 1) * latency_s)
-
-
 def call_seconds(sc: Scenario, op: str, nbytes_: int, n: int, per_node: int) -> float:
     """One call as NCCL runs it on this cluster (zplan.nccl)."""
     return collective_time(sc.hw.cluster, op, nbytes_, n, per_node).seconds

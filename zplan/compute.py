@@ -283,6 +283,16 @@ def mfu_peak_flops(sc: Scenario) -> float:
 
 
 def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> Timing:
+    """One optimizer step's time (docs/formulas.md section 6): grad_accum micro-batches of
+    per-op kernel time (unit_seconds), plus the communication nothing hides (FSDP-style: each
+    unit's all-gather against the previous unit's compute, its reduce-scatter against the next
+    one's backward, `_overlap`; DDP-style: the final gradient bucket and what does not fit
+    beside backward, then the weights' all-gather), plus the optimizer step on this rank's
+    state, the CPU step and host copies under offload, the compute lost beside the collectives
+    it hides (the preset's measured collective_slowdown, PyTorch PR 172714), and the slowest of
+    N ranks' GPU (expected maximum of N normal draws at the preset's rank_speed_spread). MFU:
+    model FLOPs (PaLM appendix B) over the step at the bf16 dense peak under float8
+    (torchtitan's convention), else the compute dtype's."""
     sc = sc.for_strategy(st.fsdp)
     t, m = sc.train, sc.model
     fwd, bwd, kinds, beside = unit_seconds(sc, st)

@@ -456,6 +456,15 @@ def attention_half_seq(gpu: GPUSpec, kernel: str) -> float:
 
 def attention(gpu: GPUSpec, seq: int, hidden: int, tokens: int, backward: bool,
               kernel: str = "flash2", head_dim: int = 128, dtype: str = "bf16") -> Op:
+    """One fused attention kernel over `tokens` tokens in sequences of `seq`: its FLOPs as
+    FlashAttention's benchmark counts them (attention_flop: 4 s h a token, causal halved;
+    backward 2.5x the forward, Dao 2023, FlashAttention-2 section 4.1), at the kernel's measured
+    long-sequence rate for this GPU, head dim and dtype (attention_rates: the preset's
+    FlashAttention-2 bars, the other kernels by their published ratios) times s / (s + s_half),
+    the ramp the forward bars follow from 512 to 16k tokens (the backward assumed to ramp
+    alike); cuDNN's measured rates held at their peak past it (CUDNN_SPEED); at least the
+    preset's kernel floor; beside a collective, slower by the preset's measured slowdown or
+    NCCL's share of the SMs (docs/formulas.md section 6)."""
     k = gpu.kernels
     assert k is not None
     fwd = attention_flop(seq, hidden, tokens)
