@@ -151,3 +151,21 @@ def test_deepspeeds_last_bucket_is_the_embedding_alone():
     (red,) = _reductions(r)
     alone = call_seconds(sc, red.op, nbytes(EMBED_ELEMS, red.dtype), red.group_size, sc.hw.cluster.gpus_per_node)
     assert red.last_bucket_s == pytest.approx(alone, rel=1e-12)
+
+
+def test_the_cpu_steps_time_by_hand():
+    """ZeRO-Offload's CPU step (offload-opt, zero layout, fp32 master and AdamW states) of Llama
+    3.1 8B on one dgx-h100 node, by hand: each rank's eighth of the parameters at the node's
+    CPU-Adam rate (3.9e9 parameters a second, ZeRO-Offload's Table 4) shared by its 8 ranks,
+    plus the fp32 gradient shard down and the bf16 weight shard up over PCIe Gen5 (50 GB/s)."""
+    from tests.helpers import est
+
+    r = est("offload-opt", model="llama-3.1-8b", gpus=8, layout="zero")
+    shard = 8_030_261_248 / 8
+    want = shard / (3.9e9 / 8) + shard * 4 / 50e9 + shard * 2 / 50e9
+    assert r.timing.offload_s == pytest.approx(want, rel=1e-4)
+    bf16 = est("offload-opt", model="llama-3.1-8b", gpus=8, layout="zero", master_dtype="bf16",
+               optimizer_dtype="bf16")  # the step moves 3x2 + 2x4 = 14 bytes a parameter of AdamW's 28;
+    # the gradient still comes down in the reduce dtype (fp32)
+    assert bf16.timing.offload_s == pytest.approx(shard / (3.9e9 / 8) * 14 / 28 + shard * 4 / 50e9 + shard * 2 / 50e9,
+                                                  rel=1e-4)
