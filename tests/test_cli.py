@@ -626,7 +626,7 @@ def test_recommend_help_says_its_search_dimensions_are_searched(run_zplan):
         cells = line.strip("│ ").split()
         if cells and cells[0].startswith("--"):
             rows[cells[0]] = line
-    for name in PINNABLE:
+    for name in PINNABLE | {"shard_size"}:
         line = rows["--" + name.replace("_", "-")]
         assert "default: searched" in line and "[default:" not in line, line
     assert "[default: 1]" in run_zplan("estimate", "--help", env={"COLUMNS": "300"}).stdout  # estimate's are defaults
@@ -657,3 +657,10 @@ def test_zplan_toml_takes_the_presets_options_long_name(tmp_path, capsys, monkey
         (tmp_path / "zplan.toml").write_text(f'{key} = ["{tmp_path / "mine"}"]\nmodel = "mytiny"\ngpus = 2\n')
         rc, out, err = cli(capsys, "recommend")
         assert rc == 0, err
+
+
+def test_recommend_says_a_given_shard_size_is_kept(capsys):
+    """--shard-size pins HSDP's shard size (every size is searched otherwise) but the "as given,
+    not searched" line did not name it (a QA pass)."""
+    rc, _, err = cli(capsys, "recommend", "--model", "tiny", "--gpus", "16", "--strategy", "hsdp", "--shard-size", "4")
+    assert rc == 0 and "as given, not searched: --shard-size 4 (HSDP)" in err, err

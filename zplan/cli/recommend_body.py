@@ -110,8 +110,10 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
         per_gpu = default_per_gpu(sc, pinned, DEFAULT_PER_GPU)
         batch = per_gpu * sc.n
         used.append(f"global batch {batch} sequences ({per_gpu} per GPU; --global-batch to change)")
-    if pinned:
-        used.append("as given, not searched: " + given_text(sc, pinned))
+    kept = ([given_text(sc, pinned)] if pinned else []) + (
+        [f"--shard-size {sc.shard_size} (HSDP)"] if sc.shard_size is not None else [])
+    if kept:
+        used.append("as given, not searched: " + ", ".join(kept))
     for line in used:
         print(f"zplan: using {line}", file=sys.stderr)
     try:

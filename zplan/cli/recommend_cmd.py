@@ -18,7 +18,7 @@ from .options import scenario_options
 
 
 @app.command()
-@scenario_options(searched=PINNABLE)
+@scenario_options(searched=PINNABLE | {"shard_size"})  # HSDP's shard size: every one is searched too
 def recommend(
     opts: ScenarioOptions,
     global_batch: Annotated[Optional[str], typer.Option(help="Sequences per optimizer step, all GPUs (default 8 per GPU)")] = None,
