@@ -15,7 +15,10 @@ def test_estimate_json_schema(run_zplan):
     p = run_zplan("estimate", "--params", "70e9", "--gpus", "64", "--checkpointing", "full", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert out["schema_version"] == 1
+    assert out["schema_version"] == 2
+    # names carry units (an audit: "activations" held bytes, "breakdown" seconds, unnamed)
+    assert all(isinstance(v, int) for v in out["inputs"]["activation_bytes"].values())
+    assert "activations" not in out["inputs"] and all("breakdown" not in s["time"] for s in out["strategies"])
     names = [s["name"] for s in out["strategies"]]
     assert names[:4] == ["ddp", "zero1", "zero2", "zero3"]
     for s in out["strategies"]:

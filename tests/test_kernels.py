@@ -661,18 +661,18 @@ def test_fsdp_optimizer_steps_each_parameter_shard():
 
 def test_efficiency_flag_overrides_the_model():
     r = est("zero3", model="llama-3.1-8b", gpus=8, efficiency=0.5)
-    assert list(r.timing.breakdown) == ["flops at efficiency", "optimizer", "contention"]
+    assert list(r.timing.breakdown_s) == ["flops at efficiency", "optimizer", "contention"]
     m = est("zero3", model="llama-3.1-8b", gpus=8)
-    assert {"gemm", "attention", "memory"} <= set(m.timing.breakdown)
+    assert {"gemm", "attention", "memory"} <= set(m.timing.breakdown_s)
 
 
 def test_compile_and_float8_make_the_step_faster_and_float8_gathers_one_byte():
     base = est("zero3", model="llama-3.1-8b", gpus=8, layout="torch", seq_len=8192)
     comp = est("zero3", model="llama-3.1-8b", gpus=8, layout="torch", seq_len=8192, compile=True)
     f8 = est("zero3", model="llama-3.1-8b", gpus=8, layout="torch", seq_len=8192, float8=True)
-    assert comp.timing.breakdown["memory"] < 0.7 * base.timing.breakdown["memory"]
-    assert comp.timing.breakdown["gemm"] == base.timing.breakdown["gemm"]
-    assert f8.timing.breakdown["gemm"] < 0.6 * base.timing.breakdown["gemm"]
+    assert comp.timing.breakdown_s["memory"] < 0.7 * base.timing.breakdown_s["memory"]
+    assert comp.timing.breakdown_s["gemm"] == base.timing.breakdown_s["gemm"]
+    assert f8.timing.breakdown_s["gemm"] < 0.6 * base.timing.breakdown_s["gemm"]
     g8 = [c for c in f8.collectives if c.name == "all-gather (forward, float8 linears)"][0]
     blocks = sum(sc_u.numel for sc_u in scenario(model="llama-3.1-8b", gpus=8).units if sc_u.blocks)
     assert g8.bytes_per_step == pytest.approx(blocks, rel=0.001)  # 1 byte per block parameter
@@ -694,7 +694,7 @@ def test_float8_recipes_gather_and_cast_as_their_libraries_do():
     assert gather_bytes(te) == gather_bytes(base) == gather_bytes(bf16_gather)
     blocks = sum(u.numel for u in scenario(**kw).units if u.blocks)
     assert gather_bytes(base) - gather_bytes(f8_gather) == pytest.approx(blocks, rel=0.001)  # 2 -> 1 B
-    assert te.timing.breakdown["gemm"] == f8_gather.timing.breakdown["gemm"]
+    assert te.timing.breakdown_s["gemm"] == f8_gather.timing.breakdown_s["gemm"]
     sc = scenario(float8=True, float8_recipe="te-delayed", **kw)
     fwd = {o.name: o.bytes for o in unit_ops.unit_ops(sc, sc.units[1], False) if "float8" in o.name}
     bwd = {o.name: o.bytes for o in unit_ops.unit_ops(sc, sc.units[1], True) if "float8" in o.name}
@@ -784,7 +784,7 @@ def test_contention_share_from_the_step_by_kind(tmp_path):
     one = est("zero3", model="llama-3.1-8b", gpus=16, checkpointing="none",
               gpu=_h100_variant(tmp_path, "one-tile", gemm_tile_m=1 << 20, gemm_tile_n=1 << 20,
                                 gemm_fixed_s=0, collective_slowdown=1)).timing
-    assert one.breakdown["recompute"] == 0
+    assert one.breakdown_s["recompute"] == 0
     assert one.contention_share == pytest.approx(16 / 132, rel=2e-3)
     free = est("zero3", model="llama-3.1-70b", gpus=16, micro_batch=1, seq_len=4096,
                gpu=_h100_variant(tmp_path, "no-nccl-sms", nccl_sm_fraction=0.0,
@@ -1318,7 +1318,7 @@ def test_slowest_rank_is_shown_where_the_step_is(capsys):
     out = json.loads(cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--cluster",
                          "dgx-a100", "--gpus", "64", "--strategy", "zero3", "--json").stdout)
     t = out["strategies"][0]["time"]
-    assert t["slowest_rank_s"] > 0 and t["breakdown"]["slowest_rank"] == t["slowest_rank_s"]
+    assert t["slowest_rank_s"] > 0 and t["breakdown_s"]["slowest_rank"] == t["slowest_rank_s"]
     assert out["assumptions"]["slowest_rank"]["value"] == spread
 
 

@@ -497,7 +497,7 @@ def test_a_loser_slower_in_compute_is_told_why_from_its_own_figures():
     w = cand("zero3", micro_batch=2)
     slower = lambda c: replace(c, result=replace(c.result, timing=replace(  # noqa: E731
         w.result.timing, compute_s=w.result.timing.compute_s + 1.0, step_s=w.result.timing.step_s + 1.0,
-        breakdown=c.result.timing.breakdown)))
+        breakdown_s=c.result.timing.breakdown_s)))
     assert "more compute (its kernels" in _why_lost(slower(cand("ddp", micro_batch=2)), w, "throughput")
     assert "more compute (smaller micro-batches)" in _why_lost(slower(cand("ddp", micro_batch=1)), w, "throughput")
     said = _why_lost(slower(cand("zero3", micro_batch=2, checkpointing="full")), w, "throughput")

@@ -75,7 +75,7 @@ class Timing:
     units: list[UnitOverlap]
     contention_s: float = 0.0  # compute slowed by NCCL collectives beside it (SMs, HBM, power)
     contention_share: float = 0.0  # contention_s / the communication hidden under compute
-    breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by kind of op
+    breakdown_s: dict[str, float] = field(default_factory=dict)  # seconds per step by kind of op
     slowest_rank_s: float = 0.0  # the slowest rank's compute, optimizer, contention beyond the median GPU's
 
     def as_dict(self) -> dict:
@@ -381,6 +381,6 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
         units=overlaps,
         contention_s=contention,
         contention_share=slow,
-        breakdown=breakdown,
+        breakdown_s=breakdown,
         slowest_rank_s=slowest,
     )

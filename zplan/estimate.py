@@ -12,7 +12,7 @@ from .scenario import Scenario, SegmentFreeMemo
 from .strategies import STRATEGIES, Strategy, effective
 from .units import GB
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 # A run that fits with less than this share of the GPU left is "tight" (estimate's fits column,
@@ -377,7 +377,7 @@ def to_json(sc: Scenario, results: list[StrategyEstimate]) -> dict:
             "gpus_per_node": hw.cluster.gpus_per_node,
             "hsdp_shard_size": sc.hsdp_shard,
             "train": t.model_dump(),
-            "activations": dict(activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32)),
+            "activation_bytes": dict(activation_memory.activation_breakdown(m, t, sc.assume.loss_fp32)),
         },
         "assumptions": assumptions(sc, tuple(r.name for r in results)),
         "public_accuracy": measured_error(sc),

@@ -235,8 +235,8 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         o = tm.units[1 if len(tm.units) > 2 else 0]
         out.append(f"  its all-gather {fmt_s(o.all_gather_s)} vs the previous unit's forward: "
                    f"{'hidden' if o.forward_hidden else 'exposed ' + fmt_s(o.forward_exposed_s)}")
-    if tm.breakdown:
-        out.append("per step by kind: " + ", ".join(f"{k_} {fmt_s(v)}" for k_, v in tm.breakdown.items()))
+    if tm.breakdown_s:
+        out.append("per step by kind: " + ", ".join(f"{k_} {fmt_s(v)}" for k_, v in tm.breakdown_s.items()))
     return out
 
 

@@ -467,7 +467,7 @@ def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
         return (f"as fast ({fmt_s(c.step_s)}, {c.step_s / w.step_s - 1:+.1%}: within the model's "
                 f"{TIE:.0%} resolution) but {w.family} is simpler")
     a, b = c.result.timing, w.result.timing
-    recompute = lambda t: t.breakdown.get("recompute", 0.0)  # noqa: E731  (the kernel model's; 0 at one efficiency)
+    recompute = lambda t: t.breakdown_s.get("recompute", 0.0)  # noqa: E731  (the kernel model's; 0 at one efficiency)
     why = [r for r, applies in (("recomputation", recompute(a) > recompute(b) * (1 + TIE) + 1e-9
                                  or policy.uniform_mode(c.sc.train, c.sc.model.num_layers) != "none"
                                  and policy.uniform_mode(w.sc.train, w.sc.model.num_layers) == "none"),
