@@ -159,3 +159,15 @@ def test_deepspeed_zero2_reduces_the_buckets_zplan_prices(tmp_path, multi):
     (g,) = [c for c in colls if "gradients" in c.name]
     assert (g.op, g.elements) == ("all_reduce" if multi else "reduce", psi)
     assert math.isclose(sum(n for _, n in grads), psi)
+
+
+def test_explain_splits_a_reduce_into_latency_and_its_whole_tensor():
+    """explain's line for one call split a reduce's time as a reduce-scatter's ((n-1)/n of S on
+    the wire), which left it 0.5 ms of "latency"; a reduce moves the whole S at the busbw."""
+    from zplan import presets
+    from zplan.explain import _nccl_call
+
+    c = presets.cluster("dgx-h100")
+    line = _nccl_call(c, "x", "reduce", 2 * 10**9, 16, 8)
+    transfer = 2e9 / min(c.intra_node_busbw_bytes_per_s, 8 * c.inter_node_busbw_bytes_per_s)
+    assert f"transfer {transfer * 1e3:.1f} ms" in line and "latency 0.0 ms" in line, line

@@ -139,7 +139,8 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
                   if r.tight else ""))
     out.append("")
     out.append("## 6. Communication per step, as NCCL runs it (zplan/nccl.py): per call t = latency + "
-               "S(n-1)/(n busbw), twice the volume for all-reduce; FSDP one call per unit, DDP per bucket")
+               "S(n-1)/(n busbw), twice the volume for all-reduce, S/busbw for a reduce; FSDP one call per unit, "
+               "DDP and DeepSpeed's ZeRO-1/2 per bucket")
     for c in r.collectives:
         if c.op in ("h2d", "d2h"):
             out.append(f"{c.name}: {c.elements:,} x {c.dtype}, {c.calls_per_step} per step, {fmt_s(c.seconds_per_call)} each")
@@ -272,11 +273,11 @@ def _nccl_lines(sc: Scenario, st, D: int, colls) -> list[str]:
 
 def _nccl_call(c, what: str, op: str, b: int, n: int, g: int) -> str:
     """How NCCL runs one call: the group's shape, algorithm and protocol, busbw, and for the
-    Simple ring and NVLS (t = latency + f·S(n-1)/(n·busbw)) the split of the time."""
+    Simple ring and NVLS (t = latency + f·S(n-1)/(n·busbw); a reduce, S/busbw) the split of the time."""
     ct = nccl.collective_time(c, op, b, n, g)
     head = (f"{what}: {b / GB:,.3f} GB over {n} ranks, {g} per node ({ct.nodes} node(s)): "
             f"{ct.algorithm}/{ct.protocol}, busbw {ct.busbw_bytes_per_s / GB:,.0f} GB/s -> ")
     if ct.protocol != "Simple" or ct.algorithm not in ("ring", "nvls"):  # tree, LL: their own forms
         return head + f"{fmt_s(ct.seconds)} (docs/formulas.md section 5)"
-    wire = (2 if op == "all_reduce" else 1) * b * (n - 1) / (n * ct.busbw_bytes_per_s)
+    wire = (b if op == "reduce" else (2 if op == "all_reduce" else 1) * b * (n - 1) / n) / ct.busbw_bytes_per_s
     return head + f"latency {fmt_s(ct.seconds - wire)} + transfer {fmt_s(wire)} = {fmt_s(ct.seconds)}"
