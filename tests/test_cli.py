@@ -660,6 +660,10 @@ def test_zplan_toml_takes_the_presets_options_long_name(tmp_path, capsys, monkey
         (tmp_path / "zplan.toml").write_text(f'{key} = ["{tmp_path / "mine"}"]\nmodel = "mytiny"\ngpus = 2\n')
         rc, out, err = cli(capsys, "recommend")
         assert rc == 0, err
+    both = f'presets = ["{tmp_path / "mine"}"]\npresets_dir = ["{tmp_path}"]\nmodel = "mytiny"\n'
+    (tmp_path / "zplan.toml").write_text(both)  # one option twice: refused, not one silently dropped
+    rc, _, err = cli(capsys, "recommend")
+    assert rc == 2 and "both presets and presets_dir are set" in err, err
 
 
 def test_recommend_says_a_given_shard_size_is_kept(capsys):

@@ -156,7 +156,7 @@ def test_fsdp_latency_charged_per_unit_call():
     assert fwd.seconds_per_call == pytest.approx(one_call + (len(sc.units) - 1) * lat, rel=0.02)
 
 
-def test_ddp_buckets_pay_latency_each():
+def test_an_evenly_split_collective_pays_latency_each_call():
     sc = scenario(model="llama-3.2-1b", gpus=16, cluster="dgx-h100")
     total = sc.params * 4
     bucket = 25 * 2**20
@@ -417,3 +417,20 @@ def test_gpus_per_node_override_keeps_the_nvls_figures_group(tmp_path):
     assert c.gpus_per_node == 4 and c.intra_node_allreduce_gpus == 8
     bw, algo = group_busbw(c, "all_reduce", 4, 4)
     assert algo == "nvls" and bw == pytest.approx(479e9 * (6 / 5) / (14 / 9))
+
+
+def test_the_known_misses_say_what_the_model_gives_them():
+    """nccl-tests.csv's aws-p5-efa rows are the aws-p5 preset's known misses, each note stating
+    the model's error; a refit left five rows labelled and noted for the fit before it (a
+    review). Each is still a miss, and its note is the model's figure."""
+    import re
+
+    with CSV.open() as f:
+        misses = [r for r in csv.DictReader(f) if r["cluster"] == "aws-p5-efa"]
+    c = presets.cluster("aws-p5")
+    assert misses
+    for r in misses:
+        err = busbw_at(c, r["op"], int(r["bytes"]), int(r["gpus"]), int(r["gpus_per_node"])) / (
+            float(r["busbw_GBps"]) * 1e9) - 1
+        stated = float(re.search(r"known miss of the aws-p5 preset \(([+-][0-9.]+)%", r["note"]).group(1))
+        assert abs(err) > 0.10 and stated == pytest.approx(100 * err, abs=0.051), (r["op"], r["gpus"], r["bytes"])

@@ -62,9 +62,9 @@ def test_a_reduce_moves_the_whole_tensor_at_the_bus_bandwidth():
 
 _DS_RUN = r"""
 import json, os, sys
-rank, port, multi = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+rank, port, multi, world = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
-                  WORLD_SIZE="2", LOCAL_RANK=str(rank))
+                  WORLD_SIZE=world, LOCAL_RANK=str(rank))
 import torch, deepspeed
 from torch.utils._python_dispatch import TorchDispatchMode
 deepspeed.init_distributed(dist_backend="gloo")
@@ -80,7 +80,7 @@ class Calls(TorchDispatchMode):
             self.calls.append((func._schema.name.split("::")[-1], n))
         return func(*args, **(kwargs or {}))
 
-cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": int(world),
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
        "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000, "allgather_bucket_size": 100000,
                              "use_multi_rank_bucket_allreduce": multi, "overlap_comm": False}}
@@ -99,15 +99,16 @@ if rank == 0:
 LINEARS = ((32, 64), (64, 48), (48, 16))
 
 
-def _deepspeed_calls(tmp_path, multi: bool) -> list:
+def _deepspeed_calls(tmp_path, multi: bool, world: int) -> list:
     from zplan.netutil import free_port
 
     script = tmp_path / "ds_run.py"
     script.write_text(_DS_RUN)
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, "1" if multi else "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, "1" if multi else "0", str(world)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -115,15 +116,15 @@ def _deepspeed_calls(tmp_path, multi: bool) -> list:
     return json.loads(line[len("CALLS "):])
 
 
-def _zplan_scenario():
+def _zplan_scenario(world: int = 2):
     """The test model as zplan's units: one per Linear, its weight and bias, fp32 throughout,
-    on two ranks, DeepSpeed's reduce_bucket_size of 3000 elements as the bucket assumption."""
+    on `world` ranks, DeepSpeed's reduce_bucket_size of 3000 elements as the bucket assumption."""
     from zplan import arch, presets
     from zplan.scenario import Scenario
     from zplan.specs import Hardware, TrainSpec
 
     units = tuple(arch.Unit(f"linear{i}", ((o, i_), (o,)), 1, i, o * i_ + o) for i, (i_, o) in enumerate(LINEARS))
-    hw = Hardware(gpu=presets.gpu("cpu"), cluster=presets.cluster("cpu-local"), num_gpus=2)
+    hw = Hardware(gpu=presets.gpu("cpu"), cluster=presets.cluster("cpu-local"), num_gpus=world)
     sc = Scenario(arch.synthetic(sum(u.numel for u in units)), hw,
                   TrainSpec(precision={"param": "fp32", "reduce": "fp32"}), custom_units=units)
     return replace(sc, assume=sc.assume.model_copy(update={"ddp_bucket_bytes": 3000 * 4}))
@@ -131,33 +132,37 @@ def _zplan_scenario():
 
 @pytest.mark.slow  # two processes importing deepspeed: seconds each
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("multi", [True, False])
-def test_deepspeed_zero2_reduces_the_buckets_zplan_prices(tmp_path, multi):
-    """DeepSpeed's own ZeRO-2 (stage_1_and_2.py, two gloo ranks) is the oracle: by default
+@pytest.mark.parametrize("multi,world", [(True, 2), (False, 2), (False, 3)])
+def test_deepspeed_zero2_reduces_the_buckets_zplan_prices(tmp_path, multi, world):
+    """DeepSpeed's own ZeRO-2 (stage_1_and_2.py, gloo ranks) is the oracle: by default
     (use_multi_rank_bucket_allreduce) one all-reduce per IPG bucket, each bucket closed before
     the gradient that would overflow reduce_bucket_size; with it off, one reduce per owning
-    rank's slice of each bucket. zplan's calls (comm.bucket_calls, owner_reduce_calls) are
-    DeepSpeed's, op and elements, call by call; its collectives name the same op."""
+    rank's slice of each bucket, the partitions those of the flat buffer padded at its end (3
+    ranks: 6016 elements padded to 6018, the padding never reduced; a review found zplan's
+    slices shifted by it). zplan's calls (comm.bucket_calls, owner_reduce_calls) are
+    DeepSpeed's, op and elements (a bucket's reduces in any order); its collectives name the op."""
     pytest.importorskip("deepspeed")
     from zplan import comm
     from zplan.strategies import effective
 
-    calls = _deepspeed_calls(tmp_path, multi)
+    calls = _deepspeed_calls(tmp_path, multi, world)
     psi = sum(o * i + o for i, o in LINEARS)
     grads = [(op, n) for op, n in calls if op in ("allreduce_", "reduce_") and n > 1]  # not the overflow flag
-    assert [n for op, n in calls if op == "_allgather_base_"] == [psi]  # the updated weights
-    sc = _zplan_scenario()
+    assert sum(n for op, n in calls if op == "_allgather_base_") >= psi  # the updated weights
+    sc = _zplan_scenario(world)
     buckets = [b // 4 for b in comm.bucket_calls(sc, "fp32", psi * 4, 3000 * 4, deepspeed=True)]
     if multi:
         assert grads == [("allreduce_", b) for b in buckets]
     else:
-        owners = comm.owner_reduce_calls([b * 4 for b in buckets], psi * 4, 2)
-        assert grads == [("reduce_", b // 4) for bs in owners for b in bs]
+        owners = comm.owner_reduce_calls(buckets, world)
+        assert {op for op, _ in grads} == {"reduce_"}
+        assert sorted(n for _, n in grads) == sorted(b for bs in owners for b in bs)
+        assert len(grads) == sum(map(len, owners)) and sum(n for _, n in grads) == psi
     colls = comm.collectives(replace(sc, train=sc.train.model_copy(update={"layout": "zero",
                                                                             "deepspeed_bucket_allreduce": multi})),
                              effective("zero2", "zero"))
     (g,) = [c for c in colls if "gradients" in c.name]
-    assert (g.op, g.elements) == ("all_reduce" if multi else "reduce", psi)
+    assert g.op == ("all_reduce" if multi else "reduce") and psi <= g.elements < psi + world * len(LINEARS)
     assert math.isclose(sum(n for _, n in grads), psi)
 
 

@@ -334,3 +334,16 @@ def test_an_unknown_name_says_zplan_presets_names_no_folder(run_zplan, tmp_path)
     left "unknown gpu 'mine'" with no word of why: the refusal now names the entry."""
     p = run_zplan("estimate", "--gpu", "mine", "--params", "7e9", env={"ZPLAN_PRESETS": str(tmp_path / "nope")})
     assert p.returncode == 2 and f"$ZPLAN_PRESETS names {tmp_path / 'nope'}, which is not a folder" in p.stderr
+
+
+@pytest.mark.parametrize("vendor,want", [("AuthenticAMD", 2e-6), ("GenuineIntel", 1e-6), (None, 1e-6)])
+def test_calibrate_reads_nccls_network_overhead_from_the_hosts_cpu(tmp_path, vendor, want):
+    """tuning.cc getNetOverhead: 2 us on AMD x86 hosts, 1 us on Intel and others (an Arm host's
+    /proc/cpuinfo has no vendor_id); calibrate writes this host's into its cluster preset (a
+    review: a calibrated p5 got Intel's)."""
+    from zplan.hardware import nccl_net_overhead_s
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\n" + (f"vendor_id\t: {vendor}\n" if vendor else "Features\t: fp asimd\n"))
+    assert nccl_net_overhead_s(info) == want
+    assert nccl_net_overhead_s(tmp_path / "none") == 1e-6

@@ -279,6 +279,7 @@ def keep_identity(gpu: dict, base: str | None) -> None:
 LINK_FIELDS = ("intra_node_busbw_bytes_per_s", "intra_node_allreduce_busbw_bytes_per_s", "intra_node_allreduce_gpus",
                "inter_node_busbw_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s", "base_latency_s",
                "intra_node_ring_fill_s", "link", "ll_max_busbw_bytes_per_s", "tree_busbw_fraction")
+# (net_overhead_s stays this host's: calibrate reads it from the CPU, hardware.nccl_net_overhead_s)
 
 def one_gpu_links(cluster: dict, base: str | None, what: str = "GPU") -> None:
     """With one GPU no collective is measured: the cluster preset takes its link figures from

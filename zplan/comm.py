@@ -85,7 +85,10 @@ def call_seconds(sc: Scenario, op: str, nbytes_: int, n: int, per_node: int) -> 
 
 def bucketed_seconds(sc: Scenario, op: str, total_bytes: int, n: int, per_node: int,
                      bucket_bytes: int) -> float:
-    """A reduction issued in buckets (DDP, DeepSpeed ZeRO-1/2): each bucket pays its latency."""
+    """A collective split evenly into calls of at most `bucket_bytes` (DeepSpeed's all-gather of
+    the updated weights in allgather_bucket_size pieces; a unit's share of ZeRO-3's default
+    reduce bucket), each timed as NCCL runs it. Gradient buckets as the libraries fill them are
+    bucket_calls'."""
     if bucket_bytes <= 0 or total_bytes <= bucket_bytes:
         return call_seconds(sc, op, total_bytes, n, per_node)
     full, rest = divmod(total_bytes, bucket_bytes)
@@ -119,11 +122,11 @@ def gradient_buckets(sc: Scenario, grad_b: int, cap_bytes: int, first_cap_bytes:
 def bucket_calls(sc: Scenario, dtype: str, total_bytes: int, bucket_bytes: int,
                  first_bucket_bytes: int | None = None, deepspeed: bool = False) -> list[int]:
     """The bytes of each call of a gradient reduction issued in buckets, in the order backward
-    fills them (gradient_buckets: DDP's Reducer, or DeepSpeed's IPG bucket where `deepspeed`),
-    with what DeepSpeed pads its flat partitions by in the last."""
-    buckets = gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed)
-    buckets[-1] += max(0, total_bytes - sum(buckets))
-    return buckets
+    fills them (gradient_buckets: DDP's Reducer, or DeepSpeed's IPG bucket where `deepspeed`):
+    the parameters' gradients only (DeepSpeed pads its flat partition at its end and reduces no
+    padding, stage_1_and_2.py average_tensor); the whole `total_bytes` as one call where the
+    model has no parameter shapes to bucket."""
+    return gradient_buckets(sc, nbytes(1, dtype), bucket_bytes, first_bucket_bytes, deepspeed) or [total_bytes]
 
 
 def calls_seconds(sc: Scenario, op: str, sizes: list[int], n: int, per_node: int) -> float:
@@ -159,18 +162,23 @@ def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0,
     return Collective(name, op, elements, dtype, group, scope, calls, t, last, per_node, call_b, call)
 
 
-def owner_reduce_calls(buckets: list[int], total_bytes: int, n: int) -> list[list[int]]:
-    """Per bucket (backward's order: the flat buffer filled from its end), the bytes of each
-    reduce DeepSpeed's ZeRO-1/2 issues without use_multi_rank_bucket_allreduce: one per
-    owning rank whose partition (a contiguous 1/n of the flat buffer, in forward order) the
-    bucket overlaps (stage_1_and_2.py average_tensor: slices merged by destination ->
-    allreduce_no_retain(rank=dst) -> dist.reduce)."""
-    part = total_bytes / n
-    out, end = [], total_bytes
+def owner_reduce_calls(buckets: list[int], n: int) -> list[list[int]]:
+    """Per bucket of gradient elements (backward's order: the flat buffer's parameters, filled
+    from their end), the elements of each reduce DeepSpeed's ZeRO-1/2 issues without
+    use_multi_rank_bucket_allreduce: one per owning rank whose partition the bucket overlaps
+    (stage_1_and_2.py average_tensor: slices merged by destination -> allreduce_no_retain(rank=
+    dst) -> dist.reduce). The flat buffer is padded at its end to a multiple of n and split into
+    n contiguous partitions of ceil(total / n); the padding is never reduced. Held against a real
+    DeepSpeed run at 2 and 3 ranks (tests/test_deepspeed_reduce.py)."""
+    if n < 1 or any(b < 0 for b in buckets):
+        raise ValueError(f"owner_reduce_calls: n {n}, buckets {buckets}")
+    total = sum(buckets)
+    part = -(-total // n) if total else 1
+    out, end = [], total
     for b in buckets:
         lo, hi = end - b, end
-        first, last = int(lo // part), min(n - 1, int((hi - 1) // part))
-        out.append([int(min(hi, (r + 1) * part) - max(lo, r * part)) for r in range(first, last + 1)])
+        out.append([min(hi, (r + 1) * part) - max(lo, r * part)
+                    for r in range(lo // part, -(-hi // part)) if min(hi, (r + 1) * part) > max(lo, r * part)])
         end = lo
     return out
 
@@ -178,11 +186,12 @@ def owner_reduce_calls(buckets: list[int], total_bytes: int, n: int) -> list[lis
 def _owner_reduces(sc, elements, dtype, group, per_node, calls, bucket_bytes) -> Collective:
     """DeepSpeed's ZeRO-1/2 gradient reduction with use_multi_rank_bucket_allreduce off: per IPG
     bucket, a reduce to each owning rank (owner_reduce_calls), each timed as NCCL runs a reduce."""
-    total = nbytes(elements, dtype)
-    per_bucket = owner_reduce_calls(bucket_calls(sc, dtype, total, bucket_bytes, None, True), total, group)
+    eb = nbytes(1, dtype)
+    buckets = [b // eb for b in bucket_calls(sc, dtype, nbytes(elements, dtype), bucket_bytes, None, True)]
+    per_bucket = [[e * eb for e in bs] for bs in owner_reduce_calls(buckets, group)]
     t = calls_seconds(sc, "reduce", [b for bs in per_bucket for b in bs], group, per_node)
     last = calls_seconds(sc, "reduce", per_bucket[-1], group, per_node)
-    big = max(b for bs in per_bucket for b in bs)
+    big = max((b for bs in per_bucket for b in bs), default=0)
     return Collective("reduce (gradients, to each owning rank)", "reduce", elements, dtype, group,
                       "intra-node" if group <= per_node else "inter-node", calls, t, last, per_node,
                       big, "the largest slice")

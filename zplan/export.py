@@ -84,8 +84,9 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
                          "or run 8-bit Adam through your own script")
     bucket = plan.assumptions.ddp_bucket_bytes
     zo: dict = {"stage": stage, "overlap_comm": plan.assumptions.overlap, "contiguous_gradients": True}
-    if stage in (1, 2):  # how its gradient buckets are reduced, as the plan prices it
-        zo["use_multi_rank_bucket_allreduce"] = t.deepspeed_bucket_allreduce
+    if stage in (1, 2) and not t.deepspeed_bucket_allreduce:  # the plan prices per-owner reduces: the
+        zo["use_multi_rank_bucket_allreduce"] = False  # key, written only then (DeepSpeed before 0.12.4
+        # has none and refuses unknown keys; deepspeed_reduce_note says so)
     if stage == 3 and t.optimizer == "muon":  # ZeRO-3 refuses Muon beside its reduce-scatter; the plan
         zo["reduce_scatter"] = False  # prices the all-reduce it runs instead (policy.all_reduces_gradients)
     if t.deepspeed_defaults:
@@ -135,6 +136,9 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
     }
     cfg.update(_ds_precision(plan, stage))
     cfg["optimizer"] = {"type": DS_OPTIMIZER[t.optimizer], "params": {"lr": 3e-4, "weight_decay": 0.1}}
+    if t.optimizer == "sgd":  # the SGD the plan prices: a momentum buffer, no weight decay (whose
+        # foreach step makes a gradient-sized temporary); DeepSpeed passes these to torch.optim.SGD
+        cfg["optimizer"]["params"] = {"lr": 3e-4, "momentum": 0.9, "weight_decay": 0.0}
     if t.optimizer == "adamw" and t.optimizer_kernels == "foreach":
         cfg["optimizer"]["params"]["torch_adam"] = True  # torch.optim.AdamW: foreach on CUDA
     if t.optimizer == "sgd" and stage:
@@ -313,6 +317,16 @@ def layout_note(plan: Plan) -> str | None:
 
 ZEROPP_NOTE = ("--zeropp adds ZeRO++ (a secondary bf16 partition of the weights per node, int8 gathers, "
                "int4 gradient reduction), which the plan's memory and traffic figures do not count")
+
+
+def deepspeed_reduce_note(plan: Plan) -> str | None:
+    """A ZeRO-1/2 plan priced with one reduce per owning rank writes use_multi_rank_bucket_allreduce
+    false, a key DeepSpeed has from 0.12.4 (runtime/zero/config.py, PR #4695); its config refuses
+    unknown keys, so an older DeepSpeed (which reduces to each owner anyway) needs it removed."""
+    if DS_STAGE.get(plan.strategy) not in (1, 2) or plan.train.deepspeed_bucket_allreduce:
+        return None
+    return ("the config sets use_multi_rank_bucket_allreduce false (one reduce per owning rank, as the plan "
+            "prices it), a key from DeepSpeed 0.12.4: on an older DeepSpeed, which reduces so anyway, remove it")
 
 
 def accelerate_nodes_note(plan: Plan) -> str | None:

@@ -215,6 +215,21 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
     return any(f in words for f in BF16_CPU_FLAGS)
 
 
+def nccl_net_overhead_s(cpuinfo: Path = Path("/proc/cpuinfo")) -> float:
+    """NCCL's per-step network overhead of a ring spanning nodes on this host (tuning.cc
+    getNetOverhead: 2 us on AMD x86, 1 us on Intel x86 and any other host), from the CPU's
+    vendor_id; 1 us where /proc/cpuinfo cannot be read."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return 1.0e-6
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return 2.0e-6 if value.strip() == "AuthenticAMD" else 1.0e-6
+    return 1.0e-6
+
+
 def detect(nvml_module=None) -> Detected:
     """Look at this machine. `nvml_module` replaces pynvml in tests (a fake module)."""
     if nvml_module is None:

@@ -197,8 +197,8 @@ def _reduce_time(c: ClusterSpec, nbytes: int, bw: float, nodes: int, per_node: i
         ll_bw = 0.5 * bw
         if c.ll_max_busbw_bytes_per_s is not None:
             ll_bw = min(ll_bw, c.ll_max_busbw_bytes_per_s[min(nodes, 3) - 1])
-        ll = _LL_BASE_S + (_LL_STEP_S[c.link] if nodes == 1 else
-                           _LL_TREE_NET_STEP_S if per_node == 1 else _LL_NET_STEP_S) + nbytes / ll_bw
+        # (tuning.cc's Reduce adds the ring's own hop latency, ppn = 1 or not)
+        ll = _LL_BASE_S + (_LL_STEP_S[c.link] if nodes == 1 else _LL_NET_STEP_S) + nbytes / ll_bw
         if ll < best.seconds:
             best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
     return best

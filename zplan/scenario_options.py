@@ -307,7 +307,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                          "(--layout torch) has no such buckets: drop --deepspeed-defaults")
     if layout == "torch" and not o.deepspeed_bucket_allreduce:
         raise UsageError("--no-deepspeed-bucket-allreduce is about DeepSpeed's ZeRO-1/2 (the zero layout); "
-                         "FSDP (--layout torch) reduce-scatters: drop --no-deepspeed-bucket-allreduce")
+                         "the torch layout (DDP, FSDP2) runs PyTorch's own reductions: drop "
+                         "--no-deepspeed-bucket-allreduce, or plan for DeepSpeed (--layout zero, recommend --for deepspeed)")
     if layout == "torch" and not o.zero_init:
         raise UsageError("--no-zero-init is about deepspeed.initialize (the zero layout); FSDP "
                          "(--layout torch) never holds the whole model: drop --no-zero-init")
@@ -317,8 +318,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                          "ZeRO-1/2 optimizer (the zero layout); FSDP (--layout torch) flattens "
                          "nothing: drop it")
     if layout == "zero" and o.optimizer_kernels != "fused":
-        raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is torch's AdamW; the zero layout "
-                         "(DeepSpeed) runs its FusedAdam: add --layout torch, or drop --optimizer-kernels")
+        raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} names one of torch's implementations; the "
+                         "zero layout (DeepSpeed) runs its own (FusedAdam; torch.optim.SGD as its config builds it): "
+                         "add --layout torch, or drop --optimizer-kernels")
     for flag, v in (("--param-dtype", o.param_dtype), ("--reduce-dtype", o.reduce_dtype),
                     ("--master-dtype", o.master_dtype), ("--optimizer-dtype", o.optimizer_dtype)):
         check_choice(v, flag, DTYPES)
@@ -477,7 +479,10 @@ def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE
     taken = []
     for k, v in data.items():
         key = k.replace("-", "_")
-        key = {"presets": "presets_dir"}.get(key, key)  # --presets' long name, as its flag reads
+        if key == "presets":  # --presets' long name, as its flag reads
+            if "presets_dir" in data:
+                raise UsageError(f"{p}: both presets and presets_dir are set: they are one option (--presets); keep one")
+            key = "presets_dir"
         shown = " ".join(f"{key}={v}".split())[:80]
         if key in FIELDS:  # every value is checked, used or not: a bad file is refused whole
             v = _project_value(p, key, v, hints[key])
@@ -491,6 +496,6 @@ def apply_project_file(o: ScenarioOptions, extra: dict, path: str = PROJECT_FILE
                 extra[key] = v
                 taken.append(shown)
         else:
-            known = ", ".join(sorted(FIELDS + list(extra)))
+            known = ", ".join(sorted(FIELDS + list(extra) + ["presets"]))
             raise UsageError(f"{p}: unknown key {' '.join(k.split())[:60]!r}; known keys: {known}")
     return taken

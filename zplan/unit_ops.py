@@ -556,15 +556,18 @@ SGD_FOREACH_DEPTHS = (1, 2, 2)
 
 def _sgd_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
     """SGD with momentum over these tensors as the run launches it (SGD_FOREACH_DEPTHS), P the
-    master dtype, S the momentum's; the zero layout's copy into the 16-bit weights as AdamW's."""
+    master dtype, S the momentum's; the zero layout (DeepSpeed's torch.optim.SGD over its flat
+    partition, as zplan's export configures it: momentum 0.9, no weight decay) foreach, and its
+    copy into the 16-bit weights as AdamW's."""
     gpu, t = sc.hw.gpu, sc.train
     sizes = [n for n in local_sizes if n]
     if not sizes:
         return []
     P, S, n = _b(t.precision.master), _b(t.precision.optimizer), sum(sizes)
-    if t.optimizer_kernels == "fused":
+    if t.optimizer_kernels == "fused" and t.layout == "torch":
         ops: Ops = [K.memory(gpu, "SGD (fused)", (3 * P + 2 * S) * n, K.multi_tensor_launches(sizes, 3))]
-    elif t.optimizer_kernels == "foreach" or t.layout == "zero":
+    elif t.optimizer_kernels == "foreach" or t.layout == "zero":  # DeepSpeed builds torch.optim.SGD:
+        # foreach, its CUDA default
         ops = [K.memory(gpu, "SGD (foreach, 3 ops)", (3 * P + 5 * S) * n,
                         sum(K.multi_tensor_launches(sizes, d) for d in SGD_FOREACH_DEPTHS))]
     else:

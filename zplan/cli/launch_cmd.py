@@ -292,7 +292,7 @@ def launch(
         problem = node_problem(p, per_node, len(found.gpus))
         if problem and not (p.gpu.device == "cpu" and os.environ.get("ZPLAN_ALLOW_GPU_MISMATCH")):
             raise UsageError(problem)
-    if not found.gpus and not slurm and found.cpus and per_node > found.cpus:
+    if not found.gpus and not slurm and found.cpus and per_node > found.cpus and p.gpu.device == "cpu":
         print(f"zplan: note: {per_node} CPU ranks on {found.cpus} usable CPUs share them: each rank gets "
               f"under one core, so steps run slower than the plan's CPU preset assumes", file=sys.stderr)
     from .. import arch

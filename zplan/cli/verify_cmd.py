@@ -213,7 +213,7 @@ def calibrate(
     import torch
 
     from .. import calibrate as cal
-    from ..hardware import detect, preset_for
+    from ..hardware import detect, nccl_net_overhead_s, preset_for
     from ..parse import check_range
 
     found = detect()
@@ -274,7 +274,7 @@ def calibrate(
                "intra_node_busbw_bytes_per_s": float(f"{bw:.4g}"),
                "inter_node_busbw_bytes_per_s": float(f"{bw / 10:.4g}"),
                "intra_node_latency_s": float(f"{alpha:.3g}"), "inter_node_latency_s": float(f"{alpha * 4:.3g}"),
-               "link": "nvlink" if cuda else "loopback",
+               "link": "nvlink" if cuda else "loopback", "net_overhead_s": nccl_net_overhead_s(),
                "host_ram_bytes": int(found.host_ram_bytes), "cpu_adam_params_per_s": float(f"{adam:.4g}"),
                "source": source + ("; inter-node figures are not measured (assumed 1/10 and 4x)" if world > 1 else "")}
     if cuda and world > 1:
