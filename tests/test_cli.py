@@ -281,6 +281,8 @@ def test_rich_markup_in_a_model_name_is_printed_as_text(capsys, tmp_path):
     (["estimate", "--no-flash", "--attention-kernel", "flash3"], "--attention-kernel flash3 names one: drop one of them"),
     (["estimate", "--gpus", "16", "--shard-size", "8", "--strategy", "zero3"], "add --strategy hsdp or drop --shard-size"),
     (["estimate", "--presets", "/nonexistent-zplan"], "--presets /nonexistent-zplan is not a folder"),
+    (["estimate", "--optimizer", "muon", "--no-deepspeed-bucket-allreduce"], "DeepSpeed all-reduces every Muon matrix"),
+    (["estimate", "--layout", "torch", "--no-deepspeed-bucket-allreduce"], "the torch layout (DDP, FSDP2) runs PyTorch's own"),
     (["recommend", "--model", "tiny", "--gpus", "4", "--shard-size", "2", "--strategy", "zero3"], "add --strategy hsdp"),
     (["explain", "--model", "tiny", "--gpus", "4", "--shard-size", "2"], "--strategy zero3 has no hsdp"),
     (["estimate", "--presets", "/dev/null"], "--presets /dev/null is not a folder"),

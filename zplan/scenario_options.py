@@ -305,6 +305,10 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if layout == "torch" and o.deepspeed_defaults:
         raise UsageError("--deepspeed-defaults is about DeepSpeed's config (the zero layout); FSDP "
                          "(--layout torch) has no such buckets: drop --deepspeed-defaults")
+    if not o.deepspeed_bucket_allreduce and o.optimizer == "muon":
+        raise UsageError("--no-deepspeed-bucket-allreduce with --optimizer muon: DeepSpeed all-reduces every Muon "
+                         "matrix its partitions split whatever the key (stage_1_and_2.py average_tensor), which "
+                         "zplan does not price: drop --no-deepspeed-bucket-allreduce")
     if layout == "torch" and not o.deepspeed_bucket_allreduce:
         raise UsageError("--no-deepspeed-bucket-allreduce is about DeepSpeed's ZeRO-1/2 (the zero layout); "
                          "the torch layout (DDP, FSDP2) runs PyTorch's own reductions: drop "

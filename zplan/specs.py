@@ -649,6 +649,10 @@ class TrainSpec(Spec):
             raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
         if self.layout == "torch" and not self.deepspeed_bucket_allreduce:
             raise ValueError("deepspeed_bucket_allreduce false is about DeepSpeed's ZeRO-1/2 (the zero layout)")
+        if not self.deepspeed_bucket_allreduce and self.optimizer == "muon":
+            # stage_1_and_2.py average_tensor all-reduces a Muon matrix split over owners whatever the key
+            raise ValueError("deepspeed_bucket_allreduce false with Muon: DeepSpeed all-reduces the matrices "
+                             "its partitions split anyway, which the per-owner pricing does not count")
         if self.layout == "torch" and self.deepspeed_param_groups != "one":
             raise ValueError("deepspeed_param_groups is about DeepSpeed's ZeRO-1/2 optimizer (the zero layout)")
         if self.linear_loss != "none" and self.loss_fused:
