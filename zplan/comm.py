@@ -167,13 +167,14 @@ def owner_reduce_calls(buckets: list[int], n: int) -> list[list[int]]:
     from their end), the elements of each reduce DeepSpeed's ZeRO-1/2 issues without
     use_multi_rank_bucket_allreduce: one per owning rank whose partition the bucket overlaps
     (stage_1_and_2.py average_tensor: slices merged by destination -> allreduce_no_retain(rank=
-    dst) -> dist.reduce). The flat buffer is padded at its end to a multiple of n and split into
-    n contiguous partitions of ceil(total / n); the padding is never reduced. Held against a real
-    DeepSpeed run at 2 and 3 ranks (tests/test_deepspeed_reduce.py)."""
+    dst) -> dist.reduce). The flat buffer is padded at its end to a multiple of 2n elements
+    (flatten_dense_tensors_aligned with nccl_start_alignment_factor 2) and split into n
+    contiguous partitions; the padding is never reduced. Held against a real DeepSpeed run at 2
+    and 3 ranks (tests/test_deepspeed_reduce.py)."""
     if n < 1 or any(b < 0 for b in buckets):
         raise ValueError(f"owner_reduce_calls: n {n}, buckets {buckets}")
     total = sum(buckets)
-    part = -(-total // n) if total else 1
+    part = 2 * -(-total // (2 * n)) if total else 1
     out, end = [], total
     for b in buckets:
         lo, hi = end - b, end
