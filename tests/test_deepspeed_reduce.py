@@ -198,3 +198,28 @@ def test_owner_reduces_cover_each_bucket_once_within_the_partitions():
         assert all(len(bs) <= -(-b // part) + 1 for b, bs in zip(buckets, out))
 
     check()
+
+
+@pytest.mark.slow  # a real two-rank run of zplan's trainer
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bucket_mib", ["0.25", "25"])
+def test_a_real_ddp_run_issues_the_all_reduces_the_plan_prices(run_zplan, tmp_path, bucket_mib):
+    """DDP only keeps a 1 MiB first bucket when bucket_cap_mb is left at its default
+    (torch/nn/parallel/distributed.py); zplan's trainer passed the plan's 25 always (no 1 MiB
+    bucket) and the planner priced one whatever the cap. A real 2-rank run of the trainer's
+    DDP (gloo), its bucket all-reduces counted by a comm hook each step, is the oracle for the
+    number of calls the plan prices."""
+    from tests.test_trainer import launch, make_plan
+    from zplan import comm
+    from zplan.plan import load
+
+    plan = tmp_path / "p.json"
+    make_plan(run_zplan, plan, "ddp", 2, 4, "fp32", "--bucket-mib", bucket_mib)
+    report, _ = launch(run_zplan, plan, tmp_path / "run", 3)
+    measured = report["measured"]["per_collective"]["all_reduce"]["calls"]
+    p = load(str(plan))
+    sc = scenario(model="tiny", gpus=2, gpu="cpu", cluster="cpu-local", layout="torch", seq_len=p.train.seq_len,
+                  bucket_mib=float(bucket_mib))
+    cap = p.assumptions.ddp_bucket_bytes
+    priced = comm.bucket_calls(sc, "fp32", sc.params * 4, cap, comm.ddp_first_bucket_bytes(cap))
+    assert measured == len(priced), (measured, len(priced))

@@ -97,6 +97,21 @@ def bucketed_seconds(sc: Scenario, op: str, total_bytes: int, n: int, per_node: 
 
 
 DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (c10d reducer.hpp kDefaultFirstBucketBytes)
+DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+
+
+def ddp_first_bucket_bytes(bucket_bytes: int) -> int:
+    """DDP's first bucket: 1 MiB where the run leaves bucket_cap_mb at its default, else the cap
+    itself (torch/nn/parallel/distributed.py, 2.11 and 2.13: first_bucket_bytes_cap is
+    _DEFAULT_FIRST_BUCKET_BYTES only when the bucket size is the default; a real 2-rank run with
+    0.25 MiB buckets issues the 26 all-reduces this gives, not 24: tests/test_deepspeed_reduce.py)."""
+    return DDP_FIRST_BUCKET_BYTES if bucket_bytes == DDP_DEFAULT_BUCKET_BYTES else bucket_bytes
+
+
+def ddp_bucket_cap_mb(bucket_bytes: int) -> float | None:
+    """The bucket_cap_mb the trainer gives DDP for the plan's bucket: None at the default, so that
+    DDP keeps the 1 MiB first bucket the plan prices (ddp_first_bucket_bytes)."""
+    return None if bucket_bytes == DDP_DEFAULT_BUCKET_BYTES else bucket_bytes / 2**20
 
 
 def gradient_buckets(sc: Scenario, grad_b: int, cap_bytes: int, first_cap_bytes: int | None = None,
@@ -378,7 +393,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             store = p.master if torch else p.param
             if not reduces_after_backward(st.name, t.layout):
                 out.append(_coll(sc, "all-reduce (gradients)", "all_reduce", psi, p.master, N,
-                                 g_world, rs_calls, ddp_bucket, DDP_FIRST_BUCKET_BYTES))
+                                 g_world, rs_calls, ddp_bucket, ddp_first_bucket_bytes(ddp_bucket)))
             else:  # DeepSpeed stage 0: once per step, after backward, in its fallback buffers
                 out.append(_coll(sc, "all-reduce (gradients, after backward, in fallback buffers)",
                                  "all_reduce", psi, p.reduce, N,

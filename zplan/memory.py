@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import activation_memory, allocator, arch, muon, policy
-from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
+from .comm import ddp_first_bucket_bytes, gather_dtype, gradient_buckets, regathered
 from .deepspeed import reduce_stream_bytes
 from . import memory_timeline as mt
 from .memory_timeline import Event
@@ -489,11 +489,11 @@ def compiled_graphs(sc: Scenario, st: Strategy) -> mt.CompiledGraphs | None:
 
 def ddp_graph_buckets(sc: Scenario, grad_b: int) -> list[int]:
     """The gradient bytes of each graph DDPOptimizer splits a compiled model into, last layer
-    first: DDP's own buckets (comm.gradient_buckets: 1 MiB for the first, then the bucket cap;
+    first: DDP's own buckets (comm.gradient_buckets: 1 MiB for the first at DDP's default cap, then the cap;
     torch/_dynamo/backends/distributed.py DDPOptimizer.compile_fn). zplan walks the units'
     parameters in reverse; DDPOptimizer walks graph nodes, so a boundary may fall a few
     parameters apart."""
-    return gradient_buckets(sc, grad_b, sc.assume.ddp_bucket_bytes, DDP_FIRST_BUCKET_BYTES)
+    return gradient_buckets(sc, grad_b, sc.assume.ddp_bucket_bytes, ddp_first_bucket_bytes(sc.assume.ddp_bucket_bytes))
 
 
 def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:

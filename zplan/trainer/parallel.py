@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import policy
+from ..comm import ddp_bucket_cap_mb
 from ..plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -187,7 +188,8 @@ def replicate(model: nn.Module, plan: Plan, device: torch.device) -> Parallelize
         # backward and accumulated in place (the planner's one-rank model, memory.timeline)
         return Parallelized(model, model, False, [], cast)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              gradient_as_bucket_view=t.ddp_bucket_view, bucket_cap_mb=plan.assumptions.ddp_bucket_bytes / 2**20)
+              gradient_as_bucket_view=t.ddp_bucket_view,
+              bucket_cap_mb=ddp_bucket_cap_mb(plan.assumptions.ddp_bucket_bytes))  # the plan's buckets
     return Parallelized(ddp, model, False, [], cast)
 
 
