@@ -577,7 +577,7 @@ def _sgd_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
     return ops
 
 
-def adam8bit_bytes(n: int, P: int) -> float:
+def adam8bit_bytes(n: int, P: int) -> int:
     """Bytes bitsandbytes' AdamW8bit step moves over a tensor of n elements, weights and
     gradients of P bytes (bitsandbytes csrc/kernels.cu at 95f9af30): at 4096 elements and over,
     kOptimizerStatic8bit2StateBlockwise loads g, p and the two uint8 states and stores p and the
@@ -601,7 +601,7 @@ def _adam8bit_ops(sc: Scenario, local_sizes: list[int]) -> Ops:
     if not sizes:
         return []
     ops: Ops = [K.memory(gpu, "AdamW8bit (bitsandbytes, a kernel per tensor)",
-                         int(sum(adam8bit_bytes(n, P) for n in sizes)), len(sizes))]
+                         sum(adam8bit_bytes(n, P) for n in sizes), len(sizes))]
     if t.layout == "zero" and t.precision.master != t.precision.param:
         ops.append(K.memory(gpu, "weight copy (master to 16-bit)", (P + _b(t.precision.param)) * sum(sizes), 1))
     return ops
