@@ -434,3 +434,27 @@ def test_the_known_misses_say_what_the_model_gives_them():
             float(r["busbw_GBps"]) * 1e9) - 1
         stated = float(re.search(r"known miss of the aws-p5 preset \(([+-][0-9.]+)%", r["note"]).group(1))
         assert abs(err) > 0.10 and stated == pytest.approx(100 * err, abs=0.051), (r["op"], r["gpus"], r["bytes"])
+
+
+def test_the_tree_latency_of_one_rank_a_node_follows_nccls_ranks_per_node():
+    """tuning.cc takes the tree's network latency for LL rings where ppn = nRanks / nNodes is 1
+    (HSDP's replica groups: one rank in each node); a group straddling two nodes with one rank
+    on one side (9 ranks on 8-GPU nodes: ppn 4.5) keeps the ring's 2.7 us. Small messages, where
+    LL wins, show the 2.3 us a network step apart."""
+    from zplan import nccl, presets
+
+    c = presets.cluster("dgx-h100")
+    tiny = 4096
+    one_each = nccl.collective_time(c, "all_gather", tiny, 4, 1)  # 4 nodes, one rank each
+    assert one_each.protocol == "LL"
+    straddle = nccl.contiguous_shape(9, 8, 9)
+    assert int(straddle) == 1 and straddle.nodes == 2
+    t9 = nccl.collective_time(c, "all_gather", tiny, 9, straddle)
+    assert t9.protocol == "LL"
+    # the straddling group's one network step at the ring's LL latency, as if NCCL saw ppn 4.5:
+    # the same time as the ring priced with the 2.7 us step (nccl._LL_NET_STEP_S)
+    bw_part = t9.seconds - (nccl._LL_BASE_S + 7 * max(nccl._LL_STEP_S["nvlink"], c.net_overhead_s)
+                            + 1 * nccl._LL_NET_STEP_S)
+    assert 0 < bw_part < 1e-6  # what is left is the wire time of 4 KiB, well under a microsecond
+    lat4 = nccl._LL_BASE_S + 3 * nccl._LL_TREE_NET_STEP_S  # all three steps cross nodes at 5 us
+    assert lat4 < one_each.seconds < lat4 + 1e-6

@@ -40,6 +40,28 @@ def test_ddp_buckets_are_the_reducers():
     assert ar.call_bytes == max(oracle)
 
 
+def test_ddp_at_a_zero_bucket_cap_reduces_each_gradient_alone():
+    """bucket_cap_mb=0 is DDP's one bucket per parameter (_BucketCapacityConfig: both caps 0),
+    not one all-reduce of the whole model as zplan priced it: torch's assignment at limits
+    [0, 0] on meta tensors is the oracle for the calls, each timed as NCCL runs it."""
+    import torch
+    import torch.distributed as dist
+
+    from zplan import comm
+    from zplan.strategies import STRATEGIES
+
+    sc = scenario(model="llama-3.2-1b", gpus=16, layout="torch", bucket_mib=0.0)
+    rev = [torch.empty(s, device="meta") for u in reversed(sc.units) for s in reversed(u.shapes)]
+    groups, _ = dist._compute_bucket_assignment_by_size(rev, [0, 0], [False] * len(rev))
+    oracle = [4 * sum(rev[i].numel() for i in g) for g in groups]
+    assert len(oracle) == len(rev)
+    (ar,) = [c for c in comm.collectives(sc, STRATEGIES["ddp"]) if c.op == "all_reduce"]
+    g = sc.hw.cluster.gpus_per_node
+    assert ar.seconds_per_call == pytest.approx(sum(comm.call_seconds(sc, "all_reduce", b, 16, g) for b in oracle),
+                                                rel=1e-12)
+    assert ar.last_bucket_s == pytest.approx(comm.call_seconds(sc, "all_reduce", oracle[-1], 16, g), rel=1e-12)
+
+
 def test_a_reduce_moves_the_whole_tensor_at_the_bus_bandwidth():
     """ncclReduce runs the ring alone with nsteps = n, so its algbw is the busbw (tuning.cc:
     ratio = nRanks / nsteps): S / busbw plus NCCL's base latency and one hop, where a
@@ -200,9 +222,39 @@ def test_owner_reduces_cover_each_bucket_once_within_the_partitions():
     check()
 
 
+def test_per_owner_reduces_after_a_buckets_first_are_exposed():
+    """DeepSpeed synchronises the device before every per-owner reduce under overlap_comm (its
+    source is the oracle: allreduce_and_copy), so within a bucket each reduce after the first
+    waits for the one before with nothing issued beside it: zplan's exposed floor for the
+    reduction (last_bucket_s) is the final bucket's reduces and those, not the final bucket's
+    alone; the all-reduce path (no synchronisation there) keeps the final bucket only."""
+    deepspeed = pytest.importorskip("deepspeed")
+    import inspect
+
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    src = inspect.getsource(stage_1_and_2.DeepSpeedZeroOptimizer.allreduce_and_copy)
+    assert "if self.overlap_comm:" in src and ".synchronize()" in src.split("if self.overlap_comm:")[1].split("else:")[0]
+    assert "synchronize()" not in inspect.getsource(
+        stage_1_and_2.DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks), deepspeed.__version__
+    from zplan import comm
+
+    sc = _zplan_scenario(3)
+    psi = sum(o * i + o for i, o in LINEARS)
+    buckets = [b // 4 for b in comm.bucket_calls(sc, "fp32", psi * 4, 3000 * 4, deepspeed=True)]
+    per_bucket = [[e * 4 for e in bs] for bs in comm.owner_reduce_calls(buckets, 3)]
+    waits = [b for bs in per_bucket[:-1] for b in bs[:-1]]
+    assert waits  # some bucket meets two owners
+    red = comm._owner_reduces(sc, psi, "fp32", 3, 3, 1, 3000 * 4)
+    one = lambda b: comm.call_seconds(sc, "reduce", b, 3, 3)  # noqa: E731
+    assert red.last_bucket_s == pytest.approx(sum(map(one, per_bucket[-1] + waits)), rel=1e-12)
+    assert red.last_bucket_s > sum(map(one, per_bucket[-1]))
+    assert red.seconds_per_call == pytest.approx(sum(one(b) for bs in per_bucket for b in bs), rel=1e-12)
+
+
 @pytest.mark.slow  # a real two-rank run of zplan's trainer
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("bucket_mib", ["0.25", "25"])
+@pytest.mark.parametrize("bucket_mib", ["0", "0.25", "25"])
 def test_a_real_ddp_run_issues_the_all_reduces_the_plan_prices(run_zplan, tmp_path, bucket_mib):
     """DDP only keeps a 1 MiB first bucket when bucket_cap_mb is left at its default
     (torch/nn/parallel/distributed.py); zplan's trainer passed the plan's 25 always (no 1 MiB

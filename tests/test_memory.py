@@ -349,6 +349,7 @@ def test_fused_cross_entropy_kernel_holds_the_logits_and_their_gradient():
     assert ce(fused).seconds < ce(eager).seconds
 
 
+@pytest.mark.slow  # compiles with Inductor: about 12 s of the fast loop
 def test_compiled_loss_buffers_against_inductors_generated_code():
     """What inductor allocates for `F.cross_entropy(pred.float(), y)` (torchtitan's compiled
     loss), read from the code it generates: the forward allocates no vocabulary-sized buffer and

@@ -41,7 +41,9 @@ class Collective:
     calls_per_step: int
     seconds_per_call: float
     # a gradient reduction issued in buckets as backward fills them (DDP, DeepSpeed ZeRO-1/2):
-    # the seconds of its final bucket, the one backward's end waits for; 0 where not bucketed
+    # the seconds of its final bucket, the one backward's end waits for, and of the calls that
+    # wait on each other with nothing beside them (DeepSpeed's per-owner reduces, _owner_reduces);
+    # 0 where not bucketed
     last_bucket_s: float = 0.0
     per_node: int = 0  # GPUs of the group in one node (the shape NCCL's algorithm sees)
     call_bytes: int = 0  # the largest single call as issued (a unit, a bucket, a parameter)
@@ -164,7 +166,9 @@ def _coll(sc, name, op, elements, dtype, group, per_node, calls, bucket_bytes=0,
     total = nbytes(elements, dtype)
     last = 0.0
     call_b, call = total, "the whole tensor"
-    if bucket_bytes > 0 and op in ("all_reduce", "reduce_scatter"):
+    # DDP (first_bucket_bytes given) buckets at any cap: at 0 its Reducer closes a bucket after
+    # every parameter (torch/nn/parallel/distributed.py _BucketCapacityConfig, bucket_cap_mb=0)
+    if (bucket_bytes > 0 or first_bucket_bytes is not None) and op in ("all_reduce", "reduce_scatter"):
         buckets = bucket_calls(sc, dtype, total, bucket_bytes, first_bucket_bytes, deepspeed)
         t = calls_seconds(sc, op, buckets, group, per_node)
         last = call_seconds(sc, op, buckets[-1], group, per_node)
@@ -201,12 +205,18 @@ def owner_reduce_calls(buckets: list[int], n: int) -> list[list[int]]:
 
 def _owner_reduces(sc, elements, dtype, group, per_node, calls, bucket_bytes) -> Collective:
     """DeepSpeed's ZeRO-1/2 gradient reduction with use_multi_rank_bucket_allreduce off: per IPG
-    bucket, a reduce to each owning rank (owner_reduce_calls), each timed as NCCL runs a reduce."""
+    bucket, a reduce to each owning rank (owner_reduce_calls), each timed as NCCL runs a reduce.
+    Under overlap_comm each reduce first synchronises the device (stage_1_and_2.py
+    allreduce_and_copy: get_accelerator().synchronize(), 0.19.8), so a bucket's reduces after
+    its first wait for the one before with no compute issued beside them: those are exposed
+    (with the final bucket's, in `last_bucket_s`); the device-wide drains' launch gaps are not
+    priced."""
     eb = nbytes(1, dtype)
     buckets = [b // eb for b in bucket_calls(sc, dtype, nbytes(elements, dtype), bucket_bytes, None, True)]
     per_bucket = [[e * eb for e in bs] for bs in owner_reduce_calls(buckets, group)]
     t = calls_seconds(sc, "reduce", [b for bs in per_bucket for b in bs], group, per_node)
-    last = calls_seconds(sc, "reduce", per_bucket[-1], group, per_node)
+    serialised = [b for bs in per_bucket[:-1] for b in bs[:-1]]
+    last = calls_seconds(sc, "reduce", per_bucket[-1] + serialised, group, per_node)
     big = max((b for bs in per_bucket for b in bs), default=0)
     return Collective("reduce (gradients, to each owning rank)", "reduce", elements, dtype, group,
                       "intra-node" if group <= per_node else "inter-node", calls, t, last, per_node,

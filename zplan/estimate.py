@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import activation_memory, public_accuracy
-from .comm import Collective, collectives
+from .comm import DDP_FIRST_BUCKET_BYTES, Collective, collectives
 from .compute import Timing, timing
 from .memory import Memory, allocated_bytes, memory
 from .scenario import Scenario, SegmentFreeMemo
@@ -90,6 +90,17 @@ def unavailable_reason(sc: Scenario, name: str) -> str | None:
     if sc.train.layout == "zero" and sc.train.deepspeed_defaults and name in ("zero3-noreshard", "hsdp"):
         return (f"{name} needs stage-3 settings DeepSpeed's defaults do not have (they reshard after "
                 "forward and shard over every rank): drop --deepspeed-defaults")
+    t = sc.train
+    replicated = not effective(name, t.layout).fsdp
+    if t.layout == "torch" and t.optimizer == "adam8bit" and not replicated:
+        # bitsandbytes 0.50.2: "got mixed torch.Tensor and DTensor"; its blocks and its fp32
+        # threshold would also read the whole tensor's size, not the shard's
+        return ("bitsandbytes' 8-bit AdamW cannot step FSDP2's DTensor shards: adam8bit under "
+                "DDP, or sharded with --layout zero")
+    if t.layout == "torch" and t.compile and replicated and sc.assume.ddp_bucket_bytes < DDP_FIRST_BUCKET_BYTES:
+        return (f"torch.compile under DDP splits graphs with a first bucket of 1 MiB, which must not "
+                f"exceed DDP's cap (torch/_dynamo/backends/distributed.py asserts it): the cap of "
+                f"{sc.assume.ddp_bucket_bytes / 2**20:g} MiB is under it: --bucket-mib 1 or more")
     if name == "hsdp":
         S = sc.hsdp_shard
         if sc.n % S:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import activation_memory, allocator, arch, muon, policy
-from .comm import ddp_first_bucket_bytes, gather_dtype, gradient_buckets, regathered
+from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
 from .deepspeed import reduce_stream_bytes
 from . import memory_timeline as mt
 from .memory_timeline import Event
@@ -489,11 +489,13 @@ def compiled_graphs(sc: Scenario, st: Strategy) -> mt.CompiledGraphs | None:
 
 def ddp_graph_buckets(sc: Scenario, grad_b: int) -> list[int]:
     """The gradient bytes of each graph DDPOptimizer splits a compiled model into, last layer
-    first: DDP's own buckets (comm.gradient_buckets: 1 MiB for the first at DDP's default cap, then the cap;
-    torch/_dynamo/backends/distributed.py DDPOptimizer.compile_fn). zplan walks the units'
-    parameters in reverse; DDPOptimizer walks graph nodes, so a boundary may fall a few
-    parameters apart."""
-    return gradient_buckets(sc, grad_b, sc.assume.ddp_bucket_bytes, ddp_first_bucket_bytes(sc.assume.ddp_bucket_bytes))
+    first: buckets as DDP's (comm.gradient_buckets), the first of 1 MiB whatever the cap
+    (torch/_dynamo/convert_frame.py builds DDPOptimizer with the module's bucket_bytes_cap and
+    no first_bucket_cap, so torch/_dynamo/backends/distributed.py takes
+    _DEFAULT_FIRST_BUCKET_BYTES; 2.11 and 2.13), where DDP's own Reducer keeps 1 MiB only at
+    its default cap (comm.ddp_first_bucket_bytes). zplan walks the units' parameters in
+    reverse; DDPOptimizer walks graph nodes, so a boundary may fall a few parameters apart."""
+    return gradient_buckets(sc, grad_b, sc.assume.ddp_bucket_bytes, DDP_FIRST_BUCKET_BYTES)
 
 
 def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int]:

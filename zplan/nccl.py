@@ -11,8 +11,8 @@ from the cluster preset) in place of NCCL's internal estimates:
   A reduce to one root (ring only) moves the whole S at the busbw, with one hop's latency.
 - a ring spanning nodes pays the host's network overhead per step where it exceeds the link's
   (tuning.cc getNetOverhead: 1 us on Intel and other hosts, 2 on AMD x86, x3 for Simple; the
-  cluster preset's net_overhead_s), and where each node holds one rank (HSDP's replica groups)
-  its LL network steps take the tree's latency (hwLat[NET][TREE][LL], 5 us: "With ppn=1
+  cluster preset's net_overhead_s), and where each node holds one rank (HSDP's replica groups;
+  NCCL's ppn = nRanks / nNodes is 1) its LL network steps take the tree's latency (hwLat[NET][TREE][LL], 5 us: "With ppn=1
   latencies are fully exposed").
 - ring, LL protocol: NCCL's LL latencies, half the bandwidth and at most NCCL's llMaxBw for the
   group (tuning.cc: busBw = min(llMaxBw, busBw * .5); the cluster preset's
@@ -168,8 +168,9 @@ def _collective_time(c: ClusterSpec, op: str, nbytes: int, n: int, per_node: int
         ll_bw = 0.5 * bw
         if c.ll_max_busbw_bytes_per_s is not None:
             ll_bw = min(ll_bw, c.ll_max_busbw_bytes_per_s[min(nodes, 3) - 1])
-        # "With ppn=1 latencies are fully exposed, use the Tree network latency" (tuning.cc)
-        net_step = _LL_TREE_NET_STEP_S if per_node == 1 else _LL_NET_STEP_S
+        # "With ppn=1 latencies are fully exposed, use the Tree network latency" (tuning.cc, where
+        # ppn = nRanks / nNodes: one rank in every node, not a group whose narrowest slice is one)
+        net_step = _LL_TREE_NET_STEP_S if n == nodes else _LL_NET_STEP_S
         ll = _LL_BASE_S + (steps - inter) * intra + inter * net_step + wire / ll_bw
         if ll < best.seconds:
             best = CollectiveTime(ll, "ring", "LL", bw, nodes, per_node)
