@@ -227,6 +227,26 @@ def test_gpu_check_script_parses_and_refuses_bad_options():
     assert "NEEDS" in head and "--fetch" in head and "--cpu-dry" in head
 
 
+def test_the_run_report_measures_the_context_the_plan_assumes(monkeypatch):
+    """The plan's fit rests on cuda_context_bytes, memory outside the caching allocator (the
+    context, NCCL's buffers): a GPU run measures it as the device's used memory less the
+    allocator's segments, and the report sets it beside the assumption."""
+    import torch
+
+    from zplan.trainer import measure
+    from zplan.trainer.report import compare_lines
+
+    MiB = 2**20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (60_000 * MiB, 80_000 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 19_300 * MiB)
+    assert measure.outside_allocator_bytes(torch.device("cuda", 0)) == 700 * MiB  # 80000 - 60000 - 19300
+    report = {"device": "cuda", "strategy": "zero3",
+              "measured": {"peak_memory_bytes": 10 * MiB, "outside_allocator_bytes": 700 * MiB},
+              "predicted": {"peak_memory_bytes": 10 * MiB, "outside_allocator_bytes": 600 * MiB}}
+    row = next(ln for ln in compare_lines(report) if ln.startswith("context, outside alloc."))
+    assert "600.0 MiB" in row and "700.0 MiB" in row and "-14.3%" in row  # (600 - 700) / 700
+
+
 def test_gpu_check_summary(tmp_path):
     """The report's errors and checks, from a results folder laid out as the script leaves it."""
     import importlib.util
@@ -698,6 +718,28 @@ def test_gpu_check_fits_one_device_command():
     marks = [int(m) for m in re.findall(r"@pytest\.mark\.timeout\((\d+)\)",
                                         (ROOT / "tests" / "test_gpu_cuda.py").read_text())]
     assert marks and max(marks) <= per_test
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "a100-80gb", "h200"])
+def test_gpu_check_plan_leaves_room_for_a_miss(run_zplan, tmp_path, gpu):
+    """The GPU check trains the plan recommend writes from its PLAN flags: on an 80 GB GPU the
+    fullest plan (micro-batch 8, 87% of the H100) would die of an under-prediction inside the
+    planner's own 90% band and lose the check's comparison; the plan keeps a fifth free."""
+    import json
+    import re
+    import shlex
+
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    body = re.search(r"^  PLAN=\((.*?)\)$", script.split("else\n", 1)[1], re.S | re.M).group(1)
+    flags = shlex.split(body.replace("\n", " "))
+    flags[flags.index("--gpu") + 1] = gpu
+    out = tmp_path / "plan.json"
+    r = run_zplan("recommend", *flags, "--layout", "torch", "--strategy", "zero3", "--top", "1",
+                  "--write", str(out))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    total, memory = plan["predicted"]["per_gpu"]["total_bytes"], plan["gpu"]["memory_bytes"]
+    assert total <= 0.8 * memory, (total / memory, plan["train"]["micro_batch"])
 
 
 @pytest.mark.slow  # about a minute: every step of the GPU check on CPU ranks

@@ -359,7 +359,7 @@ def _sync(device) -> None:
     import torch
 
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # the timed device, current or not
 
 
 def _gemm_seconds(device, M: int, N: int, K: int, seconds: float, min_batch_s: float = 0.02) -> float:
@@ -695,7 +695,8 @@ def kernel_constants(device, gemm_seconds: float = 2.0) -> dict:
                   f"tiny-kernel loop; an output head's three GEMMs at vocabulary 50257 against "
                   f"50304 (8192 tokens, width 1024); GEMM fixed and per-wave times fitted over "
                   f"{len(GEMM_SWEEP_MN) * len(GEMM_SWEEP_K)} shapes (M, N) in {GEMM_SWEEP_MN} x K in {GEMM_SWEEP_K}"
-                  + attention_note + attention_kernels_note,
+                  + attention_note + attention_kernels_note
+                  + "; nccl_sm_fraction ASSUMED (16 channels' SMs, not measured)",
     }
 
 

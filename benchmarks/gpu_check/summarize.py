@@ -49,6 +49,7 @@ def _fmt(v, unit: str) -> str:
 
 ROWS = [("peak allocated per rank", "peak_memory_bytes", "MiB"),
         ("peak reserved per rank", "peak_reserved_bytes", "MiB"),
+        ("context, outside alloc.", "outside_allocator_bytes", "MiB"),
         ("bytes per step", "bytes_per_step", "n"),
         ("step time", "step_s", "ms"),
         ("tokens/s per rank", "tokens_per_s_per_gpu", "n"),

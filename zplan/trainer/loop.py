@@ -17,7 +17,7 @@ from ..plan import Plan
 from . import checkpoint as ckpt
 from .data import Prefetcher, TokenSource
 from .distributed import started_backend
-from .measure import CommCounter, StepClock, device_peak_memory, ddp_counting_hook
+from .measure import CommCounter, StepClock, ddp_counting_hook, device_peak_memory, outside_allocator_bytes
 from .model import Transformer, init_weights_
 from .run_setup import inject_fault
 from .micro_batch import forward_loss
@@ -233,6 +233,8 @@ class Trainer:
         every = int(every_t)
         progress = progress_bar(self.rank == 0 and cfg.progress, cfg.steps - start)
         if self.device.type == "cuda":
+            if start:  # a resumed run: the checkpoint load's cached blocks are not the steps' peak
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         with progress as bar, contextlib.ExitStack() as stack:
             stack.callback(self.batches.close)
@@ -302,19 +304,22 @@ class Trainer:
 
     def _peak_memory(self, tracker) -> dict[str, int | None]:
         """Peak bytes over ranks (the maximum): allocated, and on a GPU reserved (the caching
-        allocator's segments, which is what the device lends). A CPU rank's figure is the
+        allocator's segments, which is what the device lends) and the device memory outside the
+        allocator at the end (the context and NCCL's buffers: outside_allocator_bytes). A CPU rank's figure is the
         tracker's, which counts tensors (no allocator, no context); where no tracker ran (a run
         too short to track: every rank decides alike) nothing was measured: None, not 0."""
-        reserved = None
+        reserved = outside = None
         if self.device.type == "cuda":
             local, reserved = device_peak_memory(self.device)
+            outside = outside_allocator_bytes(self.device)
         elif tracker is not None:
             snap = tracker.get_tracker_snapshot("peak")
             local = max((v.get("Total", 0) for v in snap.values()), default=0)
             for v in snap.values():
                 self.memory_by_category = {str(getattr(k, "value", k)): int(b) for k, b in v.items()}
         else:
-            return {"allocated": None, "reserved": None}
-        t = torch.tensor([local, reserved or 0], dtype=torch.int64, device=self.device)
+            return {"allocated": None, "reserved": None, "outside": None}
+        t = torch.tensor([local, reserved or 0, outside or 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return {"allocated": int(t[0]), "reserved": int(t[1]) if reserved is not None else None}
+        return {"allocated": int(t[0]), "reserved": int(t[1]) if reserved is not None else None,
+                "outside": int(t[2]) if outside is not None else None}

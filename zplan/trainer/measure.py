@@ -131,9 +131,21 @@ class StepClock:
 
 
 def device_peak_memory(device: torch.device) -> tuple[int, int]:
-    """(allocated, reserved) peak bytes of the caching allocator since the last reset; the CUDA
-    context is in neither."""
+    """(allocated, reserved) peak bytes of the caching allocator since the last reset. The CUDA
+    context and NCCL's buffers are in neither; cuBLAS's workspaces are in both (PyTorch takes
+    them from the caching allocator: aten/src/ATen/cuda/CublasHandlePool.cpp getNewWorkspace,
+    32 MiB a handle and stream on Hopper and Blackwell), where the plan books them with the
+    context (its cuda_context_bytes): a few tens of MiB over the prediction."""
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """Device memory in use that is not the caching allocator's: the CUDA context, NCCL's
+    communicator buffers, the libraries' own (torch.cuda.mem_get_info's used memory less
+    memory_reserved, both in 2.11 and 2.13). Device-wide: the figure is this process's where it
+    owns the GPU (torchrun, one rank per GPU); the plan's cuda_context_bytes is what it tests."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total) - int(free) - int(torch.cuda.memory_reserved(device)))
 
 
 def host_rss_bytes() -> int:

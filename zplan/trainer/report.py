@@ -42,7 +42,8 @@ def predicted_memory(plan, device_type: str) -> dict:
     """The memory figures a run is compared with.
 
     allocated: the tensor bytes (total less the CUDA context and fragmentation allowance),
-    which is what max_memory_allocated and the CPU tracker count. reserved: the plan's
+    which is what max_memory_allocated and the CPU tracker count (on a GPU it also counts
+    cuBLAS's workspaces, which the plan books with the context: measure.device_peak_memory). reserved: the plan's
     reserved prediction when it has one, else its total (context included; marked)."""
     per = plan.predicted.per_gpu
     total = per["total_bytes"]
@@ -70,6 +71,7 @@ def build_report(tr, start: int, losses: list[float], norms: list[float], times:
     measured = {
         "peak_memory_bytes": peak["allocated"],
         "peak_reserved_bytes": peak["reserved"],
+        "outside_allocator_bytes": peak.get("outside"),
         "step_s": step_s,
         "tokens_per_s_per_gpu": tokens_per_step(plan) / step_s if times else None,
         "mfu": rate / peak_flops(plan) if rate else None,
@@ -84,7 +86,9 @@ def build_report(tr, start: int, losses: list[float], norms: list[float], times:
         mem = predicted_memory(plan, tr.device.type)
         predicted = {
             "peak_memory_bytes": mem["allocated"], "peak_reserved_bytes": mem["reserved"],
-            "peak_reserved_basis": mem["reserved_basis"], "step_s": pred.step_s,
+            "peak_reserved_basis": mem["reserved_basis"],
+            "outside_allocator_bytes": plan.assumptions.cuda_context_bytes if tr.device.type == "cuda" else None,
+            "step_s": pred.step_s,
             "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, "mfu": pred.mfu,
             "elements_per_step": pred.elements_per_step, "bytes_per_step": pred.bytes_per_step,
         }
@@ -148,6 +152,7 @@ def compare_lines(report: dict) -> list[str]:
         reserved += " *"
     rows = [("peak allocated per rank", "peak_memory_bytes", lambda v: f"{v / MIB:,.1f} MiB"),
             (reserved, "peak_reserved_bytes", lambda v: f"{v / MIB:,.1f} MiB"),
+            ("context, outside alloc.", "outside_allocator_bytes", lambda v: f"{v / MIB:,.1f} MiB"),
             ("communication per step", "elements_per_step", lambda v: f"{v:,} elements"),
             ("bytes per step", "bytes_per_step", lambda v: f"{v / MIB:,.2f} MiB"),
             ("step time", "step_s", lambda v: f"{v * 1e3:,.1f} ms"),
