@@ -219,6 +219,62 @@ def test_bad_plan_file_is_one_line(run_zplan, tmp_path):
     assert "plan.json" in p.stderr
 
 
+def test_a_plan_missing_a_setting_is_refused_naming_it(run_zplan, tmp_path):
+    """A plan file names every setting: a deleted train or assumptions field (checkpointing, say)
+    ran at its default, a configuration nobody chose, and a missing micro_batch was reported as
+    the '1' the default put there. Each one missing is refused in one line that names it."""
+    from zplan.errors import UsageError
+    from zplan.plan import load
+
+    full = tmp_path / "plan.json"
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--global-batch", "4", "--seq-len", "64", "--write", str(full))
+    assert p.returncode == 0, p.stderr
+    data = json.loads(full.read_text())
+    assert load(full)  # as written, it loads
+    cases = [("train", k) for k in data["train"]] + [("assumptions", k) for k in data["assumptions"]]
+    assert ("train", "checkpointing") in cases and len(cases) > 40
+    for section, key in cases:
+        edited = json.loads(full.read_text())
+        del edited[section][key]
+        bad = tmp_path / "edited.json"
+        bad.write_text(json.dumps(edited))
+        with pytest.raises(UsageError, match=f"no field '{section}.{key}'"):
+            load(bad)
+    del data["train"]["checkpointing"]
+    (tmp_path / "edited.json").write_text(json.dumps(data))
+    p = run_zplan("estimate", "--plan", str(tmp_path / "edited.json"))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "train.checkpointing" in p.stderr
+
+
+def test_a_hand_edited_plan_runs_against_a_fresh_estimate(run_zplan, tmp_path):
+    """The plan's predicted block is what its settings gave when written: after an edit
+    (micro-batch x4) a run compared with it blamed the model for the edit (-68% on memory).
+    launch says so and the run's copy carries the figures estimate --plan gives the edited file."""
+    plan = tmp_path / "plan.json"
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--cluster", "cpu-local",
+                  "--global-batch", "4", "--seq-len", "64", "--write", str(plan))
+    assert p.returncode == 0, p.stderr
+    data = json.loads(plan.read_text())
+    data["train"]["micro_batch"] *= 4
+    data["global_batch"] *= 4
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    e = run_zplan("estimate", "--plan", str(edited), "--json")
+    assert e.returncode == 0, e.stderr
+    oracle = json.loads(e.stdout)["strategies"][0]
+    run = tmp_path / "run"
+    p = run_zplan("launch", "--plan", str(edited), "--dry-run", "--run-dir", str(run), "--no-save")
+    assert p.returncode == 0, p.stderr
+    assert "predicted figures its settings do not give" in p.stderr
+    copy = json.loads((run / "plan.json").read_text())
+    assert copy["predicted"]["per_gpu"] == oracle["per_gpu"] != data["predicted"]["per_gpu"]
+    assert copy["predicted"]["step_s"] == pytest.approx(oracle["time"]["step_s"], rel=1e-12)
+    assert copy["train"] == data["train"]  # the settings are the file's
+    p = run_zplan("launch", "--plan", str(plan), "--dry-run", "--run-dir", str(tmp_path / "run2"), "--no-save")
+    assert p.returncode == 0 and "predicted figures" not in p.stderr  # an unedited plan: no note
+
+
 def test_bare_recommend_states_its_defaults(run_zplan, tmp_path):
     p = run_zplan("recommend", cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr

@@ -287,12 +287,32 @@ def load(path: str | Path) -> Plan:
         shown = " ".join(repr(data.get("plan_version")).split())[:40]
         raise UsageError(f"plan {p} has plan_version {shown}; this zplan reads "
                          f"version {PLAN_VERSION}: write it again with zplan recommend --write")
+    missing = _missing_fields(data)
+    if missing:
+        raise UsageError(f"plan {p} has no field '{missing}' (a plan file names every setting: a missing one "
+                         f"would run at a default nobody chose); write it again with zplan recommend --write")
     try:
         plan = Plan.model_validate(data)
     except ValidationError as e:
         raise UsageError(validation_line(f"plan {p}", e)) from None
     check_plan_numbers(plan, p)
     return plan
+
+
+def _missing_fields(data: dict) -> str | None:
+    """The first setting a plan file lacks: every field of `train` and `assumptions` (recommend
+    writes them all; the validators would fill a missing one with its default silently), the
+    sections themselves, and the other fields the run reads."""
+    for name in ("model", "gpu", "cluster", "num_gpus", "strategy", "mesh", "train", "global_batch", "assumptions"):
+        if name not in data:
+            return name
+    for name, spec in (("train", TrainSpec), ("assumptions", Assumptions)):
+        section = data[name]
+        if isinstance(section, dict):  # a section of another type: the validator's line names it
+            for field, f in spec.model_fields.items():
+                if field not in section and not f.exclude:  # excluded: never written
+                    return f"{name}.{field}"
+    return None
 
 
 def check_plan_numbers(plan: Plan, p: Path) -> None:
@@ -311,6 +331,28 @@ def check_plan_numbers(plan: Plan, p: Path) -> None:
         if v is not None and not 1 <= v <= hi:
             raise UsageError(f"plan {p}: field '{name}' is {v}, outside 1..{hi}; "
                              f"write it again with zplan recommend --write")
+
+
+def fresh_prediction(plan: Plan, path: str) -> tuple[Plan, str | None]:
+    """The plan with the figures its own settings give now (estimate_one), and a note where the
+    file's `predicted` differs from them (a plan edited by hand keeps the figures of the plan it
+    was: a run compared with those would blame the model for the edit) or has none."""
+    from .estimate import estimate_one
+
+    r = estimate_one(plan.scenario(), plan.strategy)
+    if r.memory is None:
+        return plan, None
+    fresh = make_plan(plan.scenario(), plan.strategy, plan.global_batch, r).predicted
+    old = plan.predicted
+    same = old is not None and old.per_gpu == fresh.per_gpu and \
+        abs(old.step_s - fresh.step_s) <= 1e-9 * max(1.0, fresh.step_s)
+    if same:
+        return plan, None
+    why = ("has no predicted figures" if old is None else
+           "holds predicted figures its settings do not give (edited by hand, or written by another zplan)")
+    return (plan.model_copy(update={"predicted": fresh}),
+            f"{path} {why}: the run is compared with zplan's estimate of its settings "
+            f"({fresh.per_gpu['total_bytes'] / 1e9:.1f} GB per GPU, step {fresh.step_s * 1e3:,.1f} ms)")
 
 
 def fit_note(plan: Plan, path: str) -> str | None:

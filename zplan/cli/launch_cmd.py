@@ -266,11 +266,12 @@ def launch(
 
         raise PlanError(f"zplan's trainer cannot run {plan or 'this plan'}: {why}")
     if plan is not None:
-        from ..plan import fit_note
+        from ..plan import fit_note, fresh_prediction
 
-        note = fit_note(p, plan)
-        if note:
-            print(f"zplan: note: {note}", file=sys.stderr)
+        p, stale = fresh_prediction(p, plan)  # the run's copy of the plan carries the fresh figures
+        for note in (stale, fit_note(p, plan)):
+            if note:
+                print(f"zplan: note: {note}", file=sys.stderr)
     planned = min(p.cluster.gpus_per_node, p.num_gpus)
     if plan is not None and per_node != planned:
         nodes, last = -(-p.num_gpus // planned), p.num_gpus % planned
