@@ -417,7 +417,12 @@ def test_no_save_reaches_the_trainer_and_asks_no_room(capsys, tmp_path, monkeypa
     plan = tmp_path / "p.json"
     assert cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
                "--gpus", "2", "--layout", "torch", "--write", str(plan)).returncode == 0
+    # a dry run prints the command and says the launch itself would stop for the disk's room
     p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"))
+    assert p.returncode == 0 and "checkpoint needs about" in p.stderr and "would stop here" in p.stderr, p.stderr
+    assert "zplan.trainer" in p.stdout
+    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda *a: pytest.fail("started a run"))
+    p = cli(capsys, "launch", "--plan", str(plan), "--run-dir", str(tmp_path / "run3"))
     assert p.returncode == 1 and "checkpoint needs about" in p.stderr, p.stderr
     p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--no-save")
     assert p.returncode == 0, p.stderr

@@ -353,6 +353,13 @@ def test_a_given_shard_size_is_kept_and_odd_ones_are_not_searched():
     assert {c.sc.hsdp_shard for c in kept.ranked} == {4}
     free = search(scenario(model="llama-3.1-8b", gpus=48), 384, families=["hsdp"])
     assert {c.sc.hsdp_shard for c in free.ranked} <= {2, 4, 8}
+    # inside one node no group straddles anything: every divisor of the GPUs (6: 2 and 3; 3 was
+    # skipped, and `--strategy hsdp` on 6 GPUs found nothing where --shard-size 3 fits)
+    from zplan.recommend import _variants
+
+    assert {v.hsdp_shard for v in _variants(scenario(model="llama-3.1-8b", gpus=6), "hsdp")} == {2, 3}
+    six = search(scenario(model="llama-3.1-8b", gpus=6), 48, families=["hsdp"])
+    assert {c.sc.hsdp_shard for c in six.ranked} == {3}  # S=2 does not fit these 80 GB GPUs
 
 
 def test_strategies_deepspeed_cannot_run_are_one_line(run_zplan):
@@ -360,6 +367,37 @@ def test_strategies_deepspeed_cannot_run_are_one_line(run_zplan):
                   "--deepspeed-defaults", "--strategy", "hsdp")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 2, p.stderr  # a 'using' line, the error
     assert "hsdp needs stage-3 settings" in p.stderr and "internal error" not in p.stderr
+
+
+@pytest.mark.parametrize("model,gpus", [("llama-3.1-8b", 24), ("llama-3.1-8b", 12), ("qwen3-8b", 64)])
+def test_the_tie_break_never_trades_free_memory_for_simplicity(model, gpus):
+    """Within the model's 3% resolution the simpler strategy wins, but not at a tighter fit: on
+    8B x 24 zero2 (76.6 GB, 0.4 GB under the usable) won over zero3 (68.6 GB), 0.6% faster. The
+    winner is within 3% of the fastest and needs no more memory than it."""
+    from zplan.recommend import TIE
+
+    rec = search(scenario(model=model, gpus=gpus, layout="torch"), 8 * gpus)
+    fastest = min(rec.ranked, key=lambda c: (c.step_s, c.total_bytes))
+    w = rec.winner
+    assert w.step_s <= fastest.step_s * (1 + TIE) and w.total_bytes <= fastest.total_bytes
+    simpler_tighter = [c for c in rec.ranked if c.step_s <= fastest.step_s * (1 + TIE)
+                       and c.total_bytes > fastest.total_bytes]
+    assert w not in simpler_tighter
+
+
+def test_a_deepspeed_hsdp_plan_is_compared_but_never_written(run_zplan, tmp_path):
+    """DeepSpeed removed MiCS, its HSDP: a --for deepspeed hsdp plan was written, then export
+    --to deepspeed refused it, --to accelerate refused it and launch sent the user back to
+    DeepSpeed. Comparing it stays; writing it is refused before the search, in one line."""
+    out = tmp_path / "p.json"
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--for", "deepspeed", "--strategy", "hsdp",
+                  "--write", str(out))
+    assert p.returncode == 2 and "MiCS" in p.stderr and not out.exists(), p.stderr
+    assert len([ln for ln in p.stderr.splitlines() if ln.startswith("zplan: error")]) == 1
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--for", "deepspeed", "--strategy", "hsdp")
+    assert p.returncode == 0 and "Recommended: hsdp" in p.stdout, p.stderr
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--strategy", "hsdp", "--write", str(out))
+    assert p.returncode == 0 and json.loads(out.read_text())["strategy"] == "hsdp", p.stderr  # FSDP2's HSDP
 
 
 def test_first_k_is_searched_at_the_least_k_that_fits_and_labelled_with_it():

@@ -6,6 +6,7 @@ load each export with the target's own config code and check the values."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 from .comm import bucket_elements
@@ -19,6 +20,7 @@ DS_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
 # torch.optim class name, which the engine instantiates (engine._configure_basic_optimizer)
 DS_OPTIMIZER = {"adamw": "AdamW", "sgd": "SGD", "muon": "Muon"}
 KEEP_GATHERED = 10**12  # elements: more than any model, so gathered weights are never released
+PLACEHOLDER_LR = 3e-4  # the DeepSpeed config's learning rate: a placeholder (optimizer_note)
 
 
 def _unit_elements(plan: Plan) -> tuple[int, int, int]:
@@ -135,10 +137,10 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         "zero_optimization": zo,
     }
     cfg.update(_ds_precision(plan, stage))
-    cfg["optimizer"] = {"type": DS_OPTIMIZER[t.optimizer], "params": {"lr": 3e-4, "weight_decay": 0.1}}
+    cfg["optimizer"] = {"type": DS_OPTIMIZER[t.optimizer], "params": {"lr": PLACEHOLDER_LR, "weight_decay": 0.1}}
     if t.optimizer == "sgd":  # the SGD the plan prices: a momentum buffer, no weight decay (whose
         # foreach step makes a gradient-sized temporary); DeepSpeed passes these to torch.optim.SGD
-        cfg["optimizer"]["params"] = {"lr": 3e-4, "momentum": 0.9, "weight_decay": 0.0}
+        cfg["optimizer"]["params"] = {"lr": PLACEHOLDER_LR, "momentum": 0.9, "weight_decay": 0.0}
     if t.optimizer == "adamw" and t.optimizer_kernels == "foreach":
         cfg["optimizer"]["params"]["torch_adam"] = True  # torch.optim.AdamW: foreach on CUDA
     if t.optimizer == "sgd" and stage:
@@ -247,7 +249,8 @@ def torchrun_command(plan: Plan, plan_path: str, script: str = "-m zplan.trainer
     else:
         argv += [f"--nnodes={nodes}", f"--nproc-per-node={gpn}", "--rdzv-backend=c10d",
                  "--rdzv-endpoint=$HEAD_NODE:29500", "--rdzv-id=zplan"]
-    prefix = f"ZPLAN_PLAN={shlex.quote(plan_path)} "
+    # the plan's absolute path: the line runs from wherever it is pasted (a job script's folder)
+    prefix = f"ZPLAN_PLAN={shlex.quote(os.path.abspath(plan_path))} "
     # a last node the ranks do not fill runs fewer (torchrun's agents may differ in local size)
     note = (f"# {plan.num_gpus} ranks: {gpn} on each node but the last, which runs {last} "
             f"(--nproc-per-node={last} there)\n") if last else ""
@@ -350,6 +353,23 @@ def bucket_view_note(plan: Plan) -> str | None:
             "(twice the gradients by the optimizer step) unless your script passes "
             "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)]); "
             "or plan again with --no-ddp-bucket-view")
+
+
+def optimizer_note(plan: Plan) -> str:
+    """The DeepSpeed config's learning rate and weight decay are placeholders: a plan carries no
+    hyperparameter (none changes a figure zplan predicts)."""
+    wd = 0.0 if plan.train.optimizer == "sgd" else 0.1
+    return (f"the config's optimizer lr {PLACEHOLDER_LR:g} and weight_decay {wd:g} are placeholders (a plan carries no "
+            f"hyperparameters; none changes its figures): set your own")
+
+
+def accelerate_batch_note(plan: Plan) -> str:
+    """accelerate's config file has no batch: the plan's micro-batch and accumulation are the
+    script's to set."""
+    t = plan.train
+    return (f"accelerate's config holds no batch: the plan's micro-batch {t.micro_batch} and accumulation "
+            f"{t.grad_accum} are your script's DataLoader batch_size and Accelerator(gradient_accumulation_steps="
+            f"{t.grad_accum})")
 
 
 def export(plan: Plan, to: str, plan_path: str, zeropp: bool = False) -> str:

@@ -36,6 +36,7 @@ PINNABLE = frozenset({"checkpointing", "checkpoint_every", "checkpoint_first", "
 BLOCKS_PER_UNIT = (1, 2, 4)
 SIMPLICITY = {n: i for i, n in enumerate(STRATEGIES)}
 TIE = 0.03  # within the model's resolution, a simpler strategy within 3% of the fastest wins
+# where it needs no more memory than the fastest
 WHOLE_MATRIX_OPTIMIZERS = ("muon",)
 
 
@@ -162,15 +163,16 @@ def _usable(sc: Scenario, headroom: float) -> int:
 
 
 def _variants(base: Scenario, family: str) -> list[Scenario]:
-    """HSDP once per shard size: the one --shard-size gives, else each that divides both N
-    and a node (groups tiling nodes evenly; one straddling a node boundary is priced at its
-    narrowest slice, nccl.contiguous_shape, and is planned with --shard-size)."""
+    """HSDP once per shard size: the one --shard-size gives, else each that divides N and, where
+    N spans nodes, a node (groups tiling nodes evenly; one straddling a node boundary is priced
+    at its narrowest slice, nccl.contiguous_shape, and is planned with --shard-size); inside one
+    node every divisor of N (6 GPUs: 2 and 3)."""
     if family != "hsdp":
         return [base]
     if base.shard_size is not None:
         return [base]
     gpn, n = base.hw.cluster.gpus_per_node, base.n
-    sizes = [s for s in range(2, min(gpn, n) + 1) if n % s == 0 and gpn % s == 0 and s < n]
+    sizes = [s for s in range(2, min(gpn, n) + 1) if n % s == 0 and (n <= gpn or gpn % s == 0) and s < n]
     return [replace(base, shard_size=s) for s in sizes]
 
 
@@ -341,8 +343,9 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
           (lambda c: (c.total_bytes, c.step_s))
     ranked = sorted(feasible, key=key)
     winner = ranked[0]
-    if objective == "throughput":  # prefer the simplest strategy among near-ties
-        near = [c for c in ranked if c.step_s <= winner.step_s * (1 + TIE)]
+    if objective == "throughput":  # prefer the simplest strategy among near-ties that leave at
+        # least the fastest's free memory (simplicity is not worth a tighter fit)
+        near = [c for c in ranked if c.step_s <= winner.step_s * (1 + TIE) and c.total_bytes <= winner.total_bytes]
         winner = min(near, key=lambda c: (SIMPLICITY[c.family], c.step_s))
         ranked.remove(winner)
         ranked.insert(0, winner)

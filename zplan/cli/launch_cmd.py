@@ -303,8 +303,16 @@ def launch(
     if slurm:  # the run directory lives on the cluster: refuse only what is wrong from here
         check_run_dir(run, resume=False, create=False, fresh=fresh)
     else:
-        check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)) if checkpoints else 0,
-                      fresh=fresh)
+        from ..errors import PlanError
+
+        try:
+            check_run_dir(run, resume=resume, need_bytes=checkpoint_bytes(arch.param_count(p.model)) if checkpoints else 0,
+                          fresh=fresh)
+        except PlanError as e:  # disk space: the real launch refuses it; a dry run prints the command
+            if not dry_run:
+                raise
+            print(f"zplan: note: {e} (the launch itself would stop here)", file=sys.stderr)
+            check_run_dir(run, resume=resume, fresh=fresh)
         if resume and script is None:
             from ..launch.run_dir import resumed_data_note
 

@@ -72,7 +72,10 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     asked = list(strategy or ())  # the user's list, before DeepSpeed's default below
     if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
         strategy = [s for s in STRATEGIES if s != "hsdp"]
-        used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp to plan it anyway)")
+        used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp compares it)")
+    if opts.layout == "zero" and "hsdp" in asked and write is not None:
+        raise UsageError("--write with --for deepspeed --strategy hsdp: DeepSpeed removed MiCS, its HSDP, so "
+                         "no runner takes that plan; --for zplan plans FSDP2's HSDP, or drop --write to compare it")
     from ..files import check_user_output
 
     for path, flag, what, kind in ((write, "--write", "output", "plan"), (plot, "--plot", "plot", "not-plan")):

@@ -49,8 +49,8 @@ def export(
     zeropp: Annotated[bool, typer.Option(help="DeepSpeed: add ZeRO++ (hpZ, int8 weights, int4 grads)")] = False,
 ) -> None:
     """Write a plan as a DeepSpeed config, an accelerate config, or a torchrun command."""
-    from ..export import (ZEROPP_NOTE, accelerate_nodes_note, bucket_view_note, checkpointing_note, code_note,
-                          deepspeed_reduce_note, layout_note)
+    from ..export import (ZEROPP_NOTE, accelerate_batch_note, accelerate_nodes_note, bucket_view_note,
+                          checkpointing_note, code_note, deepspeed_reduce_note, layout_note, optimizer_note)
     from ..export import export as do_export
     from ..plan import load, write_atomic
 
@@ -71,8 +71,10 @@ def export(
     text = do_export(loaded, to, plan, zeropp)
     from ..plan import fit_note
 
-    for note in ((fit_note(loaded, plan),) + ((layout_note(loaded), checkpointing_note(loaded), deepspeed_reduce_note(loaded)) if to == "deepspeed" else ())
-                 + ((bucket_view_note(loaded), accelerate_nodes_note(loaded)) if to == "accelerate" else ())
+    for note in ((fit_note(loaded, plan),) + ((layout_note(loaded), checkpointing_note(loaded), deepspeed_reduce_note(loaded),
+                                               optimizer_note(loaded)) if to == "deepspeed" else ())
+                 + ((bucket_view_note(loaded), accelerate_nodes_note(loaded), accelerate_batch_note(loaded))
+                    if to == "accelerate" else ())
                  + ((ZEROPP_NOTE,) if zeropp else ())
                  + ((code_note(loaded, to),) if to != "torchrun" else ())):
         if note:
