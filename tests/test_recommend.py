@@ -78,8 +78,29 @@ def test_a_sequence_no_gpu_count_fits_is_told_to_shorten():
     assert s & (s - 1) == 0 and s < 1_000_000 and n >= 8
     r = search(scenario(model="llama-3.1-8b", gpus=n, seq_len=s), n, families=["zero3"])  # the hint holds
     assert r.winner.family == "zero3"
-    with pytest.raises(PlanError, match="adam8bit"):  # where a GPU count fits, the state is worth shrinking
+    with pytest.raises(PlanError) as e:  # no 8-bit Adam: bitsandbytes cannot step FSDP2's shards
         rec(2, model="llama-3.1-405b", gpus=2, layout="torch")
+    assert "adam8bit" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw,family", [
+    (dict(model="llama-3.1-405b", gpus=8, layout="torch"), "offload-all"),
+    (dict(model="llama-3.1-70b", gpus=1, layout="torch"), "zero3"),
+])
+def test_the_gpu_count_a_refusal_offers_is_where_recommend_plans(kw, family):
+    """'nothing fits ... try --gpus N' was zero3 at full checkpointing from twice the GPUs: 1024
+    for 405B on 8 H100 where offload-all plans on 32. The count offered is one where the same
+    search finds a plan of the family named, and half of it (if above the asked) finds none."""
+    fam = None if kw["gpus"] > 1 else [family]  # on one GPU the asked search is zero3 alone
+    with pytest.raises(PlanError) as e:
+        search(scenario(**kw), 8 * kw["gpus"], families=fam)
+    m = re.search(r"try --gpus (\d+) \((\S+) fits there", str(e.value))
+    assert m and m.group(2) == family, str(e.value)
+    n = int(m.group(1))
+    assert search(scenario(**{**kw, "gpus": n}), 8 * n, families=fam).winner.family == family
+    if n // 2 > kw["gpus"]:
+        with pytest.raises(PlanError):
+            search(scenario(**{**kw, "gpus": n // 2}), 8 * (n // 2), families=fam)
 
 
 @pytest.mark.parametrize("kw", [

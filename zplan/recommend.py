@@ -550,10 +550,32 @@ def _longest_fitting_seq(base: Scenario, full, usable_fraction: float) -> tuple[
     return None
 
 
+def _fewest_gpus(base: Scenario, full, usable_fraction: float, families: list[str]) -> tuple[int, str, str] | None:
+    """The smallest power-of-two multiple of N above it (up to 2^20) at which one of the searched
+    families that shard (zero3, offload-all, offload-opt, hsdp at a shard size of a node) fits at
+    micro-batch 1 with every block checkpointed or all but the last (the allocator's reserve is
+    not monotonic in k: on 405B x 512, first-125 fits where full does not), with the family and
+    the checkpointing; None where none does. Only the searched families: a hint for one the user
+    did not ask for would answer another question."""
+    L = base.model.num_layers
+    trains = [(full, "full")] + ([(full.model_copy(update={"checkpointing": "first-k", "checkpoint_first": L - 1}),
+                                   f"first-{L - 1}")] if L > 1 else [])
+    sharding = [f for f in ("zero3", "offload-all", "offload-opt", "hsdp") if f in families]
+    n = 2 * base.n
+    while n <= 2**20 and sharding:
+        sc_n = replace(base, hw=base.hw.model_copy(update={"num_gpus": n}))
+        usable = int(usable_fraction * base.hw.gpu.memory_bytes)
+        for f in sharding:
+            for sc_f in (_variants(sc_n, f) if f == "hsdp" else [sc_n])[-1:]:  # hsdp: the largest shard size
+                for t, label in trains:
+                    if fits(replace(sc_f, train=t), f, usable):
+                        return n, f if f != "hsdp" else f"hsdp (S={sc_f.hsdp_shard})", label
+        n *= 2
+    return None
+
+
 def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict,
                   expandable: Candidate | None = None) -> str:
-    from .estimate import smallest_n
-
     too_large = [f for f in rejected if (v := _variants(base, f)) and not unavailable_reason(v[0], f)]
     if rejected and not too_large:
         # no family was too large (hsdp with no shard size at 2 GPUs, a strategy that cannot run
@@ -564,29 +586,27 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
     if expandable is not None:
         hints.append(f"--expandable-segments ({expandable.label()} fits with them; {_expandable_run(base)})")
     full = base.train.model_copy(update={"checkpointing": "full", "micro_batch": 1})
-    n = smallest_n(base, full, usable_fraction=1 - headroom)
-    if n is not None:
-        hints.append(f"--gpus {n} (zero3, full checkpointing, micro-batch 1)")
+    fewest = _fewest_gpus(base, full, 1 - headroom, list(rejected) or list(STRATEGIES))
+    n = fewest[0] if fewest else None
+    if fewest is not None:
+        hints.append(f"--gpus {n} ({fewest[1]} fits there, micro-batch 1, {fewest[2]} checkpointing)")
     if base.train.layout == "zero" and not base.train.zero_init:
         hints.append("--zero-init (the model built under deepspeed.zero.Init)")
-    if (base.train.precision.optimizer == "fp32" and base.train.optimizer == "adamw"
-            and base.train.layout == "torch"  # DeepSpeed's config names no 8-bit Adam (export)
-            and n is not None  # where no GPU count fits, sharding leaves no state to shrink
-            and not any(SETUP_PEAK in r for r in rejected.values())):  # 8-bit Adam cannot help there
-        hints.append("--optimizer adam8bit")
     t = base.train
     if (t.linear_loss == "none" and t.layout == "torch" and not t.fused_loss and not t.logits_fp32
             and t.logits_kept and not t.outputs_until_next_forward and not (t.compile and t.compile_loss)):
         # the trainer's chunked loss never holds the whole logits and their gradients
         chunked = full.model_copy(update={"linear_loss": "chunked"})
         usable = int((1 - headroom) * base.hw.gpu.memory_bytes)
+        searched = list(rejected) or list(STRATEGIES)  # the families asked for, as _fewest_gpus
         here = next((f for f in ("zero3", "offload-opt", "offload-all")
-                     if fits(replace(base, train=chunked), f, usable)), None)
-        at = base.n if here else smallest_n(base, chunked, usable_fraction=1 - headroom)
+                     if f in searched and fits(replace(base, train=chunked), f, usable)), None)
+        later = None if here else _fewest_gpus(base, chunked, 1 - headroom, searched)
+        at, who = (base.n, here) if here else (later[0], later[1]) if later else (None, None)
         if at is not None and (n is None or at < n):
+            where = ("this GPU" if at == 1 else f"these {at} GPUs") if here else f"it on {at} GPUs"
             hints.insert(1 if expandable is not None else 0, f"--linear-loss chunked (the loss in chunks, never the whole logits: "
-                            f"{here or 'zero3'} fits {'these' if here else 'it on'} {at} GPU{'s' if at > 1 else ''}, "
-                            f"micro-batch 1, full checkpointing)")
+                            f"{who} fits {where}, micro-batch 1, full checkpointing)")
     if n is None and not any(SETUP_PEAK in r for r in rejected.values()):
         shorter = _longest_fitting_seq(base, full, 1 - headroom)
         # a length far below the asked one is no advice: what fails is then not the sequence
