@@ -101,7 +101,7 @@ def test_node_problem_for_the_launcher():
     (dict(norm_output_fp32=False), "without --no-norm-output-fp32"),
     (dict(checkpointing="full", checkpoint_early_stop=False), "without --no-checkpoint-early-stop"),
     (dict(checkpointing="full", layout="torch", checkpoint_wraps_unit=True), "without --checkpoint-wraps-unit"),
-    (dict(params="1e6", model=None), "bare parameter count"),
+    (dict(params="1e7", model=None), "bare parameter count"),
     (dict(qkv_fused=True), "with --no-qkv-fused"),
 ])
 def test_trainer_refuses_what_it_cannot_apply(kw, needle):

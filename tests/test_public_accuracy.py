@@ -44,7 +44,7 @@ def test_json_carries_the_figures_and_cpu_ranks_none(capsys):
     got = json.loads(r.stdout)["public_accuracy"]
     want = _shipped()["gpus"]["a100-80gb"]
     assert got["scope"] == "a100-80gb" and got["tokens"] == want["tokens"] and got["memory"] == want["memory"]
-    r = cli(capsys, "estimate", "--params", "1e6", "--gpus", "2", "--gpu", "cpu",
+    r = cli(capsys, "estimate", "--params", "1e7", "--gpus", "2", "--gpu", "cpu",
             "--cluster", "cpu-local", "--json")
     assert json.loads(r.stdout)["public_accuracy"] is None
 

@@ -142,6 +142,11 @@ def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separa
     ])
 
 
+# the smallest count synthetic() describes: one block of width 128 (12 h^2) with a 32,000-token
+# embedding and head; below it the synthesized shape alone holds more parameters than the count
+SYNTHETIC_MIN_PARAMS = 12 * 128**2 + 2 * 32000 * 128
+
+
 def synthetic(params: int, unit_params: int | None = None) -> ModelSpec:
     """A stand-in decoder for a bare parameter count (an assumption, printed as such).
 
