@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -334,9 +335,16 @@ def test_plot_writes_a_png(run_zplan, tmp_path):
 
 def test_scaling_series_memory_falls_with_n():
     from zplan.plot import scaling_series
-    s = scaling_series(scenario(model="llama-3.1-8b", gpus=8))
+    sc = scenario(model="llama-3.1-8b", gpus=8)
+    s = scaling_series(sc)
     z3 = [p[1] for p in s["zero3"]]
     assert z3 == sorted(z3, reverse=True) and len(z3) >= 7
+    # each point says whether it fits, as estimate does: the step panel draws only those
+    from zplan.estimate import estimate_one
+
+    one = replace(sc, hw=sc.hw.model_copy(update={"num_gpus": 1}))
+    assert s["ddp"][0][:1] == (1,) and s["ddp"][0][3] is bool(estimate_one(one, "ddp").fits) is False
+    assert all(p[3] for p in s["zero3"][-3:])
 
 
 def test_one_micro_batch_per_step_is_tried_on_its_own():

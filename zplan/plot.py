@@ -11,8 +11,8 @@ from .strategies import STRATEGIES
 from .units import GB
 
 
-def scaling_series(sc: Scenario, max_n: int | None = None) -> dict[str, list[tuple[int, float, float]]]:
-    """(N, total GB per GPU, step seconds) for N = 1, 2, 4, ... up to max(64, 8 x N)."""
+def scaling_series(sc: Scenario, max_n: int | None = None) -> dict[str, list[tuple[int, float, float, bool]]]:
+    """(N, total GB per GPU, step seconds, fits) for N = 1, 2, 4, ... up to max(64, 8 x N)."""
     max_n = max_n or max(64, 8 * sc.n)
     series: dict[str, list[tuple[int, float, float]]] = {}
     n = 1
@@ -25,7 +25,7 @@ def scaling_series(sc: Scenario, max_n: int | None = None) -> dict[str, list[tup
                 continue
             r = estimate_one(s, name)
             if r.memory is not None:
-                series.setdefault(name, []).append((n, r.memory.total_bytes / GB, r.timing.step_s))
+                series.setdefault(name, []).append((n, r.memory.total_bytes / GB, r.timing.step_s, bool(r.fits)))
         n *= 2
     return series
 
@@ -42,8 +42,9 @@ def plot_scaling(sc: Scenario, path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, pts in series.items():
         ns = [p[0] for p in pts]
-        a.plot(ns, [p[1] for p in pts], marker="o", label=name)
-        b.plot(ns, [p[2] for p in pts], marker="o", label=name)
+        line, = a.plot(ns, [p[1] for p in pts], marker="o", label=name)
+        # step time only where the configuration fits: a faster one that does not is no option
+        b.plot(ns, [p[2] if p[3] else float("nan") for p in pts], marker="o", label=name, color=line.get_color())
     a.axhline(sc.hw.gpu.memory_bytes / GB, color="k", ls="--", label=f"{sc.hw.gpu.name} memory")
     for ax in (a, b):
         ax.set_xscale("log", base=2)
@@ -53,7 +54,7 @@ def plot_scaling(sc: Scenario, path: str) -> None:
     a.set_ylabel("per-GPU memory (GB = 1e9 bytes)")
     b.set_ylabel("predicted step time (s)")
     a.set_title(f"{sc.model.name}: memory per GPU")
-    b.set_title(f"step time, {sc.train.micro_batch} x {sc.train.seq_len} tokens per GPU")
+    b.set_title(f"step time where it fits, {sc.train.micro_batch} x {sc.train.seq_len} tokens per GPU")
     a.legend(fontsize=7)
     fig.tight_layout()
     import io
