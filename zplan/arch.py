@@ -1,7 +1,8 @@
 """What a model's architecture implies: parameter shapes, sharding units and FLOPs (the bytes
 of activations are zplan/activation_memory.py).
 
-Sources: parameter shapes follow the Hugging Face Llama / Mixtral / Qwen2 / GPT-2 modules;
+Sources: parameter shapes follow the Hugging Face Llama / Mixtral / Qwen2 / GPT-2 modules (an MoE
+block's routed experts as the runner of each layout stores them: expert_shapes);
 FLOPs follow Chowdhery et al. 2022 (PaLM), appendix B. Derivations: docs/formulas.md.
 """
 
@@ -13,7 +14,7 @@ from functools import cached_property, lru_cache
 
 from . import policy
 from .specs import MAX_LAYERS, ModelSpec, TrainSpec
-from .units import fmt_count
+from .units import ceil_div, fmt_count
 
 Shape = tuple[int, ...]
 
@@ -55,8 +56,43 @@ def _mlp(m: ModelSpec) -> list[Shape]:
     return shapes
 
 
-def block_shapes(m: ModelSpec) -> list[Shape]:
-    """Parameter shapes of one transformer block, as torch Linear weights (out, in)."""
+def expert_shapes(m: ModelSpec, layout: str = "zero") -> list[Shape]:
+    """An MoE block's routed experts: one 3-D tensor per weight, the experts on dim 0, as the
+    runners of 2026 store them (the same elements as `num_experts` dense MLPs).
+    zero layout (DeepSpeed under the HF Trainer or accelerate): transformers 5.x's experts
+    module (Qwen3MoeExperts, MixtralExperts): gate_up_proj (E, 2F, H), down_proj (E, H, F).
+    torch layout (FSDP2, DDP): torchtitan's GroupedExperts (models/common/moe.py at b36e4b6),
+    w1 (E, F, H), w2 (E, H, F), w3 (E, F, H); FSDP2 shards them by fsdp_shard_elems."""
+    E, h, f = m.num_experts, m.hidden, m.ffn_hidden
+    if m.mlp != "swiglu":
+        shapes: list[Shape] = [(E, f, h), (E, h, f)]
+    elif layout == "zero":
+        shapes = [(E, 2 * f, h), (E, h, f)]
+    else:
+        shapes = [(E, f, h), (E, h, f), (E, f, h)]
+    if m.linear_bias:
+        shapes += [(E, f), (E, h)]
+    return shapes
+
+
+def fsdp_shard_elems(shape: Shape, degree: int) -> int:
+    """Elements one rank holds of one parameter under FSDP2 (torch layout) at this shard degree:
+    dim 0 split and padded to a multiple of the degree (FSDPParam._init_sharded_param: torch.chunk,
+    its first chunk's size; torch 2.13 _fsdp_param.py); a 3-D expert weight on more ranks than
+    experts on dim 1 instead, torchtitan's shard_placement_fn Shard(1) "to avoid padding"
+    (torchtitan/distributed/fsdp.py at b36e4b6: efsdp size > num_experts), where FSDP2 requires
+    dim 1 to divide evenly."""
+    if len(shape) == 3 and shape[0] < degree:
+        return shape[0] * ceil_div(shape[1], degree) * shape[2]
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return ceil_div(shape[0], degree) * rest
+
+
+def block_shapes(m: ModelSpec, layout: str = "zero") -> list[Shape]:
+    """Parameter shapes of one transformer block, as torch Linear weights (out, in); an MoE
+    block's experts as `layout`'s runner stores them (expert_shapes)."""
     h, q, kv = m.hidden, m.q_hidden, m.kv_hidden
     if m.qkv_fused:  # one q/k/v weight (MPT's Wqkv): the same elements in one tensor
         shapes: list[Shape] = _norm(m) + [(q + 2 * kv, h), (h, q)]
@@ -71,7 +107,7 @@ def block_shapes(m: ModelSpec) -> list[Shape]:
     shapes += _norm(m)
     if m.num_experts:
         shapes += [(m.num_experts, h)]  # router
-        shapes += _mlp(m) * m.num_experts
+        shapes += expert_shapes(m, layout)
     else:
         shapes += _mlp(m)
     return shapes
@@ -106,7 +142,8 @@ def param_count(m: ModelSpec) -> int:
 
 
 @lru_cache(maxsize=256)
-def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separate") -> tuple[Unit, ...]:
+def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separate",
+          layout: str = "zero") -> tuple[Unit, ...]:
     """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's order).
 
     Tied embeddings share one weight between the first and the last module, so both sit in one
@@ -125,7 +162,7 @@ def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separa
             out.append(Unit(name, ((n,),), g, done, n))
             done += g
         return tuple(out)
-    bs = tuple(block_shapes(m))
+    bs = tuple(block_shapes(m, layout))
     bmm = _blockmatmul_params(m)
     blocks = []
     done = 0

@@ -128,13 +128,13 @@ def optimizer_tensor_sizes(sc: Scenario, D: int, zero1: bool = False) -> list[in
         return zero1_torch_partition(sc)
     if sc.custom_units is None:
         return list(_decoder_dim0_shards(sc.model, sc.train.blocks_per_unit, D, sc.train.embed_head_unit))
-    return [ceil_div(s[0], D) * math.prod(s[1:]) for u in sc.units for s in u.shapes]
+    return [arch.fsdp_shard_elems(s, D) for u in sc.units for s in u.shapes]
 
 
 @lru_cache(maxsize=1024)
 def _decoder_dim0_shards(model, blocks_per_unit: int, D: int, embed_head_unit: str) -> tuple[int, ...]:
-    return tuple(ceil_div(s[0], D) * math.prod(s[1:])
-                 for u in arch.units(model, blocks_per_unit, embed_head_unit) for s in u.shapes)
+    return tuple(arch.fsdp_shard_elems(s, D)
+                 for u in arch.units(model, blocks_per_unit, embed_head_unit, "torch") for s in u.shapes)
 
 
 @lru_cache(maxsize=256)
@@ -232,17 +232,18 @@ def model_state(sc: Scenario, st: Strategy) -> ModelState:
 def _largest_params(sc: Scenario, degree: int) -> list[int]:
     """Per unit, its largest single parameter tensor on a rank (the dim-0 shard at `degree`)."""
     if sc.custom_units is None:
-        return _decoder_largest(sc.model, sc.train.blocks_per_unit, degree, sc.train.embed_head_unit)
+        t = sc.train
+        return _decoder_largest(sc.model, t.blocks_per_unit, degree, t.embed_head_unit, t.layout)
     return [_largest_shard(u.shapes, degree) for u in sc.units]
 
 
 @lru_cache(maxsize=1024)
-def _decoder_largest(model, blocks_per_unit: int, degree: int, embed_head_unit: str) -> list[int]:
-    return [_largest_shard(u.shapes, degree) for u in arch.units(model, blocks_per_unit, embed_head_unit)]
+def _decoder_largest(model, blocks_per_unit: int, degree: int, embed_head_unit: str, layout: str) -> list[int]:
+    return [_largest_shard(u.shapes, degree) for u in arch.units(model, blocks_per_unit, embed_head_unit, layout)]
 
 
 def _largest_shard(shapes: tuple, degree: int) -> int:
-    return max((ceil_div(s[0], degree) * math.prod(s[1:]) for s in shapes), default=0)
+    return max((arch.fsdp_shard_elems(s, degree) for s in shapes), default=0)
 
 
 def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:

@@ -167,7 +167,7 @@ def activations(sc: Scenario) -> Activations:
 
 @lru_cache(maxsize=512)
 def _decoder_activations(m, t: TrainSpec, loss_fp32: bool) -> Activations:
-    return _unit_activations(m, t, loss_fp32, arch.units(m, t.blocks_per_unit, t.embed_head_unit))
+    return _unit_activations(m, t, loss_fp32, arch.units(m, t.blocks_per_unit, t.embed_head_unit, t.layout))
 
 
 def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:

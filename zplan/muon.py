@@ -47,6 +47,8 @@ def _as_matrices(m, unit: arch.Unit, shape: Shape) -> list[Shape]:
         return []
     if len(shape) == 1:
         return [(m.hidden, m.hidden)] * max(1, round(shape[0] / m.hidden**2))
+    if len(shape) == 3:  # an MoE block's experts (arch.expert_shapes): one matrix per expert
+        return [shape[1:]] * shape[0]
     return [(math.prod(shape[:-1]), shape[-1])]
 
 
@@ -160,7 +162,7 @@ def _holdings(m, units: tuple, layout: str, zero1_ranks: int, D: int) -> tuple[H
     adamw: list[int] = []
     for u, n in _unit_kinds(m, units):
         for s in u.shapes:
-            size = ceil_div(s[0], D) * math.prod(s[1:])
+            size = arch.fsdp_shard_elems(s, D)
             if is_matrix(m, u, s):
                 elems, tensors = elems + n * size, tensors + n
             else:

@@ -26,7 +26,8 @@ class Scenario:
     def units(self) -> list[arch.Unit]:
         if self.custom_units is not None:
             return list(self.custom_units)
-        return list(arch.units(self.model, self.train.blocks_per_unit, self.train.embed_head_unit))
+        t = self.train
+        return list(arch.units(self.model, t.blocks_per_unit, t.embed_head_unit, t.layout))
 
     @cached_property
     def params(self) -> int:
@@ -49,7 +50,8 @@ class Scenario:
         """Elements each rank holds of one unit.
 
         zero layout (DeepSpeed): the unit's flat buffer padded to a multiple of the degree.
-        torch layout (FSDP2): each parameter is split on dim 0, padded to a multiple of the degree.
+        torch layout (FSDP2): each parameter is split on dim 0, padded to a multiple of the degree
+        (a 3-D expert weight on more ranks than experts: on dim 1, arch.fsdp_shard_elems).
         """
         if self.train.layout == "zero" or degree == 1:
             return ceil_div(unit.numel, degree)
@@ -122,10 +124,4 @@ class SegmentFreeMemo:
 
 @lru_cache(maxsize=4096)
 def _dim0_shard(shapes: tuple[tuple[int, ...], ...], degree: int) -> int:
-    total = 0
-    for s in shapes:
-        rest = 1
-        for d in s[1:]:
-            rest *= d
-        total += ceil_div(s[0], degree) * rest
-    return total
+    return sum(arch.fsdp_shard_elems(s, degree) for s in shapes)
