@@ -678,13 +678,16 @@ def test_recommend_says_a_given_shard_size_is_kept(capsys):
 def test_a_count_below_the_smallest_synthesized_decoder_is_refused(capsys):
     """--params 1 planned '15.4 GB per GPU, MFU 18.5%': the stand-in decoder for a count has at
     least one block of width 128 and a 32,000-token embedding and head (arch.synthetic), whose
-    own parameters a smaller count cannot hold; the refusal names the floor, counted here from
+    own parameters a smaller count cannot hold (the smallest shape it builds, arch.synthetic at one
+    block of width 128, counted by arch.param_count); the refusal names the floor, counted here from
     the shape, and the way to a small model."""
     from tests.helpers import cli
     from zplan import arch
 
-    shape = 12 * 128**2 + 2 * 32000 * 128
-    assert arch.SYNTHETIC_MIN_PARAMS == shape
+    smallest = arch.synthetic(1).model_copy(update={"total_params": None})  # the shape, counted
+    assert (smallest.num_layers, smallest.hidden) == (1, 128)
+    shape = arch.SYNTHETIC_MIN_PARAMS
+    assert shape <= arch.param_count(smallest) <= shape * 1.001  # the norms' gains aside
     r = cli(capsys, "estimate", "--params", str(shape - 1), "--gpus", "2")
     assert r.returncode == 2 and f"{shape:,}" in r.stderr and "--model" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

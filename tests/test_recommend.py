@@ -242,20 +242,26 @@ def test_bad_plan_file_is_one_line(run_zplan, tmp_path):
 
 
 def test_a_plan_missing_a_setting_is_refused_naming_it(run_zplan, tmp_path):
-    """A plan file names every setting: a deleted train or assumptions field (checkpointing, say)
-    ran at its default, a configuration nobody chose, and a missing micro_batch was reported as
-    the '1' the default put there. Each one missing is refused in one line that names it."""
+    """A plan file names its settings: a deleted one (checkpointing, say) ran at its default, a
+    configuration nobody chose, and a missing micro_batch was reported as the '1' the default put
+    there. Each setting every plan has carried since plan_version 1 is refused by name when
+    missing; fields added since are read at their defaults, which is what an older zplan
+    assumed, so a plan it wrote (without them) still loads and runs as it did."""
     from zplan.errors import UsageError
-    from zplan.plan import load
+    from zplan.plan import PLAN_V1_FIELDS, load
+    from zplan.specs import Assumptions, TrainSpec
 
     full = tmp_path / "plan.json"
     p = run_zplan("recommend", "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--cluster", "cpu-local",
-                  "--global-batch", "4", "--seq-len", "64", "--write", str(full))
+                  "--global-batch", "4", "--seq-len", "64", "--checkpointing", "first-k", "--checkpoint-first", "1",
+                  "--write", str(full))
     assert p.returncode == 0, p.stderr
     data = json.loads(full.read_text())
     assert load(full)  # as written, it loads
-    cases = [("train", k) for k in data["train"]] + [("assumptions", k) for k in data["assumptions"]]
-    assert ("train", "checkpointing") in cases and len(cases) > 40
+    assert set(PLAN_V1_FIELDS["train"]) <= set(TrainSpec.model_fields)
+    assert set(PLAN_V1_FIELDS["assumptions"]) <= set(Assumptions.model_fields)
+    cases = [("train", k) for k in PLAN_V1_FIELDS["train"] + ("checkpoint_first",)] + \
+            [("assumptions", k) for k in PLAN_V1_FIELDS["assumptions"]]
     for section, key in cases:
         edited = json.loads(full.read_text())
         del edited[section][key]
@@ -263,6 +269,15 @@ def test_a_plan_missing_a_setting_is_refused_naming_it(run_zplan, tmp_path):
         bad.write_text(json.dumps(edited))
         with pytest.raises(UsageError, match=f"no field '{section}.{key}'"):
             load(bad)
+    # a plan as an older zplan wrote it: none of the fields added since; each at its default
+    old = json.loads(full.read_text())
+    for section, fields in PLAN_V1_FIELDS.items():
+        keep = set(fields) | ({"checkpoint_first"} if section == "train" else set())
+        old[section] = {k: v for k, v in old[section].items() if k in keep}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    read = load(tmp_path / "old.json")
+    assert read.train.checkpointing == "first-k" and read.train.micro_batch == data["train"]["micro_batch"]
+    assert read.train.ddp_bucket_view == TrainSpec.model_fields["ddp_bucket_view"].default
     del data["train"]["checkpointing"]
     (tmp_path / "edited.json").write_text(json.dumps(data))
     p = run_zplan("estimate", "--plan", str(tmp_path / "edited.json"))

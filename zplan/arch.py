@@ -179,8 +179,10 @@ def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separa
     ])
 
 
-# the smallest count synthetic() describes: one block of width 128 (12 h^2) with a 32,000-token
-# embedding and head; below it the synthesized shape alone holds more parameters than the count
+# the smallest decoder synthetic() can build, one block of width 128 (12 h^2) with its 32,000-token
+# embedding and head: no stand-in holds fewer parameters, so a smaller count describes none. (Above
+# it the stand-in still outgrows small counts: its embedding is not taken off the count, 4.5x at 1e7,
+# 1.7x at 1e8, 1.1x at 1e9; the count itself is what the state is priced from.)
 SYNTHETIC_MIN_PARAMS = 12 * 128**2 + 2 * 32000 * 128
 
 

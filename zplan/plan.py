@@ -289,8 +289,8 @@ def load(path: str | Path) -> Plan:
                          f"version {PLAN_VERSION}: write it again with zplan recommend --write")
     missing = _missing_fields(data)
     if missing:
-        raise UsageError(f"plan {p} has no field '{missing}' (a plan file names every setting: a missing one "
-                         f"would run at a default nobody chose); write it again with zplan recommend --write")
+        raise UsageError(f"plan {p} has no field '{missing}', which every plan names (its default would run a "
+                         f"configuration nobody chose): put it back, or write the plan again with zplan recommend --write")
     try:
         plan = Plan.model_validate(data)
     except ValidationError as e:
@@ -299,18 +299,31 @@ def load(path: str | Path) -> Plan:
     return plan
 
 
+# The settings every plan has named since plan_version 1 (zplan/specs.py at e6214e3, the first
+# plan.py): a file without one was edited by hand, and its default would run a configuration
+# nobody chose. Fields added since are read at their defaults, which are what the zplan that
+# wrote an older plan assumed; a field added later never joins this list.
+PLAN_V1_FIELDS = {
+    "train": ("seq_len", "micro_batch", "grad_accum", "checkpointing", "checkpoint_every", "flash_attention",
+              "optimizer", "precision", "layout", "blocks_per_unit", "reshard_after_forward", "prefetch",
+              "reduce_every_microbatch"),
+    "assumptions": ("compute_efficiency", "cuda_context_bytes", "fragmentation", "ddp_bucket_bytes", "overlap"),
+}
+
+
 def _missing_fields(data: dict) -> str | None:
-    """The first setting a plan file lacks: every field of `train` and `assumptions` (recommend
-    writes them all; the validators would fill a missing one with its default silently), the
-    sections themselves, and the other fields the run reads."""
+    """The first setting a plan file lacks of those every plan has carried (PLAN_V1_FIELDS), the
+    sections themselves and the other fields the run reads; under first-k, its k (no plan with
+    first-k was written without checkpoint_first)."""
     for name in ("model", "gpu", "cluster", "num_gpus", "strategy", "mesh", "train", "global_batch", "assumptions"):
         if name not in data:
             return name
-    for name, spec in (("train", TrainSpec), ("assumptions", Assumptions)):
+    for name, fields in PLAN_V1_FIELDS.items():
         section = data[name]
         if isinstance(section, dict):  # a section of another type: the validator's line names it
-            for field, f in spec.model_fields.items():
-                if field not in section and not f.exclude:  # excluded: never written
+            needed = fields + (("checkpoint_first",) if name == "train" and section.get("checkpointing") == "first-k" else ())
+            for field in needed:
+                if field not in section:
                     return f"{name}.{field}"
     return None
 

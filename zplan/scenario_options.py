@@ -184,8 +184,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     else:
         psi = parse_count(o.params if o.params is not None else "7e9", "--params")
         if psi < arch.SYNTHETIC_MIN_PARAMS:
-            raise UsageError(f"--params {o.params} is below {arch.SYNTHETIC_MIN_PARAMS:,}, the smallest decoder zplan "
-                             f"synthesizes from a count (one block of width 128, a 32,000-token vocabulary, "
+            raise UsageError(f"--params {o.params} is below {arch.SYNTHETIC_MIN_PARAMS:,}, what the smallest decoder "
+                             f"zplan can synthesize from a count holds (one block of width 128 with a 32,000-token "
                              f"embedding and head); pass --model for a small model (zplan presets: tiny, gpt2-124m)")
         unit = parse_count(o.unit_params, "--unit-params") if o.unit_params is not None else None
         if unit is not None and unit > psi:
