@@ -245,6 +245,19 @@ def test_the_run_report_measures_the_context_the_plan_assumes(monkeypatch):
               "predicted": {"peak_memory_bytes": 10 * MiB, "outside_allocator_bytes": 600 * MiB}}
     row = next(ln for ln in compare_lines(report) if ln.startswith("context, outside alloc."))
     assert "600.0 MiB" in row and "700.0 MiB" in row and "-14.3%" in row  # (600 - 700) / 700
+    # the trainer's report puts the measured figure beside the plan's own assumption (a GPU run)
+    from types import SimpleNamespace
+
+    from tests.test_contract import plan_for
+    from zplan.trainer.report import build_report
+
+    plan = plan_for("zero3")
+    tr = SimpleNamespace(plan=plan, device=torch.device("cuda", 0), counter=None, memory_by_category=None,
+                         world=2, backend="nccl", step=3, cfg=SimpleNamespace())
+    monkeypatch.setattr("zplan.trainer.report.asdict", lambda cfg: {})
+    rep = build_report(tr, 0, [1.0], [], [0.1], {"allocated": 1, "reserved": 2, "outside": 700 * MiB}, 1)
+    assert rep["measured"]["outside_allocator_bytes"] == 700 * MiB
+    assert rep["predicted"]["outside_allocator_bytes"] == plan.assumptions.cuda_context_bytes
 
 
 def test_gpu_check_summary(tmp_path):

@@ -1404,3 +1404,5 @@ def test_a_preset_without_tf32_prices_it_at_half_bf16_as_the_datasheets_do():
         assert without.flops("tf32") == pytest.approx(g.flops("tf32"), rel=0.03), g.name
         checked += 1
     assert checked >= 8
+    cpu = presets.gpu("cpu")  # no TF32 on a CPU: torch runs fp32 there, at the fp32 rate
+    assert "tf32" not in cpu.peak_flops and cpu.flops("tf32") == cpu.flops("fp32")

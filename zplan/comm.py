@@ -207,10 +207,11 @@ def _owner_reduces(sc, elements, dtype, group, per_node, calls, bucket_bytes) ->
     """DeepSpeed's ZeRO-1/2 gradient reduction with use_multi_rank_bucket_allreduce off: per IPG
     bucket, a reduce to each owning rank (owner_reduce_calls), each timed as NCCL runs a reduce.
     Under overlap_comm each reduce first synchronises the device (stage_1_and_2.py
-    allreduce_and_copy: get_accelerator().synchronize(), 0.19.8), so a bucket's reduces after
-    its first wait for the one before with no compute issued beside them: those are exposed
-    (with the final bucket's, in `last_bucket_s`); the device-wide drains' launch gaps are not
-    priced."""
+    allreduce_and_copy: get_accelerator().synchronize(), 0.19.8), so every reduce of a bucket
+    but its last is waited on by the synchronisation before the next, with no compute issued
+    beside it: those are exposed (with the final bucket's, in `last_bucket_s`); the drains'
+    launch gaps, and the wait of a bucket's first synchronisation on the previous bucket's last
+    reduce, are not priced."""
     eb = nbytes(1, dtype)
     buckets = [b // eb for b in bucket_calls(sc, dtype, nbytes(elements, dtype), bucket_bytes, None, True)]
     per_bucket = [[e * eb for e in bs] for bs in owner_reduce_calls(buckets, group)]

@@ -95,8 +95,8 @@ def unavailable_reason(sc: Scenario, name: str) -> str | None:
     if t.layout == "torch" and t.optimizer == "adam8bit" and not replicated:
         # bitsandbytes 0.50.2: "got mixed torch.Tensor and DTensor"; its blocks and its fp32
         # threshold would also read the whole tensor's size, not the shard's
-        return ("bitsandbytes' 8-bit AdamW cannot step FSDP2's DTensor shards: adam8bit under "
-                "DDP, or sharded with --layout zero")
+        return ("bitsandbytes' 8-bit AdamW cannot step FSDP2's DTensor shards: adam8bit under DDP or "
+                "zero1, or DeepSpeed ZeRO with the optimizer passed in your script (--layout zero)")
     if t.layout == "torch" and t.compile and replicated and sc.assume.ddp_bucket_bytes < DDP_FIRST_BUCKET_BYTES:
         return (f"torch.compile under DDP splits graphs with a first bucket of 1 MiB, which must not "
                 f"exceed DDP's cap (torch/_dynamo/backends/distributed.py asserts it): the cap of "
@@ -195,7 +195,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                                else "per-op kernel model (GPU preset)", "flag": "--efficiency",
                                "meaning": "achieved fraction of dense peak FLOP/s"},
         "cuda_context_bytes": {"value": a.cuda_context_bytes, "flag": "--context-gib",
-                               "meaning": "CUDA context and library workspaces per GPU"},
+                               "meaning": "CUDA context, NCCL's buffers: device memory outside PyTorch's allocator, per GPU"},
         "fragmentation": {"value": a.fragmentation if a.fragmentation is not None else "allocator model",
                           "flag": "--fragmentation",
                           "meaning": "reserved over allocated: the CUDA caching allocator, each stream's "

@@ -351,6 +351,7 @@ def fresh_prediction(plan: Plan, path: str) -> tuple[Plan, str | None]:
     file's `predicted` differs from them (a plan edited by hand keeps the figures of the plan it
     was: a run compared with those would blame the model for the edit) or has none."""
     from .estimate import estimate_one
+    from .units import fmt_bytes, fmt_s
 
     r = estimate_one(plan.scenario(), plan.strategy)
     if r.memory is None:
@@ -365,7 +366,7 @@ def fresh_prediction(plan: Plan, path: str) -> tuple[Plan, str | None]:
            "holds predicted figures its settings do not give (edited by hand, or written by another zplan)")
     return (plan.model_copy(update={"predicted": fresh}),
             f"{path} {why}: the run is compared with zplan's estimate of its settings "
-            f"({fresh.per_gpu['total_bytes'] / 1e9:.1f} GB per GPU, step {fresh.step_s * 1e3:,.1f} ms)")
+            f"({fmt_bytes(fresh.per_gpu['total_bytes'])} per GPU, step {fmt_s(fresh.step_s)})")
 
 
 def fit_note(plan: Plan, path: str) -> str | None:

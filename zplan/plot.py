@@ -54,7 +54,7 @@ def plot_scaling(sc: Scenario, path: str) -> None:
     a.set_ylabel("per-GPU memory (GB = 1e9 bytes)")
     b.set_ylabel("predicted step time (s)")
     a.set_title(f"{sc.model.name}: memory per GPU")
-    b.set_title(f"step time where it fits, {sc.train.micro_batch} x {sc.train.seq_len} tokens per GPU")
+    b.set_title(f"step time where it fits the GPU (no headroom), {sc.train.micro_batch} x {sc.train.seq_len} tokens per GPU")
     a.legend(fontsize=7)
     fig.tight_layout()
     import io

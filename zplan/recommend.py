@@ -1,7 +1,7 @@
 """The search: every configuration, ranked by predicted step time for the same global batch.
 
-A candidate is a strategy (HSDP once per shard size that divides both N and a node, or the one
---shard-size gives) x activation checkpointing (none, selective, full, and the first k blocks
+A candidate is a strategy (HSDP once per shard size that divides N and, across nodes, a node; or
+the one --shard-size gives) x activation checkpointing (none, selective, full, and the first k blocks
 checkpointed at the least k that fits: `_least_first_k`) x micro-batch (the largest that fits, and the
 next smaller; one micro-batch per step is tried on its own, as accumulation changes what is
 held; `--objective memory`: the smallest, without prefetch) x gradient accumulation (to reach
@@ -421,6 +421,9 @@ def _why_not(base: Scenario, family: str, headroom: float, per_gpu: int = 1,
         top = min(base.hw.cluster.gpus_per_node, base.n)
         if top < 2 or base.n < 4:  # HSDP needs shard groups of 2 or more and 2 or more of them
             return f"HSDP needs at least 4 GPUs (two replicas of shard groups of 2 or more); {base.n} cannot"
+        if base.n <= base.hw.cluster.gpus_per_node:  # inside one node: any divisor would do
+            return (f"{base.n} GPUs have no divisor in 2..{base.n - 1}: HSDP needs two or more shard "
+                    f"groups of equal size")
         return (f"no shard size in 2..{top} divides both "
                 f"{base.n} GPUs and a node below N (--shard-size plans another)")
     least = {"checkpointing": "full", "blocks_per_unit": 1, "prefetch": False}
@@ -467,8 +470,12 @@ def _why_lost(c: Candidate, w: Candidate, objective: str) -> str:
     if objective == "memory":
         return f"uses {fmt_bytes(c.total_bytes)} per GPU vs {fmt_bytes(w.total_bytes)}"
     if c.step_s <= w.step_s * (1 + TIE):
-        return (f"as fast ({fmt_s(c.step_s)}, {c.step_s / w.step_s - 1:+.1%}: within the model's "
-                f"{TIE:.0%} resolution) but {w.family} is simpler")
+        near = f"as fast ({fmt_s(c.step_s)}, {c.step_s / w.step_s - 1:+.1%}: within the model's {TIE:.0%} resolution)"
+        if SIMPLICITY[w.family] < SIMPLICITY[c.family]:
+            return f"{near} but {w.family} is simpler"
+        # a simpler (or as simple) loser within the resolution: the tie-break keeps free memory
+        return (f"{near} but needs {fmt_bytes(c.total_bytes)} per GPU against {fmt_bytes(w.total_bytes)}: "
+                f"a near-tie goes to the simpler strategy only where it needs no more memory")
     a, b = c.result.timing, w.result.timing
     recompute = lambda t: t.breakdown_s.get("recompute", 0.0)  # noqa: E731  (the kernel model's; 0 at one efficiency)
     why = [r for r, applies in (("recomputation", recompute(a) > recompute(b) * (1 + TIE) + 1e-9
@@ -552,7 +559,7 @@ def _longest_fitting_seq(base: Scenario, full, usable_fraction: float) -> tuple[
 
 def _fewest_gpus(base: Scenario, full, usable_fraction: float, families: list[str]) -> tuple[int, str, str] | None:
     """The smallest power-of-two multiple of N above it (up to 2^20) at which one of the searched
-    families that shard (zero3, offload-all, offload-opt, hsdp at a shard size of a node) fits at
+    families that shard (every one but ddp; hsdp at its largest shard size searched) fits at
     micro-batch 1 with every block checkpointed or all but the last (the allocator's reserve is
     not monotonic in k: on 405B x 512, first-125 fits where full does not), with the family and
     the checkpointing; None where none does. Only the searched families: a hint for one the user
@@ -560,7 +567,8 @@ def _fewest_gpus(base: Scenario, full, usable_fraction: float, families: list[st
     L = base.model.num_layers
     trains = [(full, "full")] + ([(full.model_copy(update={"checkpointing": "first-k", "checkpoint_first": L - 1}),
                                    f"first-{L - 1}")] if L > 1 else [])
-    sharding = [f for f in ("zero3", "offload-all", "offload-opt", "hsdp") if f in families]
+    # every family whose per-GPU memory falls with N (ddp replicates it all)
+    sharding = [f for f in STRATEGIES if f != "ddp" and f in families]
     n = 2 * base.n
     while n <= 2**20 and sharding:
         sc_n = replace(base, hw=base.hw.model_copy(update={"num_gpus": n}))
@@ -589,7 +597,8 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
     fewest = _fewest_gpus(base, full, 1 - headroom, list(rejected) or list(STRATEGIES))
     n = fewest[0] if fewest else None
     if fewest is not None:
-        hints.append(f"--gpus {n} ({fewest[1]} fits there, micro-batch 1, {fewest[2]} checkpointing)")
+        batch = "" if global_batch % n == 0 else f" --global-batch {-(-global_batch // n) * n}"  # a multiple of N
+        hints.append(f"--gpus {n}{batch} ({fewest[1]} fits there, micro-batch 1, {fewest[2]} checkpointing)")
     if base.train.layout == "zero" and not base.train.zero_init:
         hints.append("--zero-init (the model built under deepspeed.zero.Init)")
     t = base.train
@@ -607,7 +616,11 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
             where = ("this GPU" if at == 1 else f"these {at} GPUs") if here else f"it on {at} GPUs"
             hints.insert(1 if expandable is not None else 0, f"--linear-loss chunked (the loss in chunks, never the whole logits: "
                             f"{who} fits {where}, micro-batch 1, full checkpointing)")
-    if n is None and not any(SETUP_PEAK in r for r in rejected.values()):
+    searched = list(rejected) or list(STRATEGIES)
+    if n is None and "ddp" in searched and len(searched) == 1:
+        hints.append("--strategy zero3 (ddp keeps the whole model on every GPU: no GPU count changes that)")
+    if n is None and "zero3" in searched and not any(SETUP_PEAK in r for r in rejected.values()):
+        # (zero3 is what _longest_fitting_seq tries: a hint in its name only where it was asked)
         shorter = _longest_fitting_seq(base, full, 1 - headroom)
         # a length far below the asked one is no advice: what fails is then not the sequence
         if shorter is not None and shorter[0] >= min(base.train.seq_len // 2, max(512, base.train.seq_len // 64)):
@@ -618,7 +631,8 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
                          f"activations and loss exceed the GPU at any GPU count: zplan plans no context "
                          f"parallelism)")
     order = ("offload-all", "zero3", "offload-opt", "hsdp")
-    tight = next((rejected[f] for f in order if f in rejected), next(iter(rejected.values()), ""))
+    pool = {f: rejected[f] for f in too_large} or rejected  # a size that failed, not an unavailability
+    tight = next((pool[f] for f in order if f in pool), next(iter(pool.values()), ""))
     return (f"nothing fits {base.n} x {base.hw.gpu.name} for global batch {global_batch} "
             f"({tight}); try " + (" or ".join(hints) if hints else "a larger GPU"))
 

@@ -24,7 +24,7 @@ from .validated import ValidationError
 
 DTYPES = tuple(DTYPE_BITS)
 DEFAULT_CLUSTER = "dgx-h100"
-GPU_CONTEXT_GIB = 600 / 1024  # CUDA context + cuBLAS/NCCL workspaces (Assumptions.cuda_context_bytes)
+GPU_CONTEXT_GIB = 600 / 1024  # memory outside the caching allocator: CUDA context, NCCL (Assumptions.cuda_context_bytes)
 
 
 @dataclass

@@ -220,9 +220,12 @@ class GPUSpec(Spec):
         """Peak FLOP/s of a dtype; where the preset has none (a calibrated one measures fp32 and
         bf16), TF32 at half the bf16 rate, as every tensor-core GPU's datasheet gives it (A100
         156 of 312, H100/H200 SXM 494.7 of 989.4, B200 1.1 of 2.25 PF dense; MI300X 653.7 of
-        1307.4), fp16 and other dtypes at the bf16 rate."""
+        1307.4); a CPU has no TF32, torch runs its fp32 kernels there: the fp32 rate. fp16 and
+        other dtypes at the bf16 rate."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]  # type: ignore[index]
+        if dtype == "tf32" and self.device == "cpu" and "fp32" in self.peak_flops:
+            return self.peak_flops["fp32"]
         if dtype == "tf32" and "bf16" in self.peak_flops:
             return self.peak_flops["bf16"] / 2
         return self.peak_flops["fp16" if dtype == "fp16" and "fp16" in self.peak_flops else "bf16"]
@@ -410,7 +413,7 @@ class Assumptions(Spec):
         None, gt=0, le=1, description="achieved fraction of dense peak FLOP/s for all FLOPs (a "
         "user assumption); None: the per-op kernel model of the GPU preset")
     cuda_context_bytes: int = Field(
-        600 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="CUDA context + cuBLAS/NCCL workspaces, per GPU"
+        600 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="device memory outside PyTorch's caching allocator, per GPU: the CUDA context, NCCL's buffers, the libraries' own (cuBLAS's workspaces are inside the allocator)"
     )
     fragmentation: float | None = Field(
         None, ge=0, lt=1, description="flat allocator fragmentation, fraction of allocated bytes; "

@@ -363,7 +363,9 @@ def launch(
     # the nodes itself names none of them first); a dry run starts nothing
     lock = hold_run_dir(run) if (nnodes == 1 or node_rank == 0) and not dry_run else None  # noqa: F841
     kept = None
-    if not dry_run or spec.plan_path == plan_path:
+    # a dry run writes the plan its command reads, but never rewrites a run's own plan on
+    # --resume (the real launch does, with the fresh figures)
+    if not dry_run or (spec.plan_path == plan_path and not (resume and Path(plan_path).is_file())):
         if resume or script is not None:  # a script resumes by itself in its folder (api.init)
             kept = _keep_replaced_plan(Path(plan_path), p)
         save(p, plan_path)
@@ -401,8 +403,8 @@ def _keep_replaced_plan(path: Path, new) -> Path | None:
         old = load(str(path))
     except UsageError:
         return None
-    if old == new:
-        return None
+    if old.model_copy(update={"predicted": None}) == new.model_copy(update={"predicted": None}):
+        return None  # the same settings (a fresh estimate may have replaced the figures)
     pairs = (("strategy", old.strategy, new.strategy), ("ranks", old.num_gpus, new.num_gpus),
              ("seq_len", old.train.seq_len, new.train.seq_len), ("global batch", old.global_batch, new.global_batch),
              ("model", old.model.name, new.model.name))

@@ -73,9 +73,10 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
     if opts.layout == "zero" and not strategy:  # a plan for DeepSpeed
         strategy = [s for s in STRATEGIES if s != "hsdp"]
         used.append("no hsdp: DeepSpeed removed MiCS, its HSDP (--strategy hsdp compares it)")
-    if opts.layout == "zero" and "hsdp" in asked and write is not None:
-        raise UsageError("--write with --for deepspeed --strategy hsdp: DeepSpeed removed MiCS, its HSDP, so "
-                         "no runner takes that plan; --for zplan plans FSDP2's HSDP, or drop --write to compare it")
+    ds_hsdp = ("--write with --for deepspeed --strategy hsdp: DeepSpeed removed MiCS, its HSDP, so no runner "
+               "takes that plan; --for zplan plans FSDP2's HSDP, or drop --write to compare it")
+    if opts.layout == "zero" and asked == ["hsdp"] and write is not None:
+        raise UsageError(ds_hsdp)
     from ..files import check_user_output
 
     for path, flag, what, kind in ((write, "--write", "output", "plan"), (plot, "--plot", "plot", "not-plan")):
@@ -129,6 +130,8 @@ def run(opts: ScenarioOptions, global_batch: str | None = None, global_batch_tok
                        "error": str(e)})
         raise
     plan = make_plan(rec.winner.sc, rec.winner.family, batch, rec.winner.result)
+    if write and opts.layout == "zero" and rec.winner.family == "hsdp":  # hsdp won among those asked
+        raise UsageError(ds_hsdp + f" (hsdp won here; --strategy without hsdp writes the best of the others)")
     if write:
         save(plan, write)
     if plot:
