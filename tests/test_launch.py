@@ -979,3 +979,19 @@ def test_a_plan_the_api_refuses_is_refused_before_any_rank(tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     r = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"), str(script))
     assert r.returncode == 1 and "cannot run" in r.stderr and "compile" in r.stderr and r.stdout == "", r.stderr
+
+
+def test_launch_without_torch_says_so_in_one_line_before_writing_anything(capsys, tmp_path, monkeypatch):
+    """README's install (`pip install -e .`) has no torch: zplan launch wrote the run's plan,
+    then died in a ModuleNotFoundError traceback with exit 1 (a plan that cannot work). It is a
+    usage error like every other command that needs torch, said before anything is written;
+    a dry run, which runs nothing here, still prints its command."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    run = tmp_path / "run"
+    p = cli(capsys, "launch", "--steps", "2", "--run-dir", str(run))
+    assert p.returncode == 2 and "needs torch: pip install 'zplan[train]'" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not run.exists()
+    p = cli(capsys, "launch", "--steps", "2", "--run-dir", str(run), "--dry-run")
+    assert p.returncode == 0 and "zplan.trainer" in p.stdout, p.stderr

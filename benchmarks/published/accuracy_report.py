@@ -145,9 +145,9 @@ def markdown(results, groups: dict, command: str, compared_to: str) -> str:
         "Measured memory is a peak of PyTorch's caching allocator, reserved (R) or allocated (A) as the source",
         "states. Neither includes the CUDA context, and allocated memory has no fragmentation, so each is held",
         f"against the matching part of the prediction: {compared_to}. Rows that ran with torch.compile or",
-        "float8 are predicted with --compile and --float8 (torchao's tensorwise scaling; TransformerEngine's",
-        "delayed scaling with --float8-recipe te-delayed); a recipe zplan cannot express (rowwise scaling) is",
-        "predicted without it and the row is marked *. Both are grouped apart below.",
+        "float8 are predicted with --compile and --float8 (torchao's tensorwise scaling; its rowwise recipes",
+        "with --float8-recipe rowwise or rowwise-gw-hp; TransformerEngine's delayed scaling with --float8-recipe",
+        "te-delayed). Both are grouped apart below.",
         "",
         f"{len(rows)} rows from {len(sources)} sources ({len({s.org for s in sources.values()})} independent "
         f"organisations); {len(scored)} expressible, {len(skipped)} not (listed at the end).",

@@ -147,7 +147,7 @@ def launch(
     """Run a plan with torchrun on this machine's GPUs (or CPU ranks over gloo).
 
     zplan's options come before SCRIPT; everything after SCRIPT is the script's. Options for the
-    built-in trainer that zplan does not know follow `--`: zplan launch --steps 5 -- --deterministic
+    built-in trainer that zplan does not know follow `--`: zplan launch --strategy zero3 --steps 5 -- --deterministic
     """
     from ..hardware import detect as run_detect
     from ..launch.command import (LaunchSpec, check_torchrun_options, rank_env, shell_line, slurm_script,
@@ -161,6 +161,10 @@ def launch(
     _check_ranges(strategy, global_batch, seq_len, nproc, nnodes, node_rank, max_restarts, data)
     check_range(keep, "--keep", 0, 10**6)
     check_torchrun_options(rdzv_endpoint, rdzv_id, log_dir, redirects, local_ranks_filter)
+    if not dry_run and not slurm:  # torchrun and the ranks run here: before anything is written
+        from .verify_cmd import _need_torch
+
+        _need_torch("zplan launch")
     if log_every is not None:
         check_range(log_every, "--log-every", 0, 10**9)
     script, extra = _split_args(ctx, script)

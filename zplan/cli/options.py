@@ -17,7 +17,7 @@ from typing import Annotated
 from ..scenario_options import FIELDS, ScenarioOptions
 
 OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
-    "params": ((), "Parameter count, e.g. 70e9 or 70B (a synthetic decoder is assumed)"),
+    "params": ((), "Parameter count, e.g. 70e9 or 70B (a synthetic decoder is assumed; 7e9 where neither --params nor --model is given)"),
     "unit_params": ((), "With --params: parameters per sharding unit (default: a decoder of aspect ratio 128)"),
     "model": ((), "Model preset name, a .toml file, or a local Hugging Face config.json"),
     "gpus": ((), "Data-parallel GPUs N (default: one node)"),
