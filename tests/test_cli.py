@@ -692,3 +692,17 @@ def test_a_count_below_the_smallest_synthesized_decoder_is_refused(capsys):
     assert r.returncode == 2 and f"{shape:,}" in r.stderr and "--model" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert cli(capsys, "estimate", "--params", str(shape), "--gpus", "2").returncode == 0
+
+
+@pytest.mark.parametrize("tolerance", [0.00001, 0.0])
+def test_verify_shows_the_difference_a_tight_tolerance_fails_on(tolerance):
+    """`verify --tolerance 0.00001` showed a failing cell as '+0.0%' beside 'tolerance 0%': the
+    table's digits follow the tolerance, so the error a cell fails on is visible."""
+    from zplan.verify import Cell, CellResult, table
+
+    r = CellResult(Cell("zero3", 2, "fp32", "none"), predicted_memory_bytes=1_000_050,
+                   measured_memory_bytes=1_000_000, predicted_traffic_bytes=1, measured_traffic_bytes=1)
+    assert not r.ok(tolerance)
+    row = next(ln for ln in table([r], tolerance) if ln.startswith("| zero3"))
+    err = row.split("|")[4].strip()
+    assert float(err.rstrip("%")) / 100 == pytest.approx(r.memory_error, abs=5e-7) and float(err.rstrip("%")) != 0

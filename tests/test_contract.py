@@ -54,6 +54,10 @@ def test_a_consistent_plan_loads(tmp_path):
     (dict(train__reshard_after_forward=False), "reshard_after_forward False contradicts strategy zero3"),
     # the model has 4 blocks: checkpointing the first 5 names a block it does not have
     (dict(train__checkpointing="first-k", train__checkpoint_first=5), "checkpoint_first 5 exceeds the model's 4 layers"),
+    # only what is out of range is named (a walkthrough: checkpoint_every 2 was named beside it)
+    (dict(train__blocks_per_unit=9), "blocks_per_unit 9 exceeds the model's 4 layers"),
+    (dict(train__checkpointing="every-k", train__checkpoint_every=6, train__blocks_per_unit=5),
+     "blocks_per_unit 5 and checkpoint_every 6 exceed the model's 4 layers"),
 ])
 def test_contradictions_are_refused_on_load(tmp_path, changes, needle):
     with pytest.raises(UsageError) as e:

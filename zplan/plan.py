@@ -110,9 +110,11 @@ def inconsistency(plan: Plan) -> str | None:
     L = plan.model.num_layers
     if t.checkpointing == "first-k" and t.checkpoint_first > L:
         return f"checkpoint_first {t.checkpoint_first} exceeds the model's {L} layers; {fix}"
-    if t.blocks_per_unit > L or (t.checkpointing == "every-k" and t.checkpoint_every > L):
-        return (f"blocks_per_unit {t.blocks_per_unit} / checkpoint_every {t.checkpoint_every} "
-                f"exceed the model's {L} layers; {fix}")
+    over = [f"{k} {v}" for k, v, used in (("blocks_per_unit", t.blocks_per_unit, True),
+                                          ("checkpoint_every", t.checkpoint_every, t.checkpointing == "every-k"))
+            if used and v > L]
+    if over:  # only what is out of range, and checkpoint_every only where every-k reads it
+        return f"{' and '.join(over)} exceed{'s' if len(over) == 1 else ''} the model's {L} layers; {fix}"
     return None
 
 

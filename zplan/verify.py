@@ -180,12 +180,22 @@ def run_cell(cell: Cell, workdir: Path, calibrated: str | None = None) -> CellRe
     return res
 
 
+def _pct(x: float, tolerance: float) -> str:
+    """A signed percentage with the digits the tolerance needs: at --tolerance 0.00001 a failing
+    cell read '+0.0%', the difference it fails on rounded away."""
+    digits = 4 if tolerance == 0 else 1  # at 0 any difference fails: show it
+    while digits < 6 and 0 < tolerance < 10 ** -(digits + 2) * 5:
+        digits += 1
+    return f"{x:+.{digits}%}"
+
+
 def table(results: list[CellResult], tolerance: float) -> list[str]:
     """Markdown: one row per cell, sizes in MiB (2^20 bytes), traffic in bytes."""
     head = ("| cell | predicted memory | measured | error | traffic predicted (bytes) | measured | "
             "step predicted | measured | ok |")
     lines = [f"Memory in MiB (2^20 bytes); {SIGN} (negative: the planner predicted too little); "
-             f"tolerance {tolerance:.0%} for memory, traffic exact.", "", head, "|" + "---|" * 9]
+             f"tolerance {_pct(tolerance, tolerance).lstrip('+')} for memory, traffic exact.", "", head,
+             "|" + "---|" * 9]
     for r in results:
         if r.skipped:
             lines.append(f"| {r.cell.name} | | | | | | | | skipped: {r.skipped} |")
@@ -196,7 +206,7 @@ def table(results: list[CellResult], tolerance: float) -> list[str]:
         ok = "yes" if r.ok(tolerance) else "**no**"
         lines.append(
             f"| {r.cell.name} | {r.predicted_memory_bytes / 2**20:.2f} MiB | "
-            f"{r.measured_memory_bytes / 2**20:.2f} MiB | {r.memory_error:+.1%} | "
+            f"{r.measured_memory_bytes / 2**20:.2f} MiB | {_pct(r.memory_error, tolerance)} | "
             f"{r.predicted_traffic_bytes:,} | {r.measured_traffic_bytes:,} | "
             f"{r.predicted_step_s * 1e3:.0f} ms | {r.measured_step_s * 1e3:.0f} ms | {ok} |")
     return lines
