@@ -103,3 +103,19 @@ def test_a_resume_on_other_data_is_said(tmp_path, monkeypatch):
     for odd in ("[1, 2]", '{"config": {"data": 7}}', "not json"):
         report.write_text(odd)
         assert resumed_data_note(tmp_path, "a.txt") is None
+
+
+def test_a_step_line_over_the_presets_peak_says_so():
+    """CPU ranks priced on the nominal 'cpu' preset printed 'MFU 160.5%' in every step line with
+    no word; the final report warned. A step line past 100% names the preset it exceeds."""
+    from types import SimpleNamespace
+
+    from tests.test_contract import plan_for
+    from zplan.trainer.report import flop_per_step, peak_flops, step_log_line
+
+    plan = plan_for("zero3")
+    tr = SimpleNamespace(plan=plan)
+    fast = flop_per_step(plan) / peak_flops(plan) / 1.6  # a step at 160% of the preset's peak
+    line = step_log_line(tr, 3, 10, 2.0, fast, (2**30, 2**31))
+    assert "MFU 160.0% (over the 'cpu' preset's peak)" in line
+    assert "over the" not in step_log_line(tr, 3, 10, 2.0, fast * 2, (2**30, 2**31))  # 80%: as before

@@ -122,8 +122,10 @@ def step_log_line(tr, step: int, steps: int, loss: float, step_s: float,
         from .measure import host_rss_bytes
 
         mem = f"host rss {host_rss_bytes() / MIB:,.0f} MiB"
+    # over 100%: the preset's peak is not this device's (rate_warnings says so in the report)
+    shown = f"MFU {mfu:.1%}" if mfu <= 1 else f"MFU {mfu:.1%} (over the '{plan.gpu.name}' preset's peak)"
     return (f"zplan: step {step}/{steps} loss {loss:.4f} step {step_s * 1e3:,.1f} ms "
-            f"tokens/s {tokens_per_step(plan) / step_s:,.0f} MFU {mfu:.1%} {mem}")
+            f"tokens/s {tokens_per_step(plan) / step_s:,.0f} {shown} {mem}")
 
 
 class _NoBar:
