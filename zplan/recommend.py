@@ -22,7 +22,7 @@ from .errors import PlanError, UsageError
 from .parse import check_choice
 from .estimate import (TIGHT_FREE_FRACTION, StrategyEstimate, estimate_one, fits, unaligned_gemm_dims,
                        unavailable_reason)
-from .memory import memory
+from .memory import allocated_bytes, memory
 from .scenario import Scenario
 from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
 from .strategies import STRATEGIES, effective
@@ -569,15 +569,37 @@ def _fewest_gpus(base: Scenario, full, usable_fraction: float, families: list[st
                                    f"first-{L - 1}")] if L > 1 else [])
     # every family whose per-GPU memory falls with N (ddp replicates it all)
     sharding = [f for f in STRATEGIES if f != "ddp" and f in families]
+    usable = int(usable_fraction * base.hw.gpu.memory_bytes)
+    live = {(f, label): t for f in sharding for t, label in trains}
+    last: dict = {}  # per combination, its allocated peak at the previous count
     n = 2 * base.n
-    while n <= 2**20 and sharding:
+    while n <= 2**20 and live:
         sc_n = replace(base, hw=base.hw.model_copy(update={"num_gpus": n}))
-        usable = int(usable_fraction * base.hw.gpu.memory_bytes)
-        for f in sharding:
+        for (f, label), t in list(live.items()):
             for sc_f in (_variants(sc_n, f) if f == "hsdp" else [sc_n])[-1:]:  # hsdp: the largest shard size
-                for t, label in trains:
-                    if fits(replace(sc_f, train=t), f, usable):
-                        return n, f if f != "hsdp" else f"hsdp (S={sc_f.hsdp_shard})", label
+                sc_t = replace(sc_f, train=t)
+                if fits(sc_t, f, usable):
+                    return n, f if f != "hsdp" else f"hsdp (S={sc_f.hsdp_shard})", label
+                # a GPU peak over the usable memory that has stopped falling with N (activations that
+                # do not shard; padding to N and per-rank buffers grow again at extreme N) fits at no
+                # larger count: that combination is done (one failing on host RAM goes on)
+                now = allocated_bytes(sc_t, effective(f, t.layout))
+                if now >= last.get((f, label), now + 1) and now + sc_t.assume.cuda_context_bytes > usable:
+                    del live[(f, label)]
+                last[(f, label)] = now
+        n *= 2
+    return None
+
+    top = base.n * 2 ** max(0, (2**20 // base.n).bit_length() - 1)  # the largest doubling of N to 2^20
+    # memory per GPU does not grow with N: what does not fit at the largest count fits at none
+    # (checked first, so a sequence no count holds costs a few tests, not a scan)
+    live = [(f, t, label) for f in sharding for t, label in trains if top > base.n and fitting(top, f, t)]
+    n = 2 * base.n
+    while n <= top and live:
+        for f, t, label in live:
+            sc_f = fitting(n, f, t)
+            if sc_f is not None:
+                return n, f if f != "hsdp" else f"hsdp (S={sc_f.hsdp_shard})", label
         n *= 2
     return None
 
