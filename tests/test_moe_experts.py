@@ -130,3 +130,47 @@ def test_ddp_buckets_hold_each_fused_expert_weight_alone():
     assert comm.bucket_calls(sc, "fp32", total, 25 * 2**20, comm.DDP_FIRST_BUCKET_BYTES) == oracle
     expert_b = 4 * 128 * 768 * 2048
     assert sum(1 for b in oracle if b == expert_b) == 2 * sc.model.num_layers
+
+
+@pytest.mark.parametrize("degree", [12, 24, 16])
+def test_an_uneven_dim1_shard_fsdp2_refuses_is_refused(fake_world, degree):
+    """Past E ranks torchtitan shards the experts on dim 1, which FSDP2 splits only evenly: its
+    own fully_shard raises at 12 and 24 ranks for Mixtral's widths (4096, 14336) and takes 16.
+    zplan refused nothing and priced the padding; it now refuses what FSDP2 refuses, and only that."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from zplan import arch, presets
+    from zplan.estimate import estimate_one
+
+    m = presets.model("mixtral-8x7b")
+    block = nn.Module()
+    block.params = nn.ParameterList(nn.Parameter(torch.empty(s, device="meta"))
+                                    for s in arch.block_shapes(m, "torch") if len(s) == 3)
+    mesh = fake_world(degree)
+    try:
+        fully_shard(block, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+        refused_by_fsdp2 = False
+    except NotImplementedError as e:
+        assert "uneven sharding on dim 1" in str(e)
+        refused_by_fsdp2 = True
+    assert refused_by_fsdp2 is (degree != 16)
+    why = estimate_one(scenario(model="mixtral-8x7b", gpus=degree, layout="torch"), "zero3").unavailable
+    assert (why is not None and "dim 1" in why) is refused_by_fsdp2, why
+
+
+def test_muon_on_an_moe_model_is_refused():
+    """torch.optim.Muon takes 2-D parameters only (its own check is the oracle), and the experts
+    are 3-D: --optimizer muon with an MoE model is a usage error, said in one line."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("this torch has no torch.optim.Muon")
+    with pytest.raises(ValueError):
+        torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 3, 4))])
+    torch.optim.Muon([torch.nn.Parameter(torch.zeros(3, 4))])  # 2-D: taken
+    from zplan.errors import UsageError
+
+    with pytest.raises(UsageError, match="takes 2-D parameters only"):
+        scenario(model="qwen3-30b-a3b", gpus=8, optimizer="muon")

@@ -197,6 +197,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         model = arch.synthetic(psi, unit)
     if o.qkv_fused is not None and o.qkv_fused != model.qkv_fused:
         model = model.model_copy(update={"qkv_fused": o.qkv_fused})
+    if o.optimizer == "muon" and model.num_experts:
+        raise UsageError(f"--optimizer muon with {model.name}: torch.optim.Muon takes 2-D parameters only, and an "
+                         f"MoE block's experts are 3-D tensors (transformers 5.x, torchtitan): --optimizer adamw")
     seq = o.seq_len if o.seq_len is not None else min(4096, model.max_seq_len)
     check_range(seq, "--seq-len", 1, 10**7)
     if model.position == "learned" and seq > model.max_seq_len:
