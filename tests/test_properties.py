@@ -1,6 +1,6 @@
 """Properties over random inputs (hypothesis)."""
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from zplan.estimate import estimate_one
 from tests.helpers import scenario
@@ -13,7 +13,10 @@ SET = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChec
 
 
 def _state(model, n, layout, name, **kw):
-    return estimate_one(scenario(model=model, gpus=n, layout=layout, **kw), name).memory.model_state_bytes
+    r = estimate_one(scenario(model=model, gpus=n, layout=layout, **kw), name)
+    # a configuration the runner refuses (an MoE model's uneven dim-1 expert shard) has no state
+    assume(r.memory is not None)
+    return r.memory.model_state_bytes
 
 
 @SET
