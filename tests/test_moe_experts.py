@@ -174,3 +174,33 @@ def test_muon_on_an_moe_model_is_refused():
 
     with pytest.raises(UsageError, match="takes 2-D parameters only"):
         scenario(model="qwen3-30b-a3b", gpus=8, optimizer="muon")
+
+
+def test_under_hsdp_the_whole_mesh_decides_the_experts_placement(fake_world, tmp_path):
+    """torchtitan picks Shard(1) for the experts where its data-parallel mesh (under HSDP
+    replicas x shard) exceeds the expert count, and FSDP2 then splits over the shard group:
+    granitemoe's 40 experts on 64 ranks with a shard size of 32 hold E x F/32 x H each, which
+    zplan counted as Shard(0) at 32 ranks (ceil(40/32) = 2 experts: 1.6x). fully_shard on a
+    (2, 32) fake mesh is the oracle."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from zplan import arch, presets
+
+    path = str(_write(tmp_path, READ["granitemoe-3b"]))
+    m = presets.model(path)
+    fake_world(64)
+    mesh = init_device_mesh("cpu", (2, 32), mesh_dim_names=("replicate", "shard"))
+    shapes = [s for s in arch.block_shapes(m, "torch") if len(s) == 3]
+    block = nn.Module()
+    block.params = nn.ParameterList(nn.Parameter(torch.empty(s, device="meta")) for s in shapes)
+    placement = Shard(1) if 64 > m.num_experts else Shard(0)  # torchtitan: dp_mesh.size() > num_experts
+    fully_shard(block, mesh=mesh, shard_placement_fn=lambda p: placement)
+    held = [math.prod(fp.padded_sharded_param_size) for fp in block._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    sc = scenario(model=path, gpus=64, layout="torch", shard_size=32)
+    unit = arch.Unit("experts", tuple(shapes), 1, 0, 0)
+    assert sc.shard_elems(unit, 32) == sum(held)
+    assert sum(held) < sum(arch.fsdp_shard_elems(s, 32) for s in shapes)  # the shard size alone: Shard(0)

@@ -35,9 +35,9 @@ class Unit:
         return sum(math.prod(s) for s in self.shapes)
 
     @cached_property
-    def dim0_shards(self) -> dict[int, int]:
-        """Scenario.shard_elems' FSDP2 answers by degree, kept with the unit: hashing an MoE
-        unit's thousands of shapes on every call cost recommend a quarter of its time."""
+    def dim0_shards(self) -> dict[tuple[int, int], int]:
+        """Scenario.shard_elems' FSDP2 answers by (degree, world), kept with the unit: hashing an
+        MoE unit's thousands of shapes on every call cost recommend a quarter of its time."""
         return {}
 
 
@@ -75,14 +75,16 @@ def expert_shapes(m: ModelSpec, layout: str = "zero") -> list[Shape]:
     return shapes
 
 
-def fsdp_shard_elems(shape: Shape, degree: int) -> int:
+def fsdp_shard_elems(shape: Shape, degree: int, world: int | None = None) -> int:
     """Elements one rank holds of one parameter under FSDP2 (torch layout) at this shard degree:
     dim 0 split and padded to a multiple of the degree (FSDPParam._init_sharded_param: torch.chunk,
     its first chunk's size; torch 2.13 _fsdp_param.py); a 3-D expert weight on more ranks than
     experts on dim 1 instead, torchtitan's shard_placement_fn Shard(1) "to avoid padding"
     (torchtitan/distributed/fsdp.py at b36e4b6: efsdp size > num_experts), where FSDP2 requires
-    dim 1 to divide evenly."""
-    if len(shape) == 3 and shape[0] < degree:
+    dim 1 to divide evenly. torchtitan compares the whole data-parallel mesh (`world`: under HSDP
+    replicas x shard, dp_mesh.size()) with the expert count and splits over the shard group
+    (`degree`); `world` defaults to the degree (FSDP over every rank)."""
+    if len(shape) == 3 and shape[0] < (world or degree):
         return shape[0] * ceil_div(shape[1], degree) * shape[2]
     rest = 1
     for d in shape[1:]:

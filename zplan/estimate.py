@@ -100,11 +100,12 @@ def unavailable_reason(sc: Scenario, name: str) -> str | None:
     if t.layout == "torch" and not replicated and sc.model.num_experts:
         D = sc.shard_degree(name == "hsdp")
         E = sc.model.num_experts
-        uneven = sorted({d for u in sc.units for s in u.shapes if len(s) == 3 and E < D for d in (s[1],) if d % D})
+        # placed by the whole data-parallel mesh (sc.n: torchtitan's dp_mesh.size()), split over D
+        uneven = sorted({d for u in sc.units for s in u.shapes if len(s) == 3 and E < sc.n for d in (s[1],) if d % D})
         if uneven:  # torchtitan shards experts on dim 1 past E ranks; FSDP2 splits dim > 0 only evenly
-            return (f"with {D} ranks sharding {E} experts, torchtitan shards them on dim 1 (width "
+            return (f"with {sc.n} data-parallel ranks for {E} experts, torchtitan shards them on dim 1 (width "
                     f"{', '.join(map(str, uneven))}), which FSDP2 splits only evenly (_fsdp_param.py: "
-                    f"'does not support uneven sharding on dim 1'): a shard degree dividing it")
+                    f"'does not support uneven sharding on dim 1') over {D} ranks: a shard degree dividing it")
     if t.layout == "torch" and t.compile and replicated and sc.assume.ddp_bucket_bytes < DDP_FIRST_BUCKET_BYTES:
         return (f"torch.compile under DDP splits graphs with a first bucket of 1 MiB, which must not "
                 f"exceed DDP's cap (torch/_dynamo/backends/distributed.py asserts it): the cap of "

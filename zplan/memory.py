@@ -127,13 +127,13 @@ def optimizer_tensor_sizes(sc: Scenario, D: int, zero1: bool = False) -> list[in
     if zero1 and D > 1:
         return zero1_torch_partition(sc)
     if sc.custom_units is None:
-        return list(_decoder_dim0_shards(sc.model, sc.train.blocks_per_unit, D, sc.train.embed_head_unit))
-    return [arch.fsdp_shard_elems(s, D) for u in sc.units for s in u.shapes]
+        return list(_decoder_dim0_shards(sc.model, sc.train.blocks_per_unit, D, sc.train.embed_head_unit, sc.n))
+    return [arch.fsdp_shard_elems(s, D, sc.n) for u in sc.units for s in u.shapes]
 
 
 @lru_cache(maxsize=1024)
-def _decoder_dim0_shards(model, blocks_per_unit: int, D: int, embed_head_unit: str) -> tuple[int, ...]:
-    return tuple(arch.fsdp_shard_elems(s, D)
+def _decoder_dim0_shards(model, blocks_per_unit: int, D: int, embed_head_unit: str, world: int) -> tuple[int, ...]:
+    return tuple(arch.fsdp_shard_elems(s, D, world)
                  for u in arch.units(model, blocks_per_unit, embed_head_unit, "torch") for s in u.shapes)
 
 
@@ -233,17 +233,19 @@ def _largest_params(sc: Scenario, degree: int) -> list[int]:
     """Per unit, its largest single parameter tensor on a rank (the dim-0 shard at `degree`)."""
     if sc.custom_units is None:
         t = sc.train
-        return _decoder_largest(sc.model, t.blocks_per_unit, degree, t.embed_head_unit, t.layout)
-    return [_largest_shard(u.shapes, degree) for u in sc.units]
+        return _decoder_largest(sc.model, t.blocks_per_unit, degree, t.embed_head_unit, t.layout, sc.n)
+    return [_largest_shard(u.shapes, degree, sc.n) for u in sc.units]
 
 
 @lru_cache(maxsize=1024)
-def _decoder_largest(model, blocks_per_unit: int, degree: int, embed_head_unit: str, layout: str) -> list[int]:
-    return [_largest_shard(u.shapes, degree) for u in arch.units(model, blocks_per_unit, embed_head_unit, layout)]
+def _decoder_largest(model, blocks_per_unit: int, degree: int, embed_head_unit: str, layout: str,
+                     world: int) -> list[int]:
+    return [_largest_shard(u.shapes, degree, world)
+            for u in arch.units(model, blocks_per_unit, embed_head_unit, layout)]
 
 
-def _largest_shard(shapes: tuple, degree: int) -> int:
-    return max((arch.fsdp_shard_elems(s, degree) for s in shapes), default=0)
+def _largest_shard(shapes: tuple, degree: int, world: int | None = None) -> int:
+    return max((arch.fsdp_shard_elems(s, degree, world) for s in shapes), default=0)
 
 
 def accum_grad_bytes(sc: Scenario, st: Strategy) -> int:

@@ -55,9 +55,9 @@ class Scenario:
         """
         if self.train.layout == "zero" or degree == 1:
             return ceil_div(unit.numel, degree)
-        known = unit.dim0_shards.get(degree)
+        known = unit.dim0_shards.get((degree, self.n))  # the world decides an expert's placement
         if known is None:
-            known = unit.dim0_shards[degree] = _dim0_shard(unit.shapes, degree)
+            known = unit.dim0_shards[(degree, self.n)] = _dim0_shard(unit.shapes, degree, self.n)
         return known
 
     def padded_elems(self, unit: arch.Unit, degree: int) -> int:
@@ -123,5 +123,5 @@ class SegmentFreeMemo:
 
 
 @lru_cache(maxsize=4096)
-def _dim0_shard(shapes: tuple[tuple[int, ...], ...], degree: int) -> int:
-    return sum(arch.fsdp_shard_elems(s, degree) for s in shapes)
+def _dim0_shard(shapes: tuple[tuple[int, ...], ...], degree: int, world: int) -> int:
+    return sum(arch.fsdp_shard_elems(s, degree, world) for s in shapes)
