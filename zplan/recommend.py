@@ -590,19 +590,6 @@ def _fewest_gpus(base: Scenario, full, usable_fraction: float, families: list[st
         n *= 2
     return None
 
-    top = base.n * 2 ** max(0, (2**20 // base.n).bit_length() - 1)  # the largest doubling of N to 2^20
-    # memory per GPU does not grow with N: what does not fit at the largest count fits at none
-    # (checked first, so a sequence no count holds costs a few tests, not a scan)
-    live = [(f, t, label) for f in sharding for t, label in trains if top > base.n and fitting(top, f, t)]
-    n = 2 * base.n
-    while n <= top and live:
-        for f, t, label in live:
-            sc_f = fitting(n, f, t)
-            if sc_f is not None:
-                return n, f if f != "hsdp" else f"hsdp (S={sc_f.hsdp_shard})", label
-        n *= 2
-    return None
-
 
 def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: dict,
                   expandable: Candidate | None = None) -> str:
