@@ -81,13 +81,13 @@ def test_fit_hints_name_the_smallest_gpu_count(opts):
 
 
 def test_fit_hint_counts_n_itself_when_the_strategies_left_zero3_out():
-    """--strategy ddp on 16 A100-40GB: nothing fits, but zero3 fits at 16 already; the hint said 32."""
+    """--strategy ddp on 32 A100-40GB: nothing fits, but zero3 fits at 32 already; the hint said 64."""
     from zplan.estimate import estimate, fit_hints
 
-    sc = build(ScenarioOptions(model="llama-3.1-8b", gpus="16", gpu="a100-40gb", cluster="dgx-a100"))
+    sc = build(ScenarioOptions(model="llama-3.1-8b", gpus="32", gpu="a100-40gb", cluster="dgx-a100"))
     assert fits(sc, "zero3") and not fits(sc, "ddp")
     hints = fit_hints(sc, estimate(sc, ["ddp"]))
-    assert "zero3 fits on --gpus 32" not in hints and "zero3 fits on these GPUs (--strategy zero3)" in hints
+    assert "zero3 fits on --gpus 64" not in hints and "zero3 fits on these GPUs (--strategy zero3)" in hints
 
 
 def test_tight_is_a_fit_within_recommends_headroom_of_the_limit(run_zplan):

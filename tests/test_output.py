@@ -247,12 +247,12 @@ def test_the_overlap_table_folds_only_units_alike(run_zplan):
 def test_the_bars_multiple_is_the_total_printed_beside_it(run_zplan):
     """The memory bar's "N.Nx the GPU" was the components' sum, which under the torch layout
     counts the gradients whole though not all alive at the peak: 3.6x beside a 270 GB total on an
-    85.5 GB GPU (3.16x). It is now the printed total over the GPU's memory."""
+    85.5 GB GPU (3.16x). It is now the printed total over the GPU's memory (as --json gives it)."""
     import re
 
     args = ("estimate", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--gpus", "16", "--layout", "torch")
     data = json.loads(run_zplan(*args, "--json").stdout)
-    gpu = 85.5e9
+    gpu = data["inputs"]["gpu_memory_bytes"]
     text = run_zplan(*args, env=_no_columns({"COLUMNS": "200"})).stdout
     checked = 0
     for s in data["strategies"]:

@@ -347,3 +347,26 @@ def test_calibrate_reads_nccls_network_overhead_from_the_hosts_cpu(tmp_path, ven
     info.write_text("processor\t: 0\n" + (f"vendor_id\t: {vendor}\n" if vendor else "Features\t: fp asimd\n"))
     assert nccl_net_overhead_s(info) == want
     assert nccl_net_overhead_s(tmp_path / "none") == 1e-6
+
+
+# nvidia-smi -q's "FB Memory Usage" Total and Reserved (MiB) on the driver each preset's figure was
+# read with (thamada/gls e20f22d, gls/*_smi.py): what CUDA lends is Total less Reserved, which
+# deviceQuery's totalGlobalMem and torch's total_memory report. The presets held Total until
+# 2026-12-06, ~0.3-0.8 GiB over what a run can have.
+NVIDIA_SMI_Q = {"a100-80gb": (81920, 763), "h100-sxm": (81559, 454), "l40s": (46068, 479),
+                "rtx-4090": (24564, 354)}
+
+
+@pytest.mark.parametrize("name", sorted(NVIDIA_SMI_Q))
+def test_a_gpus_memory_is_what_cuda_lends_not_nvidia_smis_total(name):
+    total_mib, reserved_mib = NVIDIA_SMI_Q[name]
+    assert presets.gpu(name).memory_bytes / 2**20 == pytest.approx(total_mib - reserved_mib, abs=1)
+
+
+def test_every_nvidia_preset_is_under_its_nvidia_smi_total():
+    """No shipped NVIDIA part counts the driver's reserve as its own (nvidia-smi's Totals, MiB)."""
+    smi_total_mib = {"a100-40gb": 40960, "a100-80gb": 81920, "h100-sxm": 81559, "h100-pcie": 81559,
+                     "h200": 143771, "b200": 183359, "gb200": 189471, "l40s": 46068, "rtx-4090": 24564}
+    for name, total in smi_total_mib.items():
+        reserve_mib = total - presets.gpu(name).memory_bytes / 2**20
+        assert 300 <= reserve_mib <= 1000, (name, reserve_mib)

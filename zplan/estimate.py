@@ -469,14 +469,16 @@ def fit_hints(sc: Scenario, results: list[StrategyEstimate], unit: str = "GB") -
 
 
 def smallest_n(sc: Scenario, train, include_current: bool = False,
-               usable_fraction: float = 1.0) -> int | None:
+               usable_fraction: float | None = None) -> int | None:
     """The smallest power-of-two multiple of N (N itself with `include_current`, for a `train`
-    that differs from the scenario's) at which zero3 fits, up to 2^20 GPUs; within
-    `usable_fraction` of GPU memory (recommend's headroom) where given."""
+    that differs from the scenario's) at which zero3 fits as estimate judges it, up to 2^20
+    GPUs; within `usable_fraction` of GPU memory (recommend's headroom, its stricter test: the
+    whole reserve) where given."""
     n = sc.n if include_current else 2 * sc.n
     while n <= 2**20:
         hw = sc.hw.model_copy(update={"num_gpus": n})
-        if fits(replace(sc, hw=hw, train=train), "zero3", int(usable_fraction * hw.gpu.memory_bytes)):
+        usable = None if usable_fraction is None else int(usable_fraction * hw.gpu.memory_bytes)
+        if fits(replace(sc, hw=hw, train=train), "zero3", usable):
             return n
         n *= 2
     return None
