@@ -130,6 +130,33 @@ def _fake_nvml(names, mem=80 * 2**30, fail=False, migs=None):
 H100 = "NVIDIA H100 80GB HBM3"
 
 
+def test_detect_reports_what_cuda_lends_not_nvmls_total(monkeypatch):
+    """nvidia-smi -q on 8 H100 with driver 565.57.01: Total 81559 MiB, Reserved 454, and CUDA's
+    deviceQuery on the same node 81106 MiB (thamada/gls e20f22d): the v2 query's total less its
+    reserve, as the preset holds it; a driver without the v2 call gives the v1 total."""
+    from zplan import presets
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    m = _fake_nvml([H100] * 2, mem=81559 * 2**20)
+    m.nvmlMemory_v2 = 0x02000028
+    v1 = m.nvmlDeviceGetMemoryInfo
+    def info(h, version=None):
+        if version is None:
+            return v1(h)
+        assert version == m.nvmlMemory_v2
+        return types.SimpleNamespace(total=81559 * 2**20, reserved=454 * 2**20, free=81105 * 2**20, used=2**20)
+    m.nvmlDeviceGetMemoryInfo = info
+    got = detect(m).gpus[0].memory_bytes
+    assert got == 81105 * 2**20
+    assert abs(got - presets.gpu("h100-sxm").memory_bytes) < 2**20
+    def old_driver(h, version=None):
+        if version is not None:
+            raise _NotFound("nvmlDeviceGetMemoryInfo_v2")
+        return v1(h)
+    m.nvmlDeviceGetMemoryInfo = old_driver
+    assert detect(m).gpus[0].memory_bytes == 81559 * 2**20
+
+
 def test_detect_with_a_fake_nvml(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     d = detect(_fake_nvml([H100] * 8))

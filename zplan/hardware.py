@@ -127,6 +127,20 @@ def visible_devices(nvml, count: int, env: str | None) -> list[tuple[int, object
     return out
 
 
+def lendable_bytes(nvml, handle) -> int:
+    """What CUDA lends of a GPU (totalGlobalMem, torch's total_memory, the presets' figure): NVML's
+    total less the driver's reserve (nvmlMemory_v2_t, as `nvidia-smi -q` prints Total and
+    Reserved); the v1 total, which counts the reserve, where the driver or binding has no v2."""
+    v2 = getattr(nvml, "nvmlMemory_v2", None)
+    if v2 is not None:
+        try:
+            m = nvml.nvmlDeviceGetMemoryInfo(handle, version=v2)
+            return int(m.total) - int(m.reserved)
+        except Exception:  # NVMLError_FunctionNotFound (drivers before R510), NotSupported
+            pass
+    return int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+
+
 def _nvml(nvml) -> tuple[list[GPUInfo], str]:
     try:
         nvml.nvmlInit()
@@ -138,7 +152,7 @@ def _nvml(nvml) -> tuple[list[GPUInfo], str]:
         gpus = []
         for i, h, mig in visible_devices(nvml, count, env):
             name = _text(nvml.nvmlDeviceGetName(h))
-            mem = int(nvml.nvmlDeviceGetMemoryInfo(h).total)
+            mem = lendable_bytes(nvml, h)
             uuid = _text(nvml.nvmlDeviceGetUUID(h)) if hasattr(nvml, "nvmlDeviceGetUUID") else ""
             gpus.append(GPUInfo(i, name, mem, None if mig else preset_for(name), uuid, mig))
         why = f"{len(gpus)} of {count} GPUs visible" if len(gpus) != count else f"{count} GPU(s) found by NVML"
