@@ -204,3 +204,39 @@ def test_under_hsdp_the_whole_mesh_decides_the_experts_placement(fake_world, tmp
     unit = arch.Unit("experts", tuple(shapes), 1, 0, 0)
     assert sc.shard_elems(unit, 32) == sum(held)
     assert sum(held) < sum(arch.fsdp_shard_elems(s, 32) for s in shapes)  # the shard size alone: Shard(0)
+
+
+@pytest.mark.slow  # three recommend runs of Mixtral
+@pytest.mark.parametrize("degree", [8, 16, 32])
+def test_accelerates_dim0_split_of_the_experts_is_refused_where_it_costs_memory(fake_world, tmp_path, run_zplan,
+                                                                                degree):
+    """accelerate's FSDP2 passes fully_shard no shard_placement_fn, so a Hugging Face MoE model's
+    fused experts split on dim 0 (fully_shard on meta over a fake group, no placement: FSDP2 itself
+    is the oracle). A plan priced on torchtitan's placement exports to accelerate only where the two
+    hold the same; else the refusal gives FSDP2's own ratio (Mixtral's 8 experts: 2x at 16 ranks,
+    4x at 32)."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from zplan import arch, presets
+
+    m = presets.model("mixtral-8x7b")
+    shapes = [s for s in arch.expert_shapes(m, "torch") if len(s) == 3]
+    block = nn.Module()
+    block.params = nn.ParameterList(nn.Parameter(torch.empty(s, device="meta")) for s in shapes)
+    fully_shard(block, mesh=fake_world(degree))
+    held = sum(math.prod(fp.padded_sharded_param_size)
+               for fp in block._get_fsdp_state()._fsdp_param_group.fsdp_params)
+    ratio = held / sum(arch.fsdp_shard_elems(s, degree) for s in shapes)
+    plan = tmp_path / "plan.json"
+    p = run_zplan("recommend", "--model", "mixtral-8x7b", "--gpu", "h200", "--gpus", str(degree), "--layout",
+                  "torch", "--strategy", "zero3", "--reduce-dtype", "bf16", "--embed-head-unit", "head-kept",
+                  "--blocks-per-unit", "1", "--checkpointing", "full", "--write", str(plan))
+    assert p.returncode == 0, p.stderr
+    p = run_zplan("export", "--plan", str(plan), "--to", "accelerate")
+    if ratio == 1:
+        assert degree == m.num_experts and p.returncode == 0, p.stderr
+    else:
+        assert p.returncode == 2 and f"hold {ratio:.1f}x the expert memory" in p.stderr, p.stderr
+        assert ratio == degree / m.num_experts and "Traceback" not in p.stderr

@@ -191,7 +191,34 @@ def _accelerate_refusal(plan: Plan) -> str | None:
         if t.checkpointing not in ("none", "full"):
             return (f"accelerate's fsdp_activation_checkpointing recomputes whole blocks, not "
                     f"{t.checkpointing}: plan again with --checkpointing full or none")
+        why = _accelerate_experts_refusal(plan)
+        if why:
+            return why
     return None
+
+
+def _accelerate_experts_refusal(plan: Plan) -> str | None:
+    """accelerate's FSDP2 passes no shard_placement_fn: a Hugging Face MoE model's fused experts
+    (E, ., .) split on dim 0 over the shard group, padded to whole chunks, where the plan prices
+    torchtitan's placement (arch.fsdp_shard_elems: dim 1 past E ranks, the way FSDP2 holds no
+    padding). Refused where the two differ: Mixtral's 8 experts on 16 ranks, each rank holds one
+    expert's rows, 2x the expert memory the plan counts."""
+    from . import arch
+
+    m = plan.model
+    if not m.num_experts:
+        return None
+    degree = plan.shard_size if plan.strategy == "hsdp" and plan.shard_size else plan.num_gpus
+    shapes = [s for s in arch.expert_shapes(m, plan.train.layout) if len(s) == 3]
+    priced = sum(arch.fsdp_shard_elems(s, degree, plan.num_gpus) for s in shapes)
+    dim0 = sum(arch.ceil_div(s[0], degree) * s[1] * s[2] for s in shapes)
+    if dim0 <= priced:
+        return None
+    return (f"accelerate's FSDP2 splits a Hugging Face MoE model's fused experts on dim 0: "
+            f"{m.num_experts} experts over {degree} ranks hold {dim0 / priced:.1f}x the expert "
+            f"memory the plan counts (torchtitan's placement, dim 1 past {m.num_experts} ranks): "
+            f"plan at most {m.num_experts} GPUs per shard group, or export --to torchrun and pass "
+            f"fully_shard a shard_placement_fn as torchtitan does")
 
 
 def accelerate_config(plan: Plan) -> str:
