@@ -34,9 +34,12 @@ def test_a_blocks_steps_peak_at_the_working_set_memtracker_measured(model, mode,
 
 
 def test_no_steps_where_the_order_is_not_derived():
-    for update in ({"checkpointing": "none"}, {"compile": True}, {"fused_swiglu": True}):
+    for update in ({"compile": True}, {"fused_swiglu": True}):
         sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", checkpointing="full"))
         assert forward_tensor_steps(sc.model, sc.train.model_copy(update=update)) is None
+    # a block without recomputation is derived (tests/test_first_k_holes.py)
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", checkpointing="none"))
+    assert forward_tensor_steps(sc.model, sc.train) is not None
 
 
 STEPS = (("+", "a", 300 * MiB), ("-", "a", 0), ("+", "out", 100 * MiB))
@@ -114,7 +117,7 @@ def test_planned_reserve_against_the_allocator_replayed_over_a_traced_step(tmp_p
 
 def _traced_block_forward(mode: str, mlp: str, kv_heads: int, head_dim=None) -> list[tuple[str, int, int]]:
     """The storages the trainer's Block (bf16, CPU) makes and frees in a checkpointed first
-    forward, in order: ("+", id, bytes) and ("-", id, 0), from a dispatch mode that sees every
+    forward (mode "none": a forward without recomputation), in order: ("+", id, bytes) and ("-", id, 0), from a dispatch mode that sees every
     op's outputs and a weak reference to each new storage."""
     import weakref
     from functools import partial
@@ -154,8 +157,8 @@ def _traced_block_forward(mode: str, mlp: str, kv_heads: int, head_dim=None) -> 
     kw = {}
     if mode == "selective":
         kw["context_fn"] = partial(parallel.selective_context, policy.selective_saved_positions(mlp))
-    with Record():
-        y = checkpoint(block, x, use_reentrant=False, **kw)
+    with Record():  # "none": no checkpoint, autograd keeps what backward reads
+        y = block(x) if mode == "none" else checkpoint(block, x, use_reentrant=False, **kw)
     made = list(log)  # before the output goes
     del y
     return made

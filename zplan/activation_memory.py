@@ -112,7 +112,8 @@ def expands_kv(m: ModelSpec, train: TrainSpec) -> bool:
     return train.attention_expands_kv and m.num_kv_heads < m.num_heads
 
 
-def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str, int], ...] | None:
+def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
+                         mode: str | None = None) -> tuple[tuple[str, str, int], ...] | None:
     """One checkpointed block's first forward, tensor by tensor, in the order the trainer's block
     (trainer/model.py) makes and frees them: ("+", name, bytes) allocates, ("-", name, 0) frees;
     the block's input stays (the checkpoint saved it) and its output is the last tensor made.
@@ -124,9 +125,17 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     is not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
     projection, q/k norms, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
     without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
-    other than full or selective, and attention fed copied keys and values (expands_kv)."""
-    mode = policy.uniform_mode(train, m.num_layers)  # every-1 and first-L are full, block for block
-    if (mode not in ("full", "selective") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
+    other than full, selective or none, and attention fed copied keys and values (expands_kv).
+
+    "none" is a block without recomputation, which frees only what autograd saves nothing of
+    (RoPE's inputs, the output projections' outputs, an unfused norm's temporaries) and keeps the
+    rest for its backward (block_kept_tensors "none"; the trainer's Block traced without a
+    checkpoint, tests/test_first_k_holes.py). `mode`: one block's steps under that mode (a block
+    of every-k or first-k, block_mode); without it, the mode every block is under
+    (policy.uniform_mode: None for a mix)."""
+    if mode is None:
+        mode = policy.uniform_mode(train, m.num_layers)  # every-1 and first-L are full, block for block
+    if (mode not in ("full", "selective", "none") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
             or m.qk_norm or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
             or train.te_float8 or train.fused_swiglu or train.autocast or expands_kv(m, train)):
         return None
@@ -137,6 +146,15 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec) -> tuple[tuple[str, str
     if mode == "selective":
         kept = set(policy.selective_saved_matmuls(m.mlp))
         kept |= {"attn", "lse"} if train.sac_saves_attention else set()
+    elif mode == "none":
+        # autograd's saved tensors: the norms' (a fused norm's input, the residual sum h for the
+        # second; an unfused one's fp32 copy and normalized output), q/k/v's input, RoPE'd q and
+        # k, v, the flash kernel's output and logsumexp, the MLP's input and its four hidden tensors
+        norm = (lambda tag: {tag}) if train.fused_norm else (
+            lambda tag: {tag, tag + ".f", tag + (".n" if train.norm_output_fp32 else ".c")})
+        kept = norm("norm1") | norm("norm2") | {"q", "k", "wv", "attn", "lse"}
+        kept |= {"h"} if train.fused_norm else set()
+        kept |= {"w1", "silu", "w3", "mul"} if m.mlp == "swiglu" else {"w1", "gelu"}
     if train.kv_cache:  # the cache the block returns keeps RoPE's k and the value projection's output
         kept |= {"k", "wv"}
     steps = _norm_steps("norm1", train, sb * m.hidden, B)

@@ -251,7 +251,8 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
 
 def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
                   unit_params: tuple[tuple[int, ...], ...], reshard: tuple[bool, ...],
-                  blocks_per_unit: tuple[int, ...], freed_first: int = 0) -> tuple[int, int, int]:
+                  blocks_per_unit: tuple[int, ...], freed_first: int = 0,
+                  block_steps: tuple = ()) -> tuple[int, int, int]:
     """The default stream's free cached bytes when a checkpointed forward ends, its largest free
     block, and of those bytes the segments wholly free (the last block's working set; a hole
     is the rest of a segment a kept tensor holds): the block units' forward run through
@@ -265,10 +266,17 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
     (activation_memory.forward_tensor_steps: each block keeps its input and what the policy
     saves), and frees the weights as it ends where `reshard` says so. A kept tensor taking the
     front of a freed larger block leaves a remainder the next block's larger tensors do not fit:
-    holes that grow unit after unit (docs/formulas.md section 3)."""
-    index = {name: i for i, (op, name, _) in enumerate(steps) if op == "+"}
-    plan = [(op == "+", index[name], b) for op, name, b in steps]
-    width = len(steps) + 1
+    holes that grow unit after unit (docs/formulas.md section 3). `block_steps`, where given, is
+    each block's own steps, in block order (every-k and first-k: a checkpointed block's and one
+    that keeps its intermediates, activation_memory.block_mode); else every block runs `steps`."""
+    def planned(steps):
+        index = {name: i for i, (op, name, _) in enumerate(steps) if op == "+"}
+        return [(op == "+", index[name], b) for op, name, b in steps]
+    variants = {}
+    for st in (steps,) + tuple(block_steps):
+        if st not in variants:
+            variants[st] = planned(st)
+    width = max(len(st) for st in variants) + 1
     sim = CachingAllocator()
     if freed_first:
         sim.malloc(-2, freed_first)
@@ -281,7 +289,7 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
             sim.malloc(("param", u, j), b)
         for _ in range(n):
             base = block * width
-            for alloc, i, b in plan:
+            for alloc, i, b in variants[block_steps[block] if block_steps else steps]:
                 if alloc:
                     sim.malloc(base + i, b)
                 else:
