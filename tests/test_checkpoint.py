@@ -274,6 +274,68 @@ def test_consolidate_output_that_cannot_be_written_is_one_line(tmp_path, capsys)
         assert len(p.stderr.strip().splitlines()) == 1 and "internal error" not in p.stderr, p.stderr
 
 
+def test_consolidate_never_writes_into_a_checkpoint(tmp_path, capsys):
+    """An output inside a checkpoint folder replaced its files: `consolidate RUN
+    RUN/step_N/zero1_optim_rank0.pt` overwrote the optimizer shard, exited 0, and the next --resume
+    found no checkpoint it could load (a QA pass). Refused; the shard's bytes are unchanged."""
+    _save(tmp_path, 2, seed=1)
+    folder = tmp_path / "step_00000002"
+    target = folder / "zero1_optim_rank0.pt"
+    target.write_bytes(b"the rank's optimizer shard")
+    for out in (target, folder / "model.safetensors", folder / "sub" / "model.pt"):
+        p = cli(capsys, "consolidate", str(tmp_path), str(out))
+        assert p.returncode == 2 and "inside checkpoint" in p.stderr and str(folder) in p.stderr, p.stderr
+    assert target.read_bytes() == b"the rank's optimizer shard" and not (folder / "model.safetensors").exists()
+    p = cli(capsys, "consolidate", str(tmp_path), str(tmp_path / "model.safetensors"))  # beside it: fine
+    assert p.returncode == 0, p.stderr
+
+
+def test_consolidate_of_a_step_folder_without_its_metadata_says_so(tmp_path, capsys):
+    """A step folder that lost .metadata (an interrupted save) was answered "no complete
+    checkpoint in X; pass a step_N folder", which is what the user had passed."""
+    _save(tmp_path, 2, seed=1)
+    folder = tmp_path / "step_00000002"
+    (folder / ".metadata").unlink()
+    p = cli(capsys, "consolidate", str(folder), str(tmp_path / "o.safetensors"))
+    assert p.returncode == 2 and "has no .metadata file" in p.stderr and "pass a step_N folder" not in p.stderr
+
+
+SAVE_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+import torch, torch.distributed as dist
+from zplan.errors import PlanError
+from zplan.trainer import checkpoint as ckpt
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+m = torch.nn.Linear(64, 64)
+opt = torch.optim.AdamW(m.parameters())
+m(torch.randn(2, 64)).sum().backward()
+opt.step()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    ckpt.save(sys.argv[1], 3, m, opt, {"step": 3, "data_seed": 0},
+              {"world_size": 1, "strategy": "zero3", "model": "tiny"})
+except PlanError as e:
+    print("PlanError:", e)
+"""
+
+
+def test_a_save_the_filesystem_refuses_is_named_as_a_save(tmp_path):
+    """A checkpoint write the OS refuses (here the file-size limit, RLIMIT_FSIZE: a 16 KiB weight
+    past 4 KiB, as a full disk's ENOSPC) is one line naming the folder being written, the errno
+    and the free space; it read "checkpoint cannot be loaded (RuntimeError: [enforce fail at
+    inline_container.cc ..." (a QA pass on a 60 MB tmpfs). The filesystem is the oracle."""
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_FILE_SIZE_LIMIT, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    line = p.stdout.strip()
+    assert line.startswith("PlanError:"), (p.stdout, p.stderr[-2000:])
+    assert ".tmp-step_00000003" in line and "errno 27" in line and "GB free there" in line, line
+    assert "\n" not in line and "load" not in line
+    assert not (tmp_path / "step_00000003").exists()  # nothing half-written was published
+
+
 def test_resume_keeps_the_runs_kernels_and_lr_not_the_checkpoints(tmp_path):
     """Optimizer.load_state_dict puts the saved param groups back, fused flag and lr included: a
     fused checkpoint resumed by a run planned for the single-tensor kernel (--deterministic) would

@@ -23,6 +23,15 @@ def test_a_peak_not_measured_reads_as_a_dash_and_says_why():
                for ln in lines)
 
 
+def test_a_resumed_launch_too_short_to_track_says_how_many_steps_it_trained():
+    """Resumed at step 5 with --steps 8, a launch trains 3 steps: the note asked for "a run of at
+    least 5 steps: --steps" though --steps was 8 (a QA pass); it names what this launch trained
+    and the --steps that would track it."""
+    lines = compare_lines({**_report(None), "start_step": 5, "end_step": 8})
+    note = next(ln for ln in lines if ln.startswith("peak allocated: not measured"))
+    assert "trained 3, steps 5..8" in note and f"--steps {5 + MIN_TRACKED_STEPS} or more" in note
+
+
 def test_a_measured_peak_has_its_error_and_no_note():
     lines = compare_lines(_report(4 * 2**20))
     assert _row(lines, "peak allocated per rank")[-1] == "-25.0%"  # (3 - 4) / 4

@@ -383,7 +383,7 @@ def launch(
           file=sys.stderr)
     from ..launch.runner import run_with_restarts
 
-    rc = run_with_restarts(argv, env, max_restarts)
+    rc = run_with_restarts(argv, env, max_restarts, (lock.fileno(),) if lock is not None else ())
     if rc and kept is not None and nnodes == 1 and step_folders(run) <= steps_before:
         # the ranks refused the new plan (or failed) before a checkpoint under it: the run's
         # folder names the plan its checkpoints were made under again, so a plain --resume works
@@ -442,6 +442,10 @@ def consolidate(
     if not output.endswith((".safetensors", ".pt")):
         raise UsageError(f"output {output!r} must end in .safetensors or .pt")
     writable_report(output, "name another output file")
+    for folder in Path(output).resolve().parents:  # a checkpoint's own files (zero1_optim_rankR.pt)
+        if (folder / ".metadata").exists() or (folder / "zplan.json").exists():
+            raise UsageError(f"output {output!r} is inside checkpoint {folder}: writing there would replace or "
+                             f"add to the checkpoint's files; name a file outside it")
     src = Path(checkpoint)
     if not src.is_dir():
         what = "is not a folder" if src.exists() else "does not exist"
@@ -449,6 +453,9 @@ def consolidate(
     if not (src / ".metadata").exists():
         found = newest(src, lambda line: print(f"zplan: warning: {line}", file=sys.stderr))
         if found is None:
+            if (src / "zplan.json").exists() or src.name.startswith(("step_", ".tmp-step_")):
+                raise UsageError(f"checkpoint {checkpoint} has no .metadata file (an interrupted save, or not a "
+                                 f"DCP checkpoint); pass an earlier step_N folder or the run folder")
             raise UsageError(f"no complete checkpoint in {checkpoint}; pass a step_N folder or a run folder")
         src = found
     try:

@@ -25,6 +25,18 @@ def become_subreaper() -> bool:
         return False
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn for torchrun: SIGTERM it when the launcher dies (kill -9, the OOM killer),
+    which no handler of the launcher's can forward; torchrun then stops its ranks."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _parents() -> dict[int, int]:
     out = {}
     for d in Path("/proc").iterdir():

@@ -17,14 +17,14 @@ import subprocess
 import sys
 import time
 
-from .procs import become_subreaper, descendants, kill_tree, reap, signal_all
+from .procs import become_subreaper, die_with_parent, descendants, kill_tree, reap, signal_all
 
 GRACE_S = 5.0
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_S = 0.05
 
 
-def run(argv: list[str], env: dict[str, str]) -> int:
+def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = ()) -> int:
     """Run argv; its exit code, or 128 + the signal that ended the launcher."""
     full_env = dict(os.environ)
     full_env.update(env)
@@ -32,7 +32,10 @@ def run(argv: list[str], env: dict[str, str]) -> int:
     become_subreaper()
     me = os.getpid()
     before = set(descendants(me))
-    proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
+    # keep_fds: the run folder's lock, shared with torchrun so that it stays held while torchrun
+    # lives, whatever ends the launcher
+    proc = subprocess.Popen(argv, env=full_env, start_new_session=True, pass_fds=keep_fds,
+                            preexec_fn=die_with_parent)
     got: list[int] = []
 
     def ours() -> list[int]:
@@ -65,12 +68,13 @@ def run(argv: list[str], env: dict[str, str]) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def run_with_restarts(argv: list[str], env: dict[str, str], max_restarts: int) -> int:
+def run_with_restarts(argv: list[str], env: dict[str, str], max_restarts: int,
+                      keep_fds: tuple[int, ...] = ()) -> int:
     """Run, and after a failure start a fresh torchrun (a new rendezvous, store and port) up to
     max_restarts times; the trainer resumes from the newest complete checkpoint on an attempt
     after the first ($ZPLAN_ATTEMPT). A usage error (exit 2) or a signal is not retried."""
     for attempt in range(max_restarts + 1):
-        rc = run(argv, {**env, "ZPLAN_ATTEMPT": str(attempt)})
+        rc = run(argv, {**env, "ZPLAN_ATTEMPT": str(attempt)}, keep_fds)
         if rc in (0, 2) or rc in (128 + s for s in FORWARDED) or attempt == max_restarts:
             return rc
         print(f"zplan: attempt {attempt + 1} failed (exit {rc}); restarting "

@@ -138,7 +138,12 @@ def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zer
     state = {"model": msd, "extra": extra}
     if osd is not None:
         state["optim"] = osd
-    dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps each rank's failure
+        raise _write_failure(tmp, e) from e
     if zero1:  # on disk before rank 0 publishes, as DCP's own files are (sync_files)
         with open(tmp / f"zero1_optim_rank{rank}.pt", "wb") as f:
             torch.save(optim.optim.state_dict(), f)
@@ -157,6 +162,24 @@ def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zer
         prune(root, keep)
     dist.barrier()
     return final
+
+
+def _write_failure(tmp: Path, e: BaseException):
+    """One line for a save that failed: a save, not a load, naming the folder and its free space
+    (a full disk surfaces as ENOSPC or as torch.save's 'unexpected pos' from its zip writer)."""
+    from ..errors import PlanError
+    from .rank_errors import dcp_failures
+
+    inner = (dcp_failures(e) or [e])[0]
+    free = ""
+    try:
+        free = f"; {shutil.disk_usage(tmp.parent).free / 1e9:.2f} GB free there"
+    except OSError:
+        pass
+    what = (f"{inner.strerror} (errno {inner.errno})" if isinstance(inner, OSError) and inner.strerror
+            else f"{type(inner).__name__}: {first_sentence(str(inner))}")
+    return PlanError(f"checkpoint {tmp} could not be written ({what}){free}: free space (or pass "
+                     f"--keep K), or pass another --run-dir")
 
 
 def _check_fits(path: Path, meta: dict, world: int, zero1: bool, model_name: str | None,
