@@ -309,19 +309,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig,mode,code", [(signal.SIGINT, "plain", 130), (signal.SIGTERM, "ignore", 143),
-                                           (signal.SIGHUP, "plain", 129), (signal.SIGKILL, "plain", -9)])
-def test_signal_ends_every_rank(tmp_path, sig, mode, code):
-    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal: it ended the launcher alone and left the
-    ranks training) to zplan launch ends torchrun and every rank, even ranks that ignore the
-    signal (the grace-period kill), and exits 128 + the signal. kill -9 (the OOM killer, a
-    scheduler's hard stop) runs no handler: torchrun and its ranks went on training with the run
-    folder unlocked, and a second --resume trained beside them (a QA pass); torchrun now gets
-    SIGTERM when the launcher dies (PR_SET_PDEATHSIG). Ranks report their pids on stdout;
-    the test reads them from the pipe, then checks /proc. While they run, a second launch in the
-    same run directory is refused (it resumed beside the first and removed its checkpoint)."""
+def _launch_ranks(tmp_path, mode):
+    """zplan launch of RANK_SCRIPT on 2 CPU ranks: the launcher's Popen, the ranks' pids (read from
+    its stdout) and the file its stderr goes to."""
     import queue
     import threading
 
@@ -355,19 +345,58 @@ def test_signal_ends_every_rank(tmp_path, sig, mode, code):
         if line.startswith("pid "):
             pids.append(int(line.split()[1]))
     assert all(_alive(pid) for pid in pids)
+    return p, pids, err_path
+
+
+def _ranks_end(pids, within_s):
+    deadline = time.monotonic() + within_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if _alive(pid)] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig,mode,code", [(signal.SIGINT, "plain", 130), (signal.SIGTERM, "ignore", 143),
+                                           (signal.SIGHUP, "plain", 129), (signal.SIGKILL, "plain", -9)])
+def test_signal_ends_every_rank(tmp_path, sig, mode, code):
+    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal: it ended the launcher alone and left the
+    ranks training) to zplan launch ends torchrun and every rank, even ranks that ignore the
+    signal (the grace-period kill), and exits 128 + the signal, saying how to resume. kill -9 (the
+    OOM killer, a scheduler's hard stop) runs no handler: torchrun and its ranks went on training
+    with the run folder unlocked, and a second --resume trained beside them (a QA pass); torchrun
+    now gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG). Ranks report their pids on stdout;
+    the test reads them from the pipe, then checks /proc. While they run, a second launch in the
+    same run directory is refused (it resumed beside the first and removed its checkpoint)."""
+    p, pids, err_path = _launch_ranks(tmp_path, mode)
     if sig == signal.SIGHUP:
         second = subprocess.run([sys.executable, "-m", "zplan", "launch", "--run-dir", str(tmp_path / "r"),
-                                 str(script), mode], capture_output=True, text=True, timeout=60)
+                                 str(tmp_path / "rank.py"), mode], capture_output=True, text=True, timeout=60)
         assert second.returncode == 2 and "another zplan launch is running" in second.stderr, second.stderr
     p.send_signal(sig)
     # torchrun alone would wait 30 s for ranks that ignore SIGTERM: the grace kill is sooner
     assert p.wait(timeout=25) == code
     # SIGKILL was sent to the group before the launcher returned; it lands within moments (after
     # a kill -9 of the launcher, torchrun's own SIGTERM handling stops the ranks)
-    deadline = time.monotonic() + (30 if sig == signal.SIGKILL else 5)
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [pid for pid in pids if _alive(pid)] == [], "ranks outlived the launcher"
+    assert _ranks_end(pids, 30 if sig == signal.SIGKILL else 5), "ranks outlived the launcher"
+    if sig != signal.SIGKILL:
+        last = err_path.read_text().strip().splitlines()[-1]
+        assert last.startswith(f"zplan: interrupted ({signal.Signals(sig).name})") and "--resume" not in last, last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torchrun_killed_from_outside_is_said(tmp_path):
+    """kill -9 of torchrun itself (the OOM killer picks the biggest process, often an agent's
+    parent) ended the launch with exit 137 and not a word (a QA pass): one line names the signal;
+    the ranks, adopted by the launcher, are stopped."""
+    p, pids, err_path = _launch_ranks(tmp_path, "plain")
+    torchrun = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the rank's parent
+    os.kill(torchrun, signal.SIGKILL)
+    assert p.wait(timeout=30) == 137
+    assert _ranks_end(pids, 10), "ranks outlived torchrun"
+    last = err_path.read_text().strip().splitlines()[-1]
+    assert last.startswith("zplan: error: torchrun was ended by SIGKILL"), last
 
 
 @pytest.mark.slow
@@ -484,7 +513,10 @@ def test_run_directory_is_checked_before_anything_runs(capsys, tmp_path):
     p = cli(capsys, "launch", "--dry-run", "--resume", "--run-dir", str(tmp_path / "typo"))
     assert p.returncode == 2 and "does not exist" in p.stderr and not (tmp_path / "typo").exists()
     p = cli(capsys, "launch", "--dry-run", "--run-dir", "/sys/zplan-run")  # read-only even for root
-    assert p.returncode == 2 and "/sys/zplan-run is not writable" in p.stderr, p.stderr
+    # the machine refused a write: exit 1, as docs/reliability.md says (it was 2; a QA pass)
+    assert p.returncode == 1 and "/sys/zplan-run is not writable" in p.stderr, p.stderr
+    p = cli(capsys, "launch", "--dry-run", "--run-dir", str(tmp_path / "file" / "r"))  # under a file: usage
+    assert p.returncode == 2 and "is not writable (Not a directory)" in p.stderr, p.stderr
 
 
 def test_the_first_node_of_several_holds_the_run_directory(capsys, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -391,8 +392,15 @@ def launch(
         kept.unlink()
         print(f"zplan: note: no checkpoint was written under the new plan; {plan_path} is the run's "
               f"plan again", file=sys.stderr)
+    if rc in INTERRUPTED:  # a signal the launcher forwarded (runner.FORWARDED)
+        resume = (f"`zplan launch --resume --run-dir {run}` continues from its newest checkpoint"
+                  if step_folders(run) else "no checkpoint was written in its run folder")
+        print(f"zplan: interrupted ({signal.Signals(rc - 128).name}); {resume}", file=sys.stderr)
     if rc:
         raise typer.Exit(rc)
+
+
+INTERRUPTED = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 def _keep_replaced_plan(path: Path, new) -> Path | None:

@@ -7,6 +7,7 @@ Torch-free: the launcher calls it in its dry runs too.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -56,8 +57,10 @@ def check_run_dir(path: str | Path, resume: bool = False, need_bytes: int = 0, c
             p.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=p, prefix=".zplan-write-check-"):
                 pass
-        except OSError as e:
-            raise UsageError(f"run directory {p} is not writable ({e.strerror}); pass another with --run-dir") from None
+        except OSError as e:  # the machine refused the write (read-only, permission, full): exit 1,
+            # as docs/reliability.md says; a path that cannot be a folder is a usage error
+            kind = UsageError if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG) else PlanError
+            raise kind(f"run directory {p} is not writable ({e.strerror}); pass another with --run-dir") from None
         if need_bytes:
             free = shutil.disk_usage(p).free
             if free < need_bytes:

@@ -65,6 +65,9 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = ()) ->
         reap()
     if got:
         return 128 + got[0]
+    if rc < 0:  # torchrun itself ended by a signal no one here sent (the OOM killer, kill -9)
+        print(f"zplan: error: torchrun was ended by {signal.Signals(-rc).name}, from outside zplan (the "
+              f"kernel's OOM killer, or a kill); its ranks were stopped", file=sys.stderr)
     return 128 - rc if rc < 0 else rc
 
 
