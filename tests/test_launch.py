@@ -467,6 +467,34 @@ def test_nothing_is_silently_taken_or_dropped(capsys, tmp_path, args, msg):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+def test_a_resume_keeps_the_runs_checkpoint_cadence(capsys, tmp_path, monkeypatch):
+    """A run started with --save-every 1 --keep 3, killed and resumed with --steps alone, went back
+    to saving only at its end and keeping every checkpoint (a QA pass): the resume takes the run's
+    own (launch.json beside its plan) unless given again. torchrun is not started: the argv it
+    would get is the oracle."""
+    got = []
+    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda argv, *a: got.append(argv) or 0)
+    run = tmp_path / "run"
+    plan = tmp_path / "p.json"
+    assert cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
+               "--gpus", "2", "--layout", "torch", "--write", str(plan)).returncode == 0
+
+    def cadence(argv):
+        return argv[argv.index("--save-every") + 1], argv[argv.index("--keep") + 1]
+
+    assert cli(capsys, "launch", "--plan", str(plan), "--run-dir", str(run), "--save-every", "1",
+               "--keep", "3").returncode == 0
+    assert cadence(got[-1]) == ("1", "3")
+    p = cli(capsys, "launch", "--resume", "--run-dir", str(run), "--steps", "30")
+    assert p.returncode == 0 and cadence(got[-1]) == ("1", "3"), p.stderr
+    assert "--resume keeps the run's --save-every 1 --keep 3" in p.stderr
+    p = cli(capsys, "launch", "--resume", "--run-dir", str(run), "--steps", "40", "--save-every", "0")
+    assert p.returncode == 0 and cadence(got[-1]) == ("0", "3"), p.stderr  # given again: taken
+    (run / "launch.json").write_text('{"save_every": "__import__(\'os\')", "keep": -4}')  # data, not code
+    p = cli(capsys, "launch", "--resume", "--run-dir", str(run), "--steps", "50")
+    assert p.returncode == 0 and cadence(got[-1]) == ("0", "0"), p.stderr
+
+
 def test_no_save_reaches_the_trainer_and_asks_no_room(capsys, tmp_path, monkeypatch):
     """--no-save is passed to the built-in trainer, and the run folder is not asked for a
     checkpoint's room (a benchmark of a model whose checkpoint would not fit the disk)."""
