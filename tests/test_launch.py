@@ -467,6 +467,22 @@ def test_nothing_is_silently_taken_or_dropped(capsys, tmp_path, args, msg):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("source, said", [("def f(:\n    pass\n", "line 1: SyntaxError"),
+                                           ("if True:\nprint(1)\n", "line 2: IndentationError"),
+                                           ("x = 1\0\n", "null bytes")])
+def test_a_script_that_does_not_parse_is_one_line_before_any_rank(capsys, tmp_path, monkeypatch, source, said):
+    """A script with a syntax error failed inside every rank, a traceback each, after torchrun
+    started (a QA pass): Python's own compiler is the oracle, and nothing starts."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    with pytest.raises((SyntaxError, ValueError)):  # ValueError: null bytes before Python 3.12
+        compile(source, str(script), "exec")
+    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda *a: pytest.fail("torchrun started"))
+    p = cli(capsys, "launch", "--run-dir", str(tmp_path / "r"), str(script))
+    assert p.returncode == 2 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_resume_keeps_the_runs_checkpoint_cadence(capsys, tmp_path, monkeypatch):
     """A run started with --save-every 1 --keep 3, killed and resumed with --steps alone, went back
     to saving only at its end and keeping every checkpoint (a QA pass): the resume takes the run's

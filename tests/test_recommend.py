@@ -861,3 +861,17 @@ def test_hsdp_on_a_prime_count_inside_a_node_says_why(capsys, gpus):
     r = cli(capsys, "recommend", "--model", "llama-3.1-8b", "--strategy", "hsdp", "--gpus", str(gpus))
     assert r.returncode == 1 and f"{gpus} GPUs have no divisor in 2..{gpus - 1}" in r.stderr, r.stderr
     assert "a node below N" not in r.stderr
+
+
+def test_the_family_heading_comes_only_with_families_to_list(capsys):
+    """--strategy zero3 searches one family: the "Each strategy family:" heading stood alone,
+    nothing under it (a QA pass); with every family searched it lists each of the others."""
+    from tests.helpers import cli
+
+    base = ("recommend", "--model", "llama-3.1-8b", "--gpus", "8")
+    one = cli(capsys, *base, "--strategy", "zero3")
+    assert one.returncode == 0 and "Each strategy family:" not in one.stdout, one.stdout
+    every = cli(capsys, *base)
+    lines = every.stdout.splitlines()
+    i = lines.index("Each strategy family:")
+    assert every.returncode == 0 and lines[i + 1].startswith("  ")

@@ -81,6 +81,25 @@ TRAINER_FLAGS = ("steps", "save_every", "checkpoints", "keep", "resume", "data",
 FLAG_NAMES = {"checkpoints": "--save/--no-save"}  # where a parameter's flag is not its name
 
 
+def _check_syntax(script: str) -> None:
+    """A Python script that does not parse fails in every rank, one traceback each, after torchrun
+    and the rendezvous start (a QA pass): compiled here (compile() runs nothing) and said in one
+    line. A script that is not Python (torchrun --no-python) or cannot be read is left to torchrun."""
+    if not script.endswith(".py"):
+        return
+    try:
+        source = Path(script).read_bytes()
+    except OSError:
+        return
+    try:
+        compile(source, script, "exec", dont_inherit=True)
+    except SyntaxError as e:  # IndentationError, TabError too
+        where = f"{script}, line {e.lineno}" if e.lineno else script
+        raise UsageError(f"{where}: {type(e).__name__}: {e.msg}; fix the script (no rank was started)") from None
+    except ValueError as e:  # null bytes in the source
+        raise UsageError(f"{script} is not Python source ({e}); pass your training script") from None
+
+
 RUN_SETTINGS = "launch.json"  # in the run folder: the built-in trainer's checkpoint cadence
 
 
@@ -206,6 +225,7 @@ def launch(
         if not Path(script).is_file():
             what = "is a folder, not a script" if Path(script).is_dir() else "does not exist"
             raise UsageError(f"{script} {what}; pass a path to your train.py, or none for zplan's trainer")
+        _check_syntax(script)
         for name in TRAINER_FLAGS:
             if _given(ctx, name):
                 shown = FLAG_NAMES.get(name, f"--{name.replace('_', '-')}")

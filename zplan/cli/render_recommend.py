@@ -45,7 +45,8 @@ def print_recommendation(rec: Recommendation, top: int, written: str | None, plo
         console.print(runners_up(rec, top, wide))
         if any(c.result.memory.released_once_bytes for c in rec.ranked[1: top + 1]):
             console.print("  * without DeepSpeed's cached parameter blocks, released once at the first failed allocation")
-    console.print("[bold]Each strategy family:[/]")
+    if rec.lost or rec.rejected:  # --strategy with one family: nothing else was compared
+        console.print("[bold]Each strategy family:[/]")
     for fam, why in rec.lost.items():
         console.print(f"  {fam}: {escape(why)}")
     for fam, why in rec.rejected.items():
