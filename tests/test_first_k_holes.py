@@ -163,3 +163,32 @@ def test_reserved_falls_as_more_blocks_are_checkpointed(model, gpus, seq, mb, L)
     for (k0, a), (k1, b) in zip(zip(ks, mems), zip(ks[1:], mems[1:])):
         assert b.allocated_bytes <= a.allocated_bytes, (k0, k1)
         assert b.reserved_bytes <= a.reserved_bytes, (k0, k1, a.reserved_bytes, b.reserved_bytes)
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_a_block_without_recomputation_frees_its_input_where_nothing_saves_it(mlp):
+    """Two of the trainer's Blocks chained as the model's loop runs them (x = block(x)), no
+    checkpoint, CPU (the composite fp32 norm, which saves its fp32 copy, not its input): the first
+    block's output is freed once the second returns, as autograd saves nothing of it (the
+    storage's weak reference is the oracle). The steps say so with ("-", "in"); a fused norm
+    (rms_norm saves its input) keeps it (a review: the simulation kept every input)."""
+    import weakref
+
+    import torch
+
+    from zplan.trainer.model import Block
+
+    h = 256
+    sc = build(cpu_ranks(model="llama-3.2-1b", gpus="1", seq_len=64, micro_batch=2, checkpointing="none"))
+    m = sc.model.model_copy(update=dict(hidden=h, num_heads=4, num_kv_heads=2, ffn_hidden=704, mlp=mlp))
+    torch.manual_seed(0)
+    blocks = [Block(m).to(torch.bfloat16) for _ in range(2)]
+    x = torch.randn(2, 64, h, dtype=torch.bfloat16, requires_grad=True)
+    for i, block in enumerate(blocks):
+        x = block(x)
+        if i == 0:
+            first_out = weakref.ref(x.untyped_storage())
+    assert x.requires_grad and first_out() is None  # autograd kept nothing of block 0's output
+    assert not sc.train.fused_norm and forward_tensor_steps(m, sc.train, "none")[-1] == ("-", "in", 0)
+    fused = sc.train.model_copy(update={"fused_norm": True})
+    assert ("-", "in", 0) not in forward_tensor_steps(m, fused, "none")

@@ -114,9 +114,10 @@ def expands_kv(m: ModelSpec, train: TrainSpec) -> bool:
 
 def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
                          mode: str | None = None) -> tuple[tuple[str, str, int], ...] | None:
-    """One checkpointed block's first forward, tensor by tensor, in the order the trainer's block
+    """One block's first forward, tensor by tensor, in the order the trainer's block
     (trainer/model.py) makes and frees them: ("+", name, bytes) allocates, ("-", name, 0) frees;
-    the block's input stays (the checkpoint saved it) and its output is the last tensor made.
+    its output is the last tensor made, and its input stays (a checkpoint saves it, a fused norm
+    too) but under "none" with an unfused norm, where ("-", "in", 0) frees it as the block returns.
     Under selective checkpointing the outputs the policy saves (policy.selective_saved_matmuls and
     the attention kernel's output and logsumexp) are never freed. Read off PyTorch's
     FSDPMemTracker over a traced step (benchmarks/reserved_matrix.py); tests/test_forward_holes.py
@@ -132,7 +133,7 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
     rest for its backward (block_kept_tensors "none"; the trainer's Block traced without a
     checkpoint, tests/test_first_k_holes.py). `mode`: one block's steps under that mode (a block
     of every-k or first-k, block_mode); without it, the mode every block is under
-    (policy.uniform_mode: None for a mix)."""
+    (policy.uniform_mode; a mix, every-k or first-k, gives None here)."""
     if mode is None:
         mode = policy.uniform_mode(train, m.num_layers)  # every-1 and first-L are full, block for block
     if (mode not in ("full", "selective", "none") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
@@ -172,6 +173,9 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
     else:
         steps += [("+", "w1", F), ("+", "gelu", F), ("-", "w1", 0), ("+", "w2", H), ("-", "gelu", 0)]
     steps += [("-", "norm2", 0), ("+", "out", H), ("-", "w2", 0), ("-", "h", 0)]
+    if mode == "none" and not train.fused_norm:  # nothing saves the block's input: an unfused norm
+        # copies it to fp32, the residual add saves nothing; the model's loop drops it on return
+        steps += [("-", "in", 0)]
     return tuple(st for st in steps if not (st[0] == "-" and st[1] in kept))
 
 

@@ -263,15 +263,15 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
     block's input (`input_bytes`, kept). Each unit gathers its weights at its start
     (`unit_params`, bytes per parameter: FSDP2 copies each into a storage of its own on the
     default stream; empty where nothing is gathered then), runs its blocks' steps
-    (activation_memory.forward_tensor_steps: each block keeps its input and what the policy
-    saves), and frees the weights as it ends where `reshard` says so. A kept tensor taking the
+    (activation_memory.forward_tensor_steps: each block keeps what the policy saves, and its
+    input but where a step "in" frees it), and frees the weights as it ends where `reshard` says so. A kept tensor taking the
     front of a freed larger block leaves a remainder the next block's larger tensors do not fit:
     holes that grow unit after unit (docs/formulas.md section 3). `block_steps`, where given, is
     each block's own steps, in block order (every-k and first-k: a checkpointed block's and one
     that keeps its intermediates, activation_memory.block_mode); else every block runs `steps`."""
-    def planned(steps):
+    def planned(steps):  # "in": the block's input (the previous block's output), index None
         index = {name: i for i, (op, name, _) in enumerate(steps) if op == "+"}
-        return [(op == "+", index[name], b) for op, name, b in steps]
+        return [(op == "+", index.get(name) if name != "in" else None, b) for op, name, b in steps], index["out"]
     variants = {}
     for st in (steps,) + tuple(block_steps):
         if st not in variants:
@@ -283,17 +283,19 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
     sim.malloc(-1, input_bytes)
     if freed_first:
         sim.free(-2)
-    block = 0
+    block, previous_out = 0, -1
     for u, (params, drop, n) in enumerate(zip(unit_params, reshard, blocks_per_unit)):
         for j, b in enumerate(params):
             sim.malloc(("param", u, j), b)
         for _ in range(n):
             base = block * width
-            for alloc, i, b in variants[block_steps[block] if block_steps else steps]:
+            plan, out = variants[block_steps[block] if block_steps else steps]
+            for alloc, i, b in plan:
                 if alloc:
                     sim.malloc(base + i, b)
                 else:
-                    sim.free(base + i)
+                    sim.free(previous_out if i is None else base + i)
+            previous_out = base + out
             block += 1
         if drop:
             for j in range(len(params)):
