@@ -127,7 +127,7 @@ def test_a_length_far_below_the_asked_one_is_no_advice():
 
 
 def test_deepspeed_without_zero_init_is_refused_where_the_whole_model_does_not_fit_one_gpu():
-    """70B in bf16 is 141 GB: deepspeed.initialize would move it whole to each 85.5 GB GPU
+    """70B in bf16 is 141 GB: deepspeed.initialize would move it whole to each 85.0 GB GPU
     before partitioning (memory.setup_events), whatever the step needs; built under
     deepspeed.zero.Init the same search finds a ZeRO-3 plan."""
     kw = dict(model="llama-3.1-70b", gpus=32, layout="zero")

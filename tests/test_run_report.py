@@ -30,6 +30,10 @@ def test_a_resumed_launch_too_short_to_track_says_how_many_steps_it_trained():
     lines = compare_lines({**_report(None), "start_step": 5, "end_step": 8})
     note = next(ln for ln in lines if ln.startswith("peak allocated: not measured"))
     assert "trained 3, steps 5..8" in note and f"--steps {5 + MIN_TRACKED_STEPS} or more" in note
+    # long enough and still not measured: the tracker was off, no --steps would help (a review)
+    lines = compare_lines({**_report(None), "start_step": 5, "end_step": 5 + MIN_TRACKED_STEPS})
+    note = next(ln for ln in lines if ln.startswith("peak allocated: not measured"))
+    assert "--steps" not in note and "--no-memory" in note
 
 
 def test_a_measured_peak_has_its_error_and_no_note():

@@ -152,7 +152,8 @@ def _nvml(nvml) -> tuple[list[GPUInfo], str]:
         gpus = []
         for i, h, mig in visible_devices(nvml, count, env):
             name = _text(nvml.nvmlDeviceGetName(h))
-            mem = lendable_bytes(nvml, h)
+            # a MIG slice: NVML's v1 total (what v2's reserve means on a slice is not documented)
+            mem = int(nvml.nvmlDeviceGetMemoryInfo(h).total) if mig else lendable_bytes(nvml, h)
             uuid = _text(nvml.nvmlDeviceGetUUID(h)) if hasattr(nvml, "nvmlDeviceGetUUID") else ""
             gpus.append(GPUInfo(i, name, mem, None if mig else preset_for(name), uuid, mig))
         why = f"{len(gpus)} of {count} GPUs visible" if len(gpus) != count else f"{count} GPU(s) found by NVML"

@@ -28,13 +28,23 @@ def become_subreaper() -> bool:
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """preexec_fn for torchrun: SIGTERM it when the launcher dies (kill -9, the OOM killer),
-    which no handler of the launcher's can forward; torchrun then stops its ranks."""
+def die_with_parent():
+    """A preexec_fn for torchrun: SIGTERM it when the launcher dies (kill -9, the OOM killer),
+    which no handler of the launcher's can forward; torchrun then stops its ranks. prctl is looked
+    up here, in the parent (no dlopen between fork and exec); a launcher that died before the
+    child's prctl is caught by its parent pid. PR_SET_PDEATHSIG follows the thread that forks:
+    runner.run starts torchrun from the launcher's main thread. None where there is no prctl."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    parent = os.getpid()
+
+    def child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher ended before prctl took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+    return child
 
 
 def _parents() -> dict[int, int]:

@@ -82,7 +82,8 @@ def hold_run_dir(run: Path):
     launch): a second `zplan launch` there (a --resume while the run still trains) is refused in
     one line; before, it resumed from the first run's checkpoint and removed the checkpoint
     folder the first was writing (.tmp-step_N), which then failed. fcntl.flock: released by the
-    kernel when the launcher ends, however it ends. None where the platform has no flock."""
+    kernel when the launcher and torchrun (which shares the open file, runner.run's keep_fds) have
+    both ended, however they end. None where the platform has no flock."""
     try:
         import fcntl
     except ImportError:

@@ -35,7 +35,7 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = ()) ->
     # keep_fds: the run folder's lock, shared with torchrun so that it stays held while torchrun
     # lives, whatever ends the launcher
     proc = subprocess.Popen(argv, env=full_env, start_new_session=True, pass_fds=keep_fds,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=die_with_parent())
     got: list[int] = []
 
     def ours() -> list[int]:

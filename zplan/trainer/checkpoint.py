@@ -11,6 +11,8 @@ ZeroRedundancyOptimizer's state is per rank and resumes only at the same world s
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import pickle
@@ -138,48 +140,82 @@ def save(root: str | Path, step: int, model, optim, extra: dict, meta: dict, zer
     state = {"model": msd, "extra": extra}
     if osd is not None:
         state["optim"] = osd
-    try:
+    with _writes(tmp):
         dcp.save(state, checkpoint_id=str(tmp))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps each rank's failure
-        raise _write_failure(tmp, e) from e
     if zero1:  # on disk before rank 0 publishes, as DCP's own files are (sync_files)
-        with open(tmp / f"zero1_optim_rank{rank}.pt", "wb") as f:
+        with _writes(tmp), open(tmp / f"zero1_optim_rank{rank}.pt", "wb") as f:
             torch.save(optim.optim.state_dict(), f)
             f.flush()
             os.fsync(f.fileno())
     dist.barrier()
     if rank == 0:
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump({"step": step, **meta}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with _writes(tmp):
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump({"step": step, **meta}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         _fsync_dir(root)
         prune(root, keep)
     dist.barrier()
     return final
 
 
-def _write_failure(tmp: Path, e: BaseException):
-    """One line for a save that failed: a save, not a load, naming the folder and its free space
-    (a full disk surfaces as ENOSPC or as torch.save's 'unexpected pos' from its zip writer)."""
-    from ..errors import PlanError
+# what the filesystem says when it refuses a write: no room (a full disk, a quota, a file-size
+# limit) or no right (read-only, permission); anything else a save raises is not a refused write
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+NO_RIGHT = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+@contextlib.contextmanager
+def _writes(tmp: Path):
+    """A checkpoint write the filesystem refuses is one line naming the folder (it read as a failed
+    load: a QA pass on a full tmpfs); any other failure (a lost peer inside DCP's collectives, a
+    bug) passes through as it was, for rank_errors.classify to rank."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        refused = _refused_write(e)
+        if refused is None:
+            raise
+        raise _write_failure(tmp, refused) from e
+
+
+def _refused_write(e: BaseException) -> BaseException | None:
+    """The filesystem's refusal among a failed save's errors (DCP's per-rank failures, or the
+    error itself): an OSError of NO_ROOM or NO_RIGHT, or torch.save's zip writer after a short
+    write ("unexpected pos", inline_container.cc). None where there is none."""
     from .rank_errors import dcp_failures
 
-    inner = (dcp_failures(e) or [e])[0]
+    for x in dcp_failures(e) or [e]:
+        if isinstance(x, OSError) and x.errno in NO_ROOM | NO_RIGHT:
+            return x
+        if isinstance(x, RuntimeError) and "unexpected pos" in str(x):
+            return x
+    return None
+
+
+def _write_failure(tmp: Path, inner: BaseException):
+    """One line for a refused write: a save, not a load, naming the folder, the errno and the free
+    space, and what to do (room for NO_ROOM and a short write, another folder for NO_RIGHT)."""
+    from ..errors import PlanError
+
     free = ""
     try:
         free = f"; {shutil.disk_usage(tmp.parent).free / 1e9:.2f} GB free there"
     except OSError:
         pass
-    what = (f"{inner.strerror} (errno {inner.errno})" if isinstance(inner, OSError) and inner.strerror
-            else f"{type(inner).__name__}: {first_sentence(str(inner))}")
-    return PlanError(f"checkpoint {tmp} could not be written ({what}){free}: free space (or pass "
-                     f"--keep K), or pass another --run-dir")
+    if isinstance(inner, OSError):
+        what = f"{inner.strerror or inner} (errno {inner.errno})"
+    else:
+        what = f"a short write, {type(inner).__name__}: {first_sentence(str(inner))}"
+    fix = ("pass another --run-dir" if isinstance(inner, OSError) and inner.errno in NO_RIGHT
+           else "free space (or pass --keep K), or pass another --run-dir")
+    return PlanError(f"checkpoint {tmp} could not be written ({what}){free}: {fix}")
 
 
 def _check_fits(path: Path, meta: dict, world: int, zero1: bool, model_name: str | None,

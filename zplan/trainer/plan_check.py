@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 
-# How far below the plan's GPU memory this GPU's may be: CUDA reports totalGlobalMem some hundreds of
-# MiB under the figure nvidia-smi prints, which the presets hold (0.6% on an H100 80GB); a GPU
-# with less memory than the plan counts (a preset or file of a larger part) is far below.
+# How far below the plan's GPU memory this GPU's may be: the presets hold CUDA's totalGlobalMem,
+# which moves by 0.1-0.2 GiB with the driver (the reserve it keeps); a GPU with less memory than
+# the plan counts (a preset or file of a larger part) is far below.
 MEMORY_SHORTFALL = 0.03
 
 

@@ -172,9 +172,10 @@ def compare_lines(report: dict) -> list[str]:
         out.append(f"{label:24s} {ps:>20s} {ms:>20s} {err:>8s}")
     if m.get("peak_memory_bytes") is None and report.get("device") == "cpu":
         start, end = report.get("start_step") or 0, report.get("end_step") or 0
+        why = (f"this one trained {end - start}, steps {start}..{end}: --steps {start + MIN_TRACKED_STEPS} or more"
+               if end - start < MIN_TRACKED_STEPS else "this one had it off (the trainer's --no-memory)")
         out.append(f"peak allocated: not measured (a CPU rank's tracker runs on the last two steps "
-                   f"of a launch that trains at least {MIN_TRACKED_STEPS} steps; this one trained "
-                   f"{end - start}, steps {start}..{end}: --steps {start + MIN_TRACKED_STEPS} or more)")
+                   f"of a launch that trains at least {MIN_TRACKED_STEPS} steps; {why})")
     if reserved.endswith("*"):
         out.append("* predicted reserved is the plan's total, CUDA context included (no reserved prediction)")
     if report.get("device") == "cpu" and report.get("strategy") == "offload-all" and m.get("peak_memory_bytes"):
