@@ -148,6 +148,7 @@ def test_the_planner_reserves_the_loss_hole_on_the_default_stream():
         assert m.releasable_bytes == pytest.approx(whole + (0 if kept else 2 * E), abs=8 * MiB)
 
 
+@pytest.mark.slow  # over a second in all: the fast loop leaves it to CI
 def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_path):
     """The trainer's own loss (trainer/micro_batch.forward_loss on bf16 logits) under PyTorch's
     MemTracker, every storage's allocation and release in order: the vocabulary-sized ones, in

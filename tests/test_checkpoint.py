@@ -329,6 +329,7 @@ except PlanError as e:
 """
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 @pytest.mark.parametrize("strategy, limit", [("zero3", 4096), ("zero1", 100_000)])
 def test_a_save_the_filesystem_refuses_is_named_as_a_save(tmp_path, strategy, limit):
     """A checkpoint write the OS refuses (here the file-size limit, RLIMIT_FSIZE, as a full disk's

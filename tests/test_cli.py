@@ -95,6 +95,7 @@ def test_malformed_preset_file(run_zplan, tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # over a second in all: the fast loop leaves it to CI
 @pytest.mark.parametrize("kind,src,field,line", [
     ("gpus", "h100-sxm", "host_link_bytes_per_s", "host_link_bytes_per_s = 1e-300"),
     ("gpus", "h100-sxm", "kernel_floor_s", "kernel_floor_s = 1e6"),

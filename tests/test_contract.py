@@ -177,6 +177,7 @@ def test_recommend_plans_for_launch_unless_asked(run_zplan, tmp_path):
     ("offload-opt", dict(layout="zero"), "this plan is for deepspeed"),
     ("zero3", dict(optimizer="adam8bit"), "the plan asks for adam8bit"),
 ])
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 def test_launch_refuses_in_one_line(run_zplan, tmp_path, strategy, kw, needle):
     """Issue 9: an offload-opt plan printed 81 lines with 3 tracebacks; a zero-layout plan ran."""
     plan = tmp_path / "plan.json"

@@ -164,6 +164,7 @@ def test_tight_only_where_it_fits_and_with_under_a_tenth_free(opts):
         assert r.as_dict()["tight"] == r.tight
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 def test_recommend_under_a_smaller_headroom_says_its_pick_is_tight(run_zplan):
     """--headroom 0.02 lets recommend pick a configuration estimate would call tight: it says so,
     in the text and in the JSON's winner; at the default headroom the winner never is."""

@@ -221,6 +221,7 @@ def test_torchrun_line(tmp_path, monkeypatch):
     assert "--nnodes=4" in multi and "--rdzv-backend=c10d" in multi and "--standalone" not in multi
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 def test_export_cli(run_zplan, tmp_path):
     plan = tmp_path / "plan.json"
     assert run_zplan("recommend", "--model", "llama-3.1-8b", "--gpus", "16", "--global-batch", "64",

@@ -670,6 +670,7 @@ def test_first_k_reserves_what_the_allocator_replay_does(first):
         assert abs(planned / simulated - 1) < 0.02, cell.reserved_by_allocator
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 @pytest.mark.parametrize("model, why", [("mixtral-8x7b", "dense RoPE/RMSNorm decoders"),
                                         ("gpt2-124m", "dense RoPE/RMSNorm decoders"),
                                         ("usp-1b", "three linears")])

@@ -819,6 +819,7 @@ def test_one_gpus_calibrated_cluster_takes_its_nodes_links_from_the_stock_preset
                     "source": "s; one GPU: no collective measured, the link figures are its copy rate"}
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 def test_calibrate_attention_backward_times_no_gradient_accumulation():
     """calibrate's attention backward is timed without AccumulateGrad's add into q/k/v.grad (each
     call after the first added three elementwise passes to what it charged to the flash backward,

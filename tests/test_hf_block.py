@@ -57,6 +57,7 @@ QWEN3 = {"qwen3-8b": dict(num_layers=36, hidden=4096, ffn_hidden=12288, num_head
                           vocab_size=131072, attention_head_dim=128)}
 
 
+@pytest.mark.slow  # over a second in all: the fast loop leaves it to CI
 @pytest.mark.parametrize("family,model,seq", [("llama", "llama-3.1-8b", 4096), ("llama", "llama-3.1-8b", 8192),
                                               ("qwen2", "qwen2.5-7b", 4096), ("qwen3", "qwen3-8b", 4096),
                                               ("qwen3", "qwen3-32b", 4096), ("llama", "nemo-12b", 4096)])

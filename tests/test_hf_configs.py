@@ -168,6 +168,7 @@ def test_experts_take_moe_intermediate_size(tmp_path):
     assert (m.ffn_hidden, m.num_experts, m.experts_per_token) == (768, 128, 8)
 
 
+@pytest.mark.slow  # over a second in all: the fast loop leaves it to CI
 @pytest.mark.parametrize("name", sorted(READ))
 def test_more_published_configs_count_as_transformers_does(tmp_path, name):
     """Defaults the file leaves to its config class (tied embeddings, head_dim) taken as

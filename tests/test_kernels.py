@@ -141,6 +141,7 @@ def _form_fit(k, rows):
     return math.sqrt(best[0] / len(rows)), best[1], best[2]
 
 
+@pytest.mark.slow  # over a second in all: the fast loop leaves it to CI
 @pytest.mark.parametrize("preset, arch, rms_max, worst", [("h100-sxm", "sm_90", 0.035, 0.06),
                                                           ("b200", "sm_100", 0.015, 0.02)])
 def test_gemm_model_against_xlas_measured_table(preset, arch, rms_max, worst):

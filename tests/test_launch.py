@@ -442,6 +442,7 @@ def test_trainer_options_follow_double_dash(capsys, tmp_path):
     assert p.stdout.strip().endswith("--log-every 3 --deterministic")
 
 
+@pytest.mark.slow  # over a second in all: the fast loop leaves it to CI
 @pytest.mark.parametrize("args,msg", [
     (["--steps", "5", "SCRIPT"], "--steps is an option of zplan's trainer"),
     (["--plan", "PLAN", "--model", "gpt2"], "--model applies to a fresh plan"),

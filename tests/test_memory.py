@@ -1119,6 +1119,7 @@ source = "test: Llama-shaped, small"
 WIDE = dict(num_layers=2, ffn=4096)  # a wide MLP: a block's backward, not the loss, peaks
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 @pytest.mark.parametrize("mode,mlp,tied,loss,units,shape", [("none", "swiglu", False, "none", 1, {}),
                                                             ("full", "swiglu", False, "none", 1, {}),
                                                             ("selective", "swiglu", False, "none", 1, {}),
@@ -1236,6 +1237,7 @@ source = "test: small vocabulary, so the peak is in a block's backward"
 """
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_block_backward_peak_on_one_rank_against_fsdpmemtracker(tmp_path, mode):
     """FSDPMemTracker under FakeTensorMode, one rank: FSDP2 issues no all-gather for a group of

@@ -136,6 +136,7 @@ def lines(draw, command):
     return out
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 @pytest.mark.parametrize("command", BODIES)
 def test_whatever_the_plain_path_reads_typer_reads_the_same(command):
     @settings(max_examples=300, deadline=None, database=None)

@@ -198,6 +198,7 @@ def test_trainer_wraps_the_blocks_the_planner_prices(mode, every, first, wrapped
     assert recomputing == wrapped
 
 
+@pytest.mark.slow  # over a second in all: the fast loop leaves it to CI
 @pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
 @pytest.mark.parametrize("mode", ["full", "every-k", "first-k"])
 @pytest.mark.parametrize("early_stop", [True, False])

@@ -193,6 +193,7 @@ CASES = [dict(model="mixtral-8x7b", gpus="16", checkpointing="selective"),
          dict(model="llama-3.1-405b", gpus="1024", checkpointing="full")]
 
 
+@pytest.mark.slow  # over a second each: the fast loop leaves it to CI
 @pytest.mark.parametrize("width", [40, 80, 100, 250])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_estimate_and_recommend_print_what_rich_printed(monkeypatch, width, case):
