@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -454,9 +455,9 @@ def launch(
         print(f"zplan: note: no checkpoint was written under the new plan; {plan_path} is the run's "
               f"plan again", file=sys.stderr)
     if rc in INTERRUPTED:  # a signal the launcher forwarded (runner.FORWARDED)
-        resume = (f"`zplan launch --resume --run-dir {run}` continues from its newest checkpoint"
-                  if step_folders(run) else "no checkpoint was written in its run folder")
-        print(f"zplan: interrupted ({signal.Signals(rc - 128).name}); {resume}", file=sys.stderr)
+        how = (f"`zplan launch --resume --run-dir {shlex.quote(str(run))}` continues from its newest "
+               f"checkpoint" if step_folders(run) else "no checkpoint was written in its run folder")
+        print(f"zplan: interrupted ({signal.Signals(rc - 128).name}); {how}", file=sys.stderr)
     if rc:
         raise typer.Exit(rc)
 
