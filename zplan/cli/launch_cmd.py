@@ -82,19 +82,6 @@ TRAINER_FLAGS = ("steps", "save_every", "checkpoints", "keep", "resume", "data",
 FLAG_NAMES = {"checkpoints": "--save/--no-save"}  # where a parameter's flag is not its name
 
 
-def _is_checkpoint(folder: Path) -> bool:
-    """A DCP checkpoint folder by its signature: a .metadata file beside .distcp shards, or
-    zplan's manifest (a JSON object with step and world_size); not any folder holding something of
-    those names (a plan saved as zplan.json, an Eclipse workspace's .metadata/: a review)."""
-    if (folder / ".metadata").is_file() and next(folder.glob("*.distcp"), None) is not None:
-        return True
-    try:
-        manifest = json.loads((folder / "zplan.json").read_text()) if (folder / "zplan.json").is_file() else None
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and {"step", "world_size"} <= manifest.keys()
-
-
 def _check_syntax(script: str) -> None:
     """A Python script that does not parse fails in every rank, one traceback each, after torchrun
     and the rendezvous start (a QA pass): compiled here (compile() runs nothing) and said in one
@@ -502,7 +489,7 @@ def consolidate(
     The checkpoint is read as data: its metadata goes through an unpickler that admits only
     DCP's own metadata types, so a crafted folder cannot run code."""
     try:
-        from ..trainer.checkpoint import newest
+        from ..trainer.checkpoint import MANIFEST, is_checkpoint_folder, newest
         from ..trainer.consolidate import consolidate as run_consolidate
         from torch.distributed.checkpoint.api import CheckpointException
     except ImportError:
@@ -513,7 +500,7 @@ def consolidate(
         raise UsageError(f"output {output!r} must end in .safetensors or .pt")
     writable_report(output, "name another output file")
     for folder in Path(output).resolve().parents:  # a checkpoint's own files (zero1_optim_rankR.pt)
-        if _is_checkpoint(folder):
+        if is_checkpoint_folder(folder):
             raise UsageError(f"output {output!r} is inside checkpoint {folder}: writing there would replace or "
                              f"add to the checkpoint's files; name a file outside it")
     src = Path(checkpoint)
@@ -523,7 +510,7 @@ def consolidate(
     if not (src / ".metadata").exists():
         found = newest(src, lambda line: print(f"zplan: warning: {line}", file=sys.stderr))
         if found is None:
-            if (src / "zplan.json").exists() or src.name.startswith(("step_", ".tmp-step_")):
+            if (src / MANIFEST).exists() or src.name.startswith(("step_", ".tmp-step_")):
                 raise UsageError(f"checkpoint {checkpoint} has no .metadata file (an interrupted save, or not a "
                                  f"DCP checkpoint); pass an earlier step_N folder or the run folder")
             raise UsageError(f"no complete checkpoint in {checkpoint}; pass a step_N folder or a run folder")

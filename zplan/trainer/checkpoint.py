@@ -75,6 +75,19 @@ def complete(root: str | Path, warn=None) -> list[Path]:
     return out
 
 
+def is_checkpoint_folder(folder: Path) -> bool:
+    """A checkpoint folder by its signature: DCP's .metadata file beside .distcp shards, or this
+    module's MANIFEST (a JSON object with step and world_size); not any folder holding something
+    of those names (a plan saved as zplan.json, an Eclipse workspace's .metadata/: a review)."""
+    if (folder / ".metadata").is_file() and next(folder.glob("*.distcp"), None) is not None:
+        return True
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"step", "world_size"} <= manifest.keys()
+
+
 def newest(root: str | Path, warn=None) -> Path | None:
     """The newest complete checkpoint under root, or None."""
     found = complete(root, warn)
