@@ -59,7 +59,9 @@ def _memory_tracker(p: Parallelized, optim, device):
         try:  # grouped units (norm + head) keep FSDP2's group hooks under the tracker (fake_tracker.py)
             from .fake_tracker import tracker_class
 
-            return tracker_class()(p.model, optim)
+            tracker = tracker_class()(p.model, optim)
+            tracker.settle_backend_buffers = True  # gloo's clones, timed as the plan does (fake_tracker.py)
+            return tracker
         except (ImportError, AttributeError):  # another torch's private names: the tracker as it is
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
