@@ -478,7 +478,7 @@ def test_a_script_that_does_not_parse_is_one_line_before_any_rank(capsys, tmp_pa
     script.write_text(source)
     with pytest.raises((SyntaxError, ValueError)):  # ValueError: null bytes before Python 3.12
         compile(source, str(script), "exec")
-    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda *a: pytest.fail("torchrun started"))
+    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda *a, **k: pytest.fail("torchrun started"))
     p = cli(capsys, "launch", "--run-dir", str(tmp_path / "r"), str(script))
     assert p.returncode == 2 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (tmp_path / "r").exists()
@@ -490,7 +490,7 @@ def test_a_resume_keeps_the_runs_checkpoint_cadence(capsys, tmp_path, monkeypatc
     own (launch.json beside its plan) unless given again. torchrun is not started: the argv it
     would get is the oracle."""
     got = []
-    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda argv, *a: got.append(argv) or 0)
+    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda argv, *a, **k: got.append(argv) or 0)
     run = tmp_path / "run"
     plan = tmp_path / "p.json"
     assert cli(capsys, "recommend", "--model", "tiny", "--gpu", "cpu", "--cluster", "cpu-local",
@@ -526,7 +526,7 @@ def test_no_save_reaches_the_trainer_and_asks_no_room(capsys, tmp_path, monkeypa
     p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"))
     assert p.returncode == 0 and "checkpoint needs about" in p.stderr and "would stop here" in p.stderr, p.stderr
     assert "zplan.trainer" in p.stdout
-    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda *a: pytest.fail("started a run"))
+    monkeypatch.setattr("zplan.launch.runner.run_with_restarts", lambda *a, **k: pytest.fail("started a run"))
     p = cli(capsys, "launch", "--plan", str(plan), "--run-dir", str(tmp_path / "run3"))
     assert p.returncode == 1 and "checkpoint needs about" in p.stderr, p.stderr
     p = cli(capsys, "launch", "--dry-run", "--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--no-save")

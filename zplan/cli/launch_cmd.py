@@ -433,7 +433,10 @@ def launch(
           file=sys.stderr)
     from ..launch.runner import run_with_restarts
 
-    rc = run_with_restarts(argv, env, max_restarts, (lock.fileno(),) if lock is not None else ())
+    # zplan's trainer ends at a step boundary with a checkpoint when signalled (trainer/stop.py)
+    launched_at = time.time()
+    rc = run_with_restarts(argv, env, max_restarts, (lock.fileno(),) if lock is not None else (),
+                           stops_at_step=script is None)
     if rc and kept is not None and nnodes == 1 and step_folders(run) <= steps_before:
         # the ranks refused the new plan (or failed) before a checkpoint under it: the run's
         # folder names the plan its checkpoints were made under again, so a plain --resume works
@@ -441,7 +444,9 @@ def launch(
         kept.unlink()
         print(f"zplan: note: no checkpoint was written under the new plan; {plan_path} is the run's "
               f"plan again", file=sys.stderr)
-    if rc in INTERRUPTED:  # a signal the launcher forwarded (runner.FORWARDED)
+    if rc == 0 and script is None:  # ranks a scheduler signalled directly: stopped, not finished
+        rc = _stopped_rc(run, launched_at)
+    if rc in INTERRUPTED:  # a signal the launcher forwarded (runner.FORWARDED), or the ranks got
         how = (f"`zplan launch --resume --run-dir {shlex.quote(str(run))}` continues from its newest "
                f"checkpoint" if step_folders(run) else "no checkpoint was written in its run folder")
         print(f"zplan: interrupted ({signal.Signals(rc - 128).name}); {how}", file=sys.stderr)
@@ -449,7 +454,21 @@ def launch(
         raise typer.Exit(rc)
 
 
-INTERRUPTED = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+INTERRUPTED = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+
+
+def _stopped_rc(run: Path, since: float) -> int:
+    """128 + the signal that stopped this launch's run at a step boundary (its report's
+    stopped_by, zplan/trainer/stop.py), where the ranks got it from outside the launcher (Slurm
+    signals every task of a job); 0 where the run finished."""
+    report = run / "run_report.json"
+    try:
+        if report.stat().st_mtime < since:
+            return 0
+        name = json.loads(report.read_text()).get("stopped_by")
+        return 128 + signal.Signals[name] if name in signal.Signals.__members__ else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _keep_replaced_plan(path: Path, new) -> Path | None:

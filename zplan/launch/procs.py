@@ -75,6 +75,11 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def children(pid: int) -> list[int]:
+    """Live processes whose parent is pid (torchrun's: the ranks)."""
+    return [c for c, parent in _parents().items() if parent == pid]
+
+
 def signal_all(pids, sig: int) -> None:
     for p in pids:
         try:

@@ -7,6 +7,11 @@ not ended after GRACE_S they are killed, and the launcher exits 128 + the signal
 129). Before, SIGHUP ended the launcher alone and left torchrun and the ranks training. The wait is a poll loop: Popen.wait()
 entered before a signal is resumed after the handler returns (PEP 475), so a grace period that
 relies on it being interrupted never fires.
+
+A run that stops at a step boundary (zplan's trainer: zplan/trainer/stop.py) is given the first
+signal at its ranks alone, SIGTERM for SIGHUP, and STOP_GRACE_S to finish the step and write its
+checkpoint; torchrun, left alone, sees its ranks end and ends. A second signal kills everything
+at once, as before.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ import subprocess
 import sys
 import time
 
-from .procs import become_subreaper, die_with_parent, descendants, kill_tree, reap, signal_all
+from .procs import become_subreaper, children, die_with_parent, descendants, kill_tree, reap, signal_all
 
 GRACE_S = 5.0
+STOP_GRACE_S = 300.0  # a step and a checkpoint; Slurm's and Kubernetes' own kill comes after 30 s
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_S = 0.05
 
 
-def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = ()) -> int:
-    """Run argv; its exit code, or 128 + the signal that ended the launcher."""
+def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), stops_at_step: bool = False) -> int:
+    """Run argv; its exit code, or 128 + the signal that ended the launcher. `stops_at_step`:
+    its ranks end at a step boundary with a checkpoint when signalled (the module docstring)."""
     full_env = dict(os.environ)
     full_env.update(env)
     full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
@@ -37,12 +44,20 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = ()) ->
     proc = subprocess.Popen(argv, env=full_env, start_new_session=True, pass_fds=keep_fds,
                             preexec_fn=die_with_parent())
     got: list[int] = []
+    stopping: list[int] = []  # the first signal, where the ranks were asked to stop after their step
 
     def ours() -> list[int]:
         return [p for p in descendants(me) if p not in before]
 
     def forward(signum, _frame):
         got.append(signum)
+        ranks = children(proc.pid) if len(got) == 1 and stops_at_step else []
+        if ranks:  # none yet (torchrun still starting them): everything stops now, as before
+            stopping.append(signum)
+            signal_all(ranks, signal.SIGTERM if signum == signal.SIGHUP else signum)
+            os.write(2, f"zplan: {signal.Signals(signum).name}: the ranks stop after this step, with a checkpoint "
+                        f"where the run writes them (a second signal stops them at once)\n".encode())
+            return
         signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
 
     # SIGHUP ignored when zplan started stays ignored (`nohup zplan launch`); SIGINT and SIGTERM
@@ -53,7 +68,7 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = ()) ->
         deadline = None
         while (rc := proc.poll()) is None:
             if got and deadline is None:
-                deadline = time.monotonic() + GRACE_S
+                deadline = time.monotonic() + (STOP_GRACE_S if stopping else GRACE_S)
             if deadline is not None and time.monotonic() > deadline:
                 signal_all(ours(), signal.SIGKILL)
             time.sleep(POLL_S)
@@ -72,12 +87,12 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = ()) ->
 
 
 def run_with_restarts(argv: list[str], env: dict[str, str], max_restarts: int,
-                      keep_fds: tuple[int, ...] = ()) -> int:
+                      keep_fds: tuple[int, ...] = (), stops_at_step: bool = False) -> int:
     """Run, and after a failure start a fresh torchrun (a new rendezvous, store and port) up to
     max_restarts times; the trainer resumes from the newest complete checkpoint on an attempt
     after the first ($ZPLAN_ATTEMPT). A usage error (exit 2) or a signal is not retried."""
     for attempt in range(max_restarts + 1):
-        rc = run(argv, {**env, "ZPLAN_ATTEMPT": str(attempt)}, keep_fds)
+        rc = run(argv, {**env, "ZPLAN_ATTEMPT": str(attempt)}, keep_fds, stops_at_step)
         if rc in (0, 2) or rc in (128 + s for s in FORWARDED) or attempt == max_restarts:
             return rc
         print(f"zplan: attempt {attempt + 1} failed (exit {rc}); restarting "

@@ -66,7 +66,7 @@ def _check_args(args, plan) -> None:
 
 def _print_outcome(report, plan, cfg, world: int, cuda: bool, reached: int = 0) -> None:
     from .report import compare_lines, write_report
-    from .run_setup import finished_line
+    from .run_setup import finished_line, stopped_line
 
     if report is None:
         print(finished_line(cfg.ckpt_dir, reached, cfg.steps), file=sys.stderr)
@@ -79,6 +79,8 @@ def _print_outcome(report, plan, cfg, world: int, cuda: bool, reached: int = 0) 
     for line in compare_lines(report):
         print(line)
     print(f"zplan: run report {where}")
+    if report.get("stopped_by"):
+        print(stopped_line(report["stopped_by"], reached, cfg), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ predicted. Runs under torchrun (one process per rank); see zplan/trainer/__main_
 from __future__ import annotations
 
 import contextlib
+import signal
 import statistics
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from .distributed import started_backend
 from .measure import CommCounter, StepClock, ddp_counting_hook, device_peak_memory, outside_allocator_bytes
 from .model import Transformer, init_weights_
 from .run_setup import inject_fault
+from .stop import StopRequests
 from .micro_batch import forward_loss
 from .parallel import Parallelized, build_optimizer, device_for, parallelize
 from .report import MIN_TRACKED_STEPS, build_report, compare_lines, progress_bar, step_log_line, write_report
@@ -109,6 +111,7 @@ class Trainer:
         init_weights_(self.par.inner, cfg.seed)
         self.optim = build_optimizer(self.par, plan, cfg.lr)
         self.counter: CommCounter | None = None
+        self.stopped_by: str | None = None  # the signal that ended the run early (stop.py)
         self._tracking = None  # the memory tracker while it is active
         self.memory_by_category: dict[str, int] = {}
         self._counter_ref: list = [None]
@@ -238,7 +241,8 @@ class Trainer:
             if start:  # a resumed run: the checkpoint load's cached blocks are not the steps' peak
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        with progress as bar, contextlib.ExitStack() as stack:
+        stops = StopRequests()
+        with progress as bar, contextlib.ExitStack() as stack, stops:
             stack.callback(self.batches.close)
             task = bar.add_task("training", total=cfg.steps - start) if bar else None
             while self.step < cfg.steps:
@@ -283,11 +287,18 @@ class Trainer:
                 inject_fault(self.step, self.rank)
                 if cfg.stop_after is not None and self.step >= cfg.stop_after:
                     break
+                # a stop asked for by a signal on any rank: every rank ends after this step
+                # (zplan/trainer/stop.py), with the checkpoint below
+                if self.step < cfg.steps and (signum := stops.agreed()):
+                    self.stopped_by = signal.Signals(signum).name
+                    break
         best = 2 if 2 in timed else 1
         times = [self.clock.seconds(a, b) for (a, b), kind in zip(marks, timed) if kind == best]
-        peak = self._peak_memory(tracker)
-        if cfg.save and self.step == cfg.steps and not (cfg.save_every and self.step % cfg.save_every == 0):
-            self.save()  # a checkpoint at the end, unless none is wanted
+        # a run stopped before the tracker's steps measured nothing (not 0 bytes)
+        peak = self._peak_memory(tracker if stack_open else None)
+        ended = self.step == cfg.steps or self.stopped_by is not None
+        if cfg.save and ended and not (cfg.save_every and self.step % cfg.save_every == 0):
+            self.save()  # a checkpoint at the end (or where a signal stopped the run), unless none is wanted
         mean_losses = self._mean_over_ranks(losses)
         grad_norms = torch.stack(norms).tolist() if norms else []
         return build_report(self, start, mean_losses, grad_norms, times, peak, counted)

@@ -95,7 +95,7 @@ def build_report(tr, start: int, losses: list[float], norms: list[float], times:
     return {
         "strategy": plan.strategy, "world_size": tr.world, "device": tr.device.type,
         "backend": tr.backend, "model": plan.model.name, "start_step": start,
-        "end_step": tr.step, "losses": losses, "grad_norms": [None if n != n else n for n in norms],  # NaN: not clipped, no norm
+        "end_step": tr.step, "stopped_by": getattr(tr, "stopped_by", None), "losses": losses, "grad_norms": [None if n != n else n for n in norms],  # NaN: not clipped, no norm
         "config": asdict(tr.cfg),
         "measured": measured, "predicted": predicted, "warnings": rate_warnings(plan, rate),
     }
@@ -172,7 +172,8 @@ def compare_lines(report: dict) -> list[str]:
         out.append(f"{label:24s} {ps:>20s} {ms:>20s} {err:>8s}")
     if m.get("peak_memory_bytes") is None and report.get("device") == "cpu":
         start, end = report.get("start_step") or 0, report.get("end_step") or 0
-        why = (f"this one trained {end - start}, steps {start}..{end}: --steps {start + MIN_TRACKED_STEPS} or more"
+        why = (f"{report['stopped_by']} stopped this one after step {end}, before them" if report.get("stopped_by")
+               else f"this one trained {end - start}, steps {start}..{end}: --steps {start + MIN_TRACKED_STEPS} or more"
                if end - start < MIN_TRACKED_STEPS else "this one had it off (the trainer's --no-memory)")
         out.append(f"peak allocated: not measured (a CPU rank's tracker runs on the last two steps "
                    f"of a launch that trains at least {MIN_TRACKED_STEPS} steps; {why})")

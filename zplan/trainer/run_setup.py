@@ -52,6 +52,14 @@ def finished_line(run_dir: str, reached: int, steps: int) -> str:
             f"nothing to do (its report is unchanged; pass --steps above {reached} to train on)")
 
 
+def stopped_line(signal_name: str, reached: int, cfg) -> str:
+    """A run a signal stopped at a step boundary (zplan/trainer/stop.py): where, and what it
+    left to resume from."""
+    kept = (f"checkpoint of step {reached} written in {cfg.ckpt_dir}; zplan launch --resume continues from it"
+            if cfg.save else "no checkpoint (--no-save)")
+    return f"zplan: stopped by {signal_name} after step {reached} of {cfg.steps}; {kept}"
+
+
 def inject_fault(step: int, rank: int) -> None:
     """Fault injection for the restart tests: ZPLAN_FAULT_KILL_AT=STEP:RANK makes that rank
     SIGKILL itself after STEP, on the first attempt only (kill -9, as a dying node would)."""

@@ -1,0 +1,110 @@
+"""zplan's trainer, signalled, ends at a step boundary with a checkpoint (zplan/trainer/stop.py),
+through real torchrun and gloo: SIGTERM to zplan launch (which passes it to the ranks alone), and
+SIGUSR1 to one rank only (as Slurm's `--signal` reaches every task, in no set order): every rank
+stops after the same step, the checkpoint of that step is whole, and resuming it to a later step
+gives the weights of an uninterrupted run, bit for bit. Before, any of these killed the ranks
+mid-step and the run fell back to its last periodic checkpoint (or to nothing)."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_trainer import launch, make_plan, weights
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+STEPS = 400  # far more than the test waits for: the signal, not the end, stops the run
+
+
+def _start(plan: Path, run: Path):
+    """zplan launch of the built-in trainer, a step line on stdout every step; the launcher's
+    Popen and a queue of its stdout lines."""
+    p = subprocess.Popen([sys.executable, "-m", "zplan", "launch", "--plan", str(plan), "--run-dir", str(run),
+                          "--steps", str(STEPS), "--save-every", "0", "--", "--log-every", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in
+                                             (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: ([lines.put(x) for x in p.stdout], lines.put("")), daemon=True).start()
+    return p, lines
+
+
+def _wait_for_step(p, lines, step: int) -> None:
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line == "":
+            break
+        if line.startswith(f"zplan: step {step}/"):
+            return
+    p.kill()
+    pytest.fail(f"no step {step} line: {p.stderr.read()[-3000:]}")
+
+
+def _ranks(launcher: int) -> list[int]:
+    """The pids of the trainer's ranks below the launcher: their command line names the module,
+    as torchrun's (zplan.launch.elastic) does too."""
+    from zplan.launch.procs import descendants
+
+    found = []
+    for pid in descendants(launcher):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"zplan.trainer" in cmd and b"zplan.launch.elastic" not in cmd:  # not torchrun's line
+            found.append(pid)
+    return found
+
+
+def _finish(p) -> tuple[int, str]:
+    try:
+        _, err = p.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("the stopped run did not end within 200 s")
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("how", ["launcher", "one rank"])
+def test_a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint(run_zplan, tmp_path, how):
+    make_plan(run_zplan, tmp_path / "p.json", "zero3", 2, 8)
+    run = tmp_path / "stopped"
+    p, lines = _start(tmp_path / "p.json", run)
+    _wait_for_step(p, lines, 2)
+    sig = signal.SIGTERM if how == "launcher" else signal.SIGUSR1
+    if how == "launcher":
+        p.send_signal(sig)
+    else:
+        ranks = _ranks(p.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), sig)  # one rank only: the other learns it at the step's end
+    code, err = _finish(p)
+    assert code == 128 + sig, err[-3000:]
+    assert "Traceback" not in err and "error" not in err.lower(), err[-3000:]
+    rep = json.loads((run / "run_report.json").read_text())
+    stopped = rep["end_step"]
+    assert rep["stopped_by"] == sig.name and 2 <= stopped < STEPS, rep
+    assert f"zplan: stopped by {sig.name} after step {stopped} of {STEPS}; checkpoint of step {stopped}" in err
+    assert f"zplan: interrupted ({sig.name}); `zplan launch --resume" in err.strip().splitlines()[-1]
+    assert sorted(d.name for d in run.glob("step_*")) == [f"step_{stopped:08d}"]
+    if how == "one rank":
+        return
+    # resumed to two steps past the stop: the weights of a run never stopped, bit for bit
+    end = stopped + 2
+    rep, _ = launch(run_zplan, tmp_path / "p.json", run, end, resume=True)
+    assert rep["start_step"] == stopped and rep["end_step"] == end and rep["stopped_by"] is None
+    launch(run_zplan, tmp_path / "p.json", tmp_path / "straight", end)
+    a, b = weights(tmp_path / "straight", tmp_path), weights(run, tmp_path)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

@@ -1,0 +1,59 @@
+"""A run asked to stop ends at a step boundary with a checkpoint, so `zplan launch --resume`
+loses no step: SIGTERM (what Slurm and Kubernetes send ahead of their SIGKILL, 30 s later by
+default: Slurm's KillWait, Kubernetes' terminationGracePeriodSeconds), SIGUSR1 (what a Slurm
+job asks for with `--signal=USR1@<seconds>`), SIGINT (Ctrl-C, which zplan launch forwards to the
+ranks). Before, any of them killed the ranks mid-step and the run fell back to its last
+periodic checkpoint.
+
+A rank's handler only notes the signal. At the end of every step the ranks agree on it (a MAX
+all-reduce of one integer on the host: every zplan group has gloo for the host, so this neither
+waits for the GPU nor counts as the step's traffic), so that all stop after the same step,
+whichever of them the signal reached first. A second signal ends the rank at once (the
+signal's default action), as a second Ctrl-C does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class StopRequests:
+    """While entered (in the main thread: Python runs signal handlers there only), the first
+    of STOP_SIGNALS is noted in `signum`; a second one of them ends the process as that signal
+    would have."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                self._old[s] = signal.signal(s, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def _note(self, signum: int, _frame) -> None:
+        if self.signum:  # the second: what the signal does unhandled, now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The signal any rank has noted, the same on every rank (0: none). A collective: every
+        rank calls it after the same step."""
+        import torch
+        import torch.distributed as dist
+
+        noted = torch.tensor([self.signum], dtype=torch.int64)  # on the host: gloo carries it
+        dist.all_reduce(noted, op=dist.ReduceOp.MAX)
+        return int(noted)
