@@ -38,15 +38,29 @@ WHY = [
     "  (error = (predicted - measured) / measured, as everywhere in zplan). gloo's reduce-scatter",
     "  clones its input, which the planner counts on CPU ranks (memory_timeline.",
     "  gloo_reduce_scatter_copies_its_input; the fake traces below, over a fake process group, do",
-    "  not see it). The measured peaks of the sharded bf16 cells without checkpointing still move",
-    "  1-5% between runs (which moment of the backward peaks depends on gloo's timing; zero3 N=2",
-    "  has read 35.5-39.3 MiB), so a cell near 5% may cross it in one run and not the next; the",
-    "  FakeTensorMode traces below are deterministic.",
+    "  not see it). The measured peaks of the sharded bf16 cells without checkpointing moved 1-5%",
+    "  between runs until the tracker timed that clone as the call does (gloo's worker thread",
+    "  sometimes dropped it a few ops late: fake_tracker._made_by_collective).",
     "- offload-all is left out of the CPU matrix: on a CPU rank the device and the host are the",
     "  same memory, so the planner's per-GPU figure has nothing to be held against; it needs a",
     "  GPU (no check here covers it yet).",
     "",
 ]
+
+
+KEPT_FROM = "## Beyond the matrix"  # the surveys, written by hand between the tables and WHY
+
+
+def kept_sections(path: Path) -> list[str]:
+    """The hand-written survey sections of the file being regenerated (from KEPT_FROM up to
+    WHY's heading), kept: a regeneration wrote the tables and dropped them."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    if KEPT_FROM not in text or WHY[0] not in text:
+        return []
+    return text[text.index(KEPT_FROM):text.index(WHY[0])].rstrip("\n").split("\n") + [""]
 
 
 def main() -> None:
@@ -84,7 +98,7 @@ def main() -> None:
     for w, f in zip((8, 64), fakes):
         tail += [f"{w} ranks, seq 4096, micro-batch 1 (`zplan verify --fake --model llama-3.1-8b --world-size {w} --seq-len 4096 --strategy zero3 --strategy zero2`; exit {f.returncode}):",
                  "", "```", f.stdout.strip(), (f.stderr.strip().splitlines() or [""])[-1], "```", ""]
-    tail += WHY
+    tail += kept_sections(Path(a.out)) + WHY
     Path(a.out).write_text("\n".join(head) + body + "\n".join(tail))
     print(f"wrote {a.out}")
 
