@@ -52,20 +52,22 @@ def _wait_for_step(p, lines, step: int) -> None:
     pytest.fail(f"no step {step} line: {p.stderr.read()[-3000:]}")
 
 
-def _ranks(launcher: int) -> list[int]:
-    """The pids of the trainer's ranks below the launcher: their command line names the module,
-    as torchrun's (zplan.launch.elastic) does too."""
+def _below(launcher: int) -> tuple[list[int], list[int]]:
+    """The pids of torchrun (zplan.launch.elastic) and of the trainer's ranks below the launcher
+    (whose command line names the module, as torchrun's does too)."""
     from zplan.launch.procs import descendants
 
-    found = []
+    torchrun, ranks = [], []
     for pid in descendants(launcher):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"zplan.trainer" in cmd and b"zplan.launch.elastic" not in cmd:  # not torchrun's line
-            found.append(pid)
-    return found
+        if b"zplan.launch.elastic" in cmd:
+            torchrun.append(pid)
+        elif b"zplan.trainer" in cmd:
+            ranks.append(pid)
+    return torchrun, ranks
 
 
 def _finish(p) -> tuple[int, str]:
@@ -77,19 +79,25 @@ def _finish(p) -> tuple[int, str]:
     return p.returncode, err
 
 
-@pytest.mark.parametrize("how", ["launcher", "one rank"])
+@pytest.mark.parametrize("how", ["launcher", "one rank", "torchrun and every rank"])
 def test_a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint(run_zplan, tmp_path, how):
+    """`torchrun and every rank`: what Slurm does at a job's end (SIGTERM to every process of the
+    step): torchrun passes it on to its ranks, a second SIGTERM each, which killed them mid-step
+    when a repeat meant "at once" (a review, reproduced)."""
     make_plan(run_zplan, tmp_path / "p.json", "zero3", 2, 8)
     run = tmp_path / "stopped"
     p, lines = _start(tmp_path / "p.json", run)
     _wait_for_step(p, lines, 2)
-    sig = signal.SIGTERM if how == "launcher" else signal.SIGUSR1
+    sig = signal.SIGUSR1 if how == "one rank" else signal.SIGTERM
+    torchrun, ranks = _below(p.pid)
+    assert len(torchrun) == 1 and len(ranks) == 2, (torchrun, ranks)
     if how == "launcher":
         p.send_signal(sig)
-    else:
-        ranks = _ranks(p.pid)
-        assert len(ranks) == 2, ranks
+    elif how == "one rank":
         os.kill(max(ranks), sig)  # one rank only: the other learns it at the step's end
+    else:
+        for pid in torchrun + ranks:
+            os.kill(pid, sig)
     code, err = _finish(p)
     assert code == 128 + sig, err[-3000:]
     assert "Traceback" not in err and "error" not in err.lower(), err[-3000:]
@@ -99,7 +107,7 @@ def test_a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint(run_zpl
     assert f"zplan: stopped by {sig.name} after step {stopped} of {STEPS}; checkpoint of step {stopped}" in err
     assert f"zplan: interrupted ({sig.name}); `zplan launch --resume" in err.strip().splitlines()[-1]
     assert sorted(d.name for d in run.glob("step_*")) == [f"step_{stopped:08d}"]
-    if how == "one rank":
+    if how != "launcher":
         return
     # resumed to two steps past the stop: the weights of a run never stopped, bit for bit
     end = stopped + 2

@@ -434,7 +434,7 @@ def launch(
     from ..launch.runner import run_with_restarts
 
     # zplan's trainer ends at a step boundary with a checkpoint when signalled (trainer/stop.py)
-    launched_at = time.time()
+    report_before = _report_stamp(run)
     rc = run_with_restarts(argv, env, max_restarts, (lock.fileno(),) if lock is not None else (),
                            stops_at_step=script is None)
     if rc and kept is not None and nnodes == 1 and step_folders(run) <= steps_before:
@@ -444,8 +444,8 @@ def launch(
         kept.unlink()
         print(f"zplan: note: no checkpoint was written under the new plan; {plan_path} is the run's "
               f"plan again", file=sys.stderr)
-    if rc == 0 and script is None:  # ranks a scheduler signalled directly: stopped, not finished
-        rc = _stopped_rc(run, launched_at)
+    if script is None:
+        rc = _outcome(rc, _fresh_report(run, report_before), steps)
     if rc in INTERRUPTED:  # a signal the launcher forwarded (runner.FORWARDED), or the ranks got
         how = (f"`zplan launch --resume --run-dir {shlex.quote(str(run))}` continues from its newest "
                f"checkpoint" if step_folders(run) else "no checkpoint was written in its run folder")
@@ -457,18 +457,43 @@ def launch(
 INTERRUPTED = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
 
 
-def _stopped_rc(run: Path, since: float) -> int:
-    """128 + the signal that stopped this launch's run at a step boundary (its report's
-    stopped_by, zplan/trainer/stop.py), where the ranks got it from outside the launcher (Slurm
-    signals every task of a job); 0 where the run finished."""
-    report = run / "run_report.json"
+def _report_stamp(run: Path) -> tuple | None:
+    """What tells one run_report.json from another (written atomically: a new inode each time)."""
     try:
-        if report.stat().st_mtime < since:
-            return 0
-        name = json.loads(report.read_text()).get("stopped_by")
-        return 128 + signal.Signals[name] if name in signal.Signals.__members__ else 0
-    except (OSError, ValueError, AttributeError):
+        st = (run / "run_report.json").stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _fresh_report(run: Path, before: tuple | None) -> dict | None:
+    """The run report this launch's ranks wrote (its stamp changed), else None: no clock is
+    compared, so a shared folder's skew between nodes cannot make an old report look new."""
+    stamp = _report_stamp(run)
+    if stamp is None or stamp == before:
+        return None
+    try:
+        report = json.loads((run / "run_report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _outcome(rc: int, report: dict | None, steps: int) -> int:
+    """The launch's exit code from torchrun's and this launch's run report: 128 + the signal
+    that stopped the run at a step boundary where the ranks got it from outside the launcher
+    (Slurm signals every task; torchrun exits 0), and 0 where the launcher was signalled but the
+    run had finished its last step already (it is not interrupted)."""
+    if report is None:
+        return rc
+    name = report.get("stopped_by")
+    if rc == 0 and name in signal.Signals.__members__:
+        return 128 + signal.Signals[name]
+    if rc in INTERRUPTED and name is None and report.get("end_step") == steps:
+        print(f"zplan: the run had finished step {steps}, its last, when {signal.Signals(rc - 128).name} "
+              f"came; nothing was cut short", file=sys.stderr)
         return 0
+    return rc
 
 
 def _keep_replaced_plan(path: Path, new) -> Path | None:

@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                      "torch.distributed.elastic.multiprocessing.errors"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["ZPLAN_LAUNCHER"] = "1"  # ranks leave their error lines to us
+    # SIGUSR1 is the ranks' (a stop request: zplan/trainer/stop.py); unhandled it would end torchrun,
+    # and Slurm's --signal reaches every process of a step. A handler, not SIG_IGN: the ranks,
+    # exec'd, start with the default action again.
+    signal.signal(signal.SIGUSR1, lambda *_: None)
     try:
         torchrun(argv)
     except ChildFailedError as e:

@@ -26,7 +26,9 @@ from .procs import become_subreaper, children, die_with_parent, descendants, kil
 
 GRACE_S = 5.0
 STOP_GRACE_S = 300.0  # a step and a checkpoint; Slurm's and Kubernetes' own kill comes after 30 s
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGUSR1: a stop request of the ranks (Slurm's --signal reaches every process of a step; unhandled,
+# it ended the launcher)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 POLL_S = 0.05
 
 
@@ -55,8 +57,11 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), st
         if ranks:  # none yet (torchrun still starting them): everything stops now, as before
             stopping.append(signum)
             signal_all(ranks, signal.SIGTERM if signum == signal.SIGHUP else signum)
-            os.write(2, f"zplan: {signal.Signals(signum).name}: the ranks stop after this step, with a checkpoint "
-                        f"where the run writes them (a second signal stops them at once)\n".encode())
+            try:  # a hung-up terminal (SIGHUP) refuses the write: the stop goes on
+                os.write(2, f"zplan: {signal.Signals(signum).name}: the ranks stop after this step, with a "
+                            f"checkpoint where the run writes them (a second signal stops them at once)\n".encode())
+            except OSError:
+                pass
             return
         signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
 

@@ -118,7 +118,10 @@ def _made_by_collective() -> bool:
     thread and dropped when the call returns, except that gloo's worker thread sometimes holds
     the last reference a few ops longer. Counted until then, a CPU rank's peak moved by one
     unit's reduce-scatter input from run to run (tiny model, zero3, 2 ranks: 32.23 MB, and one
-    run in four up to 35.5 MB); released at the call's return it is what the plan times it as."""
+    run in four up to 35.5 MB); released at the call's return it is what the plan times it as.
+    It assumes nothing made inside distributed_c10d.py outlives the call: true of the tensor
+    collectives FSDP2 and DDP call, not of the object collectives (all_gather_object's unpickled
+    tensors), which nothing runs inside the tracked steps."""
     f = sys._getframe(2)
     while f is not None:
         if f.f_code.co_filename.endswith(_C10D_FILE):
@@ -145,27 +148,30 @@ def tracker_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._backend_pending: list = []  # storages a collective made, not yet released
+            self._snap_lock = threading.RLock()  # re-entrant: a release can run inside an update
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
             """MemTracker._update_snap, and the change recorded: ADD (a new storage), DEL (freed),
             SIZE (resized: FSDP2 frees and re-allocates unsharded parameters with resize_);
             REF only relabels a storage. Where `settle_backend_buffers` is set (a CPU rank's
             run), a storage the collective backend makes inside a c10d call is released when
-            the call has returned, whichever thread drops it last (_made_by_collective)."""
-            if self.settle_backend_buffers:
-                pending = self._backend_pending
-                if pending and threading.current_thread() is threading.main_thread() and not _made_by_collective():
-                    for w in pending:
-                        w.zplan_settled = True
-                        self._apply_snap(_UpdateType.DEL, w)
-                    pending.clear()
-                if u_type is _UpdateType.DEL and getattr(winfo, "zplan_settled", False):
-                    return  # released already, when its collective returned
-                if u_type is _UpdateType.ADD and _made_by_collective():
-                    pending.append(winfo)
-                elif u_type is _UpdateType.DEL and winfo in pending:
-                    pending.remove(winfo)
-            self._apply_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            the call has returned, whichever thread drops it last (_made_by_collective). One
+            update at a time: gloo's thread releases storages beside the main thread's updates."""
+            with self._snap_lock:
+                if self.settle_backend_buffers:
+                    pending = self._backend_pending
+                    if pending and threading.current_thread() is threading.main_thread() and not _made_by_collective():
+                        for w in pending:
+                            w.zplan_settled = True
+                            self._apply_snap(_UpdateType.DEL, w)
+                        pending.clear()
+                    if u_type is _UpdateType.DEL and getattr(winfo, "zplan_settled", False):
+                        return  # released already, when its collective returned
+                    if u_type is _UpdateType.ADD and _made_by_collective():
+                        pending.append(winfo)
+                    elif u_type is _UpdateType.DEL and winfo in pending:
+                        pending.remove(winfo)
+                self._apply_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
         def _apply_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
             if self.allocations is not None and u_type.name != "REF":

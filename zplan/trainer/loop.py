@@ -205,7 +205,12 @@ class Trainer:
                          zero1=self.plan.strategy == "zero1", keep=self.cfg.keep)
 
     def run(self) -> dict | None:
-        """Train to cfg.steps and return the report; None if a resumed run had already finished."""
+        """Train to cfg.steps and return the report; None if a resumed run had already finished.
+        A signal from here to the last checkpoint stops the run after a step (stop.py)."""
+        with StopRequests() as stops:
+            return self._run(stops)
+
+    def _run(self, stops: StopRequests) -> dict | None:
         cfg = self.cfg
         if self.rank == 0:
             ckpt.clean_stale(cfg.ckpt_dir)  # a killed save's .tmp-step_N
@@ -241,8 +246,7 @@ class Trainer:
             if start:  # a resumed run: the checkpoint load's cached blocks are not the steps' peak
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        stops = StopRequests()
-        with progress as bar, contextlib.ExitStack() as stack, stops:
+        with progress as bar, contextlib.ExitStack() as stack:
             stack.callback(self.batches.close)
             task = bar.add_task("training", total=cfg.steps - start) if bar else None
             while self.step < cfg.steps:

@@ -8,13 +8,17 @@ periodic checkpoint.
 A rank's handler only notes the signal. At the end of every step the ranks agree on it (a MAX
 all-reduce of one integer on the host: every zplan group has gloo for the host, so this neither
 waits for the GPU nor counts as the step's traffic), so that all stop after the same step,
-whichever of them the signal reached first. A second signal ends the rank at once (the
-signal's default action), as a second Ctrl-C does.
+whichever of them the signal reached first. The handlers stay in place until the run's last
+checkpoint is written, so a signal during a save is noted, not fatal.
+
+A rank ignores further signals: under Slurm or Kubernetes the same SIGTERM reaches a rank twice,
+straight and through torchrun (whose own handler passes it on to its workers and kills them 30 s
+later), and a rank that died of the second would die mid-step. What stops a run at once is
+zplan launch's answer to a second signal (a SIGKILL of everything) or the scheduler's SIGKILL.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -23,8 +27,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 class StopRequests:
     """While entered (in the main thread: Python runs signal handlers there only), the first
-    of STOP_SIGNALS is noted in `signum`; a second one of them ends the process as that signal
-    would have."""
+    of STOP_SIGNALS is noted in `signum`; later ones change nothing."""
 
     def __init__(self) -> None:
         self.signum = 0
@@ -42,11 +45,8 @@ class StopRequests:
         self._old.clear()
 
     def _note(self, signum: int, _frame) -> None:
-        if self.signum:  # the second: what the signal does unhandled, now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
+        if not self.signum:
+            self.signum = signum
 
     def agreed(self) -> int:
         """The signal any rank has noted, the same on every rank (0: none). A collective: every
