@@ -484,7 +484,7 @@ def test_a_script_that_does_not_parse_is_one_line_before_any_rank(capsys, tmp_pa
     assert not (tmp_path / "r").exists()
 
 
-def test_a_resume_keeps_the_runs_checkpoint_cadence(capsys, tmp_path, monkeypatch):
+def test_a_resume_keeps_the_runs_length_and_checkpoint_cadence(capsys, tmp_path, monkeypatch):
     """A run started with --save-every 1 --keep 3, killed and resumed with --steps alone, went back
     to saving only at its end and keeping every checkpoint (a QA pass): the resume takes the run's
     own (launch.json beside its plan) unless given again. torchrun is not started: the argv it
@@ -510,6 +510,15 @@ def test_a_resume_keeps_the_runs_checkpoint_cadence(capsys, tmp_path, monkeypatc
     (run / "launch.json").write_text('{"save_every": "__import__(\'os\')", "keep": -4}')  # data, not code
     p = cli(capsys, "launch", "--resume", "--run-dir", str(run), "--steps", "50")
     assert p.returncode == 0 and cadence(got[-1]) == ("0", "0"), p.stderr
+    # its length too: a 300-step run stopped by a signal, resumed as its hint says (no --steps),
+    # trained to the default 20 (a QA pass)
+    long = tmp_path / "long"
+    assert cli(capsys, "launch", "--plan", str(plan), "--run-dir", str(long), "--steps", "300").returncode == 0
+    p = cli(capsys, "launch", "--resume", "--run-dir", str(long))
+    assert p.returncode == 0 and got[-1][got[-1].index("--steps") + 1] == "300", p.stderr
+    assert "--resume keeps the run's --steps 300" in p.stderr
+    p = cli(capsys, "launch", "--resume", "--run-dir", str(long), "--steps", "400")
+    assert p.returncode == 0 and got[-1][got[-1].index("--steps") + 1] == "400", p.stderr
 
 
 def test_no_save_reaches_the_trainer_and_asks_no_room(capsys, tmp_path, monkeypatch):

@@ -101,27 +101,28 @@ def _check_syntax(script: str) -> None:
         raise UsageError(f"{script} is not Python source ({e}); pass your training script") from None
 
 
-RUN_SETTINGS = "launch.json"  # in the run folder: the built-in trainer's checkpoint cadence
+RUN_SETTINGS = "launch.json"  # in the run folder: the built-in trainer's length and checkpoint cadence
 
 
-def _run_settings(run: Path, ctx: typer.Context, save_every: int, keep: int) -> tuple[int, int]:
-    """--resume keeps the run's --save-every and --keep (RUN_SETTINGS, written by its launch) where
-    they are not given again: a run saving every step, killed and resumed with --steps alone,
-    saved only at its end (a QA pass). The file is data: a value not an integer in range is
-    ignored."""
+def _run_settings(run: Path, ctx: typer.Context, steps: int, save_every: int, keep: int) -> tuple[int, int, int]:
+    """--resume keeps the run's --steps, --save-every and --keep (RUN_SETTINGS, written by its
+    launch) where they are not given again: a run saving every step, killed and resumed with
+    --steps alone, saved only at its end; a run of 300 steps stopped by a signal and resumed as
+    its hint says trained to the default 20 (QA passes). The file is data: a value not an
+    integer in range is ignored."""
     try:
         stored = json.loads((run / RUN_SETTINGS).read_text())
     except (OSError, ValueError):
-        return save_every, keep
-    out, said = {"save_every": save_every, "keep": keep}, []
-    for name, top in (("save_every", 10**9), ("keep", 10**6)):
+        return steps, save_every, keep
+    out, said = {"steps": steps, "save_every": save_every, "keep": keep}, []
+    for name, low, top in (("steps", 1, 10**9), ("save_every", 0, 10**9), ("keep", 0, 10**6)):
         v = stored.get(name) if isinstance(stored, dict) else None
-        if not _given(ctx, name) and type(v) is int and 0 <= v <= top and v != out[name]:
+        if not _given(ctx, name) and type(v) is int and low <= v <= top and v != out[name]:
             out[name] = v
             said.append(f"--{name.replace('_', '-')} {v}")
     if said:
         print(f"zplan: --resume keeps the run's {' '.join(said)} (pass them to change)", file=sys.stderr)
-    return out["save_every"], out["keep"]
+    return out["steps"], out["save_every"], out["keep"]
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -267,7 +268,7 @@ def launch(
     if script is None and "--no-save" in extra:  # the trainer's flag after `--`: the same run
         checkpoints = False
     if resume and script is None and checkpoints and run_dir is not None:
-        save_every, keep = _run_settings(Path(run_dir), ctx, save_every, keep)
+        steps, save_every, keep = _run_settings(Path(run_dir), ctx, steps, save_every, keep)
     if not checkpoints and (save_every or keep):
         what = f"--save-every {save_every}" if save_every else f"--keep {keep}"
         raise UsageError(f"{what} with --no-save: drop one of them")
@@ -422,7 +423,7 @@ def launch(
             kept = _keep_replaced_plan(Path(plan_path), p)
         save(p, plan_path)
     if lock is not None and script is None and checkpoints:  # what a --resume keeps (_run_settings)
-        write_atomic(str(run / RUN_SETTINGS), json.dumps({"save_every": save_every, "keep": keep}) + "\n")
+        write_atomic(str(run / RUN_SETTINGS), json.dumps({"steps": steps, "save_every": save_every, "keep": keep}) + "\n")
     steps_before = step_folders(run)
     if dry_run:
         print(shell_line(argv, env))

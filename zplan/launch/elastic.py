@@ -44,17 +44,19 @@ def summarize(failures: dict) -> tuple[list[str], int]:
     for rank, f in sorted(failures.items()):
         rec = _zplan_record(f)
         if rec is not None:
-            key = (bool(rec.get("secondary")), str(rec.get("line", "")), int(rec.get("exit_code", 1)))
+            line = str(rec.get("line", ""))  # a stop before the first step is said, not an error
+            key = (bool(rec.get("secondary")), line if rec.get("stopped") is True else f"error: {line}",
+                   int(rec.get("exit_code", 1)))
         elif f.exitcode < 0:
             sig = -f.exitcode
             name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
             # SIGTERM is how torchrun stops the other ranks once one has failed: an echo
-            key = (sig == signal.SIGTERM, f"{{ranks}} killed by {name}", 128 + sig)
+            key = (sig == signal.SIGTERM, f"error: {{ranks}} killed by {name}", 128 + sig)
         else:
-            key = (False, f"{{ranks}} exited with code {f.exitcode}", f.exitcode)
+            key = (False, f"error: {{ranks}} exited with code {f.exitcode}", f.exitcode)
         groups.setdefault(key, []).append(rank)
     primary = {k: v for k, v in groups.items() if not k[0]} or groups
-    lines = [f"zplan: error: {line.replace('{ranks}', _ranks(ranks))}" for (_, line, _), ranks in primary.items()]
+    lines = [f"zplan: {line.replace('{ranks}', _ranks(ranks))}" for (_, line, _), ranks in primary.items()]
     codes = {code for (_, _, code) in primary}
     return lines, codes.pop() if len(codes) == 1 else 1
 

@@ -64,6 +64,12 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), st
                 pass
             return
         signal_all(ours(), signum if len(got) == 1 else signal.SIGKILL)  # a second signal: at once
+        if len(got) == 2 and stopping:
+            try:
+                os.write(2, f"zplan: {signal.Signals(signum).name} again: every rank killed at once, "
+                            f"without waiting for the step's checkpoint\n".encode())
+            except OSError:
+                pass
 
     # SIGHUP ignored when zplan started stays ignored (`nohup zplan launch`); SIGINT and SIGTERM
     # are always forwarded (a background job's ignored SIGINT is the shell's, not a wish)

@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from .stop import StopRequests
+
+    # a stop signal from here on: before the first step the rank ends in one line, not by the
+    # signal's default action; from it, the run stops after a step with a checkpoint (stop.py)
+    stops = StopRequests(armed=False).__enter__()
     path = os.environ.get("ZPLAN_PLAN")
     from ..errors import UsageError
 
@@ -131,7 +136,7 @@ def _main(args: argparse.Namespace) -> int:
                     deterministic=args.deterministic, keep=args.keep, log_every=args.log_every)
     agree_on_run_dir(cfg.ckpt_dir)
     trainer = Trainer(plan, cfg, backend)
-    report = trainer.run()
+    report = trainer.run(stops)
     if dist.get_rank() == 0:
         _print_outcome(report, plan, cfg, world, cuda, trainer.step)
     dist.barrier()

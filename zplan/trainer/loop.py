@@ -171,13 +171,19 @@ class Trainer:
         return loss, grad_norm
 
     def _mean_over_ranks(self, local: list[torch.Tensor]) -> list[float]:
-        """The rank-mean of each per-step loss: one all-reduce for all of them (a collective:
-        every rank calls it)."""
+        """The rank-mean of each per-step loss (a collective: every rank calls it), summed in
+        rank order: an all-reduce's order of addition depends on the vector's length (gloo on 4
+        ranks), so a run stopped and resumed reported losses a last bit away from the same steps
+        of an uninterrupted run (a QA pass) although its weights were equal."""
         if not local:
             return []
         t = torch.stack(local)
-        dist.all_reduce(t)
-        return (t / self.world).tolist()
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return (total / self.world).tolist()
 
     # ------------------------------------------------------------------ the run
     def resume(self) -> int:
@@ -204,11 +210,14 @@ class Trainer:
                          {"step": self.step, "data_seed": self.cfg.seed}, meta,
                          zero1=self.plan.strategy == "zero1", keep=self.cfg.keep)
 
-    def run(self) -> dict | None:
+    def run(self, stops: StopRequests | None = None) -> dict | None:
         """Train to cfg.steps and return the report; None if a resumed run had already finished.
-        A signal from here to the last checkpoint stops the run after a step (stop.py)."""
-        with StopRequests() as stops:
+        A signal from the first step to the last checkpoint stops the run after a step; before
+        it, `stops` (entered by the rank's start, unarmed) ends the rank (stop.py)."""
+        if stops is not None:
             return self._run(stops)
+        with StopRequests(armed=False) as own:
+            return self._run(own)
 
     def _run(self, stops: StopRequests) -> dict | None:
         cfg = self.cfg
@@ -246,6 +255,7 @@ class Trainer:
             if start:  # a resumed run: the checkpoint load's cached blocks are not the steps' peak
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+        stops.armed = True  # from here a signal stops the run after a step, with a checkpoint
         with progress as bar, contextlib.ExitStack() as stack:
             stack.callback(self.batches.close)
             task = bar.add_task("training", total=cfg.steps - start) if bar else None

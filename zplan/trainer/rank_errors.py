@@ -36,7 +36,9 @@ def classify(e: BaseException) -> tuple[str, int, bool]:
     """(one line, exit code, whether it is only the echo of another rank's failure)."""
     from ..errors import ZplanError
 
-    if isinstance(e, ZplanError):
+    from .stop import StoppedBeforeTraining
+
+    if isinstance(e, (ZplanError, StoppedBeforeTraining)):
         return str(e), e.exit_code, False
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", 130, False
@@ -80,15 +82,24 @@ def report(e: BaseException) -> int:
         record = {"message": {"message": line, "extraInfo": {"py_callstack": "",
                                                              "timestamp": str(int(time.time()))}},
                   "zplan": {"line": line, "exit_code": code, "secondary": secondary,
-                            "rank": int(rank), "time_s": time.time()}}
+                            "rank": int(rank), "time_s": time.time(), "stopped": _stopped(e)}}
         try:  # renamed into place whole: torchrun's agent, which kills the other ranks once one
             # fails, reads the file of a rank killed mid-write (an empty file crashed it)
             write_text(path, json.dumps(record), "error file")
         except (OSError, ZplanError):
             path = None
     if not (path and os.environ.get("ZPLAN_LAUNCHER") == "1"):
-        print(f"zplan trainer: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        what = "" if _stopped(e) else "error: "
+        print(f"zplan trainer: {what}rank {rank}: {line}", file=sys.stderr, flush=True)
     return code
+
+
+def _stopped(e: BaseException) -> bool:
+    """A stop the user asked for before the first step (stop.StoppedBeforeTraining): said, not
+    an error."""
+    from .stop import StoppedBeforeTraining
+
+    return isinstance(e, StoppedBeforeTraining)
 
 
 def leave(code: int):

@@ -25,12 +25,26 @@ import threading
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+class StoppedBeforeTraining(Exception):
+    """A stop signal before the first step (imports, the process group, the model, a resume):
+    nothing to save, so the rank ends there, with 128 + the signal and one line that is not an
+    error (rank_errors.report marks it, zplan.launch.elastic prints it as such)."""
+
+    def __init__(self, signum: int):
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} before its first step; nothing to save")
+
+
 class StopRequests:
     """While entered (in the main thread: Python runs signal handlers there only), the first
-    of STOP_SIGNALS is noted in `signum`; later ones change nothing."""
+    of STOP_SIGNALS is noted in `signum`; later ones change nothing. Until `armed` (the training
+    loop's start) a stop signal raises StoppedBeforeTraining instead: a rank entered at its start
+    neither dies of the signal's default action (an "error" for a stop the user asked for) nor
+    trains on."""
 
-    def __init__(self) -> None:
+    def __init__(self, armed: bool = True) -> None:
         self.signum = 0
+        self.armed = armed
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> "StopRequests":
@@ -45,6 +59,9 @@ class StopRequests:
         self._old.clear()
 
     def _note(self, signum: int, _frame) -> None:
+        if not self.armed:
+            self.armed = True  # once: the exception is on its way
+            raise StoppedBeforeTraining(signum)
         if not self.signum:
             self.signum = signum
 
