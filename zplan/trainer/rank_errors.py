@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -38,7 +39,11 @@ def classify(e: BaseException) -> tuple[str, int, bool]:
 
     from .stop import StoppedBeforeTraining
 
-    if isinstance(e, (ZplanError, StoppedBeforeTraining)):
+    if isinstance(e, StoppedBeforeTraining):
+        # SIGTERM is also how torchrun stops the other ranks once one has failed: then an echo
+        # (zplan.launch.elastic prints it only where no rank failed on its own)
+        return str(e), e.exit_code, e.exit_code == 128 + signal.SIGTERM
+    if isinstance(e, ZplanError):
         return str(e), e.exit_code, False
     if isinstance(e, KeyboardInterrupt):
         return "interrupted", 130, False
