@@ -89,6 +89,9 @@ os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=por
                   WORLD_SIZE=world, LOCAL_RANK=str(rank))
 import torch, deepspeed
 from torch.utils._python_dispatch import TorchDispatchMode
+# not the CPU accelerator's shared-memory all-reduce (its inference path, JIT-built here: half a
+# minute of C++ on a fresh machine): the engine's gradient reductions are torch.distributed's
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 deepspeed.init_distributed(dist_backend="gloo")
 
 class Calls(TorchDispatchMode):
