@@ -55,7 +55,7 @@ set -euo pipefail
 # sed reads every line: `head -n 1` would end the pipe early, and pipefail turns that into an exit
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export ZPLAN_PLAN=/shared/run/plan.json
-srun --kill-on-bad-exit=1 /opt/env/bin/python -m torch.distributed.run \\
+srun --kill-on-bad-exit=1 /opt/env/bin/python -m zplan.launch.elastic \\
     --nnodes=4 --nproc-per-node=8 \\
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \\
     --max-restarts=1 --log-dir=/shared/logs \\
@@ -642,7 +642,7 @@ def test_slurm_script_for_a_sixteen_gpu_plan(capsys, tmp_path, monkeypatch):
     assert p.returncode == 0, p.stderr
     text = out.read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-task=8",
-                 "#SBATCH --cpus-per-task=32", f"srun --kill-on-bad-exit=1 {sys.executable} -m torch.distributed.run"):
+                 "#SBATCH --cpus-per-task=32", f"srun --kill-on-bad-exit=1 {sys.executable} -m zplan.launch.elastic"):
         assert line in text, text
     beside = tmp_path / "job.plan.json"
     assert beside.is_file() and f"export ZPLAN_PLAN={beside}" in text
@@ -657,7 +657,7 @@ def test_slurm_script_for_a_sixteen_gpu_plan(capsys, tmp_path, monkeypatch):
            "SLURM_JOB_ID": "4242", "STUB_OUT": str(tmp_path / "srun.args")}
     assert subprocess.run(["bash", str(out)], env=env).returncode == 0
     args = (tmp_path / "srun.args").read_text().splitlines()
-    assert args[:4] == ["--kill-on-bad-exit=1", sys.executable, "-m", "torch.distributed.run"]
+    assert args[:4] == ["--kill-on-bad-exit=1", sys.executable, "-m", "zplan.launch.elastic"]
     assert "--rdzv-endpoint=gpu-a7:29500" in args and "--rdzv-id=4242" in args and "--nnodes=2" in args
     assert "--max-restarts=2" in args and "--nproc-per-node=8" in args
     assert args[args.index("--ckpt-dir") + 1] == "/shared/run" and args[args.index("--steps") + 1] == "100"

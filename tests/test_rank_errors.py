@@ -84,6 +84,23 @@ def test_one_line_per_distinct_error_and_the_agreed_code(tmp_path, monkeypatch, 
     assert summarize({0: _failure(tmp_path, 9, exitcode=-9)}) == (["zplan: error: rank 0 killed by SIGKILL"], 137)
 
 
+def test_torchruns_sigkill_after_another_ranks_error_is_an_echo(tmp_path, monkeypatch):
+    """torchrun SIGTERMs the other ranks when one fails and SIGKILLs, 30 s later, those still
+    alive (PContext.close): an armed zplan rank notes the SIGTERM and finishes its step, which
+    under NCCL can block on the dead peer until the SIGKILL. That death is the failure's echo: the
+    failing rank's line and code are said alone. A SIGKILL with nothing else (the OOM killer) is
+    still the failure, and a rank that only lost contact does not hide it."""
+    cause = _failure(tmp_path, 0, PlanError("loss is nan at step 7"), monkeypatch=monkeypatch)
+    assert summarize({0: cause, 1: _failure(tmp_path, 11, exitcode=-9)}) == (
+        ["zplan: error: loss is nan at step 7"], 1)
+    echo = _failure(tmp_path, 1, RuntimeError("Connection closed by peer"), monkeypatch=monkeypatch)
+    assert summarize({0: _failure(tmp_path, 12, exitcode=-9), 1: echo}) == (
+        ["zplan: error: rank 0 killed by SIGKILL"], 137)
+    plain = _failure(tmp_path, 13, exitcode=3)
+    assert summarize({0: plain, 1: _failure(tmp_path, 14, exitcode=-9)}) == (
+        ["zplan: error: rank 0 exited with code 3"], 3)
+
+
 def test_error_file_is_whole_or_absent(tmp_path, monkeypatch, capsys):
     """torchrun's agent reads a failed rank's error file while it kills the others; a rank stopped
     mid-write must not leave a half file (an empty one crashed the agent with a JSONDecodeError,

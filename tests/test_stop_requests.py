@@ -72,3 +72,39 @@ def test_the_launchs_exit_code_follows_its_own_run_report(tmp_path):
     assert _outcome(128 + signal.SIGTERM, done, 20) == 0
     assert _outcome(128 + signal.SIGTERM, {"stopped_by": "SIGTERM", "end_step": 7}, 20) == 128 + signal.SIGTERM
     assert _outcome(128 + signal.SIGINT, None, 20) == 128 + signal.SIGINT
+
+
+RANK_WAITING_FOR_USR1 = """
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+got = []
+signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+(out / f"ready{os.environ['RANK']}").write_text("")
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+(out / f"got{os.environ['RANK']}").write_text(str(len(got)))
+"""
+
+
+@pytest.mark.slow  # a real torchrun (zplan.launch.elastic) of two ranks
+def test_zplans_torchrun_passes_sigusr1_on_to_its_ranks(tmp_path):
+    """SIGUSR1 to zplan's torchrun alone (`kill -USR1`, or Slurm's `--signal` where it reaches
+    srun's task only) reaches every rank once, and torchrun lives on to see them end: plain
+    torchrun died of it, and the `--slurm` script ran plain torchrun."""
+    import os
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_WAITING_FOR_USR1)
+    p = subprocess.Popen([sys.executable, "-m", "zplan.launch.elastic", "--standalone", "--nproc-per-node=2",
+                          str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-3000:]
+        time.sleep(0.1)
+    p.send_signal(signal.SIGUSR1)
+    out, _ = p.communicate(timeout=90)
+    assert p.returncode == 0, out[-3000:]
+    assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == ["1", "1"], out[-3000:]

@@ -2,8 +2,8 @@
 
 Nothing here starts a process (zplan/launch/runner.py does), so every command is testable.
 Locally zplan runs `python -m zplan.launch.elastic`, which is torchrun's own main with failures
-reported in one line and the ranks' exit code passed on (zplan/launch/elastic.py); the Slurm
-script runs plain `python -m torch.distributed.run` on every node.
+reported in one line, the ranks' exit code passed on and SIGUSR1 passed to the ranks
+(zplan/launch/elastic.py); so does the Slurm script, on every node.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-TORCHRUN = "torch.distributed.run"
 ELASTIC = "zplan.launch.elastic"
 SLURM_RDZV_PORT = 29500
 
@@ -135,8 +134,8 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
 
 
 def slurm_script(spec: LaunchSpec, gpus_per_node: int, cpus_per_task: int = 0, job: str = "zplan") -> str:
-    """An sbatch script: one task per node, each running torchrun (the same Python as this
-    zplan) with c10d rendezvous at the first node of the allocation."""
+    """An sbatch script: one task per node, each running zplan's torchrun (zplan.launch.elastic,
+    with the same Python as this zplan) with c10d rendezvous at the first node of the allocation."""
     spec.validate()
     lines = [
         "#!/bin/bash",
@@ -157,7 +156,7 @@ def slurm_script(spec: LaunchSpec, gpus_per_node: int, cpus_per_task: int = 0, j
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"export ZPLAN_PLAN={shlex.quote(spec.plan_path)}",
         *(f"export {k}={shlex.quote(v)}" for k, v in spec.env),
-        f"srun --kill-on-bad-exit=1 {shlex.quote(spec.python)} -m {TORCHRUN} \\",
+        f"srun --kill-on-bad-exit=1 {shlex.quote(spec.python)} -m {ELASTIC} \\",
         f"    --nnodes={spec.nnodes} --nproc-per-node={spec.nproc_per_node} \\",
         f'    --rdzv-backend=c10d --rdzv-endpoint="{endpoint}" --rdzv-id="$SLURM_JOB_ID" \\',
         f"    --max-restarts={spec.max_restarts}{' ' + opts if opts else ''} \\",

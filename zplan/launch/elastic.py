@@ -9,7 +9,13 @@ banner and traceback:
 - a zplan trainer rank writes its one-line error into torchrun's per-rank error file
   ($TORCHELASTIC_ERROR_FILE, see zplan/trainer/rank_errors.py); each distinct line is printed
   once, the ranks that failed first before those that only lost contact with them or were stopped by torchrun
-  (SIGTERM) after another rank failed.
+  (SIGTERM) after another rank failed, or killed by torchrun (SIGKILL) when its SIGTERM had not
+  ended them within 30 s (PContext.close's timeout: a rank blocked on a collective with a dead
+  peer, as NCCL's can be);
+- SIGUSR1 (a stop request to zplan's trainer: zplan/trainer/stop.py) is passed on to the ranks,
+  not fatal to torchrun: `kill -USR1` of torchrun, or Slurm's `--signal` where it reaches only
+  srun's task, stops the run after a step; a rank notes the first signal and ignores repeats, so
+  a signal that reaches every process besides is harmless.
 """
 
 from __future__ import annotations
@@ -55,10 +61,21 @@ def summarize(failures: dict) -> tuple[list[str], int]:
         else:
             key = (False, f"error: {{ranks}} exited with code {f.exitcode}", f.exitcode)
         groups.setdefault(key, []).append(rank)
-    primary = {k: v for k, v in groups.items() if not k[0]} or groups
+    primary = {k: v for k, v in groups.items() if not k[0]}
+    killed = {k for k in primary if k[1] == f"error: {{ranks}} killed by SIGKILL"}
+    if killed and len(killed) < len(primary):  # torchrun's SIGKILL, 30 s after its SIGTERM
+        primary = {k: v for k, v in primary.items() if k not in killed}
+    primary = primary or groups
     lines = [f"zplan: {line.replace('{ranks}', _ranks(ranks))}" for (_, line, _), ranks in primary.items()]
     codes = {code for (_, _, code) in primary}
     return lines, codes.pop() if len(codes) == 1 else 1
+
+
+def _pass_on(signum: int, _frame) -> None:
+    """Give a signal to this torchrun's ranks: its children (torchrun starts each with Popen)."""
+    from .procs import children, signal_all
+
+    signal_all(children(os.getpid()), signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                      "torch.distributed.elastic.multiprocessing.errors"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["ZPLAN_LAUNCHER"] = "1"  # ranks leave their error lines to us
-    # SIGUSR1 is the ranks' (a stop request: zplan/trainer/stop.py); unhandled it would end torchrun,
-    # and Slurm's --signal reaches every process of a step. A handler, not SIG_IGN: the ranks,
-    # exec'd, start with the default action again.
-    signal.signal(signal.SIGUSR1, lambda *_: None)
+    # SIGUSR1 is the ranks' (a stop request: zplan/trainer/stop.py); unhandled it would end torchrun.
+    # A handler, not SIG_IGN: the ranks, exec'd, start with the default action again.
+    signal.signal(signal.SIGUSR1, _pass_on)
     try:
         torchrun(argv)
     except ChildFailedError as e:

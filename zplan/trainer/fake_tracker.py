@@ -160,14 +160,17 @@ def tracker_class():
             with self._snap_lock:
                 if self.settle_backend_buffers:
                     pending = self._backend_pending
-                    if pending and threading.current_thread() is threading.main_thread() and not _made_by_collective():
-                        for w in pending:
-                            w.zplan_settled = True
-                            self._apply_snap(_UpdateType.DEL, w)
-                        pending.clear()
+                    inside = None  # _made_by_collective(), walked once and only where it is asked
+                    if pending and threading.current_thread() is threading.main_thread():
+                        inside = _made_by_collective()
+                        if not inside:
+                            for w in pending:
+                                w.zplan_settled = True
+                                self._apply_snap(_UpdateType.DEL, w)
+                            pending.clear()
                     if u_type is _UpdateType.DEL and getattr(winfo, "zplan_settled", False):
                         return  # released already, when its collective returned
-                    if u_type is _UpdateType.ADD and _made_by_collective():
+                    if u_type is _UpdateType.ADD and (inside if inside is not None else _made_by_collective()):
                         pending.append(winfo)
                     elif u_type is _UpdateType.DEL and winfo in pending:
                         pending.remove(winfo)

@@ -1,8 +1,8 @@
 """A run asked to stop ends at a step boundary with a checkpoint, so `zplan launch --resume`
 loses no step: SIGTERM (what Slurm and Kubernetes send ahead of their SIGKILL, 30 s later by
 default: Slurm's KillWait, Kubernetes' terminationGracePeriodSeconds), SIGUSR1 (`kill -USR1`,
-or Slurm's `--signal=USR1@<seconds>` where torchrun survives it: zplan launch's does, the plain
-torchrun of a `--slurm` script does not), SIGINT (Ctrl-C, which zplan launch forwards to the
+or Slurm's `--signal=USR1@<seconds>`: zplan's torchrun, zplan.launch.elastic, which zplan
+launch and its `--slurm` script run, passes it on to the ranks), SIGINT (Ctrl-C, which zplan launch forwards to the
 ranks). Before, any of them killed the ranks mid-step and the run fell back to its last
 periodic checkpoint.
 
