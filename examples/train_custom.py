@@ -1,8 +1,12 @@
-"""Your own model and loop, run under a zplan plan: `zplan launch examples/train_custom.py`.
+"""Your own model and loop, run under a zplan plan: `zplan launch examples/train_custom.py [STEPS]`.
 
 The plan (strategy, mesh, precision, micro-batch, accumulation) comes from zplan; the model,
-data and loss are yours. Here: a small MLP language model over zplan's synthetic tokens.
+data and loss are yours. Here: a small MLP language model over zplan's synthetic tokens. Signalled
+(Ctrl-C, or SIGTERM/SIGUSR1 from a scheduler) it stops after a step with a checkpoint, and the
+same command continues from it.
 """
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +15,8 @@ from torch import nn
 from zplan.trainer import api
 from zplan.trainer.data import TokenSource
 
-VOCAB, WIDTH, DEPTH, SEQ, STEPS = 256, 128, 4, 64, 8
+VOCAB, WIDTH, DEPTH, SEQ = 256, 128, 4, 64
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 8  # `zplan launch examples/train_custom.py 100`
 
 
 class Block(nn.Module):
@@ -49,6 +54,7 @@ def main():
     data = TokenSource(VOCAB, SEQ, seed=0)
     start = ctx.resume(model, opt)
     per_rank = ctx.micro_batch * ctx.grad_accum
+    done = start
     for step in range(start, STEPS):
         total = 0.0
         for micro in range(ctx.grad_accum):
@@ -62,7 +68,13 @@ def main():
         opt.zero_grad()
         if ctx.rank == 0:
             print(f"step {step + 1}: loss {total:.4f}", flush=True)
-    ctx.save(model, opt, STEPS)
+        done = step + 1
+        stop = ctx.stop_requested()  # SIGTERM, SIGUSR1, Ctrl-C to any rank: all stop after this step
+        if stop:
+            if ctx.rank == 0:
+                print(f"stopped by {stop.name} after step {done}, with a checkpoint", flush=True)
+            break
+    ctx.save(model, opt, done)
     full = ctx.full_state_dict(model)
     if ctx.rank == 0:
         print(f"full weights on rank 0: {sum(t.numel() for t in full.values()):,} parameters")

@@ -183,22 +183,6 @@ def test_plan_world_size_mismatch_is_refused(run_zplan, tmp_path):
     assert p.returncode == 2 and "the plan is for 2 ranks" in p.stderr
 
 
-def test_example_script_runs_under_launch(run_zplan, tmp_path):
-    root = Path(__file__).resolve().parent.parent
-    p = run_zplan("launch", "--run-dir", str(tmp_path / "ex"), "--strategy", "zero3",
-                  str(root / "examples" / "train_custom.py"), timeout=200)
-    losses = [float(l.split()[-1]) for l in p.stdout.splitlines() if l.startswith("step ")]
-    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, p.stderr[-3000:]
-    assert "full weights on rank 0: 593,664 parameters" in p.stdout
-    assert any(d.name.startswith("step_") for d in (tmp_path / "ex").iterdir())
-    if p.returncode != 0 and "terminate called without an active exception" in p.stderr:
-        # gloo aborted a rank in its teardown once the script had finished its work (checked
-        # above). ctx.close(leave=True) now ends the process before interpreter teardown; if this
-        # still shows, the abort is inside destroy_process_group. Reported as XFAIL, not hidden.
-        pytest.xfail("gloo aborted a rank at exit after the script finished (SIGABRT in teardown)")
-    assert p.returncode == 0, p.stderr[-3000:]
-
-
 def test_deterministic_fsdp2_equals_unsharded_adamw(run_zplan, tmp_path):
     """--deterministic: FSDP2 at N = 3 is bit for bit unsharded AdamW on the rank-ordered mean
     gradient (clipping inactive: the clip norm itself is an unordered all-reduce)."""

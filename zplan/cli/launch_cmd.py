@@ -448,8 +448,13 @@ def launch(
     if script is None:
         rc = _outcome(rc, _fresh_report(run, report_before), steps)
     if rc in INTERRUPTED:  # a signal the launcher forwarded (runner.FORWARDED), or the ranks got
-        how = (f"`zplan launch --resume --run-dir {shlex.quote(str(run))}` continues from its newest "
-               f"checkpoint" if step_folders(run) else "no checkpoint was written in its run folder")
+        if not step_folders(run):
+            how = "no checkpoint was written in its run folder"
+        elif script is None:
+            how = f"`zplan launch --resume --run-dir {shlex.quote(str(run))}` continues from its newest checkpoint"
+        else:  # --resume is the built-in trainer's; a script resumes by itself (ctx.resume)
+            how = (f"the same launch, with `--plan {shlex.quote(str(run / 'plan.json'))}`, continues from its "
+                   f"newest checkpoint where your script calls ctx.resume")
         print(f"zplan: interrupted ({signal.Signals(rc - 128).name}); {how}", file=sys.stderr)
     if rc:
         raise typer.Exit(rc)

@@ -11,16 +11,21 @@ relies on it being interrupted never fires.
 A run that stops at a step boundary (zplan's trainer: zplan/trainer/stop.py) is given the first
 signal at its ranks alone, SIGTERM for SIGHUP, and STOP_GRACE_S to finish the step and write its
 checkpoint; torchrun, left alone, sees its ranks end and ends. A second signal kills everything
-at once, as before.
+at once, as before. A script of the user's stops so where it polls `ctx.stop_requested()`
+(zplan/trainer/api.py), whose first call touches the file $ZPLAN_STOP_MARKER names (in a folder
+this launch makes and removes): it is how the launcher knows, when a signal comes.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from .procs import become_subreaper, children, die_with_parent, descendants, kill_tree, reap, signal_all
 
@@ -30,21 +35,30 @@ STOP_GRACE_S = 300.0  # a step and a checkpoint; Slurm's and Kubernetes' own kil
 # it ended the launcher)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 POLL_S = 0.05
+STOP_MARKER_ENV = "ZPLAN_STOP_MARKER"  # a script's ranks touch it: they stop at a step (api.stop_requested)
 
 
 def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), stops_at_step: bool = False) -> int:
     """Run argv; its exit code, or 128 + the signal that ended the launcher. `stops_at_step`:
-    its ranks end at a step boundary with a checkpoint when signalled (the module docstring)."""
+    its ranks end at a step boundary with a checkpoint when signalled (the module docstring), as
+    a script's do once its ranks have asked whether to stop (the marker)."""
+    marks = Path(tempfile.mkdtemp(prefix="zplan-launch-"))
+    marker = marks / "stops-at-step"
     full_env = dict(os.environ)
     full_env.update(env)
+    full_env[STOP_MARKER_ENV] = str(marker)
     full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     become_subreaper()
     me = os.getpid()
     before = set(descendants(me))
     # keep_fds: the run folder's lock, shared with torchrun so that it stays held while torchrun
     # lives, whatever ends the launcher
-    proc = subprocess.Popen(argv, env=full_env, start_new_session=True, pass_fds=keep_fds,
-                            preexec_fn=die_with_parent())
+    try:
+        proc = subprocess.Popen(argv, env=full_env, start_new_session=True, pass_fds=keep_fds,
+                                preexec_fn=die_with_parent())
+    except BaseException:
+        shutil.rmtree(marks, ignore_errors=True)
+        raise
     got: list[int] = []
     stopping: list[int] = []  # the first signal, where the ranks were asked to stop after their step
 
@@ -53,7 +67,7 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), st
 
     def forward(signum, _frame):
         got.append(signum)
-        ranks = children(proc.pid) if len(got) == 1 and stops_at_step else []
+        ranks = children(proc.pid) if len(got) == 1 and (stops_at_step or marker.exists()) else []
         if ranks:  # none yet (torchrun still starting them): everything stops now, as before
             stopping.append(signum)
             signal_all(ranks, signal.SIGTERM if signum == signal.SIGHUP else signum)
@@ -89,6 +103,7 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), st
         for s, h in old.items():
             signal.signal(s, h)
         reap()
+        shutil.rmtree(marks, ignore_errors=True)
     if got:
         return 128 + got[0]
     if rc < 0:  # torchrun itself ended by a signal no one here sent (the OOM killer, kill -9)

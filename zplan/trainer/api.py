@@ -14,6 +14,8 @@
             loss.backward()
         opt.step(); opt.zero_grad()
         ctx.save(model, opt, step + 1)                # every rank writes its shard; atomic publish
+        if ctx.stop_requested():                      # SIGTERM, SIGUSR1, Ctrl-C: all ranks alike
+            break
     weights = ctx.full_state_dict(model)              # full tensors on rank 0 (None elsewhere)
     ctx.close()
 
@@ -24,6 +26,7 @@ CPU memory.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +41,10 @@ from ..export import script_applies
 from ..plan import Plan, load
 from . import checkpoint as ckpt
 from .distributed import backend_for, init_process_group_for, missing_backends
+from ..launch.runner import STOP_MARKER_ENV
 from .micro_batch import micro_batch_context
 from .parallel import Parallelized, build_optimizer, materialise, replicate, shard_units, to_master_dtype
+from .stop import StopRequests
 
 
 def _initialise_host_shards(model: nn.Module, init, rank: int) -> None:
@@ -78,6 +83,7 @@ class Context:
     device: torch.device
     ckpt_dir: str
     _par: Parallelized | None = None
+    _stops: StopRequests | None = None
 
     @property
     def grad_accum(self) -> int:
@@ -169,6 +175,27 @@ class Context:
                                    model_params=_count(model))
         return 0 if state is None else int(state["step"])
 
+    def stop_requested(self) -> signal.Signals | None:
+        """The stop signal (SIGTERM, SIGINT, SIGUSR1) any rank has had since the first call, the
+        same on every rank; None where there was none. A collective (a MAX all-reduce of one
+        integer on the host): every rank calls it after the same step, then, where it says stop,
+        saves and leaves the loop (zplan/trainer/stop.py has the why).
+
+        The first call puts the handlers in place (until ctx.close), so a signal before it ends
+        the rank as it would have (nothing trained yet), and tells zplan launch that this script
+        stops at a step: its first signal then goes to the ranks alone, with 300 s to save,
+        instead of ending everything after 5 s (launch/runner.py)."""
+        if self._stops is None:
+            self._stops = StopRequests().__enter__()
+            marker = os.environ.get(STOP_MARKER_ENV)
+            if marker:
+                try:
+                    Path(marker).touch()
+                except OSError:  # the launcher's folder is gone: it ended; nothing to tell it
+                    pass
+        signum = self._stops.agreed()
+        return signal.Signals(signum) if signum else None
+
     def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -182,6 +209,9 @@ class Context:
         script's own atexit handlers (a logger's final flush, for one): close those first."""
         dist.barrier()
         dist.destroy_process_group()
+        if self._stops is not None:  # the handlers that were there before stop_requested
+            self._stops.__exit__(None, None, None)
+            self._stops = None
         if leave:
             from .rank_errors import leave as leave_now
 
