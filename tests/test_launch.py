@@ -50,6 +50,8 @@ SLURM_GOLDEN = """#!/bin/bash
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-task=8
 #SBATCH --cpus-per-task=32
+# 300 s before the time limit: the trainer stops after its step, with a checkpoint (at the limit Slurm's SIGTERM gives 30 s, its KillWait)
+#SBATCH --signal=USR1@300
 #SBATCH --output=zplan-%j.out
 set -euo pipefail
 # sed reads every line: `head -n 1` would end the pipe early, and pipefail turns that into an exit
@@ -77,6 +79,13 @@ def test_slurm_uses_a_given_rendezvous_endpoint():
 def test_slurm_one_node_cpu():
     text = slurm_script(LaunchSpec("p.json", 2), 0)
     assert "--gpus-per-task" not in text and "--nnodes=1 --nproc-per-node=2" in text
+
+
+def test_slurm_asks_for_the_stop_signal_only_for_the_built_in_trainer():
+    """SIGUSR1 before the time limit stops zplan's trainer after a step with a checkpoint; a
+    script of one's own that does not handle it would die of it, minutes early."""
+    assert "#SBATCH --signal=USR1@300" in slurm_script(LaunchSpec("p.json", 8), 8)
+    assert "--signal" not in slurm_script(LaunchSpec("p.json", 8, script="train.py"), 8)
 
 
 class _NotFound(Exception):

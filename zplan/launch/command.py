@@ -18,6 +18,7 @@ from ..errors import UsageError
 
 ELASTIC = "zplan.launch.elastic"
 SLURM_RDZV_PORT = 29500
+SLURM_STOP_WARNING_S = 300  # as zplan launch's STOP_GRACE_S: a step and a checkpoint
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ def slurm_script(spec: LaunchSpec, gpus_per_node: int, cpus_per_task: int = 0, j
         lines.append(f"#SBATCH --gpus-per-task={gpus_per_node}")
     if cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
+    if spec.script is None:  # a script of one's own may not handle SIGUSR1, which would end it
+        lines += [f"# {SLURM_STOP_WARNING_S} s before the time limit: the trainer stops after its step, "
+                  "with a checkpoint (at the limit Slurm's SIGTERM gives 30 s, its KillWait)",
+                  f"#SBATCH --signal=USR1@{SLURM_STOP_WARNING_S}"]
     opts = " ".join(shlex.quote(o) for o in spec.torchrun_opts)
     endpoint = spec.rdzv_endpoint or f"$head_node:{SLURM_RDZV_PORT}"  # default: the allocation's first node
     lines += [
