@@ -2,6 +2,7 @@
 the CLI's (2 usage, 1 a run that cannot go on), the traceback only under ZPLAN_DEBUG=1."""
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -183,3 +184,34 @@ def test_a_bad_trainer_option_is_a_usage_error():
         parse(["--determinstic"])
     with pytest.raises(UsageError, match="--steps: invalid int value: 'x'"):
         parse(["--steps", "x"])
+
+
+SIGTERM_WHILE_REPORTING = r"""
+import os, signal, sys
+import zplan.files
+from zplan.errors import UsageError
+from zplan.trainer import rank_errors
+from zplan.trainer.stop import StopRequests
+
+StopRequests(armed=False).__enter__()  # as the trainer's main: before its first step
+write = zplan.files.write_text
+def write_text(path, text, what):  # torchrun's SIGTERM lands while the error file is written
+    os.kill(os.getpid(), signal.SIGTERM)
+    write(path, text, what)
+zplan.files.write_text = write_text
+sys.exit(rank_errors.guarded(lambda: (_ for _ in ()).throw(UsageError("the checkpoint is of another world size"))))
+"""
+
+
+def test_a_stop_signal_while_a_failed_rank_reports_does_not_replace_its_error(tmp_path):
+    """torchrun SIGTERMs the other ranks when one fails; where both failed alike, the second rank
+    got it while writing its own error file, and its stop handler raised out of the report (a
+    traceback, exit 1 for a usage error; CI, test_wrong_checkpoint_inside_the_ranks_is_one_line).
+    The failed rank's line and code stand."""
+    err_file = tmp_path / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(err_file), "ZPLAN_LAUNCHER": "1", "RANK": "1"}
+    p = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_REPORTING], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    rec = json.loads(err_file.read_text())["zplan"]
+    assert rec["line"] == "the checkpoint is of another world size" and rec["exit_code"] == 2

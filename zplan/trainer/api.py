@@ -236,8 +236,9 @@ def _one_line_errors(group: bool) -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        from .rank_errors import classify, leave, report
+        from .rank_errors import classify, ignore_stop_signals, leave, report
 
+        ignore_stop_signals()  # torchrun's SIGTERM, once another rank failed, must not cut the line
         if not classify(value)[0].startswith("internal error"):
             leave(report(value))
         previous(kind, value, tb)

@@ -132,6 +132,22 @@ def guarded(fn, *args) -> int:
     except SystemExit:
         raise
     except BaseException as e:
+        ignore_stop_signals()
         if os.environ.get("ZPLAN_DEBUG") == "1":
             raise
         leave(report(e))
+
+
+def ignore_stop_signals() -> None:
+    """A failed rank ignores stop signals while it writes its line and leaves: torchrun SIGTERMs
+    the ranks once one has failed, and where two fail alike (a checkpoint that no rank can load)
+    that SIGTERM reached one mid-write, whose stop handler (stop.StoppedBeforeTraining) then
+    raised out of the report: a traceback and exit 1 for a usage error (seen once in CI).
+    leave() follows at once; torchrun's SIGKILL 30 s on still ends a rank that hangs here."""
+    import threading
+
+    from .stop import STOP_SIGNALS
+
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
