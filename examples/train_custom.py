@@ -3,7 +3,7 @@
 The plan (strategy, mesh, precision, micro-batch, accumulation) comes from zplan; the model,
 data and loss are yours. Here: a small MLP language model over zplan's synthetic tokens. Signalled
 (Ctrl-C, or SIGTERM/SIGUSR1 from a scheduler) it stops after a step with a checkpoint, and the
-same command continues from it.
+launch the launcher's last line names (`--run-dir RUN --plan RUN/plan.json`) continues from it.
 """
 
 import sys

@@ -86,20 +86,30 @@ def test_one_line_per_distinct_error_and_the_agreed_code(tmp_path, monkeypatch, 
 
 
 def test_torchruns_sigkill_after_another_ranks_error_is_an_echo(tmp_path, monkeypatch):
-    """torchrun SIGTERMs the other ranks when one fails and SIGKILLs, 30 s later, those still
-    alive (PContext.close): an armed zplan rank notes the SIGTERM and finishes its step, which
-    under NCCL can block on the dead peer until the SIGKILL. That death is the failure's echo: the
-    failing rank's line and code are said alone. A SIGKILL with nothing else (the OOM killer) is
-    still the failure, and a rank that only lost contact does not hide it."""
-    cause = _failure(tmp_path, 0, PlanError("loss is nan at step 7"), monkeypatch=monkeypatch)
-    assert summarize({0: cause, 1: _failure(tmp_path, 11, exitcode=-9)}) == (
-        ["zplan: error: loss is nan at step 7"], 1)
-    echo = _failure(tmp_path, 1, RuntimeError("Connection closed by peer"), monkeypatch=monkeypatch)
-    assert summarize({0: _failure(tmp_path, 12, exitcode=-9), 1: echo}) == (
-        ["zplan: error: rank 0 killed by SIGKILL"], 137)
-    plain = _failure(tmp_path, 13, exitcode=3)
-    assert summarize({0: plain, 1: _failure(tmp_path, 14, exitcode=-9)}) == (
+    """torchrun SIGTERMs the other ranks when one fails and SIGKILLs those still alive 30 s later
+    (PContext.close), recording them after close() returns: an armed zplan rank notes the
+    SIGTERM and finishes its step, which under NCCL can block on the dead peer until the SIGKILL.
+    That death, 30 s after the first failure by torchrun's own timestamps (ProcessFailure, as
+    torchrun builds it from the error file or the time it saw the exit), is the failure's echo:
+    the failing rank's line and code are said alone. A SIGKILL beside the failure (the OOM
+    killer, kill -9: a review reproduced one hidden) is said with it, and alone it is the failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def failure(rank, exc=None, exitcode=1, after_s=0):
+        f = _failure(tmp_path, rank, exc, exitcode, monkeypatch)
+        real = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=f.exitcode, error_file=f.error_file)
+        real.timestamp += after_s  # torchrun's clock when it recorded the exit
+        return real
+
+    cause = failure(0, PlanError("loss is nan at step 7"))
+    assert summarize({0: cause, 1: failure(11, exitcode=-9, after_s=31)}) == (["zplan: error: loss is nan at step 7"], 1)
+    assert summarize({0: failure(13, exitcode=3), 1: failure(14, exitcode=-9, after_s=30)}) == (
         ["zplan: error: rank 0 exited with code 3"], 3)
+    # beside the failure, not 30 s after it: a cause of its own, said too
+    assert summarize({0: failure(15, exitcode=3), 1: failure(16, exitcode=-9, after_s=1)}) == (
+        ["zplan: error: rank 0 exited with code 3", "zplan: error: rank 1 killed by SIGKILL"], 1)
+    echo = failure(1, RuntimeError("Connection closed by peer"))
+    assert summarize({0: failure(12, exitcode=-9), 1: echo}) == (["zplan: error: rank 0 killed by SIGKILL"], 137)
 
 
 def test_error_file_is_whole_or_absent(tmp_path, monkeypatch, capsys):

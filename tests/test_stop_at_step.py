@@ -38,8 +38,10 @@ def _start(plan: Path, run: Path, args: list[str] | None = None):
     return p, lines
 
 
-def _wait_for_step(p, lines, step: int, prefix: str = "zplan: step {step}/") -> None:
+def _wait_for_step(p, lines, step: int, prefix: str = "zplan: step {step}/") -> list[str]:
+    """Wait for the step's line; the lines read, that one last."""
     deadline = time.monotonic() + 150
+    seen = []
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=1)
@@ -47,8 +49,9 @@ def _wait_for_step(p, lines, step: int, prefix: str = "zplan: step {step}/") -> 
             continue
         if line == "":
             break
+        seen.append(line)
         if line.startswith(prefix.format(step=step)):
-            return
+            return seen
     p.kill()
     pytest.fail(f"no step {step} line: {p.stderr.read()[-3000:]}")
 
@@ -172,7 +175,7 @@ def test_a_script_that_asks_stops_after_a_step_and_the_same_launch_continues(tmp
     example = Path(__file__).resolve().parent.parent / "examples" / "train_custom.py"
     run = tmp_path / "ex"
     p, lines = _start(None, run, ["--run-dir", str(run), "--strategy", "zero3", str(example), str(STEPS)])
-    _wait_for_step(p, lines, 2, prefix="step {step}:")
+    seen = _wait_for_step(p, lines, 2, prefix="step {step}:")
     p.send_signal(signal.SIGTERM)
     err = p.stderr.read()  # not communicate(): the reader thread keeps stdout's lines whole
     code = p.wait(timeout=200)
@@ -186,12 +189,16 @@ def test_a_script_that_asks_stops_after_a_step_and_the_same_launch_continues(tmp
     assert "Traceback" not in err and "error" not in err.lower(), err[-3000:]
     assert "zplan: SIGTERM: the ranks stop after this step" in err  # to the ranks alone, 300 s
     last = err.strip().splitlines()[-1]
-    assert f"the same launch, with `--plan {run.resolve() / 'plan.json'}`, continues" in last, last
+    said = f"the same launch with `--run-dir {run} --plan {run / 'plan.json'}` continues"
+    assert said in last, last
     end = stopped + 6
-    r = subprocess.run([sys.executable, "-m", "zplan", "launch", "--plan", str(run / "plan.json"), "--run-dir",
-                        str(run), str(example), str(end)], capture_output=True, text=True, timeout=200)
+    # exactly the options the line names (a review: --plan alone made a new run folder, from step 1)
+    r = subprocess.run([sys.executable, "-m", "zplan", "launch", "--run-dir", str(run), "--plan", str(run / "plan.json"),
+                        str(example), str(end)], capture_output=True, text=True, timeout=200)
     steps = [int(x.split()[1].rstrip(":")) for x in r.stdout.splitlines() if x.startswith("step ")]
     assert steps == list(range(stopped + 1, end + 1)), r.stdout[-2000:] + r.stderr[-3000:]
+    losses = [float(x.split()[-1]) for x in seen + rest + r.stdout.splitlines() if x.startswith("step ")]
+    assert len(losses) == end and losses[-1] < losses[0] - 1.0, losses  # it trained on, not afresh
     assert "full weights on rank 0: 593,664 parameters" in r.stdout
     assert (run / f"step_{end:08d}").is_dir()
     if r.returncode != 0 and "terminate called without an active exception" in r.stderr:

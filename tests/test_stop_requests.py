@@ -4,6 +4,7 @@ straight and through torchrun: a rank that died of the second died mid-step, a r
 leaving restores the handlers that were there. The ranks' agreement is tested through torchrun
 (tests/test_stop_at_step.py)."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -93,7 +94,6 @@ def test_zplans_torchrun_passes_sigusr1_on_to_its_ranks(tmp_path):
     """SIGUSR1 to zplan's torchrun alone (`kill -USR1`, or Slurm's `--signal` where it reaches
     srun's task only) reaches every rank once, and torchrun lives on to see them end: plain
     torchrun died of it, and the `--slurm` script ran plain torchrun."""
-    import os
     import time
 
     script = tmp_path / "rank.py"
@@ -108,3 +108,43 @@ def test_zplans_torchrun_passes_sigusr1_on_to_its_ranks(tmp_path):
     out, _ = p.communicate(timeout=90)
     assert p.returncode == 0, out[-3000:]
     assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == ["1", "1"], out[-3000:]
+
+
+ASKING_SCRIPT = r"""
+import os, signal, sys, threading
+import torch, torch.distributed as dist
+from zplan.errors import UsageError
+from zplan.trainer import api
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+marker = os.environ["ZPLAN_STOP_MARKER"]
+ctx = api.Context(None, 0, 1, torch.device("cpu"), sys.argv[2])  # what stop_requested uses of it
+refused = []
+def off_main():
+    try:
+        ctx.stop_requested()
+    except UsageError as e:
+        refused.append(str(e))
+t = threading.Thread(target=off_main); t.start(); t.join()
+print("refused off the main thread", bool(refused) and "main thread" in refused[0], not os.path.exists(marker))
+print("first", ctx.stop_requested(), repr(open(marker).read()))
+os.kill(os.getpid(), signal.SIGUSR1)
+print("then", ctx.stop_requested().name, repr(open(marker).read()))
+t = threading.Thread(target=ctx.close); t.start(); t.join()  # off the main thread: no error
+print("closed")
+"""
+
+
+@pytest.mark.slow  # a process group (one gloo rank), in a process of its own
+def test_stop_requested_tells_the_launcher_and_refuses_other_threads(tmp_path):
+    """ctx.stop_requested(): refused off the main thread (no handler could run there, yet the
+    launcher was told the ranks stop at a step: a review); the first call writes the launcher's
+    marker empty (asked), a stop writes what stopped it (a script that finished before asking
+    again is then not said to be interrupted); close() off the main thread does not raise."""
+    marker = tmp_path / "stops-at-step"
+    env = {**os.environ, "ZPLAN_STOP_MARKER": str(marker)}
+    p = subprocess.run([sys.executable, "-c", ASKING_SCRIPT, str(tmp_path / "store"), str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["refused off the main thread True True", "first None ''",
+                                     "then SIGUSR1 'stopped by SIGUSR1\\n'", "closed"], p.stdout + p.stderr[-2000:]

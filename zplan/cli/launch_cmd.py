@@ -453,8 +453,9 @@ def launch(
         elif script is None:
             how = f"`zplan launch --resume --run-dir {shlex.quote(str(run))}` continues from its newest checkpoint"
         else:  # --resume is the built-in trainer's; a script resumes by itself (ctx.resume)
-            how = (f"the same launch, with `--plan {shlex.quote(str(run / 'plan.json'))}`, continues from its "
-                   f"newest checkpoint where your script calls ctx.resume")
+            how = (f"the same launch with `--run-dir {shlex.quote(str(run))} --plan "
+                   f"{shlex.quote(str(run / 'plan.json'))}` continues from its newest checkpoint where your "
+                   f"script calls ctx.resume")
         print(f"zplan: interrupted ({signal.Signals(rc - 128).name}); {how}", file=sys.stderr)
     if rc:
         raise typer.Exit(rc)

@@ -11,7 +11,7 @@ banner and traceback:
   once, the ranks that failed first before those that only lost contact with them or were stopped by torchrun
   (SIGTERM) after another rank failed, or killed by torchrun (SIGKILL) when its SIGTERM had not
   ended them within 30 s (PContext.close's timeout: a rank blocked on a collective with a dead
-  peer, as NCCL's can be);
+  peer, as NCCL's can be; told from the OOM killer's SIGKILL by torchrun's timestamps);
 - SIGUSR1 (a stop request to zplan's trainer: zplan/trainer/stop.py) is passed on to the ranks,
   not fatal to torchrun: `kill -USR1` of torchrun, or Slurm's `--signal` where it reaches only
   srun's task, stops the run after a step; a rank notes the first signal and ignores repeats, so
@@ -25,6 +25,14 @@ import logging
 import os
 import signal
 import sys
+
+from .procs import children, signal_all
+
+
+# torchrun's PContext.close(timeout=30): SIGTERM to the ranks still running once one has failed,
+# SIGKILL to those alive 30 s later; it records those failures after close() returns
+# (SubprocessContext._poll), so their ProcessFailure.timestamp is at least 30 s after the first's
+TORCHRUN_KILL_AFTER_S = 30
 
 
 def _zplan_record(failure) -> dict | None:
@@ -47,6 +55,7 @@ def summarize(failures: dict) -> tuple[list[str], int]:
     is described by its exit code or signal. Lines of ranks that only lost contact with a rank
     that failed first are left out when there is any other."""
     groups: dict[tuple[bool, str, int], list[int]] = {}
+    stamps = {rank: getattr(f, "timestamp", None) for rank, f in failures.items()}
     for rank, f in sorted(failures.items()):
         rec = _zplan_record(f)
         if rec is not None:
@@ -62,9 +71,13 @@ def summarize(failures: dict) -> tuple[list[str], int]:
             key = (False, f"error: {{ranks}} exited with code {f.exitcode}", f.exitcode)
         groups.setdefault(key, []).append(rank)
     primary = {k: v for k, v in groups.items() if not k[0]}
-    killed = {k for k in primary if k[1] == f"error: {{ranks}} killed by SIGKILL"}
-    if killed and len(killed) < len(primary):  # torchrun's SIGKILL, 30 s after its SIGTERM
-        primary = {k: v for k, v in primary.items() if k not in killed}
+    killed = {k for k in primary if k[1] == "error: {ranks} killed by SIGKILL"}
+    others = [stamps[r] for k, ranks in primary.items() if k not in killed for r in ranks]
+    if killed and others and None not in others:
+        first = min(others)
+        echoes = {k for k in killed if all(stamps[r] is not None and stamps[r] - first >= TORCHRUN_KILL_AFTER_S - 2
+                                           for r in primary[k])}
+        primary = {k: v for k, v in primary.items() if k not in echoes}
     primary = primary or groups
     lines = [f"zplan: {line.replace('{ranks}', _ranks(ranks))}" for (_, line, _), ranks in primary.items()]
     codes = {code for (_, _, code) in primary}
@@ -73,8 +86,6 @@ def summarize(failures: dict) -> tuple[list[str], int]:
 
 def _pass_on(signum: int, _frame) -> None:
     """Give a signal to this torchrun's ranks: its children (torchrun starts each with Popen)."""
-    from .procs import children, signal_all
-
     signal_all(children(os.getpid()), signum)
 
 

@@ -13,7 +13,9 @@ signal at its ranks alone, SIGTERM for SIGHUP, and STOP_GRACE_S to finish the st
 checkpoint; torchrun, left alone, sees its ranks end and ends. A second signal kills everything
 at once, as before. A script of the user's stops so where it polls `ctx.stop_requested()`
 (zplan/trainer/api.py), whose first call touches the file $ZPLAN_STOP_MARKER names (in a folder
-this launch makes and removes): it is how the launcher knows, when a signal comes.
+this launch makes and removes): it is how the launcher knows, when a signal comes. A stop it
+agreed on is written there too, so that a script that finished its work before asking again is
+not said to be interrupted.
 """
 
 from __future__ import annotations
@@ -103,7 +105,13 @@ def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), st
         for s, h in old.items():
             signal.signal(s, h)
         reap()
+        try:
+            said = marker.read_text()  # a script's ranks: "" asked, "stopped by ..." stopped
+        except OSError:
+            said = None
         shutil.rmtree(marks, ignore_errors=True)
+    if got and stopping and not stops_at_step and rc == 0 and said == "":
+        return 0  # the script finished its work before it asked again: not interrupted
     if got:
         return 128 + got[0]
     if rc < 0:  # torchrun itself ended by a signal no one here sent (the OOM killer, kill -9)

@@ -181,19 +181,27 @@ class Context:
         integer on the host): every rank calls it after the same step, then, where it says stop,
         saves and leaves the loop (zplan/trainer/stop.py has the why).
 
-        The first call puts the handlers in place (until ctx.close), so a signal before it ends
-        the rank as it would have (nothing trained yet), and tells zplan launch that this script
-        stops at a step: its first signal then goes to the ranks alone, with 300 s to save,
-        instead of ending everything after 5 s (launch/runner.py)."""
-        if self._stops is None:
+        The first call puts the handlers in place (until ctx.close): a signal before it ends the
+        rank as it would have, losing the steps since the last save, the first among them. Once
+        every rank has them (the first agreement has returned) it tells zplan launch that this
+        script stops at a step: the launcher's first signal then goes to the ranks alone, with
+        300 s to save, instead of ending everything after 5 s (launch/runner.py). Python runs
+        signal handlers in the main thread only: called from another, it is refused."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            raise UsageError("ctx.stop_requested() must be called from the main thread (Python's signal "
+                             "handlers run only there)")
+        first = self._stops is None
+        if first:
             self._stops = StopRequests().__enter__()
-            marker = os.environ.get(STOP_MARKER_ENV)
-            if marker:
-                try:
-                    Path(marker).touch()
-                except OSError:  # the launcher's folder is gone: it ended; nothing to tell it
-                    pass
         signum = self._stops.agreed()
+        marker = os.environ.get(STOP_MARKER_ENV)
+        if marker and (first or signum):
+            try:  # what the launcher reads: asked (empty), then stopped
+                Path(marker).write_text(f"stopped by {signal.Signals(signum).name}\n" if signum else "")
+            except OSError:  # the launcher's folder is gone: it ended; nothing to tell it
+                pass
         return signal.Signals(signum) if signum else None
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
@@ -209,8 +217,10 @@ class Context:
         script's own atexit handlers (a logger's final flush, for one): close those first."""
         dist.barrier()
         dist.destroy_process_group()
-        if self._stops is not None:  # the handlers that were there before stop_requested
-            self._stops.__exit__(None, None, None)
+        import threading
+
+        if self._stops is not None and threading.current_thread() is threading.main_thread():
+            self._stops.__exit__(None, None, None)  # the handlers there before stop_requested
             self._stops = None
         if leave:
             from .rank_errors import leave as leave_now

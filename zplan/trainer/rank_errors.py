@@ -117,7 +117,8 @@ def leave(code: int):
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe must not bring teardown back
+        except (OSError, ValueError, RuntimeError):  # a closed or broken pipe, or a write the
+            # stop handler cut into (a reentrant flush), must not bring teardown back
             pass
     os._exit(code)
 
@@ -141,8 +142,9 @@ def guarded(fn, *args) -> int:
 def ignore_stop_signals() -> None:
     """A failed rank ignores stop signals while it writes its line and leaves: torchrun SIGTERMs
     the ranks once one has failed, and where two fail alike (a checkpoint that no rank can load)
-    that SIGTERM reached one mid-write, whose stop handler (stop.StoppedBeforeTraining) then
-    raised out of the report: a traceback and exit 1 for a usage error (seen once in CI).
+    that SIGTERM reached one mid-write, whose stop handler then cut the report short (it raised
+    stop.StoppedBeforeTraining: a traceback and exit 1 for a usage error, seen once in CI; it
+    would now end the rank with the stop's line and 143 instead of the error's).
     leave() follows at once; torchrun's SIGKILL 30 s on still ends a rank that hangs here."""
     import threading
 

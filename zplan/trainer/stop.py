@@ -29,7 +29,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 class StoppedBeforeTraining(Exception):
     """A stop signal before the first step (imports, the process group, the model, a resume):
     nothing to save, so the rank ends there, with 128 + the signal and one line that is not an
-    error (rank_errors.report marks it, zplan.launch.elastic prints it as such)."""
+    error (rank_errors.report marks it, zplan.launch.elastic prints it as such).
+
+    Reported and ended from the handler itself (StopRequests._note), not raised: Python runs a
+    handler wherever the main thread is, and an exception raised there was once swallowed during
+    the ranks' start ("Exception ignored in: <function _get_module_lock.<locals>.cb>", under load,
+    one run in three): the rank went on, into a rendezvous with a peer that had left (torchrun's
+    SIGKILL 30 s later), or trained every step."""
 
     def __init__(self, signum: int):
         self.exit_code = 128 + signum
@@ -39,9 +45,9 @@ class StoppedBeforeTraining(Exception):
 class StopRequests:
     """While entered (in the main thread: Python runs signal handlers there only), the first
     of STOP_SIGNALS is noted in `signum`; later ones change nothing. Until `armed` (the training
-    loop's start) a stop signal raises StoppedBeforeTraining instead: a rank entered at its start
-    neither dies of the signal's default action (an "error" for a stop the user asked for) nor
-    trains on."""
+    loop's start) a stop signal ends the rank instead, with StoppedBeforeTraining's one line: a
+    rank entered at its start neither dies of the signal's default action (an "error" for a stop
+    the user asked for) nor trains on."""
 
     def __init__(self, armed: bool = True) -> None:
         self.signum = 0
@@ -49,6 +55,9 @@ class StopRequests:
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> "StopRequests":
+        if not self.armed:  # what _note's report runs, loaded now: not imported inside a handler
+            from .. import errors, files  # noqa: F401
+            from . import rank_errors  # noqa: F401
         if threading.current_thread() is threading.main_thread():
             for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._note)
@@ -61,8 +70,11 @@ class StopRequests:
 
     def _note(self, signum: int, _frame) -> None:
         if not self.armed:
-            self.armed = True  # once: the exception is on its way
-            raise StoppedBeforeTraining(signum)
+            self.armed = True
+            self.signum = signum
+            from .rank_errors import leave, report
+
+            leave(report(StoppedBeforeTraining(signum)))  # the rank ends here: nothing to save
         if not self.signum:
             self.signum = signum
 
