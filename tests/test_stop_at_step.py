@@ -34,8 +34,17 @@ def _start(plan: Path, run: Path, args: list[str] | None = None):
                          preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in
                                              (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: ([lines.put(x) for x in p.stdout], lines.put("")), daemon=True).start()
+    threading.Thread(target=_read_lines, args=(p.stdout, lines), daemon=True).start()
     return p, lines
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    try:
+        for x in stream:
+            lines.put(x)
+    except ValueError:  # _finish's communicate() closed the pipe: the lines are not wanted then
+        pass
+    lines.put("")
 
 
 def _wait_for_step(p, lines, step: int, prefix: str = "zplan: step {step}/") -> list[str]:
