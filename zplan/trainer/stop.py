@@ -2,9 +2,10 @@
 loses no step: SIGTERM (what Slurm and Kubernetes send ahead of their SIGKILL, 30 s later by
 default: Slurm's KillWait, Kubernetes' terminationGracePeriodSeconds), SIGUSR1 (`kill -USR1`,
 or Slurm's `--signal=USR1@<seconds>`: zplan's torchrun, zplan.launch.elastic, which zplan
-launch and its `--slurm` script run, passes it on to the ranks), SIGINT (Ctrl-C, which zplan launch forwards to the
-ranks). Before, any of them killed the ranks mid-step and the run fell back to its last
-periodic checkpoint.
+launch and its `--slurm` script run, passes it on to the ranks), SIGINT (Ctrl-C, which zplan
+launch forwards to the ranks). Before, any of them killed the ranks mid-step and the run fell
+back to its last periodic checkpoint. A script of one's own gets the same through
+`ctx.stop_requested()` (zplan/trainer/api.py).
 
 A rank's handler only notes the signal. At the end of every step the ranks agree on it (a MAX
 all-reduce of one integer on the host: every zplan group has gloo for the host, so this neither
