@@ -340,6 +340,19 @@ FA2_HEAD_DIM_64: tuple[tuple[tuple[str, ...], float], ...] = (
     (HOPPER_PRESETS, 0.87),
 )
 
+# Head dims 64 and 256 against 128 on Hopper, from the FA3 paper's own bars (Shah et al. 2024,
+# arXiv 2407.08608, Figures 5-6, H100 SXM5, bf16, 16k tokens, hidden 2048; its head dim 128 bars
+# are the ones FA3's and cuDNN's speeds above come from). FlashAttention-3: head dim 64 forward
+# 497 against 648 (the panels without the mask; the causal head dim 64 panel was not read, so the
+# ratio is applied to causal attention, an assumption), backward (charted without the mask) 474
+# against 561; head dim 256 causal forward 642 against 616 (without the mask 756 against 648);
+# the backward is not charted at 256 (priced as 128's). FlashAttention-2 at head dim 256, the same
+# figures: causal forward 298 against 335 (without the mask 326 against 370); backward not charted
+# at 256 (as 128's). Between the charted head dims linear in the padded head dim (an assumption).
+FLASH3_HEAD_DIM_SPEED: dict[int, tuple[float, float]] = {64: (497 / 648, 474 / 561), 128: (1.0, 1.0),
+                                                         256: (642 / 616, 1.0)}
+FA2_HEAD_DIM_256_FORWARD: tuple[tuple[tuple[str, ...], float], ...] = ((HOPPER_PRESETS, 298 / 335),)
+
 
 # FlashAttention v1 (flash-attn 1.x, and PyTorch 2.0-2.1's SDPA flash backend: FlashAttention-2 from
 # 2.2, "FlashAttention-v2 integration", the 2.2 release notes) and xformers' cutlass kernel under an
@@ -386,6 +399,30 @@ def fa2_head_dim_speed(gpu_name: str, padded_head_dim: int) -> float:
     return at64 + (1.0 - at64) * max(0, padded_head_dim - 64) / 64
 
 
+def flash3_head_dim_speed(padded_head_dim: int) -> tuple[float, float]:
+    """FlashAttention-3's (forward, backward) speed at this padded head dim relative to head dim
+    128 (FLASH3_HEAD_DIM_SPEED: 64, 128 and 256 charted, linear between, the nearest beyond)."""
+    dims = sorted(FLASH3_HEAD_DIM_SPEED)
+    d = min(max(padded_head_dim, dims[0]), dims[-1])
+    lo = max(x for x in dims if x <= d)
+    hi = min(x for x in dims if x >= d)
+    if lo == hi:
+        return FLASH3_HEAD_DIM_SPEED[lo]
+    w = (d - lo) / (hi - lo)
+    a, b = FLASH3_HEAD_DIM_SPEED[lo], FLASH3_HEAD_DIM_SPEED[hi]
+    return a[0] + (b[0] - a[0]) * w, a[1] + (b[1] - a[1]) * w
+
+
+def fa2_wide_head_forward_speed(gpu_name: str, padded_head_dim: int) -> float:
+    """FlashAttention-2's forward speed at a padded head dim over 128 relative to 128's
+    (FA2_HEAD_DIM_256_FORWARD, by GPU family; linear from 128 to 256): 1 at 128 and below, and
+    where not measured (A100: no chart at 256)."""
+    at256 = next((r for names, r in FA2_HEAD_DIM_256_FORWARD if gpu_name.startswith(names)), 1.0)
+    if padded_head_dim <= 128:
+        return 1.0
+    return 1.0 + (at256 - 1.0) * (min(padded_head_dim, 256) - 128) / 128
+
+
 def flex_speed(gpu_name: str) -> tuple[float, float] | None:
     """FlexAttention's (forward, backward) speed relative to FlashAttention-2 on this GPU preset
     (FLEX_SPEED, by the preset name's family), or None where no kernel benchmark gives one."""
@@ -414,8 +451,9 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
                     dtype: str = "bf16") -> tuple[float, float]:
     """Counted FLOP/s (forward, backward) of the flash kernel at long sequences: the preset's
     FlashAttention-2 rates (head dim 128) x the kernel's speed relative to it (FlashAttention-2
-    itself at a head dim under 128: fa2_head_dim_speed) x head_dim / the padded head
-    dimension (the padding is computed, not counted; FlashAttention-3 compiles head dims 64, 96,
+    itself at a head dim under 128: fa2_head_dim_speed, and its forward over 128 on Hopper:
+    fa2_wide_head_forward_speed; FlashAttention-3 at its own head dims: flash3_head_dim_speed)
+    x head_dim / the padded head dimension (the padding is computed, not counted; FlashAttention-3 compiles head dims 64, 96,
     128, 192 and 256 and runs a smaller one on the next). The rates are bf16/fp16 tensor-core
     figures; fp32 attention runs PyTorch's memory-efficient kernel on CUDA (flash takes bf16/fp16
     only), priced as the same fraction of the fp32 peak (gemm_rate's rule; an assumption)."""
@@ -440,6 +478,10 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
         f, b = ATTENTION_KERNEL_SPEED[kernel]
     if kernel == "flash2":  # small heads run FA2's tiles at lower intensity (measured)
         f, b = (x * fa2_head_dim_speed(gpu.family, padded) for x in (f, b))
+        f *= fa2_wide_head_forward_speed(gpu.family, padded)
+    if kernel == "flash3":
+        hf, hb = flash3_head_dim_speed(padded)
+        f, b = f * hf, b * hb
     scale = gpu.flops(dtype) / gpu.flops("bf16") if dtype not in ("bf16", "fp16", "fp8") else 1.0
     return (k.attention_forward_flops * f * pad * scale, k.attention_backward_flops * b * pad * scale)
 

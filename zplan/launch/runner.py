@@ -12,7 +12,7 @@ A run that stops at a step boundary (zplan's trainer: zplan/trainer/stop.py) is 
 signal at its ranks alone, SIGTERM for SIGHUP, and STOP_GRACE_S to finish the step and write its
 checkpoint; torchrun, left alone, sees its ranks end and ends. A second signal kills everything
 at once, as before. A script of the user's stops so where it polls `ctx.stop_requested()`
-(zplan/trainer/api.py), whose first call touches the file $ZPLAN_STOP_MARKER names (in a folder
+(zplan/trainer/api.py), whose first call writes the file $ZPLAN_STOP_MARKER names (empty) (in a folder
 this launch makes and removes): it is how the launcher knows, when a signal comes. A stop it
 agreed on is written there too, so that a script that finished its work before asking again is
 not said to be interrupted.
@@ -37,7 +37,7 @@ STOP_GRACE_S = 300.0  # a step and a checkpoint; Slurm's and Kubernetes' own kil
 # it ended the launcher)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 POLL_S = 0.05
-STOP_MARKER_ENV = "ZPLAN_STOP_MARKER"  # a script's ranks touch it: they stop at a step (api.stop_requested)
+STOP_MARKER_ENV = "ZPLAN_STOP_MARKER"  # a script's ranks write it: they stop at a step (api.stop_requested)
 
 
 def run(argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...] = (), stops_at_step: bool = False) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -187,8 +188,6 @@ class Context:
         script stops at a step: the launcher's first signal then goes to the ranks alone, with
         300 s to save, instead of ending everything after 5 s (launch/runner.py). Python runs
         signal handlers in the main thread only: called from another, it is refused."""
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             raise UsageError("ctx.stop_requested() must be called from the main thread (Python's signal "
                              "handlers run only there)")
@@ -217,8 +216,6 @@ class Context:
         script's own atexit handlers (a logger's final flush, for one): close those first."""
         dist.barrier()
         dist.destroy_process_group()
-        import threading
-
         if self._stops is not None and threading.current_thread() is threading.main_thread():
             self._stops.__exit__(None, None, None)  # the handlers there before stop_requested
             self._stops = None
