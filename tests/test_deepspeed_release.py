@@ -1,11 +1,23 @@
 """DeepSpeed ZeRO-3 at its defaults releases a module's parameters after use unless they come
-back within stage3_max_reuse_distance (1e9) elements of the module trace
-(deepspeed.backward_gathers); what it gathers again in backward follows, worked here by hand."""
+back within stage3_max_reuse_distance (1e9) elements of the module trace, or its prefetcher,
+scanning ahead, marked them fetched for a later use (deepspeed.backward_gathers). The release
+rule alone is worked here by hand; with the prefetcher, DeepSpeed's own ZeRO-3 on two gloo ranks
+is the oracle, its settings scaled with the model."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+
+import pytest
 
 from zplan.deepspeed import backward_gathers
 from tests.helpers import est, scenario
+
+
+def _no_prefetch(units):
+    return backward_gathers(units, prefetch_bucket=0)
 
 
 def test_two_wrapped_units_by_hand():
@@ -13,47 +25,66 @@ def test_two_wrapped_units_by_hand():
     B (backward), A (recompute), A (backward). B's forward is followed by its own recompute: kept,
     never gathered in backward. A's next use is 1.2e9 elements away (B, B): released after the
     forward, gathered for its recompute, then kept for its backward, the next step."""
-    assert backward_gathers((((600_000_000,), True), ((600_000_000,), True))) == ((600_000_000,), ())
+    assert _no_prefetch((((600_000_000,), True), ((600_000_000,), True))) == ((600_000_000,), ())
 
 
 def test_unwrapped_units_by_hand():
     """Without recompute: A, B | B, A. B's backward follows its forward: kept. A comes back
     after 2 x 4e8 = 8e8 elements, within the distance: kept too. With 6e8 each it is 1.2e9 away."""
-    assert backward_gathers((((400_000_000,), False), ((400_000_000,), False))) == ((), ())
-    assert backward_gathers((((600_000_000,), False), ((600_000_000,), False))) == ((600_000_000,), ())
+    assert _no_prefetch((((400_000_000,), False), ((400_000_000,), False))) == ((), ())
+    assert _no_prefetch((((600_000_000,), False), ((600_000_000,), False))) == ((600_000_000,), ())
 
 
 def test_persistent_parameters_are_never_gathered_again():
     """At most 1e5 elements (stage3_param_persistence_threshold): kept whole by every rank."""
-    assert backward_gathers((((100_000, 600_000_000), True), ((600_000_000,), True))) == ((600_000_000,), ())
+    assert _no_prefetch((((100_000, 600_000_000), True), ((600_000_000,), True))) == ((600_000_000,), ())
 
 
-def _again(model):
+def test_the_prefetcher_gathers_ahead_by_hand():
+    """A (3e8) and B (3e8) unwrapped, then C (6e8) and D (6e8), distance 1e9, bucket 5e7, live
+    1e9. Trace: A B C D | D C B A. Without prefetch, every parameter whose next use lies 1e9 or
+    more away is released: A (3e9), B (2.4e9), C (D, D: 1.2e9); D is next to its backward.
+    With it, each fetch then scans the queue on, gathering until 5e7 elements are gathered or
+    the live parameters reach 1e9: at D's forward the scan marks D's backward and gathers C
+    for its own (6e8 > 5e7); at D's backward the live
+    parameters (C, D: 1.2e9) leave no room; at C's backward it gathers B, at B's A. The same
+    parameters again, each gathered one step earlier."""
+    units = (((300_000_000,), False), ((300_000_000,), False), ((600_000_000,), False), ((600_000_000,), False))
+    assert _no_prefetch(units) == backward_gathers(units) == ((300_000_000,), (300_000_000,), (600_000_000,), ())
+
+
+def _units(model):
     sc = scenario(model=model, gpus=32, layout="zero", deepspeed_defaults=True, checkpointing="full")
-    units = tuple((tuple(math.prod(s) for s in u.shapes), bool(u.blocks)) for u in sc.units)
-    return sc, backward_gathers(units)
+    return sc, tuple((tuple(math.prod(s) for s in u.shapes), bool(u.blocks)) for u in sc.units)
 
 
-def test_a_70b_block_gathers_its_attention_weights_twice_in_backward():
-    """Llama 3.1 70B (856M elements a block): after the recompute, wq/wk/wv/wo's next use (their
-    backward) lies beyond 1e9 elements (the MLP's recompute and backward come between), the
-    MLP's within it: the recompute gathers the 7 linears, the backward the 4 attention ones
-    again. The head's backward follows its forward: never again. The embedding: once."""
-    sc, again = _again("llama-3.1-70b")
+def test_a_70b_block_without_prefetch_gathers_its_attention_weights_twice():
+    """The release rule alone (prefetch off), Llama 3.1 70B (856M elements a block): after the
+    recompute, wq/wk/wv/wo's next use (their backward) lies beyond 1e9 elements (the MLP's
+    recompute and backward come between), the MLP's within it: the recompute gathers the 7
+    linears, the backward the 4 attention ones again. With the prefetcher (DeepSpeed's default
+    5e7), its scan passes the attention weights while they are still gathered and marks them for
+    their backward: the 7 linears once. The head's backward follows its forward: never again.
+    The embedding: once."""
+    sc, units = _units("llama-3.1-70b")
     h, f, kv = 8192, 28672, 1024
     linears = (h * h, kv * h, kv * h, h * h, f * h, f * h, h * f)
-    for i, u in enumerate(sc.units):
+    off, on = _no_prefetch(units), backward_gathers(units)
+    for i, u in enumerate(sc.units[:-2]):  # the last block is next to its recompute
         if u.blocks:
-            assert again[i] == linears + (h * h, kv * h, kv * h, h * h)[::-1], u.name
-    assert again[-1] == () and again[0] == (128256 * h,)
+            assert off[i] == linears + (h * h, kv * h, kv * h, h * h)[::-1], u.name
+            assert on[i] == linears, u.name
+    assert off[-1] == on[-1] == () and off[0] == on[0] == (128256 * h,)
 
 
 def test_an_8b_block_keeps_all_its_weights_from_the_recompute():
-    sc, again = _again("llama-3.1-8b")
+    sc, units = _units("llama-3.1-8b")
     h, f, kv = 4096, 14336, 1024
     linears = (h * h, kv * h, kv * h, h * h, f * h, f * h, h * f)
-    assert all(again[i] == linears for i, u in enumerate(sc.units) if u.blocks)
-    assert again[-1] == ()
+    for again in (_no_prefetch(units), backward_gathers(units)):  # the 7 linears once, in any order
+        # (the last blocks lie within the prefetcher's reach of their recompute: kept)
+        assert all(sorted(again[i]) == sorted(linears) for i, u in enumerate(sc.units[:-3]) if u.blocks)
+        assert again[-1] == ()
 
 
 def test_the_step_prices_those_gathers():
@@ -62,15 +93,133 @@ def test_the_step_prices_those_gathers():
     --deepspeed-defaults) gathers every unit whole again, as FSDP does."""
     kw = dict(model="llama-3.1-70b", gpus=32, seq_len=1024, layout="zero", checkpointing="full")
     r = est("zero3", deepspeed_defaults=True, **kw)
-    sc, _ = _again("llama-3.1-70b")
-    # by hand: each of 80 blocks, its 7 linears for the recompute and wq, wk, wv, wo again;
-    # the embedding once; the head never (all divide by 32: no padding)
-    h, f, kv = 8192, 28672, 1024
-    block = 2 * h * h + 2 * kv * h + 3 * f * h + (2 * h * h + 2 * kv * h)
+    sc, units = _units("llama-3.1-70b")
+    reentrant = not sc.train.checkpoint_early_stop
+    again = backward_gathers(units, reentrant=reentrant)
     back = [c for c in r.collectives if c.name == "all-gather (backward)"]
-    assert len(back) == 1 and back[0].elements == 80 * block + 128256 * h
+    assert len(back) == 1 and back[0].elements == sum(-(-n // 32) * 32 for a in again for n in a)
     fwd = [c for c in r.collectives if c.name == "all-gather (forward)"][0]
-    assert back[0].elements / fwd.elements > 1.1  # 1.176 of each block, no head
+    # each block and the embedding once more; not the head, whose backward follows its forward
+    assert 0.95 < back[0].elements / fwd.elements < 1.0
     whole = est("zero3", **kw)
     assert [c.elements for c in whole.collectives if c.name == "all-gather (backward)"] == \
         [sum(sc.padded_elems(u, 32) for u in sc.units)]
+
+
+_DS_RUN = r"""
+import json, os, sys
+rank, port, reentrant = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+H, KV, F, NB = (int(a) for a in sys.argv[4:8])
+reuse, persist, prefetch, live = (int(a) for a in sys.argv[8:12])
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                  WORLD_SIZE="2", LOCAL_RANK=str(rank))
+import torch, deepspeed
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # its inference path, JIT-built
+deepspeed.init_distributed(dist_backend="gloo")
+
+class Gathers(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.elems = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if func.namespace == "c10d" and ("allgather" in name or "all_gather" in name):
+            t = args[0]
+            self.elems += sum(x.numel() for x in t) if isinstance(t, (list, tuple)) else t.numel()
+        return func(*args, **(kwargs or {}))
+
+class Block(torch.nn.Module):  # one parameter a module, Llama's order: norm, q, k, v, o, norm, w1, w3, w2
+    def __init__(self):
+        super().__init__()
+        self.n1 = torch.nn.LayerNorm(H, bias=False)
+        self.q = torch.nn.Linear(H, H, bias=False)
+        self.k = torch.nn.Linear(H, KV, bias=False)
+        self.v = torch.nn.Linear(H, KV, bias=False)
+        self.o = torch.nn.Linear(H, H, bias=False)
+        self.n2 = torch.nn.LayerNorm(H, bias=False)
+        self.w1 = torch.nn.Linear(H, F, bias=False)
+        self.w3 = torch.nn.Linear(H, F, bias=False)
+        self.w2 = torch.nn.Linear(F, H, bias=False)
+    def forward(self, x):
+        h = self.n1(x)
+        x = x + self.o(self.q(h) + torch.cat([self.k(h), self.v(h)] * (H // (2 * KV)), -1))
+        h = self.n2(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(NB))
+    def forward(self, x):
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=reentrant)
+        return x
+
+cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+       "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": reuse,
+                             "stage3_param_persistence_threshold": persist,
+                             "stage3_prefetch_bucket_size": prefetch, "stage3_max_live_parameters": live}}
+torch.manual_seed(0)
+model = Model()
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+x = torch.randn(2, 8, H, requires_grad=True)
+per_step = []
+for step in range(4):  # the trace is recorded in the first two; then it runs as recorded
+    with Gathers() as g:
+        engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    per_step.append(g.elems)
+if rank == 0:
+    print("GATHERED", json.dumps(per_step), flush=True)
+torch.distributed.barrier()
+sys.stdout.flush()
+os._exit(0)  # no interpreter teardown: gloo's threads (tests/test_deepspeed_reduce.py)
+"""
+
+# DeepSpeed's defaults divided by 4096, with blocks shaped like Llama 3.1 70B's (8192 wide, 1024
+# of keys and values, 28672 of MLP: each matrix / 4096 = 128 x 128, 128 x 16, 128 x 448) and 8B's
+# (64 x 64, 64 x 16, 64 x 224): the same ratios of block, prefetch bucket, live parameters and
+# reuse distance. Norms stay persistent, as 8192 and 4096 are under 1e5.
+_SCALED = dict(reuse=1_000_000_000 // 4096, persist=200, prefetch=50_000_000 // 4096, live=1_000_000_000 // 4096)
+
+
+@pytest.mark.slow  # two processes importing deepspeed: seconds each
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape,reentrant", [((128, 16, 448), True), ((128, 16, 448), False), ((64, 16, 224), True)])
+def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, reentrant):
+    """DeepSpeed's ZeRO-3 (partitioned_param_coordinator.py: its trace, release rule and
+    prefetcher) on two gloo ranks, six checkpointed blocks, its settings scaled with the model:
+    the elements it gathers in a step, once its trace is recorded, are those zplan prices (every
+    parameter once for the forward, and backward_gathers for the recompute and backward), to the
+    element. Reentrant (Hugging Face's default) and non-reentrant checkpoints."""
+    pytest.importorskip("deepspeed")
+    from zplan.netutil import free_port
+
+    H, KV, F = shape
+    nb = 6
+    block = (H, H * H, H * KV, H * KV, H * H, H, H * F, H * F, H * F)
+    units = tuple((block, True) for _ in range(nb))
+    s = _SCALED
+    again = backward_gathers(units, s["reuse"], s["persist"], s["prefetch"], s["live"], reentrant=reentrant)
+    expected = nb * sum(n for n in block if n > s["persist"]) + sum(map(sum, again))
+
+    script = tmp_path / "ds_zero3.py"
+    script.write_text(_DS_RUN)
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    args = [str(a) for a in (port, int(reentrant), H, KV, F, nb, s["reuse"], s["persist"], s["prefetch"], s["live"])]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    (line,) = [x for x in outs[0][0].splitlines() if x.startswith("GATHERED ")]
+    per_step = json.loads(line.split(" ", 1)[1])
+    assert per_step[2] == per_step[3]  # the steady state
+    assert per_step[3] == expected
+    # not the release rule alone: the prefetcher's marks change what is gathered
+    no_prefetch = backward_gathers(units, s["reuse"], s["persist"], 0, s["live"], reentrant=reentrant)
+    assert sum(map(sum, no_prefetch)) != sum(map(sum, again))

@@ -277,11 +277,12 @@ def _wrapped(sc: Scenario, u) -> bool:
 
 def _ds_again(sc: Scenario) -> tuple[tuple[int, ...], ...]:
     """Per unit, the parameters DeepSpeed's ZeRO-3 at its defaults gathers again in backward
-    (deepspeed.backward_gathers over the step's module trace)."""
+    (deepspeed.backward_gathers over the step's module trace; a checkpoint without early stop is
+    reentrant, as Hugging Face's)."""
     from .deepspeed import backward_gathers
 
     return backward_gathers(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u))
-                                  for u in sc.units))
+                                  for u in sc.units), reentrant=not sc.train.checkpoint_early_stop)
 
 
 def _ds_backward_calls(sc: Scenario, D: int) -> list[list[int]]:

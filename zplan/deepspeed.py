@@ -29,54 +29,102 @@ def reduces_after_backward(strategy: str, layout: str) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...]) -> tuple[tuple[int, ...], ...]:
-    """Per unit, the parameters (their element counts, in forward order) that ZeRO-3 at its
-    default settings gathers again in backward, for one micro-batch.
+def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
+                     reuse_distance: int = MAX_REUSE_DISTANCE_ELEMS,
+                     persistence_threshold: int = PERSISTENCE_THRESHOLD_ELEMS,
+                     prefetch_bucket: int = PREFETCH_BUCKET_ELEMS,
+                     max_live: int = MAX_LIVE_ELEMS, reentrant: bool = True) -> tuple[tuple[int, ...], ...]:
+    """Per unit, the parameters (their element counts, in the order gathered) that ZeRO-3 at its
+    default settings gathers for backward (the recompute's forward and the backward itself), one
+    micro-batch in the steady state (its module trace recorded).
 
     `units`: per unit in forward order, its parameters' element counts and whether a checkpoint
-    wraps it (its forward runs again in backward). DeepSpeed fetches a module's parameters when
-    its forward or backward hook fires, and after the module releases each one unless it is
-    persistent (<= stage3_param_persistence_threshold elements, never released) or used again
-    within the next stage3_max_reuse_distance elements of the step's module trace
-    (deepspeed/runtime/zero/partitioned_param_coordinator.py `__params_to_release`: modules are
-    walked from the next step on, each adding its parameters' elements, until the walk has
-    reached the distance). Modules are the parameters here (a Linear or a norm holds one). The
-    trace: every unit's forward; then, units in reverse, a wrapped unit's forward again (the
-    recompute) and each unit's backward, its modules in reverse. A 70B block (856M elements)
-    thus keeps its MLP weights from the recompute into backward and gathers its attention
-    weights again; an 8B block (218M) keeps all of them; the head, whose backward follows its
-    forward, is never gathered again."""
-    trace: list[tuple[int, int, int, bool]] = []  # (unit, parameter, elements, in backward)
+    wraps it (its forward runs again in backward). Modules are the parameters here (a Linear or
+    a norm holds one). The step's trace: every unit's forward; then, units in reverse, a wrapped
+    unit's forward again (the recompute) and each unit's backward, its modules in reverse; under
+    a non-reentrant checkpoint (`reentrant=False`) the recompute runs when backward first unpacks
+    a saved tensor, after the pre-backward hook of the unit's last module, so that module's
+    backward fetch comes first (DeepSpeed's fetch order, logged on gloo ranks). On it,
+    deepspeed/runtime/zero/partitioned_param_coordinator.py (v0.16-v0.19, the same rules) as
+    simulated here:
+    - fetch (a module's pre-forward or pre-backward hook): gather its parameters not available;
+      pop its own uses off the parameter queue (the trace's parameters in order, each with the
+      step it serves), marking each param's most recent step fetched for; then prefetch: pop on
+      from the queue, gathering what is not available, until the elements gathered reach
+      min(stage3_max_live_parameters - elements available, stage3_prefetch_bucket_size). A
+      parameter popped while available is not gathered, but marked fetched for its later step.
+    - release (its post-forward or post-backward hook): each parameter not persistent (over
+      stage3_param_persistence_threshold elements), unless marked fetched for a later step, or
+      used again within stage3_max_reuse_distance elements of the trace's next modules.
+    A step starts with only the persistent parameters gathered (each other one's last use
+    released it; reset_step empties the queue and the marks). The simulation is held against
+    DeepSpeed's own ZeRO-3 on gloo ranks with its settings scaled with the model
+    (tests/test_deepspeed_release.py)."""
+    trace: list[tuple[int, int, int, bool]] = []  # (unit, parameter, elements, for backward)
     for i, (params, _) in enumerate(units):
         trace += [(i, j, n, False) for j, n in enumerate(params)]
     for i in range(len(units) - 1, -1, -1):
         params, wrapped = units[i]
+        back = [(i, j, params[j], True) for j in range(len(params) - 1, -1, -1)]
+        if wrapped and not reentrant and back:
+            trace.append(back.pop(0))
         if wrapped:
             trace += [(i, j, n, True) for j, n in enumerate(params)]
-        trace += [(i, j, params[j], True) for j in range(len(params) - 1, -1, -1)]
-    # the walk from step k reaches the parameter's next use at step m where the modules between
-    # hold fewer than the distance: prefix sums and each step's next use make it one subtraction
+        trace += back
+    size = {(i, j): n for i, j, n, _ in trace}
+    persistent = {k for k, n in size.items() if n <= persistence_threshold}
+    # release's reuse scan: from step k on, the first module whose cumulative elements reach the
+    # distance ends it; the parameters seen before are kept
     prefix = [0]
     for _, _, n, _ in trace:
         prefix.append(prefix[-1] + n)
     nxt: list[int | None] = [None] * len(trace)
     seen: dict[tuple[int, int], int] = {}
     for k in range(len(trace) - 1, -1, -1):
-        key = trace[k][:2]
-        nxt[k] = seen.get(key)
-        seen[key] = k
-    live: set[tuple[int, int]] = set()
+        nxt[k] = seen.get(trace[k][:2])
+        seen[trace[k][:2]] = k
+    queue = [(i, j, k) for k, (i, j, _, _) in enumerate(trace)]  # the parameter trace
+    head = 0
+    available: set[tuple[int, int]] = set(persistent)
+    n_available = 0
+    fetched_for: dict[tuple[int, int], int] = {}
     again: list[list[int]] = [[] for _ in units]
-    for k, (i, j, n, backward) in enumerate(trace):
-        if n <= PERSISTENCE_THRESHOLD_ELEMS:
+
+    def gather(key: tuple[int, int], for_step: int) -> None:
+        nonlocal n_available
+        available.add(key)
+        n_available += size[key]
+        if trace[for_step][3]:
+            again[key[0]].append(size[key])
+
+    for k, (i, j, n, _) in enumerate(trace):
+        key = (i, j)
+        if key not in available:
+            gather(key, k)
+        if fetched_for.get(key, -1) < k:  # its own use, first in the queue
+            qi, qj, qk = queue[head]
+            head += 1
+            fetched_for[(qi, qj)] = qk
+        budget = min(max_live - n_available, prefetch_bucket)
+        prefetched: set[tuple[int, int]] = set()
+        numel = 0
+        while head < len(queue) and numel < budget:
+            qi, qj, qk = queue[head]
+            head += 1
+            q = (qi, qj)
+            fetched_for[q] = max(fetched_for.get(q, -1), qk)
+            if q not in available and q not in prefetched:
+                prefetched.add(q)
+                numel += size[q]
+                gather(q, qk)
+        # release after the module ran (the step id is past it: the scan starts at k + 1)
+        if key in persistent or fetched_for.get(key, -1) > k:
             continue
-        if (i, j) not in live:
-            live.add((i, j))
-            if backward:
-                again[i].append(n)
         m = nxt[k]
-        if m is None or prefix[m] - prefix[k + 1] >= MAX_REUSE_DISTANCE_ELEMS:
-            live.discard((i, j))
+        if m is not None and prefix[m] - prefix[k + 1] < reuse_distance:
+            continue
+        available.discard(key)
+        n_available -= n
     return tuple(tuple(a) for a in again)
 
 

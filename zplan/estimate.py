@@ -309,8 +309,9 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
             "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: DeepSpeed's published "
-            "runs on 32 H100 measured 6-19% slower than overlap predicts, their communication "
-            "adding nearly serially (docs/accuracy-notes.md 9aa, 9ac, 9af)")
+            "runs on 32 H100 measured 7-25% slower than overlap predicts, though DeepSpeed gathers "
+            "what zplan prices (held against its own ZeRO-3 on gloo ranks): the time is not the traffic "
+            "(docs/accuracy-notes.md 9aa, 9af, 9cf)")
     if zero3:
         out["zero_init"] = {
             "value": sc.train.zero_init, "flag": "--no-zero-init" if sc.train.zero_init else "--zero-init",
