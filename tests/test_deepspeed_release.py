@@ -182,35 +182,45 @@ os._exit(0)  # no interpreter teardown: gloo's threads (tests/test_deepspeed_red
 # DeepSpeed's defaults divided by 4096, with blocks shaped like Llama 3.1 70B's (8192 wide, 1024
 # of keys and values, 28672 of MLP: each matrix / 4096 = 128 x 128, 128 x 16, 128 x 448) and 8B's
 # (64 x 64, 64 x 16, 64 x 224): the same ratios of block, prefetch bucket, live parameters and
-# reuse distance. Norms stay persistent, as 8192 and 4096 are under 1e5.
-_SCALED = dict(reuse=1_000_000_000 // 4096, persist=200, prefetch=50_000_000 // 4096, live=1_000_000_000 // 4096)
+# reuse distance (reuse, persistence, prefetch bucket, live). Norms stay persistent, as 8192 and
+# 4096 are under 1e5. TIGHT: a shorter reuse distance and live limit (0.8 and 1 of a 70B-shaped
+# block), where the reentrant and non-reentrant orders gather differently.
+DEFAULTS = (1_000_000_000 // 4096, 200, 50_000_000 // 4096, 1_000_000_000 // 4096)
+TIGHT = (167_116, 200, 10_444, 208_896)
+B70, B8 = (128, 16, 448), (64, 16, 224)
 
 
 @pytest.mark.slow  # two processes importing deepspeed: seconds each
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shape,reentrant", [((128, 16, 448), True), ((128, 16, 448), False), ((64, 16, 224), True)])
-def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, reentrant):
+@pytest.mark.parametrize("shape,blocks,settings,reentrant", [
+    (B70, 6, DEFAULTS, True), (B8, 6, DEFAULTS, False), (B8, 4, DEFAULTS, True),
+    (B70, 4, TIGHT, True), (B70, 4, TIGHT, False)])
+def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks, settings, reentrant):
     """DeepSpeed's ZeRO-3 (partitioned_param_coordinator.py: its trace, release rule and
-    prefetcher) on two gloo ranks, six checkpointed blocks, its settings scaled with the model:
-    the elements it gathers in a step, once its trace is recorded, are those zplan prices (every
+    prefetcher) on two gloo ranks, checkpointed blocks, its settings scaled with the model: the
+    elements it gathers in a step, once its trace is recorded, are those zplan prices (every
     parameter once for the forward, and backward_gathers for the recompute and backward), to the
-    element. Reentrant (Hugging Face's default) and non-reentrant checkpoints."""
+    element. Reentrant (Hugging Face's default) and non-reentrant checkpoints; the whole model
+    under the live limit (four 8B-shaped blocks: where the blocks' own fetches, which hold no
+    parameter, move the prefetcher). Where the other checkpoint order, or no prefetch, would
+    gather otherwise, the test says so: it would catch either."""
     pytest.importorskip("deepspeed")
     from zplan.netutil import free_port
 
     H, KV, F = shape
-    nb = 6
     block = (H, H * H, H * KV, H * KV, H * H, H, H * F, H * F, H * F)
-    units = tuple((block, True) for _ in range(nb))
-    s = _SCALED
-    again = backward_gathers(units, s["reuse"], s["persist"], s["prefetch"], s["live"], reentrant=reentrant)
-    expected = nb * sum(n for n in block if n > s["persist"]) + sum(map(sum, again))
+    units = tuple((block, True) for _ in range(blocks))
+    reuse, persist, prefetch, live = settings
+
+    def priced(reentrant: bool, prefetch: int = prefetch) -> int:
+        again = backward_gathers(units, reuse, persist, prefetch, live, reentrant=reentrant)
+        return blocks * sum(n for n in block if n > persist) + sum(map(sum, again))
 
     script = tmp_path / "ds_zero3.py"
     script.write_text(_DS_RUN)
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    args = [str(a) for a in (port, int(reentrant), H, KV, F, nb, s["reuse"], s["persist"], s["prefetch"], s["live"])]
+    args = [str(a) for a in (port, int(reentrant), H, KV, F, blocks, reuse, persist, prefetch, live)]
     procs = [subprocess.Popen([sys.executable, str(script), str(r), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
@@ -218,8 +228,8 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, reentra
         assert p.returncode == 0, err[-3000:]
     (line,) = [x for x in outs[0][0].splitlines() if x.startswith("GATHERED ")]
     per_step = json.loads(line.split(" ", 1)[1])
-    assert per_step[2] == per_step[3]  # the steady state
-    assert per_step[3] == expected
-    # not the release rule alone: the prefetcher's marks change what is gathered
-    no_prefetch = backward_gathers(units, s["reuse"], s["persist"], 0, s["live"], reentrant=reentrant)
-    assert sum(map(sum, no_prefetch)) != sum(map(sum, again))
+    assert per_step[1] == per_step[2] == per_step[3]  # the trace recorded in the first step
+    assert per_step[3] == priced(reentrant)
+    assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
+    if settings is TIGHT or shape is B8 and not reentrant:
+        assert priced(not reentrant) != per_step[3]  # and so does the order

@@ -281,8 +281,9 @@ def _ds_again(sc: Scenario) -> tuple[tuple[int, ...], ...]:
     reentrant, as Hugging Face's)."""
     from .deepspeed import backward_gathers
 
-    return backward_gathers(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u))
-                                  for u in sc.units), reentrant=not sc.train.checkpoint_early_stop)
+    return backward_gathers(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u)) for u in sc.units),
+                            reentrant=not sc.train.checkpoint_early_stop,
+                            containers=tuple(bool(u.blocks) for u in sc.units))
 
 
 def _ds_backward_calls(sc: Scenario, D: int) -> list[list[int]]:

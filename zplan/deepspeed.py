@@ -28,62 +28,94 @@ def reduces_after_backward(strategy: str, layout: str) -> bool:
     return layout == "zero" and strategy == "ddp"
 
 
+Step = tuple[int, int, int, bool] | None  # (unit, parameter, elements, for backward); None: a container
+
+
+def module_trace(units: tuple[tuple[tuple[int, ...], bool], ...], containers: tuple[bool, ...],
+                 reentrant: bool) -> tuple[list[Step], set[int]]:
+    """The fetches of one training step, in DeepSpeed's order (its hooks' order, logged from
+    DeepSpeed on gloo ranks), and the steps after which no release runs.
+
+    Modules are the parameters (a Linear or a norm holds one); a unit with a container (a
+    block's own module, which holds no parameter) fetches it first, as the model's root does
+    at the start of forward and of backward. Forward: root, then every unit (its container,
+    its parameters in order). Backward, units in reverse: a checkpointed unit's recompute (its
+    container, its parameters in order), then its backward (its container, its parameters in
+    reverse). Under a non-reentrant checkpoint the recompute starts at backward's first unpack
+    of a saved tensor, after the pre-backward hooks of the container and of the unit's last
+    module: their fetches come first, and the last module's release waits for its backward,
+    which runs after the recompute (whose forward of that module early stop cuts short of its
+    post-forward hook): released at the recompute's step."""
+    trace: list[Step] = [None]
+    for i, (params, _) in enumerate(units):
+        trace += [None] * containers[i] + [(i, j, n, False) for j, n in enumerate(params)]
+    trace.append(None)
+    no_release: set[int] = set()
+    for i in range(len(units) - 1, -1, -1):
+        params, wrapped = units[i]
+        back = [(i, j, params[j], True) for j in range(len(params) - 1, -1, -1)]
+        recompute = [(i, j, n, True) for j, n in enumerate(params)]
+        box = [None] * containers[i]
+        if wrapped and not reentrant and back:
+            no_release.add(len(trace) + len(box))
+            trace += box + [back.pop(0)] + box + recompute + back
+        elif wrapped:
+            trace += box + recompute + box + back
+        else:
+            trace += box + back
+    return trace, no_release
+
+
 @functools.lru_cache(maxsize=256)
 def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
                      reuse_distance: int = MAX_REUSE_DISTANCE_ELEMS,
                      persistence_threshold: int = PERSISTENCE_THRESHOLD_ELEMS,
                      prefetch_bucket: int = PREFETCH_BUCKET_ELEMS,
-                     max_live: int = MAX_LIVE_ELEMS, reentrant: bool = True) -> tuple[tuple[int, ...], ...]:
+                     max_live: int = MAX_LIVE_ELEMS, reentrant: bool = True,
+                     containers: tuple[bool, ...] | None = None) -> tuple[tuple[int, ...], ...]:
     """Per unit, the parameters (their element counts, in the order gathered) that ZeRO-3 at its
     default settings gathers for backward (the recompute's forward and the backward itself), one
     micro-batch in the steady state (its module trace recorded).
 
     `units`: per unit in forward order, its parameters' element counts and whether a checkpoint
-    wraps it (its forward runs again in backward). Modules are the parameters here (a Linear or
-    a norm holds one). The step's trace: every unit's forward; then, units in reverse, a wrapped
-    unit's forward again (the recompute) and each unit's backward, its modules in reverse; under
-    a non-reentrant checkpoint (`reentrant=False`) the recompute runs when backward first unpacks
-    a saved tensor, after the pre-backward hook of the unit's last module, so that module's
-    backward fetch comes first (DeepSpeed's fetch order, logged on gloo ranks). On it,
+    wraps it (its forward runs again in backward); `containers`: per unit, whether a module
+    without parameters of its own holds it (a block; default: every unit of more than one
+    parameter). The step's fetches: module_trace. On them,
     deepspeed/runtime/zero/partitioned_param_coordinator.py (v0.16-v0.19, the same rules) as
     simulated here:
-    - fetch (a module's pre-forward or pre-backward hook): gather its parameters not available;
-      pop its own uses off the parameter queue (the trace's parameters in order, each with the
-      step it serves), marking each param's most recent step fetched for; then prefetch: pop on
-      from the queue, gathering what is not available, until the elements gathered reach
-      min(stage3_max_live_parameters - elements available, stage3_prefetch_bucket_size). A
-      parameter popped while available is not gathered, but marked fetched for its later step.
-    - release (its post-forward or post-backward hook): each parameter not persistent (over
-      stage3_param_persistence_threshold elements), unless marked fetched for a later step, or
-      used again within stage3_max_reuse_distance elements of the trace's next modules.
+    - fetch (any module's pre-forward or pre-backward hook, containers too): gather its
+      parameters not available; pop its own uses off the parameter queue (the trace's
+      parameters in order, each with the step it serves), marking each param's most recent
+      step fetched for; then prefetch: pop on from the queue, gathering what is not available,
+      until the elements gathered reach min(stage3_max_live_parameters - elements available,
+      stage3_prefetch_bucket_size). A parameter popped while available is not gathered, but
+      marked fetched for its later step.
+    - release (its post-forward or post-backward hook, with the step counter past it): each
+      parameter not persistent (over stage3_param_persistence_threshold elements), unless
+      marked fetched for a step after the next, or used again within stage3_max_reuse_distance
+      elements of the trace's next modules.
     A step starts with only the persistent parameters gathered (each other one's last use
     released it; reset_step empties the queue and the marks). The simulation is held against
     DeepSpeed's own ZeRO-3 on gloo ranks with its settings scaled with the model
     (tests/test_deepspeed_release.py)."""
-    trace: list[tuple[int, int, int, bool]] = []  # (unit, parameter, elements, for backward)
-    for i, (params, _) in enumerate(units):
-        trace += [(i, j, n, False) for j, n in enumerate(params)]
-    for i in range(len(units) - 1, -1, -1):
-        params, wrapped = units[i]
-        back = [(i, j, params[j], True) for j in range(len(params) - 1, -1, -1)]
-        if wrapped and not reentrant and back:
-            trace.append(back.pop(0))
-        if wrapped:
-            trace += [(i, j, n, True) for j, n in enumerate(params)]
-        trace += back
-    size = {(i, j): n for i, j, n, _ in trace}
+    if containers is None:
+        containers = tuple(len(params) > 1 for params, _ in units)
+    trace, no_release = module_trace(units, containers, reentrant)
+    size = {(e[0], e[1]): e[2] for e in trace if e}
     persistent = {k for k, n in size.items() if n <= persistence_threshold}
-    # release's reuse scan: from step k on, the first module whose cumulative elements reach the
-    # distance ends it; the parameters seen before are kept
+    # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,
+    # until the walk has reached the distance; the parameters seen before are kept
     prefix = [0]
-    for _, _, n, _ in trace:
-        prefix.append(prefix[-1] + n)
+    for e in trace:
+        prefix.append(prefix[-1] + (e[2] if e else 0))
     nxt: list[int | None] = [None] * len(trace)
     seen: dict[tuple[int, int], int] = {}
     for k in range(len(trace) - 1, -1, -1):
-        nxt[k] = seen.get(trace[k][:2])
-        seen[trace[k][:2]] = k
-    queue = [(i, j, k) for k, (i, j, _, _) in enumerate(trace)]  # the parameter trace
+        e = trace[k]
+        if e:
+            nxt[k] = seen.get(e[:2])
+            seen[e[:2]] = k
+    queue = [(e[0], e[1], k) for k, e in enumerate(trace) if e]  # the parameter trace
     head = 0
     available: set[tuple[int, int]] = set(persistent)
     n_available = 0
@@ -94,17 +126,18 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
         nonlocal n_available
         available.add(key)
         n_available += size[key]
-        if trace[for_step][3]:
+        if trace[for_step][3]:  # type: ignore[index]
             again[key[0]].append(size[key])
 
-    for k, (i, j, n, _) in enumerate(trace):
-        key = (i, j)
-        if key not in available:
-            gather(key, k)
-        if fetched_for.get(key, -1) < k:  # its own use, first in the queue
-            qi, qj, qk = queue[head]
-            head += 1
-            fetched_for[(qi, qj)] = qk
+    for k, e in enumerate(trace):
+        if e:
+            key = e[:2]
+            if key not in available:
+                gather(key, k)
+            if fetched_for.get(key, -1) < k:  # its own use, first in the queue
+                qi, qj, qk = queue[head]
+                head += 1
+                fetched_for[(qi, qj)] = qk
         budget = min(max_live - n_available, prefetch_bucket)
         prefetched: set[tuple[int, int]] = set()
         numel = 0
@@ -117,14 +150,13 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
                 prefetched.add(q)
                 numel += size[q]
                 gather(q, qk)
-        # release after the module ran (the step id is past it: the scan starts at k + 1)
-        if key in persistent or fetched_for.get(key, -1) > k:
+        if not e or k in no_release or key in persistent or fetched_for.get(key, -1) > k + 1:
             continue
         m = nxt[k]
         if m is not None and prefix[m] - prefix[k + 1] < reuse_distance:
             continue
         available.discard(key)
-        n_available -= n
+        n_available -= e[2]
     return tuple(tuple(a) for a in again)
 
 
