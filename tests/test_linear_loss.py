@@ -332,4 +332,6 @@ def test_two_moments_the_real_run_survey_found(run_zplan, tmp_path, text, gpus, 
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads((run / "run_report.json").read_text())
     measured, predicted = r["measured"]["peak_memory_bytes"], r["predicted"]["peak_memory_bytes"]
-    assert abs(predicted / measured - 1) < 0.002, (predicted, measured)
+    # once in CI (beside two-process DeepSpeed runs) +9% measured, one ~32 MB tensor more at a
+    # rank's peak; not reproduced alone: the categories at the peak say which kind, if it recurs
+    assert abs(predicted / measured - 1) < 0.002, (predicted, measured, r["measured"]["memory_by_category_rank0"])
