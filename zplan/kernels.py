@@ -453,8 +453,9 @@ def attention_rates(gpu: GPUSpec, kernel: str = "flash2", head_dim: int = 128,
     FlashAttention-2 rates (head dim 128) x the kernel's speed relative to it (FlashAttention-2
     itself at a head dim under 128: fa2_head_dim_speed, and its forward over 128 on Hopper:
     fa2_wide_head_forward_speed; FlashAttention-3 at its own head dims: flash3_head_dim_speed)
-    x head_dim / the padded head dimension (the padding is computed, not counted; FlashAttention-3 compiles head dims 64, 96,
-    128, 192 and 256 and runs a smaller one on the next). The rates are bf16/fp16 tensor-core
+    x head_dim / the padded head dimension (the padding is computed, not counted;
+    FlashAttention-3 compiles head dims 64, 96, 128, 192 and 256 and runs a smaller one on the
+    next). The rates are bf16/fp16 tensor-core
     figures; fp32 attention runs PyTorch's memory-efficient kernel on CUDA (flash takes bf16/fp16
     only), priced as the same fraction of the fp32 peak (gemm_rate's rule; an assumption)."""
     k = gpu.kernels
