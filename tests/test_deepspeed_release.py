@@ -46,9 +46,9 @@ def test_the_prefetcher_gathers_ahead_by_hand():
     more away is released: A (3e9), B (2.4e9), C (D, D: 1.2e9); D is next to its backward.
     With it, each fetch then scans the queue on, gathering until 5e7 elements are gathered or
     the live parameters reach 1e9: at D's forward the scan marks D's backward and gathers C
-    for its own (6e8 > 5e7); at D's backward the live
-    parameters (C, D: 1.2e9) leave no room; at C's backward it gathers B, at B's A. The same
-    parameters again, each gathered one step earlier."""
+    for its own (6e8 > 5e7); at D's backward the live parameters (C, D: 1.2e9) leave no room;
+    at C's backward it gathers B, at B's A. The same parameters again, each gathered one step
+    earlier."""
     units = (((300_000_000,), False), ((300_000_000,), False), ((600_000_000,), False), ((600_000_000,), False))
     assert _no_prefetch(units) == backward_gathers(units) == ((300_000_000,), (300_000_000,), (600_000_000,), ())
 
