@@ -139,15 +139,13 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
                 head += 1
                 fetched_for[(qi, qj)] = qk
         budget = min(max_live - n_available, prefetch_bucket)
-        prefetched: set[tuple[int, int]] = set()
         numel = 0
         while head < len(queue) and numel < budget:
             qi, qj, qk = queue[head]
             head += 1
             q = (qi, qj)
             fetched_for[q] = max(fetched_for.get(q, -1), qk)
-            if q not in available and q not in prefetched:
-                prefetched.add(q)
+            if q not in available:  # gather() makes it available: a repeat is not gathered twice
                 numel += size[q]
                 gather(q, qk)
         if not e or k in no_release or key in persistent or fetched_for.get(key, -1) > k + 1:
