@@ -40,7 +40,8 @@ def test_kill9_at_random_steps_restarts_and_ends_bit_for_bit(run_zplan, tmp_path
     ref = _weights(tmp_path / "straight", tmp_path)
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    trials = [(step, rng.randrange(2)) for step in rng.sample(range(1, STEPS), 2)]
+    # one trial a run (CI time: each is two launches); the step and rank vary from run to run
+    trials = [(rng.randrange(1, STEPS), rng.randrange(2))]
     for i, (step, rank) in enumerate(trials):
         run_dir = tmp_path / f"trial{i}"
         p = _launch(run_zplan, tmp_path / "p.json", run_dir, restarts=1,

@@ -210,7 +210,7 @@ def launch(
     if not dry_run and not slurm:  # torchrun and the ranks run here: before anything is written
         from .verify_cmd import _need_torch
 
-        _need_torch("zplan launch")
+        _need_torch("zplan launch", load=False)
     if log_every is not None:
         check_range(log_every, "--log-every", 0, 10**9)
     script, extra = _split_args(ctx, script)

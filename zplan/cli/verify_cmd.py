@@ -12,7 +12,16 @@ from .app import app
 from .json_out import emit_json
 
 
-def _need_torch(what: str) -> None:
+def _need_torch(what: str, *, load: bool = True) -> None:
+    """Refuse, in one line, a command that needs torch where it is not installed. load=False only
+    looks for it (importlib's finder, milliseconds): `zplan launch` runs torch in its ranks, not
+    in its own process, and importing it there cost every launch ~1.5 s of CPU before torchrun."""
+    if not load:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            raise UsageError(f"{what} needs torch: pip install 'zplan[train]'")
+        return
     try:
         import torch  # noqa: F401
     except ImportError:
