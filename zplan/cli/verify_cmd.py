@@ -94,7 +94,7 @@ def verify(
 
     By default a quick matrix: each strategy once (both dtypes across it), about 2 minutes on an
     idle 2-core machine. error = (predicted - measured) / measured."""
-    _need_torch("verify")
+    _need_torch("verify", load=fake)  # the real matrix's cells run torch in torchrun's ranks
     for flag, k, mode in (("--checkpoint-every", checkpoint_every, "every-k"),
                           ("--checkpoint-first", checkpoint_first, "first-k")):
         if k is not None and mode not in (checkpointing or ()):
