@@ -28,7 +28,9 @@ def test_estimate_json_schema(run_zplan):
         assert isinstance(s["comm"]["bytes_per_step"], int)
         assert isinstance(s["overlap"], list)
     z3 = next(s for s in out["strategies"] if s["name"] == "zero3")
-    assert z3["comm"]["elements_per_step"] >= 3 * 70_000_000_000
+    # between ZeRO-2's 2 Psi and the paper's 3 Psi (DeepSpeed's prefetcher keeps the units
+    # backward reaches first gathered: tests/test_golden.py), padding aside
+    assert 2 * 70_000_000_000 < z3["comm"]["elements_per_step"] <= 3 * 70_000_000_000 + 3 * 64 * len(out["inputs"]["units"])
     assert len(z3["overlap"]) == len(out["inputs"]["units"])
     units = len(out["inputs"]["units"])
     assert 17_500_000_000 <= z3["per_gpu"]["model_state_bytes"] < 17_500_000_000 + 16 * units  # padding

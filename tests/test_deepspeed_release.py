@@ -90,7 +90,9 @@ def test_an_8b_block_keeps_all_its_weights_from_the_recompute():
 def test_the_step_prices_those_gathers():
     """The backward all-gather collective holds exactly those elements (padded to the group),
     and it costs time beside compute; a plan that writes its own buckets (no
-    --deepspeed-defaults) gathers every unit whole again, as FSDP does."""
+    --deepspeed-defaults) gathers what the same coordinator gathers at the stage-3 settings its
+    DeepSpeed export writes (read from the exported config: the one contract), which is not
+    every unit once more, as FSDP does."""
     kw = dict(model="llama-3.1-70b", gpus=32, seq_len=1024, layout="zero", checkpointing="full")
     r = est("zero3", deepspeed_defaults=True, **kw)
     sc, units = _units("llama-3.1-70b")
@@ -101,14 +103,22 @@ def test_the_step_prices_those_gathers():
     fwd = [c for c in r.collectives if c.name == "all-gather (forward)"][0]
     # each block and the embedding once more; not the head, whose backward follows its forward
     assert 0.95 < back[0].elements / fwd.elements < 1.0
-    whole = est("zero3", **kw)
-    assert [c.elements for c in whole.collectives if c.name == "all-gather (backward)"] == \
-        [sum(sc.padded_elems(u, 32) for u in sc.units)]
+    from zplan.export import deepspeed_config
+    from zplan.plan import make_plan
+
+    own = scenario(model="llama-3.1-70b", gpus=32, seq_len=1024, layout="zero", checkpointing="full")
+    r = est("zero3", **kw)
+    zo = deepspeed_config(make_plan(own, "zero3", 32, r))["zero_optimization"]
+    again = backward_gathers(units, zo["stage3_max_reuse_distance"], zo["stage3_param_persistence_threshold"],
+                             zo["stage3_prefetch_bucket_size"], zo["stage3_max_live_parameters"], reentrant=reentrant)
+    back = [c.elements for c in r.collectives if c.name == "all-gather (backward)"]
+    assert back == [sum(-(-n // 32) * 32 for a in again for n in a)]
+    assert back[0] < sum(sc.padded_elems(u, 32) for u in sc.units)
 
 
 _DS_RUN = r"""
 import json, os, sys
-rank, port, reentrant = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+rank, port, reentrant, checkpointed = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[3] != "none"
 H, KV, F, NB = (int(a) for a in sys.argv[4:8])
 reuse, persist, prefetch, live = (int(a) for a in sys.argv[8:12])
 os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
@@ -154,7 +164,7 @@ class Model(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block() for _ in range(NB))
     def forward(self, x):
         for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=reentrant)
+            x = checkpoint(b, x, use_reentrant=reentrant) if checkpointed else b(x)
         return x
 
 cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
@@ -187,29 +197,39 @@ os._exit(0)  # no interpreter teardown: gloo's threads (tests/test_deepspeed_red
 # block), where the reentrant and non-reentrant orders gather differently.
 DEFAULTS = (1_000_000_000 // 4096, 200, 50_000_000 // 4096, 1_000_000_000 // 4096)
 TIGHT = (167_116, 200, 10_444, 208_896)
+# zplan's export (deepspeed.stage3_settings, resharded): every parameter sharded and released
+# after use, a unit (here a block) prefetched, two units live; EXPORT_NO_PREFETCH: --no-prefetch
+EXPORT, EXPORT_NO_PREFETCH = "export", "export-no-prefetch"
 B70, B8 = (128, 16, 448), (64, 16, 224)
 
 
 @pytest.mark.slow  # two processes importing deepspeed: seconds each
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shape,blocks,settings,reentrant", [
-    (B70, 6, DEFAULTS, True), (B8, 6, DEFAULTS, False), (B8, 4, DEFAULTS, True),
-    (B70, 4, TIGHT, True), (B70, 4, TIGHT, False)])
-def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks, settings, reentrant):
+@pytest.mark.parametrize("shape,blocks,settings,reentrant,checkpointed", [
+    (B70, 6, DEFAULTS, True, True), (B8, 6, DEFAULTS, False, True), (B8, 4, DEFAULTS, True, True),
+    (B70, 4, TIGHT, True, True), (B70, 4, TIGHT, False, True),
+    (B70, 6, EXPORT, False, True), (B8, 4, EXPORT, True, False), (B70, 4, EXPORT_NO_PREFETCH, True, True)])
+def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks, settings, reentrant, checkpointed):
     """DeepSpeed's ZeRO-3 (partitioned_param_coordinator.py: its trace, release rule and
-    prefetcher) on two gloo ranks, checkpointed blocks, its settings scaled with the model: the
+    prefetcher) on two gloo ranks, checkpointed blocks (or not), its settings scaled with the model: the
     elements it gathers in a step, once its trace is recorded, are those zplan prices (every
     parameter once for the forward, and backward_gathers for the recompute and backward), to the
     element. Reentrant (Hugging Face's default) and non-reentrant checkpoints; the whole model
     under the live limit (four 8B-shaped blocks: where the blocks' own fetches, which hold no
     parameter, move the prefetcher). Where the other checkpoint order, or no prefetch, would
-    gather otherwise, the test says so: it would catch either."""
+    gather otherwise, the test says so: it would catch either. Also at the settings zplan's
+    export writes (reuse distance and persistence 0, a unit prefetched or none, two units live),
+    with and without checkpoints: there DeepSpeed gathers neither FSDP's once more per unit
+    (what zplan priced an export at) nor its defaults' pattern."""
     pytest.importorskip("deepspeed")
     from zplan.netutil import free_port
 
     H, KV, F = shape
     block = (H, H * H, H * KV, H * KV, H * H, H, H * F, H * F, H * F)
-    units = tuple((block, True) for _ in range(blocks))
+    units = tuple((block, checkpointed) for _ in range(blocks))
+    named = settings
+    if named in (EXPORT, EXPORT_NO_PREFETCH):  # export.deepspeed_config's keys for blocks as units
+        settings = (0, 0, sum(block) if named == EXPORT else 0, 2 * sum(block))
     reuse, persist, prefetch, live = settings
 
     def priced(reentrant: bool, prefetch: int = prefetch) -> int:
@@ -220,7 +240,8 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     script.write_text(_DS_RUN)
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    args = [str(a) for a in (port, int(reentrant), H, KV, F, blocks, reuse, persist, prefetch, live)]
+    mode = int(reentrant) if checkpointed else "none"
+    args = [str(a) for a in (port, mode, H, KV, F, blocks, reuse, persist, prefetch, live)]
     procs = [subprocess.Popen([sys.executable, str(script), str(r), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
@@ -230,6 +251,9 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     per_step = json.loads(line.split(" ", 1)[1])
     assert per_step[1] == per_step[2] == per_step[3]  # the trace recorded in the first step
     assert per_step[3] == priced(reentrant)
-    assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
-    if settings is TIGHT or shape is B8 and not reentrant:
+    if prefetch:
+        assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
+    if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant):
         assert priced(not reentrant) != per_step[3]  # and so does the order
+    if named in (EXPORT, EXPORT_NO_PREFETCH):  # not every unit once more, as FSDP (zplan's price
+        assert per_step[3] != 2 * blocks * sum(block)  # of an export until 2026-12: 0.81-1.5 x off)

@@ -484,21 +484,21 @@ def test_a_deepspeed_hsdp_plan_is_compared_but_never_written(run_zplan, tmp_path
     --to deepspeed refused it, --to accelerate refused it and launch sent the user back to
     DeepSpeed. Comparing it stays; writing it is refused before the search, in one line."""
     out = tmp_path / "p.json"
-    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--for", "deepspeed", "--strategy", "hsdp",
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "32", "--for", "deepspeed", "--strategy", "hsdp",
                   "--write", str(out))
     assert p.returncode == 2 and "MiCS" in p.stderr and not out.exists(), p.stderr
     assert len([ln for ln in p.stderr.splitlines() if ln.startswith("zplan: error")]) == 1
-    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--for", "deepspeed", "--strategy", "hsdp")
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "32", "--for", "deepspeed", "--strategy", "hsdp")
     assert p.returncode == 0 and "Recommended: hsdp" in p.stdout, p.stderr
     # among others it is searched; the plan is refused only where hsdp wins (here it does)
-    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--for", "deepspeed", "--strategy", "zero3",
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "32", "--for", "deepspeed", "--strategy", "zero3",
                   "--strategy", "hsdp", "--write", str(out))
     assert p.returncode == 2 and "hsdp won here" in p.stderr and not out.exists(), p.stderr
-    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--for", "deepspeed", "--strategy", "zero3",
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "32", "--for", "deepspeed", "--strategy", "zero3",
                   "--write", str(out))
     assert p.returncode == 0 and json.loads(out.read_text())["strategy"] == "zero3", p.stderr
     out.unlink()
-    p = run_zplan("recommend", "--model", "tiny", "--gpus", "16", "--strategy", "hsdp", "--write", str(out))
+    p = run_zplan("recommend", "--model", "tiny", "--gpus", "32", "--strategy", "hsdp", "--write", str(out))
     assert p.returncode == 0 and json.loads(out.read_text())["strategy"] == "hsdp", p.stderr  # FSDP2's HSDP
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from . import muon, policy
 from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduces_after_backward
 from .nccl import collective_time, contiguous_shape, strided_shape
-from .scenario import Scenario
+from .scenario import PinnedMemo, Scenario
 from .strategies import Strategy
 from .units import nbytes
 
@@ -251,7 +251,7 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
     p = sc.train.precision
     D, g, R, g_rep = _shapes(sc, st)
     out = []
-    ds_back = _ds_backward_seconds(sc, st, D, g) if _module_calls(sc, st) else None
+    ds_back = _ds_backward_seconds(sc, st, D, g) if _ds_zero3(sc, st) else None
     for i, u in enumerate(sc.units):
         full = sc.padded_elems(u, D)
         ag = gather_seconds(sc, st, u, gather_dtype(sc, u), D, g)
@@ -275,27 +275,47 @@ def _wrapped(sc: Scenario, u) -> bool:
     return bool(u.blocks) and any(wrapped[u.first_block: u.first_block + u.blocks])
 
 
-def _ds_again(sc: Scenario) -> tuple[tuple[int, ...], ...]:
-    """Per unit, the parameters DeepSpeed's ZeRO-3 at its defaults gathers again in backward
-    (deepspeed.backward_gathers over the step's module trace; a checkpoint without early stop is
-    reentrant, as Hugging Face's)."""
-    from .deepspeed import backward_gathers
-
-    return backward_gathers(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u)) for u in sc.units),
-                            reentrant=not sc.train.checkpoint_early_stop,
-                            containers=tuple(bool(u.blocks) for u in sc.units))
+def _ds_zero3(sc: Scenario, st: Strategy) -> bool:
+    """DeepSpeed ZeRO-3 (the zero layout, parameters sharded), at its defaults or at the settings
+    zplan's export writes: what it gathers again in backward is its coordinator's (_ds_again)."""
+    return sc.train.layout == "zero" and st.params_sharded
 
 
-def _ds_backward_calls(sc: Scenario, D: int) -> list[list[int]]:
-    """DeepSpeed at its defaults, per unit: the bytes of each call gathering a parameter again
-    in backward (one call a parameter, padded to D, in the gather dtype)."""
-    return [[nbytes(-(-n // D) * D, gather_dtype(sc, u)) for n in again]
-            for u, again in zip(sc.units, _ds_again(sc))]
+_DS_AGAIN = PinnedMemo(1024)  # estimate asks per unit and per collective: once per scenario
+
+
+def _ds_again(sc: Scenario, st: Strategy) -> tuple[tuple[int, ...], ...]:
+    """Per unit, the parameters DeepSpeed's ZeRO-3 gathers again in backward at the run's stage-3
+    settings (deepspeed.stage3_settings: its defaults, or the export's), by
+    deepspeed.backward_gathers over the step's module trace; a checkpoint without early stop is
+    reentrant, as Hugging Face's."""
+    from .deepspeed import backward_gathers, stage3_settings
+
+    def make() -> tuple[tuple[int, ...], ...]:
+        s3 = stage3_settings(sc, st.hsdp, st.reshard_after_forward)
+        return backward_gathers(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u)) for u in sc.units),
+                                *s3, reentrant=not sc.train.checkpoint_early_stop,
+                                containers=tuple(bool(u.blocks) for u in sc.units))
+
+    key = (sc.model, id(sc.hw), sc.train, sc.shard_size, sc.custom_units, st.hsdp, st.reshard_after_forward)
+    return _DS_AGAIN.get(key, sc.hw, make)
+
+
+def _ds_backward_calls(sc: Scenario, st: Strategy, D: int) -> list[list[int]]:
+    """DeepSpeed ZeRO-3, per unit: the bytes of each call gathering its parameters again in
+    backward (each padded to D, in the gather dtype): one call a parameter at DeepSpeed's
+    defaults (a module's own), one for the unit at the export's settings (a unit's prefetch
+    bucket: gather_calls)."""
+    out = []
+    for u, again in zip(sc.units, _ds_again(sc, st)):
+        calls = [nbytes(-(-n // D) * D, gather_dtype(sc, u)) for n in again]
+        out.append(calls if _module_calls(sc, st) or not calls else [sum(calls)])
+    return out
 
 
 def _ds_backward_seconds(sc: Scenario, st: Strategy, D: int, g: int) -> list[float]:
-    """DeepSpeed at its defaults, per unit: one call per parameter gathered again in backward."""
-    return [sum(call_seconds(sc, "all_gather", b, D, g) for b in calls) for calls in _ds_backward_calls(sc, D)]
+    """DeepSpeed ZeRO-3, per unit: its calls gathering parameters again in backward, timed."""
+    return [sum(call_seconds(sc, "all_gather", b, D, g) for b in calls) for calls in _ds_backward_calls(sc, st, D)]
 
 
 def _module_calls(sc: Scenario, st: Strategy) -> bool:
@@ -437,7 +457,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         return out
     D, g, R, g_rep = _shapes(sc, st)
     units = sc.units
-    regather = [u for u in units if regathered(sc, st, u)] if not _module_calls(sc, st) else []
+    regather = [u for u in units if regathered(sc, st, u)] if not _ds_zero3(sc, st) else []
     gathered = sum(sc.padded_elems(u, D) for u in units)
     scope = "intra-node" if D <= g else "inter-node"
     for label, group in (("forward", units), ("backward", regather)):
@@ -449,14 +469,14 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
                                   D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us),
                                   0.0, g, *_gather_call(sc, st, us, dt, D)))
-    if _module_calls(sc, st):  # DeepSpeed's defaults: what its release rule gathers again
-        back = _ds_again(sc)
+    if _ds_zero3(sc, st):  # DeepSpeed: what its coordinator gathers again at the run's settings
+        back = _ds_again(sc, st)
         elems = sum(-(-n // D) * D for a in back for n in a)
         if elems:
-            big = max(b for calls in _ds_backward_calls(sc, D) for b in calls)
+            big = max(b for calls in _ds_backward_calls(sc, st, D) for b in calls)
             out.append(Collective("all-gather (backward)", "all_gather", elems, p.param, D, scope, A,
                                   sum(_ds_backward_seconds(sc, st, D, g)), 0.0, g, big,
-                                  "the largest parameter"))
+                                  "the largest parameter" if _module_calls(sc, st) else "the largest unit"))
     again = [u for u in units if gathers_for_recompute(sc, st, u)]
     if again:  # block units all: one gather dtype
         dt = gather_dtype(sc, again[0])

@@ -2,10 +2,12 @@
 (`TrainSpec.deepspeed_defaults`): deepspeed/runtime/zero/config.py, the same at v0.16.6 and
 v0.19.2, and what they make it do (the parameters it gathers again in backward, the copies its
 reduce stream holds). zplan's own export writes a unit for the buckets instead
-(export.deepspeed_config), so a plan it exports gathers and reduces unit by unit."""
+(export.deepspeed_config, from `stage3_settings`), so a plan it exports gathers and reduces unit
+by unit, and what it gathers again is the same simulation at those settings."""
 
 import functools
 import math
+from typing import NamedTuple
 
 from . import allocator
 from .units import DTYPE_BITS
@@ -21,6 +23,47 @@ PERSISTENCE_THRESHOLD_ELEMS = 100_000  # stage3_param_persistence_threshold: up 
 # accumulation boundary only, in buffers of this many elements (engine.py _backward_epilogue ->
 # allreduce_gradients -> buffered_allreduce_fallback, MEMORY_OPT_ALLREDUCE_SIZE; v0.16.6)
 ALLREDUCE_FALLBACK_ELEMS = 500_000_000
+
+
+KEEP_GATHERED_ELEMS = 10**12  # more than any model: what zplan's export writes so nothing is released
+
+
+class Stage3(NamedTuple):
+    """The stage-3 settings that decide what ZeRO-3 gathers, in elements."""
+    reuse_distance: int  # stage3_max_reuse_distance
+    persistence_threshold: int  # stage3_param_persistence_threshold
+    prefetch_bucket: int  # stage3_prefetch_bucket_size
+    max_live: int  # stage3_max_live_parameters
+
+
+DEFAULT_STAGE3 = Stage3(MAX_REUSE_DISTANCE_ELEMS, PERSISTENCE_THRESHOLD_ELEMS, PREFETCH_BUCKET_ELEMS, MAX_LIVE_ELEMS)
+
+
+def unit_elements(sc, hsdp: bool) -> tuple[int, int, int]:
+    """(largest unit, held + the largest pair of consecutive units, all units), in elements, as
+    the plan gathers them (padded to the shard degree: zplan.scenario): what zplan's export
+    sizes DeepSpeed's buckets by."""
+    d = sc.shard_degree(hsdp)
+    sizes = [sc.padded_elems(u, d) for u in sc.units]
+    held = sum(g for g, u in zip(sizes, sc.units) if u.held)
+    moving = [g for g, u in zip(sizes, sc.units) if not u.held] or [0]
+    pair = max((a + b for a, b in zip(moving, moving[1:])), default=moving[0])
+    return max(moving), held + pair, sum(sizes)
+
+
+def stage3_settings(sc, hsdp: bool, reshard: bool) -> Stage3:
+    """The stage-3 settings of a run: DeepSpeed's own where the config leaves them out
+    (`TrainSpec.deepspeed_defaults`), else those zplan's export writes (export.deepspeed_config
+    reads them here): every parameter sharded (persistence 0); resharded, each released after
+    use (reuse distance 0) with a unit prefetched (0 without --prefetch) and two units live;
+    not resharded, nothing ever released."""
+    if sc.train.deepspeed_defaults:
+        return DEFAULT_STAGE3
+    unit, live, everything = unit_elements(sc, hsdp)
+    prefetch = unit if sc.train.prefetch else 0
+    if reshard:
+        return Stage3(0, 0, prefetch, live)
+    return Stage3(KEEP_GATHERED_ELEMS, 0, prefetch, max(everything, KEEP_GATHERED_ELEMS))
 
 
 def reduces_after_backward(strategy: str, layout: str) -> bool:
@@ -73,9 +116,10 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
                      prefetch_bucket: int = PREFETCH_BUCKET_ELEMS,
                      max_live: int = MAX_LIVE_ELEMS, reentrant: bool = True,
                      containers: tuple[bool, ...] | None = None) -> tuple[tuple[int, ...], ...]:
-    """Per unit, the parameters (their element counts, in the order gathered) that ZeRO-3 at its
-    default settings gathers for backward (the recompute's forward and the backward itself), one
-    micro-batch in the steady state (its module trace recorded).
+    """Per unit, the parameters (their element counts, in the order gathered) that ZeRO-3 at
+    these settings (DeepSpeed's defaults unless given) gathers for backward (the recompute's
+    forward and the backward itself), one micro-batch in the steady state (its module trace
+    recorded).
 
     `units`: per unit in forward order, its parameters' element counts and whether a checkpoint
     wraps it (its forward runs again in backward); `containers`: per unit, whether a module
@@ -96,11 +140,13 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
       elements of the trace's next modules.
     A step starts with only the persistent parameters gathered (each other one's last use
     released it; reset_step empties the queue and the marks). The simulation is held against
-    DeepSpeed's own ZeRO-3 on gloo ranks with its settings scaled with the model
-    (tests/test_deepspeed_release.py)."""
+    DeepSpeed's own ZeRO-3 on gloo ranks with its settings scaled with the model, and at the
+    settings zplan's export writes (tests/test_deepspeed_release.py)."""
     if containers is None:
         containers = tuple(len(params) > 1 for params, _ in units)
     trace, no_release = module_trace(units, containers, reentrant)
+    if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
+        return tuple(() for _ in units)  # (zplan's export without resharding)
     size = {(e[0], e[1]): e[2] for e in trace if e}
     persistent = {k for k, n in size.items() if n <= persistence_threshold}
     # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,

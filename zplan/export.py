@@ -10,6 +10,7 @@ import os
 import shlex
 
 from .comm import bucket_elements
+from .deepspeed import stage3_settings, unit_elements
 from .errors import UsageError
 from .plan import Plan
 
@@ -19,20 +20,7 @@ DS_DTYPE = {"bf16": "bf16", "fp16": "fp16"}
 # DeepSpeed's optimizer "type": its own (deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS) or a
 # torch.optim class name, which the engine instantiates (engine._configure_basic_optimizer)
 DS_OPTIMIZER = {"adamw": "AdamW", "sgd": "SGD", "muon": "Muon"}
-KEEP_GATHERED = 10**12  # elements: more than any model, so gathered weights are never released
 PLACEHOLDER_LR = 3e-4  # the DeepSpeed config's learning rate: a placeholder (optimizer_note)
-
-
-def _unit_elements(plan: Plan) -> tuple[int, int, int]:
-    """(largest unit, held + the largest pair of consecutive units, all units), in elements, as
-    the plan gathers them (padded to the shard degree: zplan.scenario)."""
-    sc = plan.scenario()
-    d = sc.shard_degree(plan.strategy == "hsdp")
-    sizes = [sc.padded_elems(u, d) for u in sc.units]
-    held = sum(g for g, u in zip(sizes, sc.units) if u.held)
-    moving = [g for g, u in zip(sizes, sc.units) if not u.held] or [0]
-    pair = max((a + b for a, b in zip(moving, moving[1:])), default=moving[0])
-    return max(moving), held + pair, sum(sizes)
 
 
 def _ds_precision(plan: Plan, stage: int) -> dict:
@@ -97,13 +85,14 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         zo["reduce_bucket_size"] = bucket_elements(bucket, t.precision.reduce)
         zo["allgather_bucket_size"] = bucket_elements(bucket, t.precision.param)
     else:
-        unit, live, everything = _unit_elements(plan)
-        reshard = t.reshard_after_forward
-        zo["reduce_bucket_size"] = unit
-        zo["stage3_prefetch_bucket_size"] = unit if t.prefetch else 0
-        zo["stage3_param_persistence_threshold"] = 0  # the plan shards every parameter
-        zo["stage3_max_live_parameters"] = live if reshard else max(everything, KEEP_GATHERED)
-        zo["stage3_max_reuse_distance"] = 0 if reshard else KEEP_GATHERED
+        # one source with the pricing: comm prices what DeepSpeed gathers at these settings
+        sc = plan.scenario().for_strategy(True)  # the scenario comm prices a sharded strategy on
+        s3 = stage3_settings(sc, plan.strategy == "hsdp", t.reshard_after_forward)
+        zo["reduce_bucket_size"] = unit_elements(sc, plan.strategy == "hsdp")[0]
+        zo["stage3_prefetch_bucket_size"] = s3.prefetch_bucket
+        zo["stage3_param_persistence_threshold"] = s3.persistence_threshold  # every parameter sharded
+        zo["stage3_max_live_parameters"] = s3.max_live
+        zo["stage3_max_reuse_distance"] = s3.reuse_distance
     if t.optimizer == "adamw" and t.optimizer_kernels == "single":
         raise UsageError("DeepSpeed runs AdamW as FusedAdam or, with torch_adam, torch's foreach "
                          "AdamW, not a loop over parameters: export a plan made with "
