@@ -35,8 +35,11 @@ def _real_peak(run_zplan, tmp_path, text: str, strategy: str, gpus: int, **kw) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("text,strategy,gpus,kw", [
-    (M1, "ddp", 2, dict(micro_batch=2, grad_accum=2, checkpointing="none")),
-    (M1, "zero1", 2, dict(micro_batch=2, grad_accum=2, checkpointing="full")),
+    (M1, "ddp", 2, dict(micro_batch=2, grad_accum=2, seq_len=64, checkpointing="none")),
+    (M1, "zero1", 2, dict(micro_batch=2, grad_accum=2, seq_len=64, checkpointing="full")),
+    # seq 128: at 64 the peak moves to the embedding's backward, where this run's tracker counts a
+    # tied weight's gradient once more than the planner (+6.9%; MemTracker's dispatch mode copies
+    # what autograd steals, see the one-rank test below: not checked on the allocator here)
     (M1_TIED, "ddp", 2, dict(micro_batch=2, grad_accum=2, checkpointing="none")),
 ])
 def test_ddp_accumulating_under_no_sync_holds_gradients_beside_its_buckets(run_zplan, tmp_path, text, strategy,
@@ -107,7 +110,7 @@ def test_the_heads_new_weight_gradient_beside_its_cast_before_the_bucket_copy(ru
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,kw", [
     ("ddp", dict(micro_batch=1, seq_len=64, checkpointing="full")),  # the peak at the embedding's backward
-    ("zero1", dict(micro_batch=2, grad_accum=2, checkpointing="full")),  # through a later forward too
+    ("zero1", dict(micro_batch=2, grad_accum=2, seq_len=64, checkpointing="full")),  # through a later forward too
 ])
 def test_ddp_without_bucket_views_holds_its_gradients_twice(run_zplan, tmp_path, strategy, kw):
     """--no-ddp-bucket-view (PyTorch's default, gradient_as_bucket_view=False; the trainer honours
@@ -181,5 +184,5 @@ def test_hsdp_of_one_replica_runs_as_fsdp_and_holds_nothing(run_zplan, tmp_path)
     the trainer builds no replicate dimension, so FSDP2 runs no all-reduce over one rank and
     keeps no input for it (on a (1, N) mesh it did: -5.5% against the plan)."""
     measured, predicted, _ = _real_peak(run_zplan, tmp_path, M1, "hsdp", 2, shard_size=2, micro_batch=2,
-                                        grad_accum=2, checkpointing="none")
+                                        grad_accum=2, seq_len=64, checkpointing="none")
     assert abs(predicted / measured - 1) < 0.002, (predicted, measured)
