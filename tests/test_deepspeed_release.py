@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from zplan.deepspeed import backward_gathers
+from zplan.deepspeed import backward_gathers, coordinate
 from tests.helpers import est, scenario
 
 
@@ -129,15 +129,19 @@ from torch.utils.checkpoint import checkpoint
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # its inference path, JIT-built
 deepspeed.init_distributed(dist_backend="gloo")
 
-class Gathers(TorchDispatchMode):
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+class Gathers(TorchDispatchMode):  # elements all-gathered; the most gathered or in flight at a gather
     def __init__(self):
         super().__init__()
-        self.elems = 0
+        self.elems = self.peak = 0
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if func.namespace == "c10d" and ("allgather" in name or "all_gather" in name):
             t = args[0]
             self.elems += sum(x.numel() for x in t) if isinstance(t, (list, tuple)) else t.numel()
+            self.peak = max(self.peak, sum(p.ds_numel for p in model.parameters()
+                                           if p.ds_status != ZeroParamStatus.NOT_AVAILABLE))
         return func(*args, **(kwargs or {}))
 
 class Block(torch.nn.Module):  # one parameter a module, Llama's order: norm, q, k, v, o, norm, w1, w3, w2
@@ -181,7 +185,7 @@ for step in range(4):  # the trace is recorded in the first two; then it runs as
     with Gathers() as g:
         engine.backward(engine(x).pow(2).mean())
     engine.step()
-    per_step.append(g.elems)
+    per_step.append([g.elems, g.peak])
 if rank == 0:
     print("GATHERED", json.dumps(per_step), flush=True)
 torch.distributed.barrier()
@@ -248,9 +252,12 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     (line,) = [x for x in outs[0][0].splitlines() if x.startswith("GATHERED ")]
-    per_step = json.loads(line.split(" ", 1)[1])
+    per_step, peaks = zip(*json.loads(line.split(" ", 1)[1]))
     assert per_step[1] == per_step[2] == per_step[3]  # the trace recorded in the first step
     assert per_step[3] == priced(reentrant)
+    # the most it holds gathered (persistent parameters always): what memory prices it at
+    sim = coordinate(units, reuse, persist, prefetch, live, reentrant=reentrant).peak_gathered
+    assert peaks[3] == sim + blocks * sum(n for n in block if n <= persist), (peaks, sim)
     if prefetch:
         assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
     if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant):

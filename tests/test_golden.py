@@ -58,12 +58,19 @@ def test_70b_block_compute():
 
 
 def test_zero3_peak_extra_is_two_units_of_bf16_weights():
-    r = est("zero3", model="llama-3.1-70b", gpus=64)
+    """FSDP2 (the torch layout): the unit running and the one prefetched, in bf16 (the design
+    note's figure); one without prefetch. DeepSpeed at zplan's export settings (the zero layout)
+    holds more: its prefetcher fills the live limit (the largest pair of units, the embedding's
+    with a block) in the middle blocks too and passes it by a parameter: 3.4 blocks here, 1.70 x
+    FSDP2's two (DeepSpeed's own runs hold the same peak:
+    tests/test_deepspeed_release.py)."""
     block = arch.units(presets.model("llama-3.1-70b"))[1].numel
-    # embedding + first block is the largest consecutive pair; blocks are equal otherwise
-    assert r.memory.gather_buffer_bytes == pytest.approx(2 * 2 * block, rel=0.2)
-    no_pf = est("zero3", model="llama-3.1-70b", gpus=64, prefetch=False)
-    assert no_pf.memory.gather_buffer_bytes < r.memory.gather_buffer_bytes
+    r = est("zero3", model="llama-3.1-70b", gpus=64, layout="torch")
+    assert r.memory.gather_buffer_bytes == 2 * 2 * block
+    no_pf = est("zero3", model="llama-3.1-70b", gpus=64, layout="torch", prefetch=False)
+    assert no_pf.memory.gather_buffer_bytes == 2 * block
+    ds = est("zero3", model="llama-3.1-70b", gpus=64)
+    assert ds.memory.gather_buffer_bytes > 1.5 * r.memory.gather_buffer_bytes
 
 
 @pytest.mark.parametrize("name,factor", [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 3),

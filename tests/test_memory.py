@@ -150,21 +150,22 @@ def test_options_that_belong_to_the_other_layout_are_refused(kw, needle):
 
 def test_deepspeed_default_buckets_hold_modules_not_units():
     """DeepSpeed ZeRO-3 at its default stage-3 settings: every module's hook prefetches until
-    stage3_max_live_parameters (1e9) are available and overshoots by one parameter, so Llama 3.1
-    70B (Psi far above 1e9) holds 1e9 + its 128256 x 8192 embedding; a model under 1e9 all of
-    itself and its largest parameter once more. The persistent 5e8-element reduce bucket in the
-    reduce dtype and one embedding-sized gradient on its way."""
+    stage3_max_live_parameters (1e9) are available and can overshoot by one parameter, so Llama
+    3.1 70B (Psi far above 1e9) holds between 1e9 and 1e9 + its 128256 x 8192 embedding (the
+    simulated coordinator's peak, which DeepSpeed's own runs hold: tests/test_deepspeed_release.py);
+    a model whose whole trace lies within the reuse distance (1e9), all of itself, never
+    released. The persistent 5e8-element reduce bucket in the reduce dtype and one
+    embedding-sized gradient on its way."""
     from zplan.memory import static_buffers
 
     sc = _sc(model="llama-3.1-70b", gpus="32", layout="zero", deepspeed_defaults=True, reduce_dtype="bf16")
     padded = [sc.padded_elems(u, 32) for u in sc.units]
     gather, reduce = static_buffers(sc, effective("zero3", "zero"), padded, 2, 2)
     emb = 128256 * 8192
-    assert (gather, reduce) == ((10**9 + emb) * 2, 500_000_000 * 2 + emb * 2)
+    assert 10**9 * 2 <= gather <= (10**9 + emb) * 2 and reduce == 500_000_000 * 2 + emb * 2
     small = _sc(model="tiny", gpus="8", layout="zero", deepspeed_defaults=True)
     psi = sum(math.prod(s) for u in small.units for s in u.shapes)
-    big = max(math.prod(s) for u in small.units for s in u.shapes)
-    assert static_buffers(small, effective("zero3", "zero"), [0], 2, 4)[0] == (psi + big) * 2
+    assert static_buffers(small, effective("zero3", "zero"), [0], 2, 4)[0] == psi * 2
 
 
 def test_deepspeed_default_gathers_are_one_call_per_linear():
@@ -186,9 +187,11 @@ def test_deepspeed_default_gathers_are_one_call_per_linear():
 
 def test_static_buffers_by_hand():
     """Buffers held through the step where they are not modelled unit by unit, against counts
-    made here from the model's shapes: DeepSpeed ZeRO-3 gathers the held units plus the largest
-    two consecutive moving units (prefetch) in the param dtype and keeps one unit's unsharded
-    gradient and reduce input; ZeRO-1/2 keep two reduce buckets; DDP under autocast and
+    made here from the model's shapes: DeepSpeed ZeRO-3 at zplan's export settings, without
+    prefetch, gathers a module's parameters as it runs and releases them after it (reuse distance
+    0): the largest parameter in the param dtype; with prefetch more than the two units the live
+    limit names (the prefetcher passes it: DeepSpeed's own runs, tests/test_deepspeed_release.py);
+    it keeps one unit's unsharded gradient and reduce input; ZeRO-1/2 keep two reduce buckets; DDP under autocast and
     torch.compile keeps a bf16 copy of the fp32 weights (eager, the copies are followed event by
     event: memory.autocast_copies), its gradients being the buckets (gradient_as_bucket_view)."""
     from zplan.memory import static_buffers
@@ -200,7 +203,11 @@ def test_static_buffers_by_hand():
     moving = [n for n, u in zip(padded, arch.units(sc.model)) if not u.held]
     held = sum(padded) - sum(moving)
     pair = max(a + b for a, b in zip(moving, moving[1:]))
-    assert static_buffers(sc, effective("zero3", "zero"), padded, 2, 4) == ((held + pair) * 2, max(moving) * 6)
+    largest = max(math.prod(s) for u in arch.units(sc.model) for s in u.shapes)
+    no_prefetch = _sc(layout="zero", prefetch=False).for_strategy(True)
+    assert static_buffers(no_prefetch, effective("zero3", "zero"), padded, 2, 4) == (largest * 2, max(moving) * 6)
+    gather, reduce = static_buffers(sc.for_strategy(True), effective("zero3", "zero"), padded, 2, 4)
+    assert gather > (held + pair) * 2 and reduce == max(moving) * 6
     assert static_buffers(sc, effective("zero2", "zero"), padded, 2, 4) == (0, 2 * 25 * MiB)
     ddp = _sc(layout="torch", master_dtype="fp32", compile=True).for_strategy(False)
     assert static_buffers(ddp, effective("ddp", "torch"), padded, 2, 4) == (2 * arch.param_count(ddp.model), 0)

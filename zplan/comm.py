@@ -281,24 +281,29 @@ def _ds_zero3(sc: Scenario, st: Strategy) -> bool:
     return sc.train.layout == "zero" and st.params_sharded
 
 
-_DS_AGAIN = PinnedMemo(1024)  # estimate asks per unit and per collective: once per scenario
+_DS_COORDINATION = PinnedMemo(1024)  # estimate asks per unit and per collective: once per scenario
+
+
+def ds_coordination(sc: Scenario, st: Strategy):
+    """DeepSpeed ZeRO-3's coordinator at the run's stage-3 settings (deepspeed.stage3_settings: its
+    defaults, or the export's) over the step's module trace (deepspeed.coordinate): what it gathers
+    again in backward, and the most it holds gathered at once. A checkpoint without early stop is
+    reentrant, as Hugging Face's."""
+    from .deepspeed import coordinate, stage3_settings
+
+    def make():
+        s3 = stage3_settings(sc, st.hsdp, st.reshard_after_forward)
+        return coordinate(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u)) for u in sc.units),
+                          *s3, reentrant=not sc.train.checkpoint_early_stop,
+                          containers=tuple(bool(u.blocks) for u in sc.units))
+
+    key = (sc.model, id(sc.hw), sc.train, sc.shard_size, sc.custom_units, st.hsdp, st.reshard_after_forward)
+    return _DS_COORDINATION.get(key, sc.hw, make)
 
 
 def _ds_again(sc: Scenario, st: Strategy) -> tuple[tuple[int, ...], ...]:
-    """Per unit, the parameters DeepSpeed's ZeRO-3 gathers again in backward at the run's stage-3
-    settings (deepspeed.stage3_settings: its defaults, or the export's), by
-    deepspeed.backward_gathers over the step's module trace; a checkpoint without early stop is
-    reentrant, as Hugging Face's."""
-    from .deepspeed import backward_gathers, stage3_settings
-
-    def make() -> tuple[tuple[int, ...], ...]:
-        s3 = stage3_settings(sc, st.hsdp, st.reshard_after_forward)
-        return backward_gathers(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u)) for u in sc.units),
-                                *s3, reentrant=not sc.train.checkpoint_early_stop,
-                                containers=tuple(bool(u.blocks) for u in sc.units))
-
-    key = (sc.model, id(sc.hw), sc.train, sc.shard_size, sc.custom_units, st.hsdp, st.reshard_after_forward)
-    return _DS_AGAIN.get(key, sc.hw, make)
+    """Per unit, the parameters DeepSpeed's ZeRO-3 gathers again in backward (ds_coordination)."""
+    return ds_coordination(sc, st).again
 
 
 def _ds_backward_calls(sc: Scenario, st: Strategy, D: int) -> list[list[int]]:

@@ -109,13 +109,30 @@ def module_trace(units: tuple[tuple[tuple[int, ...], bool], ...], containers: tu
     return trace, no_release
 
 
-@functools.lru_cache(maxsize=256)
+class Coordination(NamedTuple):
+    """What ZeRO-3's coordinator does in one micro-batch (`coordinate`)."""
+    again: tuple[tuple[int, ...], ...]  # per unit, the parameters gathered for backward (backward_gathers)
+    peak_gathered: int  # elements of non-persistent parameters gathered at once, at most
+
+
 def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
                      reuse_distance: int = MAX_REUSE_DISTANCE_ELEMS,
                      persistence_threshold: int = PERSISTENCE_THRESHOLD_ELEMS,
                      prefetch_bucket: int = PREFETCH_BUCKET_ELEMS,
                      max_live: int = MAX_LIVE_ELEMS, reentrant: bool = True,
                      containers: tuple[bool, ...] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Per unit, the parameters ZeRO-3 gathers for backward (`coordinate`'s `again`)."""
+    return coordinate(units, reuse_distance, persistence_threshold, prefetch_bucket, max_live, reentrant,
+                      containers).again
+
+
+@functools.lru_cache(maxsize=256)
+def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
+               reuse_distance: int = MAX_REUSE_DISTANCE_ELEMS,
+               persistence_threshold: int = PERSISTENCE_THRESHOLD_ELEMS,
+               prefetch_bucket: int = PREFETCH_BUCKET_ELEMS,
+               max_live: int = MAX_LIVE_ELEMS, reentrant: bool = True,
+               containers: tuple[bool, ...] | None = None) -> Coordination:
     """Per unit, the parameters (their element counts, in the order gathered) that ZeRO-3 at
     these settings (DeepSpeed's defaults unless given) gathers for backward (the recompute's
     forward and the backward itself), one micro-batch in the steady state (its module trace
@@ -141,14 +158,20 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
     A step starts with only the persistent parameters gathered (each other one's last use
     released it; reset_step empties the queue and the marks). The simulation is held against
     DeepSpeed's own ZeRO-3 on gloo ranks with its settings scaled with the model, and at the
-    settings zplan's export writes (tests/test_deepspeed_release.py)."""
+    settings zplan's export writes (tests/test_deepspeed_release.py).
+
+    Also the most elements gathered at once (`peak_gathered`, non-persistent parameters; each
+    fetch gathers its module's parameters whatever the live limit, and the prefetcher checks the
+    limit before each parameter, so it can pass it by one): the same runs' peak of gathered
+    elements, measured in DeepSpeed (ds_status), agrees."""
     if containers is None:
         containers = tuple(len(params) > 1 for params, _ in units)
     trace, no_release = module_trace(units, containers, reentrant)
-    if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
-        return tuple(() for _ in units)  # (zplan's export without resharding)
     size = {(e[0], e[1]): e[2] for e in trace if e}
     persistent = {k for k, n in size.items() if n <= persistence_threshold}
+    if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
+        # (zplan's export without resharding): every parameter gathered by the forward's end
+        return Coordination(tuple(() for _ in units), sum(n for k, n in size.items() if k not in persistent))
     # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,
     # until the walk has reached the distance; the parameters seen before are kept
     prefix = [0]
@@ -168,10 +191,13 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
     fetched_for: dict[tuple[int, int], int] = {}
     again: list[list[int]] = [[] for _ in units]
 
+    peak = 0
+
     def gather(key: tuple[int, int], for_step: int) -> None:
-        nonlocal n_available
+        nonlocal n_available, peak
         available.add(key)
         n_available += size[key]
+        peak = max(peak, n_available)
         if trace[for_step][3]:  # type: ignore[index]
             again[key[0]].append(size[key])
 
@@ -201,7 +227,7 @@ def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
             continue
         available.discard(key)
         n_available -= e[2]
-    return tuple(tuple(a) for a in again)
+    return Coordination(tuple(tuple(a) for a in again), peak)
 
 
 def reduce_scatter_copy_elems(backward_sizes: tuple[int, ...], world: int) -> int:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import activation_memory, allocator, arch, muon, policy
-from .comm import DDP_FIRST_BUCKET_BYTES, gather_dtype, gradient_buckets, regathered
-from .deepspeed import reduce_stream_bytes
+from .comm import DDP_FIRST_BUCKET_BYTES, ds_coordination, gather_dtype, gradient_buckets, regathered
+from .deepspeed import PERSISTENCE_THRESHOLD_ELEMS, reduce_stream_bytes
 from . import memory_timeline as mt
 from .memory_timeline import Event
 from .scenario import Scenario, SegmentFreeMemo
@@ -525,17 +525,17 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
     # more ranks
     one = sc.shard_degree(st.hsdp) == 1 and not st.offload_params
     if t.deepspeed_defaults and st.reshard_after_forward:
-        gather_b, reduce_b = deepspeed_default_buffers(sc, pb, rb)
-        return (0 if one else gather_b), reduce_b
-    held = sum(g for g, u in zip(padded, sc.units) if u.held)
+        persistent = sum(n for u in sc.units for n in (math.prod(s) for s in u.shapes)
+                         if n <= PERSISTENCE_THRESHOLD_ELEMS)
+        gather = ds_coordination(sc, st).peak_gathered + persistent  # (deepspeed.coordinate)
+        return (0 if one else gather * pb), deepspeed_default_reduce_bytes(sc, pb, rb)
     moving = [g for g, u in zip(padded, sc.units) if not u.held]
     biggest = max(moving, default=0)
     if not st.reshard_after_forward:
         gather = sum(padded)
-    elif t.prefetch and len(moving) > 1:
-        gather = held + max(a + b for a, b in zip(moving, moving[1:]))
-    else:
-        gather = held + biggest
+    else:  # the settings zplan's export writes: what its coordinator holds at most (its prefetcher
+        # passes the two units' live limit by up to a parameter, after a unit fetched whole)
+        gather = ds_coordination(sc, st).peak_gathered
     return (0 if one else gather * pb), biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
 
 
@@ -584,25 +584,17 @@ def autocast_copies(sc: Scenario) -> mt.AutocastCopies | None:
     return mt.AutocastCopies(tuple(made), tuple(kept), tuple(again), root, tuple(block_kept), tuple(block_again))
 
 
-def deepspeed_default_buffers(sc: Scenario, pb: int, rb: int) -> tuple[int, int]:
-    """DeepSpeed ZeRO-3 under its default stage-3 settings (zplan/deepspeed.py), bytes held at
-    the step's largest moment, a bound. Gathered: PartitionedParameterCoordinator.fetch_sub_module
-    gathers a submodule's own parameters as it runs, then, at every module's hook (containers
-    too), prefetches parameters in the recorded order, up to min(stage3_max_live_parameters - what
-    is available, stage3_prefetch_bucket_size) elements and at least one parameter; released
-    parameters whose next use is within stage3_max_reuse_distance stay. So the gathered set grows
-    to the live limit and overshoots it by one parameter: min(Psi, 1e9) + the largest parameter
-    (the head, or the embedding in backward). Reduce: the persistent bucket of reduce_bucket_size
-    elements in the reduce dtype (stage3.py, ipg_buckets' buffer) and one gradient as autograd
-    makes it before it is copied in (one larger than the bucket is reduced as it is): the largest
-    parameter's. The two are counted together at every event (the zero layout's buffers are
-    static), which over-counts where the peaks of the two differ."""
-    from .deepspeed import MAX_LIVE_ELEMS, REDUCE_BUCKET_ELEMS
+def deepspeed_default_reduce_bytes(sc: Scenario, pb: int, rb: int) -> int:
+    """DeepSpeed ZeRO-3 under its default stage-3 settings (zplan/deepspeed.py), the reduce side's
+    bytes held at the step's largest moment: the persistent bucket of reduce_bucket_size elements
+    in the reduce dtype (stage3.py, ipg_buckets' buffer) and one gradient as autograd makes it
+    before it is copied in (one larger than the bucket is reduced as it is): the largest
+    parameter's. Counted with the gathered parameters (deepspeed.coordinate's peak) at every
+    event (the zero layout's buffers are static), which over-counts where their peaks differ."""
+    from .deepspeed import REDUCE_BUCKET_ELEMS
 
-    sizes = [math.prod(s) for u in sc.units for s in u.shapes]
-    largest = max(sizes, default=0)
-    gather = min(sum(sizes), MAX_LIVE_ELEMS) + largest
-    return gather * pb, REDUCE_BUCKET_ELEMS * rb + largest * pb
+    largest = max((math.prod(s) for u in sc.units for s in u.shapes), default=0)
+    return REDUCE_BUCKET_ELEMS * rb + largest * pb
 
 
 @lru_cache(maxsize=256)
@@ -682,7 +674,7 @@ def _forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
     unit's weights into per-parameter storages on the default stream and frees them at its
     reshard after forward (not where the unit stays gathered: policy.unit_stays_gathered), as
     it does an embedding unit of its own, freed before the first block. DDP and ZeRO-1 gather
-    nothing; DeepSpeed's gathered window is counted apart (deepspeed_default_buffers). None
+    nothing; DeepSpeed's gathered window is counted apart (static_buffers). None
     where the block's order is not derived, with expandable segments, and under a flat
     --fragmentation (which replaces the allocator model)."""
     t, m = sc.train, sc.model
