@@ -267,11 +267,10 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
     return out
 
 
-def _wrapped(sc: Scenario, u) -> bool:
+def _wrapped(sc: Scenario, u, blocks: tuple[bool, ...] | None = None) -> bool:
     """Whether a checkpoint wraps the unit (it holds a checkpointed block): its forward runs
-    again in backward."""
-    t = sc.train
-    wrapped = policy.wrapped_blocks(t, sc.model.num_layers)
+    again in backward. `blocks`: policy.wrapped_blocks, where the caller asks for every unit."""
+    wrapped = blocks if blocks is not None else policy.wrapped_blocks(sc.train, sc.model.num_layers)
     return bool(u.blocks) and any(wrapped[u.first_block: u.first_block + u.blocks])
 
 
@@ -291,14 +290,26 @@ def ds_coordination(sc: Scenario, st: Strategy):
     reentrant, as Hugging Face's."""
     from .deepspeed import coordinate, stage3_settings
 
+    t = sc.train
+
     def make():
         s3 = stage3_settings(sc, st.hsdp, st.reshard_after_forward)
-        return coordinate(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u)) for u in sc.units),
-                          *s3, reentrant=not sc.train.checkpoint_early_stop,
+        blocks = policy.wrapped_blocks(t, sc.model.num_layers)
+        return coordinate(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u, blocks)) for u in sc.units),
+                          *s3, reentrant=not t.checkpoint_early_stop,
                           containers=tuple(bool(u.blocks) for u in sc.units))
 
-    key = (sc.model, id(sc.hw), sc.train, sc.shard_size, sc.custom_units, st.hsdp, st.reshard_after_forward)
-    return _DS_COORDINATION.get(key, sc.hw, make)
+    return _DS_COORDINATION.get(_ds_key(sc, st), sc.hw, make)
+
+
+def _ds_key(sc: Scenario, st: Strategy) -> tuple:
+    """What ds_coordination depends on: the units, the stage-3 settings and the trace (recommend's
+    candidates differ in micro-batches and dtypes that change none of them); policy.wrapped_blocks
+    reads the three checkpointing fields."""
+    t = sc.train
+    return (sc.model, id(sc.hw), t.blocks_per_unit, t.embed_head_unit, t.layout, t.checkpointing,
+            t.checkpoint_every, t.checkpoint_first, t.prefetch, t.deepspeed_defaults, t.checkpoint_early_stop,
+            sc.shard_size, sc.custom_units, st.hsdp, st.reshard_after_forward)
 
 
 def _ds_again(sc: Scenario, st: Strategy) -> tuple[tuple[int, ...], ...]:
@@ -311,11 +322,23 @@ def _ds_backward_calls(sc: Scenario, st: Strategy, D: int) -> list[list[int]]:
     backward (each padded to D, in the gather dtype): one call a parameter at DeepSpeed's
     defaults (a module's own), one for the unit at the export's settings (a unit's prefetch
     bucket: gather_calls)."""
-    out = []
-    for u, again in zip(sc.units, _ds_again(sc, st)):
-        calls = [nbytes(-(-n // D) * D, gather_dtype(sc, u)) for n in again]
-        out.append(calls if _module_calls(sc, st) or not calls else [sum(calls)])
-    return out
+    def make() -> list[list[int]]:
+        per_module = _module_calls(sc, st)
+        out: list[list[int]] = []
+        for u, again in zip(sc.units, _ds_again(sc, st)):
+            if not again:
+                out.append([])
+                continue
+            dt = gather_dtype(sc, u)
+            calls = [nbytes(-(-n // D) * D, dt) for n in again]
+            out.append(calls if per_module else [sum(calls)])
+        return out
+
+    t = sc.train  # gather_dtype reads the param dtype and float8 gathers
+    return _DS_CALLS.get((*_ds_key(sc, st), D, t.precision.param, t.float8_gather), sc.hw, make)
+
+
+_DS_CALLS = PinnedMemo(1024)
 
 
 def _ds_backward_seconds(sc: Scenario, st: Strategy, D: int, g: int) -> list[float]:

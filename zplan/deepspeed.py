@@ -172,61 +172,80 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
         # (zplan's export without resharding): every parameter gathered by the forward's end
         return Coordination(tuple(() for _ in units), sum(n for k, n in size.items() if k not in persistent))
+    # parameters as integers in trace order (the loop below runs per module of a whole step, in
+    # recommend's search once per candidate: lists, not dicts of tuples)
+    pid: dict[tuple[int, int], int] = {}
+    for e in trace:
+        if e and e[:2] not in pid:
+            pid[e[:2]] = len(pid)
+    sz = [0] * len(pid)
+    unit_of = [0] * len(pid)
+    for key, i in pid.items():
+        sz[i], unit_of[i] = size[key], key[0]
+    pers = [False] * len(pid)
+    for key in persistent:
+        pers[pid[key]] = True
+    tp = [pid[e[:2]] if e else -1 for e in trace]
+    back = [bool(e and e[3]) for e in trace]
+    stop = [False] * len(trace)
+    for k in no_release:
+        stop[k] = True
     # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,
     # until the walk has reached the distance; the parameters seen before are kept
     prefix = [0]
     for e in trace:
         prefix.append(prefix[-1] + (e[2] if e else 0))
-    nxt: list[int | None] = [None] * len(trace)
-    seen: dict[tuple[int, int], int] = {}
+    nxt = [-1] * len(trace)
+    seen = [-1] * len(pid)
     for k in range(len(trace) - 1, -1, -1):
-        e = trace[k]
-        if e:
-            nxt[k] = seen.get(e[:2])
-            seen[e[:2]] = k
-    queue = [(e[0], e[1], k) for k, e in enumerate(trace) if e]  # the parameter trace
-    head = 0
-    available: set[tuple[int, int]] = set(persistent)
-    n_available = 0
-    fetched_for: dict[tuple[int, int], int] = {}
+        p = tp[k]
+        if p >= 0:
+            nxt[k] = seen[p]
+            seen[p] = k
+    # per step, whether its release is skipped whatever the marks: persistent, no release there,
+    # or the next use within the reuse distance
+    keep = [p < 0 or stop[k] or pers[p] or (nxt[k] >= 0 and prefix[nxt[k]] - prefix[k + 1] < reuse_distance)
+            for k, p in enumerate(tp)]
+    qp = [p for p in tp if p >= 0]  # the parameter trace: each use, with the step it serves
+    qk = [k for k, p in enumerate(tp) if p >= 0]
+    nq, head = len(qp), 0
+    avail = list(pers)
+    n_available = peak = 0
+    fetched_for = [-1] * len(pid)
     again: list[list[int]] = [[] for _ in units]
-
-    peak = 0
-
-    def gather(key: tuple[int, int], for_step: int) -> None:
-        nonlocal n_available, peak
-        available.add(key)
-        n_available += size[key]
-        peak = max(peak, n_available)
-        if trace[for_step][3]:  # type: ignore[index]
-            again[key[0]].append(size[key])
-
-    for k, e in enumerate(trace):
-        if e:
-            key = e[:2]
-            if key not in available:
-                gather(key, k)
-            if fetched_for.get(key, -1) < k:  # its own use, first in the queue
-                qi, qj, qk = queue[head]
+    for k, p in enumerate(tp):
+        if p >= 0:
+            if not avail[p]:  # gather it
+                avail[p] = True
+                n_available += sz[p]
+                if n_available > peak:
+                    peak = n_available
+                if back[k]:
+                    again[unit_of[p]].append(sz[p])
+            if fetched_for[p] < k:  # its own use, first in the queue
+                fetched_for[qp[head]] = qk[head]
                 head += 1
-                fetched_for[(qi, qj)] = qk
-        budget = min(max_live - n_available, prefetch_bucket)
+        budget = max_live - n_available
+        if budget > prefetch_bucket:
+            budget = prefetch_bucket
         numel = 0
-        while head < len(queue) and numel < budget:
-            qi, qj, qk = queue[head]
+        while numel < budget and head < nq:
+            q, qs = qp[head], qk[head]
             head += 1
-            q = (qi, qj)
-            fetched_for[q] = max(fetched_for.get(q, -1), qk)
-            if q not in available:  # gather() makes it available: a repeat is not gathered twice
-                numel += size[q]
-                gather(q, qk)
-        if not e or k in no_release or key in persistent or fetched_for.get(key, -1) > k + 1:
+            if fetched_for[q] < qs:
+                fetched_for[q] = qs
+            if not avail[q]:  # a repeat in the queue is not gathered twice
+                numel += sz[q]
+                avail[q] = True
+                n_available += sz[q]
+                if n_available > peak:
+                    peak = n_available
+                if back[qs]:
+                    again[unit_of[q]].append(sz[q])
+        if keep[k] or fetched_for[p] > k + 1:
             continue
-        m = nxt[k]
-        if m is not None and prefix[m] - prefix[k + 1] < reuse_distance:
-            continue
-        available.discard(key)
-        n_available -= e[2]
+        avail[p] = False
+        n_available -= sz[p]
     return Coordination(tuple(tuple(a) for a in again), peak)
 
 
