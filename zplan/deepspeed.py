@@ -215,11 +215,9 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     again: list[list[int]] = [[] for _ in units]
     for k, p in enumerate(tp):
         if p >= 0:
-            if not avail[p]:  # gather it
+            if not avail[p]:  # gather it (the prefetch below gathers alike)
                 avail[p] = True
                 n_available += sz[p]
-                if n_available > peak:
-                    peak = n_available
                 if back[k]:
                     again[unit_of[p]].append(sz[p])
             if fetched_for[p] < k:  # its own use, first in the queue
@@ -238,10 +236,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                 numel += sz[q]
                 avail[q] = True
                 n_available += sz[q]
-                if n_available > peak:
-                    peak = n_available
                 if back[qs]:
                     again[unit_of[q]].append(sz[q])
+        if n_available > peak:  # gathered only rises before the release below
+            peak = n_available
         if keep[k] or fetched_for[p] > k + 1:
             continue
         avail[p] = False
