@@ -131,7 +131,9 @@ def unsharded(world: int):
 def planned_elements(world: int, stage: int) -> int:
     """What zplan's communication model predicts for this model and stage (zero layout, with
     DeepSpeed's ZeRO-1/2 reducing to each owning rank: the paper's reduce-scatter volume, which
-    the reference runs; DeepSpeed's default all-reduce moves twice it)."""
+    the reference runs; DeepSpeed's default all-reduce moves twice it; and no prefetch, as the
+    reference's ZeRO-3 gathers each unit in forward and again in backward: with its prefetcher
+    DeepSpeed keeps the last unit for its backward)."""
     from .. import arch
     from ..comm import collectives
     from ..scenario import Scenario
@@ -143,7 +145,7 @@ def planned_elements(world: int, stage: int) -> int:
     units = tuple(arch.Unit(f"linear{i}", ((n,),), 1, i, n) for i, n in enumerate(sizes))
     model = arch.synthetic(sum(sizes))
     hw = Hardware(gpu=presets.gpu("cpu"), cluster=presets.cluster("cpu-local"), num_gpus=world)
-    sc = Scenario(model, hw, TrainSpec(precision={"param": "fp32"}, deepspeed_bucket_allreduce=False), custom_units=units)
+    sc = Scenario(model, hw, TrainSpec(precision={"param": "fp32"}, deepspeed_bucket_allreduce=False, prefetch=False), custom_units=units)
     return sum(c.elements_per_step for c in collectives(sc, effective(f"zero{stage}", "zero")))
 
 
