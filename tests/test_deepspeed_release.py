@@ -106,9 +106,8 @@ def test_the_step_prices_those_gathers():
     from zplan.export import deepspeed_config
     from zplan.plan import make_plan
 
-    own = scenario(model="llama-3.1-70b", gpus=32, seq_len=1024, layout="zero", checkpointing="full")
     r = est("zero3", **kw)
-    zo = deepspeed_config(make_plan(own, "zero3", 32, r))["zero_optimization"]
+    zo = deepspeed_config(make_plan(scenario(**kw), "zero3", 32, r))["zero_optimization"]
     again = backward_gathers(units, zo["stage3_max_reuse_distance"], zo["stage3_param_persistence_threshold"],
                              zo["stage3_prefetch_bucket_size"], zo["stage3_max_live_parameters"], reentrant=reentrant)
     back = [c.elements for c in r.collectives if c.name == "all-gather (backward)"]
@@ -257,7 +256,7 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     assert per_step[3] == priced(reentrant)
     # the most it holds gathered (persistent parameters always): what memory prices it at
     sim = coordinate(units, reuse, persist, prefetch, live, reentrant=reentrant).peak_gathered
-    assert peaks[3] == sim + blocks * sum(n for n in block if n <= persist), (peaks, sim)
+    assert peaks[3] == sim, (peaks, sim)
     if prefetch:
         assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
     if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant):

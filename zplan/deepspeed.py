@@ -112,7 +112,7 @@ def module_trace(units: tuple[tuple[tuple[int, ...], bool], ...], containers: tu
 class Coordination(NamedTuple):
     """What ZeRO-3's coordinator does in one micro-batch (`coordinate`)."""
     again: tuple[tuple[int, ...], ...]  # per unit, the parameters gathered for backward (backward_gathers)
-    peak_gathered: int  # elements of non-persistent parameters gathered at once, at most
+    peak_gathered: int  # elements of parameters gathered at once, at most (persistent ones included)
 
 
 def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
@@ -160,10 +160,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     DeepSpeed's own ZeRO-3 on gloo ranks with its settings scaled with the model, and at the
     settings zplan's export writes (tests/test_deepspeed_release.py).
 
-    Also the most elements gathered at once (`peak_gathered`, non-persistent parameters; each
-    fetch gathers its module's parameters whatever the live limit, and the prefetcher checks the
-    limit before each parameter, so it can pass it by one): the same runs' peak of gathered
-    elements, measured in DeepSpeed (ds_status), agrees."""
+    Also the most elements gathered at once (`peak_gathered`, the persistent parameters, always
+    gathered, included; each fetch gathers its module's parameters whatever the live limit, and
+    the prefetcher checks the limit before each parameter, so it can pass it by one): the same
+    runs' peak of gathered elements, measured in DeepSpeed (ds_status), agrees."""
     if containers is None:
         containers = tuple(len(params) > 1 for params, _ in units)
     trace, no_release = module_trace(units, containers, reentrant)
@@ -171,7 +171,7 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     persistent = {k for k, n in size.items() if n <= persistence_threshold}
     if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
         # (zplan's export without resharding): every parameter gathered by the forward's end
-        return Coordination(tuple(() for _ in units), sum(n for k, n in size.items() if k not in persistent))
+        return Coordination(tuple(() for _ in units), sum(size.values()))
     # parameters as integers in trace order (the loop below runs per module of a whole step, in
     # recommend's search once per candidate: lists, not dicts of tuples)
     pid: dict[tuple[int, int], int] = {}
@@ -244,7 +244,7 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
             continue
         avail[p] = False
         n_available -= sz[p]
-    return Coordination(tuple(tuple(a) for a in again), peak)
+    return Coordination(tuple(tuple(a) for a in again), peak + sum(size[k] for k in persistent))
 
 
 def reduce_scatter_copy_elems(backward_sizes: tuple[int, ...], world: int) -> int:

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from . import activation_memory, allocator, arch, muon, policy
 from .comm import DDP_FIRST_BUCKET_BYTES, ds_coordination, gather_dtype, gradient_buckets, regathered
-from .deepspeed import PERSISTENCE_THRESHOLD_ELEMS, reduce_stream_bytes
+from .deepspeed import reduce_stream_bytes
 from . import memory_timeline as mt
 from .memory_timeline import Event
 from .scenario import Scenario, SegmentFreeMemo
@@ -524,18 +524,13 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
     # (`param.ds_tensor.data.to(device=current_device_name())`, v0.19.8), the gathered set as on
     # more ranks
     one = sc.shard_degree(st.hsdp) == 1 and not st.offload_params
+    # resharded, at DeepSpeed's defaults or the settings zplan's export writes: what its
+    # coordinator holds gathered at most (deepspeed.coordinate: its prefetcher fills the live
+    # limit and passes it by up to a parameter); not resharded, every unit
+    gather = ds_coordination(sc, st).peak_gathered if st.reshard_after_forward else sum(padded)
     if t.deepspeed_defaults and st.reshard_after_forward:
-        persistent = sum(n for u in sc.units for n in (math.prod(s) for s in u.shapes)
-                         if n <= PERSISTENCE_THRESHOLD_ELEMS)
-        gather = ds_coordination(sc, st).peak_gathered + persistent  # (deepspeed.coordinate)
         return (0 if one else gather * pb), deepspeed_default_reduce_bytes(sc, pb, rb)
-    moving = [g for g, u in zip(padded, sc.units) if not u.held]
-    biggest = max(moving, default=0)
-    if not st.reshard_after_forward:
-        gather = sum(padded)
-    else:  # the settings zplan's export writes: what its coordinator holds at most (its prefetcher
-        # passes the two units' live limit by up to a parameter, after a unit fetched whole)
-        gather = ds_coordination(sc, st).peak_gathered
+    biggest = max((g for g, u in zip(padded, sc.units) if not u.held), default=0)
     return (0 if one else gather * pb), biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
 
 
