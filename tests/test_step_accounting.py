@@ -169,3 +169,37 @@ def test_the_cpu_steps_time_by_hand():
     # the gradient still comes down in the reduce dtype (fp32)
     assert bf16.timing.offload_s == pytest.approx(shard / (3.9e9 / 8) * 14 / 28 + shard * 4 / 50e9 + shard * 2 / 50e9,
                                                   rel=1e-4)
+
+
+@pytest.mark.parametrize("kw,again", [
+    # DeepSpeed ZeRO-3 (zero layout) at its defaults and as zplan exports it: each fetch copies
+    # the shards it gathers from host memory first (partition_parameters.py _all_gather_dtype:
+    # ds_tensor.to(device)), so backward copies what its coordinator gathers again
+    ({"layout": "zero", "deepspeed_defaults": True}, "all-gather (backward)"),
+    ({"layout": "zero", "checkpointing": "full"}, "all-gather (backward)"),
+    # FSDP (torch layout): every unit resharded after forward is copied again for backward, and
+    # under FSDP1's reentrant checkpoint around the unit once more for its recompute
+    ({"layout": "torch"}, "all-gather (backward)"),
+    ({"layout": "torch", "embed_head_unit": "root-kept"}, "all-gather (backward)"),
+    ({"layout": "torch", "checkpointing": "full", "checkpoint_wraps_unit": True, "checkpoint_early_stop": False},
+     "all-gather (backward, again after the recompute: checkpoint around the unit)"),
+])
+def test_offloaded_weights_are_copied_in_for_every_gather(kw, again):
+    """offload-all: the host->GPU copies in backward are the shards of what backward gathers
+    again, element for element (the gathers themselves are held against DeepSpeed and FSDP in
+    tests/test_deepspeed_release.py and tests/test_trainer.py), in the weights' stored dtype."""
+    r = est("offload-all", model="llama-3.2-1b", gpus=16, **kw)
+    sc = scenario(model="llama-3.2-1b", gpus=16, **kw)
+    D = 16
+    copies = {c.name: c for c in r.collectives if c.op == "h2d"}
+    fwd = copies["host->GPU (sharded weights)"]
+    assert fwd.calls_per_step == 1 and fwd.elements == sum(sc.padded_elems(u, D) for u in sc.units) // D
+    gathered = sum(c.elements for c in r.collectives if c.op == "all_gather" and c.name.startswith("all-gather (backward"))
+    assert gathered > 0 and any(c.name == again for c in r.collectives)
+    back = copies["host->GPU (sharded weights, gathered again in backward)"]
+    assert back.elements * D == gathered
+    store = "fp32" if kw["layout"] == "torch" else "bf16"
+    assert back.dtype == store and back.seconds_per_call == pytest.approx(
+        nbytes(back.elements, store) / sc.hw.gpu.host_link_bytes_per_s, rel=1e-12)
+    if kw.get("embed_head_unit") == "root-kept":  # the kept root is not gathered, nor copied, again
+        assert back.elements == fwd.elements - sc.padded_elems(sc.units[0], D) // D

@@ -236,6 +236,7 @@ class UnitComm:
     gathers_in_backward: bool
     gathers_for_recompute: bool = False  # once more in backward, unprefetched (checkpoint around it)
     backward_gather_s: float = 0.0  # its gathers in backward (the recompute's, where it is wrapped)
+    backward_h2d_s: float = 0.0  # offload: the host->GPU copies of those gathers (each fetch copies)
 
 
 def _shapes(sc: Scenario, st: Strategy) -> tuple[int, int, int, int]:
@@ -258,12 +259,17 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
         rs = reduce_seconds(sc, st, u, D, g)
         if st.hsdp and R > 1:
             rs += call_seconds(sc, "all_reduce", nbytes(full // D, p.reduce), R, g_rep)
-        h2d = 0.0
+        bag = ds_back[i] if ds_back is not None else (ag if regathered(sc, st, u) else 0.0)
+        h2d = h2d_back = 0.0
         if st.offload_params:
             store = p.master if sc.train.layout == "torch" else p.param
-            h2d = nbytes(full // D, store) / sc.hw.gpu.host_link_bytes_per_s
-        bag = ds_back[i] if ds_back is not None else (ag if regathered(sc, st, u) else 0.0)
-        out.append(UnitComm(u.name, full, ag, rs, h2d, bag > 0, gathers_for_recompute(sc, st, u), bag))
+            link = sc.hw.gpu.host_link_bytes_per_s
+            h2d = nbytes(full // D, store) / link
+            h2d_back = h2d if bag > 0 else 0.0
+            if ds_back is not None:  # each fetch copies its parameters' shards (_all_gather_dtype)
+                h2d_back = nbytes(sum(-(-n // D) for n in _ds_again(sc, st)[i]), store) / link
+        out.append(UnitComm(u.name, full, ag, rs, h2d, bag > 0, gathers_for_recompute(sc, st, u), bag,
+                            h2d_back))
     return out
 
 
@@ -527,10 +533,19 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
     shard = gathered // D
     link_bw = sc.hw.gpu.host_link_bytes_per_s
     if st.offload_params:
+        # each gather copies the shards it gathers from host memory first (FSDP's unshard,
+        # DeepSpeed's fetch): in forward every unit, in backward those gathered again
         store = p.master if t.layout == "torch" else p.param
-        b = nbytes(shard, store)
         out.append(Collective("host->GPU (sharded weights)", "h2d", shard, store, 1, "pcie",
-                              A * (2 if st.reshard_after_forward else 1), b / link_bw))
+                              A, nbytes(shard, store) / link_bw))
+        if _ds_zero3(sc, st):
+            back = sum(-(-n // D) for a in _ds_again(sc, st) for n in a)
+        else:
+            back = sum(sc.padded_elems(u, D) // D * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))
+                       for u in units)
+        if back:
+            out.append(Collective("host->GPU (sharded weights, gathered again in backward)", "h2d", back,
+                                  store, 1, "pcie", A, nbytes(back, store) / link_bw))
     if st.offload_optimizer:
         out.append(Collective("GPU->host (gradients)", "d2h", shard, p.reduce, 1, "pcie",
                               rs_calls, nbytes(shard, p.reduce) / link_bw))

@@ -191,7 +191,7 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
     ov = sc.assume.overlap and sc.train.prefetch
     root_head = sc.units[0].held and k > 1
     gather = [c.all_gather_s + c.h2d_s for c in comms]
-    again = [c.backward_gather_s + (c.h2d_s if c.gathers_in_backward else 0.0) for c in comms]
+    again = [c.backward_gather_s + c.backward_h2d_s for c in comms]
     red = [c.reduce_s if with_reduce else 0.0 for c in comms]
     out = []
     for i in range(k):
@@ -233,11 +233,6 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
         out.append(UnitOverlap(c.name, fwd[i], bwd[i], ag, red[i], f_exp, b_exp,
                                f_exp <= 1e-12, b_exp <= 1e-12))
     return out
-
-
-def _gathers(c: UnitComm) -> int:
-    """How many times a unit is gathered per micro-batch."""
-    return 1 + int(c.gathers_in_backward) + int(c.gathers_for_recompute)
 
 
 def _optimizer_s(sc: Scenario, st: Strategy, mem: Memory) -> float:
@@ -318,9 +313,9 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
             mult = 1 if ov is last else A - 1
             # u.all_gather_s: the gather with its host->GPU copy (offload-all); again in backward
             comm_total += mult * sum(u.all_gather_s * (1 + c.gathers_for_recompute) + c.backward_gather_s
-                                     + c.h2d_s * c.gathers_in_backward + u.reduce_s
+                                     + c.backward_h2d_s + u.reduce_s
                                      for u, c in zip(ov, comms))
-            copies += mult * sum(c.h2d_s * _gathers(c) for c in comms)
+            copies += mult * sum(c.h2d_s * (1 + c.gathers_for_recompute) + c.backward_h2d_s for c in comms)
         whole = sum(c.seconds_per_call for c in colls if c.name == WHOLE_MATRIX)
         exposed += whole  # Muon's gathers in the optimizer step: beside nothing
         comm_total += whole
