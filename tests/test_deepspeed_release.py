@@ -130,15 +130,20 @@ deepspeed.init_distributed(dist_backend="gloo")
 
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-class Gathers(TorchDispatchMode):  # elements all-gathered; the most gathered or in flight at a gather
+class Gathers(TorchDispatchMode):  # elements all-gathered; the most gathered or in flight at a gather;
+    # and the elements of calls that gathered several parameters: their send buffer is a slice of
+    # the receive buffer, into which the shards were copied (_all_gather_dtype); a call of one
+    # sends the shard itself (_all_gather_sequential)
     def __init__(self):
         super().__init__()
-        self.elems = self.peak = 0
+        self.elems = self.peak = self.coalesced = 0
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if func.namespace == "c10d" and ("allgather" in name or "all_gather" in name):
             t = args[0]
             self.elems += sum(x.numel() for x in t) if isinstance(t, (list, tuple)) else t.numel()
+            if isinstance(t, torch.Tensor) and args[1].untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                self.coalesced += t.numel()
             self.peak = max(self.peak, sum(p.ds_numel for p in model.parameters()
                                            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE))
         return func(*args, **(kwargs or {}))
@@ -184,7 +189,7 @@ for step in range(4):  # the trace is recorded in the first two; then it runs as
     with Gathers() as g:
         engine.backward(engine(x).pow(2).mean())
     engine.step()
-    per_step.append([g.elems, g.peak])
+    per_step.append([g.elems, g.peak, g.coalesced])
 if rank == 0:
     print("GATHERED", json.dumps(per_step), flush=True)
 torch.distributed.barrier()
@@ -251,12 +256,16 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     (line,) = [x for x in outs[0][0].splitlines() if x.startswith("GATHERED ")]
-    per_step, peaks = zip(*json.loads(line.split(" ", 1)[1]))
+    per_step, peaks, coalesced = zip(*json.loads(line.split(" ", 1)[1]))
     assert per_step[1] == per_step[2] == per_step[3]  # the trace recorded in the first step
     assert per_step[3] == priced(reentrant)
     # the most it holds gathered (persistent parameters always): what memory prices it at
-    sim = coordinate(units, reuse, persist, prefetch, live, reentrant=reentrant).peak_gathered
-    assert peaks[3] == sim, (peaks, sim)
+    sim = coordinate(units, reuse, persist, prefetch, live, reentrant=reentrant)
+    assert peaks[3] == sim.peak_gathered, (peaks, sim.peak_gathered)
+    # what it gathers in calls of several parameters, which copy (unit_ops.fsdp_copies)
+    assert coalesced[3] == sum(sum(f) + sum(b) for f, b in sim.coalesced), (coalesced, sim.coalesced)
+    if prefetch:
+        assert 0 < coalesced[3] < per_step[3]  # some calls of one parameter, some of several
     if prefetch:
         assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
     if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant):

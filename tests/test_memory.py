@@ -1342,6 +1342,50 @@ def test_one_rank_copies_are_priced_as_fsdp2_makes_them():
         assert not any(op.name.startswith("reduce-scatter output copy") for op in bwd2)
 
 
+def test_deepspeed_copies_what_it_gathers_in_calls_of_several_parameters():
+    """DeepSpeed's ZeRO-3 (the installed partition_parameters.py): a call of several parameters
+    copies their shards into the send buffer (torch.cat into the rank's partition) and each
+    parameter out of the gathered partitions (torch.cat per parameter); a call of one sends the
+    shard and makes the parameter a view of the buffer. So a unit's copies are those of the
+    parameters its coordinator gathers in calls of several (held against DeepSpeed's own calls
+    in tests/test_deepspeed_release.py), forward and backward apart; at DeepSpeed's defaults
+    on 70B's blocks most prefetches are one weight and copy nothing."""
+    import importlib.util
+    from pathlib import Path
+
+    from zplan.comm import ds_coordination, gather_dtype
+    from zplan.unit_ops import fsdp_copies
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        pytest.skip("deepspeed is not installed")
+    src = (Path(spec.origin).parent / "runtime" / "zero" / "partition_parameters.py").read_text()
+    coalesced = src[src.index("def _all_gather_dtype"):src.index("def _all_gather_coalesced")]
+    assert "torch.cat)(" in coalesced and "out=partitions[rank_in_group]" in coalesced
+    assert "param.data = instrument_w_nvtx(torch.cat)(partitions)" in src
+    sequential = src[src.index("def _all_gather_sequential"):]
+    assert "param.data = param_buffer.narrow(0, 0, param.ds_numel).view(param.ds_shape)" in sequential
+    assert "if self.allgather_sequential or len(params) == 1:" in src
+    share = {}
+    for defaults in (True, False):
+        sc = _sc(model="llama-3.1-70b", gpus="32", layout="zero", checkpointing="full", seq_len=2048,
+                 deepspeed_defaults=defaults)
+        st = effective("zero3", "zero")
+        ds = ds_coordination(sc, st)
+        i = 5
+        u = sc.units[i]
+        fwd, bwd = fsdp_copies(sc, st, u, 32, gather_dtype(sc, u), (ds.coalesced[i], ds.coalesced_calls[i]))
+        for ops, params in ((fwd, ds.coalesced[i][0]), ([o for o in bwd if o.name.startswith("all-gather")],
+                                                       ds.coalesced[i][1])):
+            m = sum(-(-n // 32) * 32 for n in params)
+            assert sum(o.bytes for o in ops) == (2 + 2) * m // 32 + 2 * 2 * m  # bf16 in, bf16 out
+            assert sum(o.kernels for o in ops if o.name.endswith("copy-out")) == len(params)
+        share[defaults] = sum(ds.coalesced[i][0]) / u.numel
+    # the defaults' prefetcher takes one 67M weight at a time (only k, v and o go together);
+    # zplan's export prefetches up to a unit, within two units live
+    assert 0 < share[True] < 0.2 < share[False] < 1
+
+
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "mixtral-8x7b"])
 def test_autocast_casts_every_matmul_weight_once_per_forward(model):
     """Under DDP's autocast a block's forward casts each matmul weight once (all experts of an

@@ -28,7 +28,7 @@ def test_70b_on_a_fast_domain_hides_zero3_gathers():
     w = r.winner
     assert w.family == "zero3"
     units = w.result.timing.units
-    assert units[0].name == "embed" and units[1].name == "blocks.0"
+    assert units[0].name == "embed" and units[1].name.startswith("blocks.0")  # a block or a few
     # the embedding lookup has no FLOPs to hide block 0's gather; every later gather hides
     assert all(u.forward_hidden for u in units[2:])
     assert all(u.backward_hidden for u in units[1:-1])
@@ -463,7 +463,7 @@ def test_the_tie_break_never_trades_free_memory_for_simplicity(model, gpus):
 
 
 @pytest.mark.parametrize("kw,batch", [(dict(model="gpt2-124m", gpus=8, layout="zero"), 256),
-                                      (dict(params="3e9", gpus=8, layout="zero"), 16)])
+                                      (dict(params="2e9", gpus=8, layout="zero"), 32)])
 def test_a_near_tie_loser_simpler_than_the_winner_lost_on_memory_and_says_so(kw, batch):
     """After the tie-break began to keep free memory, a loser simpler than the winner read
     'ddp: as fast ... but zero1 is simpler' (a reviewer's scan: 7 of 24 scenarios): it lost on

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from . import arch
 from . import kernels as K
 from . import muon, policy, unit_ops
-from .comm import WHOLE_MATRIX, Collective, UnitComm, gather_dtype, unit_comm
+from .comm import WHOLE_MATRIX, Collective, UnitComm, ds_coordination, gather_dtype, unit_comm
 from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_state_bytes, optimizer_tensor_sizes
 from .scenario import PinnedMemo, Scenario
@@ -118,14 +118,17 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
     fwd, bwd, kinds, beside = [], [], {}, 0.0
     custom = sc.custom_units is not None
     wrapped = policy.wrapped_blocks(t, m.num_layers) if t.checkpointing in policy.PARTIAL_CHECKPOINTING else None
-    for u in sc.units:
+    # DeepSpeed's ZeRO-3: what its coordinator gathers again differs from unit to unit
+    ds = ds_coordination(sc, st) if (st.params_sharded and sc.train.layout == "zero") else None
+    for i, u in enumerate(sc.units):
+        copied = (ds.coalesced[i], ds.coalesced_calls[i]) if ds is not None else None
         # blocks with as many layers have the same shapes (custom units may not: key on size)
         key = (u.blocks, u.name if not u.blocks else "", _wrapped_in(sc, u, wrapped), u.held,
-               sc.padded_elems(u, D) if (st.fsdp and custom) else 0)
+               sc.padded_elems(u, D) if (st.fsdp and custom) else 0, copied)
         if key not in memo:
             f, b, k, c = _unit_op_seconds(sc, u, base)
             if st.fsdp:
-                cf, cb = unit_ops.fsdp_copies(sc, st, u, D, gather_dtype(sc, u))
+                cf, cb = unit_ops.fsdp_copies(sc, st, u, D, gather_dtype(sc, u), copied)
                 k = dict(k)
                 k["memory"] = k.get("memory", 0.0) + K.total(cf) + K.total(cb)
                 f, b = f + K.total(cf), b + K.total(cb)

@@ -113,6 +113,11 @@ class Coordination(NamedTuple):
     """What ZeRO-3's coordinator does in one micro-batch (`coordinate`)."""
     again: tuple[tuple[int, ...], ...]  # per unit, the parameters gathered for backward (backward_gathers)
     peak_gathered: int  # elements of parameters gathered at once, at most (persistent ones included)
+    # per unit, forward and backward: the parameters gathered in calls of several parameters
+    # (a prefetch of more than one: _all_gather_coalesced, which copies; a call of one copies
+    # nothing), and how many such calls begin with one of its parameters
+    coalesced: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    coalesced_calls: tuple[tuple[int, int], ...] = ()
 
 
 def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
@@ -163,7 +168,13 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     Also the most elements gathered at once (`peak_gathered`, the persistent parameters, always
     gathered, included; each fetch gathers its module's parameters whatever the live limit, and
     the prefetcher checks the limit before each parameter, so it can pass it by one): the same
-    runs' peak of gathered elements, measured in DeepSpeed (ds_status), agrees."""
+    runs' peak of gathered elements, measured in DeepSpeed (ds_status), agrees.
+
+    And which parameters are gathered in calls of several (`coalesced`): a module's own fetch is
+    one call of its parameters (one here), each prefetch one call of all it gathers
+    (`__all_gather_params_` -> `all_gather_coalesced`), which copies where it holds more than one
+    (partition_parameters.py: `_all_gather_coalesced`; one parameter goes through
+    `_all_gather_sequential`, which copies nothing; unit_ops.fsdp_copies)."""
     if containers is None:
         containers = tuple(len(params) > 1 for params, _ in units)
     trace, no_release = module_trace(units, containers, reentrant)
@@ -171,7 +182,8 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     persistent = {k for k, n in size.items() if n <= persistence_threshold}
     if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
         # (zplan's export without resharding): every parameter gathered by the forward's end
-        return Coordination(tuple(() for _ in units), sum(size.values()))
+        empty = tuple(((), ()) for _ in units)
+        return Coordination(tuple(() for _ in units), sum(size.values()), empty, tuple((0, 0) for _ in units))
     # parameters as integers in trace order (the loop below runs per module of a whole step, in
     # recommend's search once per candidate: lists, not dicts of tuples)
     pid: dict[tuple[int, int], int] = {}
@@ -213,6 +225,8 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     n_available = peak = 0
     fetched_for = [-1] * len(pid)
     again: list[list[int]] = [[] for _ in units]
+    coalesced: list[tuple[list[int], list[int]]] = [([], []) for _ in units]
+    calls = [[0, 0] for _ in units]
     for k, p in enumerate(tp):
         if p >= 0:
             if not avail[p]:  # gather it (the prefetch below gathers alike)
@@ -227,6 +241,7 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
         if budget > prefetch_bucket:
             budget = prefetch_bucket
         numel = 0
+        batch = []
         while numel < budget and head < nq:
             q, qs = qp[head], qk[head]
             head += 1
@@ -236,15 +251,21 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                 numel += sz[q]
                 avail[q] = True
                 n_available += sz[q]
+                batch.append((q, back[qs]))
                 if back[qs]:
                     again[unit_of[q]].append(sz[q])
+        if len(batch) > 1:  # one all_gather_coalesced call of several parameters
+            for q, b in batch:
+                coalesced[unit_of[q]][b].append(sz[q])
+            calls[unit_of[batch[0][0]]][batch[0][1]] += 1
         if n_available > peak:  # gathered only rises before the release below
             peak = n_available
         if keep[k] or fetched_for[p] > k + 1:
             continue
         avail[p] = False
         n_available -= sz[p]
-    return Coordination(tuple(tuple(a) for a in again), peak + sum(size[k] for k in persistent))
+    return Coordination(tuple(tuple(a) for a in again), peak + sum(size[k] for k in persistent),
+                        tuple((tuple(f), tuple(b)) for f, b in coalesced), tuple((f, b) for f, b in calls))
 
 
 def reduce_scatter_copy_elems(backward_sizes: tuple[int, ...], world: int) -> int:

@@ -397,11 +397,22 @@ def recompute_ops(sc: Scenario, u: Unit) -> tuple[Ops, float]:
     return _block(sc, False, only=only), float(sum(wrapped[u.first_block: u.first_block + u.blocks]))
 
 
-def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) -> tuple[Ops, Ops]:
+def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
+                ds_copied: tuple | None = None) -> tuple[Ops, Ops]:
     """FSDP2's copies around one unit's collectives (forward ops, backward ops): all-gather
     copy-in (the fp32 shard cast into the send buffer) and copy-out (the gathered flat buffer
     split into parameters), reduce-scatter copy-in (gradients cast to the reduce dtype) and the
     sharded result accumulated into the gradient.
+
+    DeepSpeed's ZeRO-3 copies otherwise (deepspeed/runtime/zero/partition_parameters.py, 0.19):
+    a call gathering several parameters (`_all_gather_coalesced` -> `_all_gather_dtype`) copies
+    their shards into its send buffer with one torch.cat and each parameter out of the gathered
+    partitions with one torch.cat (AllGatherCoalescedHandle.wait): FSDP2's bytes; a call of one
+    (`_all_gather_sequential`) sends the shard itself and makes the parameter a view of the
+    buffer it received: no copy. Which parameters its coordinator gathers in calls of several,
+    forward and backward, and how many such calls (`ds_copied`: the unit's
+    deepspeed.Coordination coalesced forward and backward elements, and calls) is simulated
+    (comm.ds_coordination).
 
     A shard group of one rank (D = 1) runs no collective (PyTorch >= 2.9,
     FSDPParamGroup.unshard / wait_for_unshard and foreach_reduce at `world_size == 1`): each
@@ -416,7 +427,18 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str) 
     gather = [K.memory(gpu, "all-gather copy-out", 2 * g * n, per_param)]
     if not (one and g == store):
         gather.insert(0, K.memory(gpu, "all-gather copy-in", (store + g) * n // D, per_param))
-    bwd = list(gather) * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))
+    if ds_copied is None:
+        bwd = list(gather) * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))
+    else:  # DeepSpeed; one rank gathers nothing (_no_gather_coalesced)
+        (fwd_params, back_params), (fwd_calls, back_calls) = ds_copied
+
+        def copies(params: tuple[int, ...], calls: int) -> Ops:
+            m = sum(-(-x // D) * D for x in params)
+            if one or not m:
+                return []
+            return [K.memory(gpu, "all-gather copy-in", (store + g) * m // D, max(calls, 1)),
+                    K.memory(gpu, "all-gather copy-out", 2 * g * m, len(params))]
+        gather, bwd = copies(fwd_params, fwd_calls), copies(back_params, back_calls)
     bwd.append(K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1))
     if one:
         bwd.append(K.memory(gpu, "reduce-scatter output copy (one rank)", 2 * r * n, 1))
