@@ -147,9 +147,10 @@ def test_hsdp_replica_all_reduce_is_intra_node_when_the_group_is():
 
 
 def test_fsdp_latency_charged_per_unit_call():
-    """The forward all-gather of a step costs the sum of one call per unit, not one big call."""
-    sc = scenario(model="llama-3.2-1b", gpus=16, cluster="dgx-h100")
-    r = est("zero3", model="llama-3.2-1b", gpus=16, cluster="dgx-h100")
+    """FSDP's forward all-gather of a step costs the sum of one call per unit, not one big call
+    (DeepSpeed's calls are its coordinator's: tests/test_deepspeed_release.py)."""
+    sc = scenario(model="llama-3.2-1b", gpus=16, cluster="dgx-h100", layout="torch")
+    r = est("zero3", model="llama-3.2-1b", gpus=16, cluster="dgx-h100", layout="torch")
     fwd = [c for c in r.collectives if c.name == "all-gather (forward)"][0]
     one_call = comm.call_seconds(sc, "all_gather", fwd.elements * 2, 16, 8)
     lat = 8.4e-6 + 14 * 3.4e-6 + 14e-6
@@ -171,7 +172,7 @@ def test_an_evenly_split_collective_pays_latency_each_call():
 def test_explain_shows_how_nccl_runs_the_largest_gather():
     from zplan.explain import explain_lines
 
-    lines = explain_lines(scenario(model="llama-3.1-70b", gpus=64, cluster="dgx-h100"), "zero3")
+    lines = explain_lines(scenario(model="llama-3.1-70b", gpus=64, cluster="dgx-h100", layout="torch"), "zero3")
     line = [x for x in lines if x.startswith("all-gather (forward), one call (the largest unit): ")][0]
     # 8 full nodes: every node's 8 NICs carry the rings, 8 x 36.5 = 292 GB/s < NVLink's 361
     assert "8 per node (8 node(s)): ring/Simple, busbw 292 GB/s" in line
@@ -227,12 +228,12 @@ def test_each_collective_names_its_largest_call_as_issued():
     head_grad = 128256 * 4096 * 4
     assert head_grad <= c.call_bytes < head_grad + 25 * 2**20
     assert (c.call, c.per_node) == ("the largest bucket", 4)
-    z3, _ = colls("zero3", gpus=16)
+    z3, _ = colls("zero3", gpus=16, layout="torch")
     embed = 128256 * 4096 + 4096
     assert z3["all-gather (forward)"].call_bytes == embed * 2
     assert z3["all-gather (forward)"].per_node == 8
     assert z3["reduce-scatter (gradients)"].call_bytes == embed * 4
-    hsdp, _ = colls("hsdp", gpus=16, shard_size=8)
+    hsdp, _ = colls("hsdp", gpus=16, shard_size=8, layout="torch")
     rep = hsdp["all-reduce (replicas, 1/S shard)"]
     assert (rep.call_bytes, rep.group_size, rep.per_node) == (embed * 4 // 8, 2, 1)
     z1, sc = colls("zero1", gpus=8, layout="torch")

@@ -137,11 +137,14 @@ class Gathers(TorchDispatchMode):  # elements all-gathered; the most gathered or
     def __init__(self):
         super().__init__()
         self.elems = self.peak = self.coalesced = 0
+        self.calls = []  # the elements of each call, in order
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if func.namespace == "c10d" and ("allgather" in name or "all_gather" in name):
             t = args[0]
-            self.elems += sum(x.numel() for x in t) if isinstance(t, (list, tuple)) else t.numel()
+            n = sum(x.numel() for x in t) if isinstance(t, (list, tuple)) else t.numel()
+            self.elems += n
+            self.calls.append(n)
             if isinstance(t, torch.Tensor) and args[1].untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 self.coalesced += t.numel()
             self.peak = max(self.peak, sum(p.ds_numel for p in model.parameters()
@@ -189,7 +192,7 @@ for step in range(4):  # the trace is recorded in the first two; then it runs as
     with Gathers() as g:
         engine.backward(engine(x).pow(2).mean())
     engine.step()
-    per_step.append([g.elems, g.peak, g.coalesced])
+    per_step.append([g.elems, g.peak, g.coalesced, g.calls])
 if rank == 0:
     print("GATHERED", json.dumps(per_step), flush=True)
 torch.distributed.barrier()
@@ -256,7 +259,7 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     (line,) = [x for x in outs[0][0].splitlines() if x.startswith("GATHERED ")]
-    per_step, peaks, coalesced = zip(*json.loads(line.split(" ", 1)[1]))
+    per_step, peaks, coalesced, calls = zip(*json.loads(line.split(" ", 1)[1]))
     assert per_step[1] == per_step[2] == per_step[3]  # the trace recorded in the first step
     assert per_step[3] == priced(reentrant)
     # the most it holds gathered (persistent parameters always): what memory prices it at
@@ -266,6 +269,9 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     assert coalesced[3] == sum(sum(f) + sum(b) for f, b in sim.coalesced), (coalesced, sim.coalesced)
     if prefetch:
         assert 0 < coalesced[3] < per_step[3]  # some calls of one parameter, some of several
+    # and the calls it issues, in order, each fetch and each prefetch one (comm.ds_gathers times
+    # them; every shape here divides by the two ranks, so no padding)
+    assert calls[3] == [sum(n for _, n, _ in c) for c in sim.calls], (calls[3], sim.calls)
     if prefetch:
         assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
     if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant):

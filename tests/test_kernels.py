@@ -813,11 +813,11 @@ def test_contention_share_from_the_step_by_kind(tmp_path):
     The measured slowdown beside a collective (collective_slowdown) is taken out of all three.
     Kernels at their launch floor are not slowed: microseconds of a step's seconds (rel 2e-3);
     nor is a GEMM's fixed time, taken out of the first variant (whose GEMMs would all slow)."""
-    fine = est("zero3", model="llama-3.1-8b", gpus=16, checkpointing="none",
+    fine = est("zero3", model="llama-3.1-8b", gpus=16, checkpointing="none", layout="torch",
                gpu=_h100_variant(tmp_path, "fine", gemm_tile_m=1, gemm_tile_n=1, gemm_fixed_s=0,
                                  collective_slowdown=1)).timing
     assert fine.contention_share == pytest.approx(16 / 132, rel=2e-3)
-    one = est("zero3", model="llama-3.1-8b", gpus=16, checkpointing="none",
+    one = est("zero3", model="llama-3.1-8b", gpus=16, checkpointing="none", layout="torch",
               gpu=_h100_variant(tmp_path, "one-tile", gemm_tile_m=1 << 20, gemm_tile_n=1 << 20,
                                 gemm_fixed_s=0, collective_slowdown=1)).timing
     assert one.breakdown_s["recompute"] == 0

@@ -168,22 +168,32 @@ def test_deepspeed_default_buckets_hold_modules_not_units():
     assert static_buffers(small, effective("zero3", "zero"), [0], 2, 4)[0] == psi * 2
 
 
-def test_deepspeed_default_gathers_are_one_call_per_linear():
-    """At DeepSpeed's defaults a block's all-gather is one call per Linear weight (its norms,
-    under stage3_param_persistence_threshold, stay whole): seven messages of Llama 3.1 70B's
-    shapes, each timed by zplan.nccl, against one message of the whole block."""
-    from zplan.comm import unit_comm
+def test_deepspeed_default_gathers_are_its_coordinators_calls():
+    """At DeepSpeed's defaults a block's all-gather is the calls its coordinator issues (each
+    module's own fetch, one Linear weight; each prefetch, one call of what it gathers: the calls
+    DeepSpeed's own runs issue, in order, tests/test_deepspeed_release.py), each timed by
+    zplan.nccl and shared among its parameters by their elements; its norms, under
+    stage3_param_persistence_threshold, stay whole. On Llama 3.1 70B's blocks the 5e7-element
+    prefetch bucket takes one 67M weight at a time, so a block takes several calls, not one."""
+    from zplan.comm import ds_coordination, unit_comm
     from zplan.nccl import collective_time
 
     kw = dict(model="llama-3.1-70b", gpus="32", layout="zero")
     st = effective("zero3", "zero")
-    block = next(u for u in unit_comm(_sc(deepspeed_defaults=True, **kw), st) if u.name == "blocks.3")
-    sc = _sc(**kw)
-    linears = [8192 * 8192, 1024 * 8192, 1024 * 8192, 8192 * 8192] + [28672 * 8192] * 3
-    t = lambda n: collective_time(sc.hw.cluster, "all_gather", 2 * (-(-n // 32) * 32), 32, 8).seconds  # noqa: E731
-    assert block.all_gather_s == pytest.approx(sum(t(n) for n in linears), rel=1e-12)
-    whole = next(u for u in unit_comm(sc, st) if u.name == "blocks.3")
+    sc = _sc(deepspeed_defaults=True, **kw)
+    i = next(k for k, u in enumerate(sc.units) if u.name == "blocks.3")
+    block = unit_comm(sc, st)[i]
+    t = lambda n: collective_time(sc.hw.cluster, "all_gather", 2 * n, 32, 8).seconds  # noqa: E731
+    calls = [c for c in ds_coordination(sc, st).calls if any(u == i and not b for u, _, b in c)]
+    by_hand = sum(t(sum(-(-n // 32) * 32 for _, n, _ in c)) * sum(n for u, n, b in c if u == i and not b)
+                  / sum(n for _, n, _ in c) for c in calls)
+    assert block.all_gather_s == pytest.approx(by_hand, rel=1e-12)
+    assert sum(n for c in calls for u, n, b in c if u == i and not b) == sum(
+        n for n in (8192 * 8192, 1024 * 8192, 1024 * 8192, 8192 * 8192, 28672 * 8192, 28672 * 8192, 28672 * 8192))
+    assert 3 <= len(calls) <= 7  # k, v and o may go together; each MLP weight is a call
+    whole = unit_comm(_sc(**kw), st)[i]  # zplan's export: a unit's prefetch bucket
     assert block.all_gather_s > whole.all_gather_s
+
 
 def test_static_buffers_by_hand():
     """Buffers held through the step where they are not modelled unit by unit, against counts

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 from . import muon, policy
 from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduces_after_backward
 from .nccl import collective_time, contiguous_shape, strided_shape
 from .scenario import PinnedMemo, Scenario
 from .strategies import Strategy
-from .units import nbytes
+from .units import DTYPE_BITS, nbytes
 
 
 WHOLE_MATRIX = "all-gather (whole matrices for the optimizer)"
@@ -323,33 +324,51 @@ def _ds_again(sc: Scenario, st: Strategy) -> tuple[tuple[int, ...], ...]:
     return ds_coordination(sc, st).again
 
 
-def _ds_backward_calls(sc: Scenario, st: Strategy, D: int) -> list[list[int]]:
-    """DeepSpeed ZeRO-3, per unit: the bytes of each call gathering its parameters again in
-    backward (each padded to D, in the gather dtype): one call a parameter at DeepSpeed's
-    defaults (a module's own), one for the unit at the export's settings (a unit's prefetch
-    bucket: gather_calls)."""
-    def make() -> list[list[int]]:
-        per_module = _module_calls(sc, st)
-        out: list[list[int]] = []
-        for u, again in zip(sc.units, _ds_again(sc, st)):
-            if not again:
-                out.append([])
-                continue
-            dt = gather_dtype(sc, u)
-            calls = [nbytes(-(-n // D) * D, dt) for n in again]
-            out.append(calls if per_module else [sum(calls)])
-        return out
+class DsGathers(NamedTuple):
+    """DeepSpeed ZeRO-3's all-gathers in one micro-batch, as its coordinator issues them."""
+    forward_s: tuple[float, ...]  # per unit: its parameters' share of the calls gathering them for forward
+    backward_s: tuple[float, ...]  # and for backward (the recompute's forward and the backward)
+    largest_forward_bytes: int  # the largest single call, by the use of its first parameter
+    largest_backward_bytes: int
+    index: dict  # unit name -> its place in sc.units
+
+
+def ds_gathers(sc: Scenario, st: Strategy, D: int, g: int) -> DsGathers:
+    """DeepSpeed ZeRO-3's all-gather calls as its coordinator issues them (ds_coordination's
+    `calls`: each module's own fetch, one call of its parameters; each prefetch, one call of all
+    it gathers; partitioned_param_coordinator.py `__all_gather_params_` -> all_gather_coalesced),
+    each timed as NCCL runs it (its parameters each padded to D, in their gather dtype). A call's
+    time is shared among the parameters it gathers by their elements, each charged to its unit,
+    forward or backward by the use it is gathered for."""
+    def make() -> DsGathers:
+        units = sc.units
+        bits = [DTYPE_BITS[gather_dtype(sc, u)] for u in units]
+        fwd, back = [0.0] * len(units), [0.0] * len(units)
+        big = [0, 0]
+        timed: dict[int, float] = {}  # many calls are one weight of the same shape
+        c = ds_coordination(sc, st)
+        us, ns, bs = c.gathered_units, c.gathered_elems, c.gathered_backward
+        for a, e in zip(c.call_starts, c.call_starts[1:] + (len(us),)):
+            b = sum(-(-ns[j] // D) * D * bits[us[j]] for j in range(a, e)) // 8
+            t = timed.get(b)
+            if t is None:
+                t = timed[b] = call_seconds(sc, "all_gather", b, D, g)
+            total = sum(ns[a:e])
+            for j in range(a, e):
+                (back if bs[j] else fwd)[us[j]] += t * ns[j] / total
+            big[bs[a]] = max(big[bs[a]], b)
+        return DsGathers(tuple(fwd), tuple(back), big[0], big[1], {u.name: i for i, u in enumerate(units)})
 
     t = sc.train  # gather_dtype reads the param dtype and float8 gathers
-    return _DS_CALLS.get((*_ds_key(sc, st), D, t.precision.param, t.float8_gather), sc.hw, make)
+    return _DS_GATHERS.get((*_ds_key(sc, st), D, g, t.precision.param, t.float8_gather), sc.hw, make)
 
 
-_DS_CALLS = PinnedMemo(1024)
+_DS_GATHERS = PinnedMemo(1024)
 
 
 def _ds_backward_seconds(sc: Scenario, st: Strategy, D: int, g: int) -> list[float]:
-    """DeepSpeed ZeRO-3, per unit: its calls gathering parameters again in backward, timed."""
-    return [sum(call_seconds(sc, "all_gather", b, D, g) for b in calls) for calls in _ds_backward_calls(sc, st, D)]
+    """DeepSpeed ZeRO-3, per unit: its share of the calls gathering parameters for backward."""
+    return list(ds_gathers(sc, st, D, g).backward_s)
 
 
 def _module_calls(sc: Scenario, st: Strategy) -> bool:
@@ -357,23 +376,13 @@ def _module_calls(sc: Scenario, st: Strategy) -> bool:
     return sc.train.layout == "zero" and sc.train.deepspeed_defaults and st.params_sharded
 
 
-def gather_calls(sc: Scenario, st: Strategy, u, dtype: str, D: int) -> list[int]:
-    """The bytes of each call of one unit's all-gather as issued: one call for the unit (FSDP,
-    and DeepSpeed as zplan's export configures it), or, at DeepSpeed's defaults, one per
-    submodule, that is per parameter of a Linear (fetch_sub_module gathers a module's own
-    parameters), skipping those under stage3_param_persistence_threshold, which every rank
-    keeps whole (zplan/deepspeed.py)."""
-    if not _module_calls(sc, st):
-        return [nbytes(sc.padded_elems(u, D), dtype)]
-    from .deepspeed import PERSISTENCE_THRESHOLD_ELEMS
-
-    return [nbytes(-(-n // D) * D, dtype) for n in (math.prod(s) for s in u.shapes)
-            if n > PERSISTENCE_THRESHOLD_ELEMS]
-
-
 def gather_seconds(sc: Scenario, st: Strategy, u, dtype: str, D: int, g: int) -> float:
-    """One unit's all-gather: its calls as issued (gather_calls), each timed as NCCL runs it."""
-    return sum(call_seconds(sc, "all_gather", b, D, g) for b in gather_calls(sc, st, u, dtype, D))
+    """One unit's all-gather for its forward: one call of the unit (FSDP), timed as NCCL runs
+    it; DeepSpeed's ZeRO-3, the unit's share of the calls its coordinator issues (ds_gathers)."""
+    if _ds_zero3(sc, st):
+        dg = ds_gathers(sc, st, D, g)
+        return dg.forward_s[dg.index[u.name]]
+    return call_seconds(sc, "all_gather", nbytes(sc.padded_elems(u, D), dtype), D, g)
 
 
 def _ds_reduce_bucket(sc: Scenario, D: int) -> int:
@@ -399,9 +408,11 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
 
 
 def _gather_call(sc: Scenario, st: Strategy, us, dtype: str, D: int) -> tuple[int, str]:
-    """The largest single all-gather call among units `us` (gather_calls)."""
-    big = max((b for u in us for b in gather_calls(sc, st, u, dtype, D)), default=0)
-    return big, "the largest parameter" if _module_calls(sc, st) else "the largest unit"
+    """The largest single all-gather call among units `us` for forward: a unit (FSDP), or
+    DeepSpeed's largest fetch or prefetch (ds_gathers)."""
+    if _ds_zero3(sc, st):
+        return ds_gathers(sc, st, D, _shapes(sc, st)[1]).largest_forward_bytes, "the largest fetch or prefetch"
+    return max((nbytes(sc.padded_elems(u, D), dtype) for u in us), default=0), "the largest unit"
 
 
 def _reduce_call(sc: Scenario, st: Strategy, D: int) -> tuple[int, str]:
@@ -507,10 +518,10 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         back = _ds_again(sc, st)
         elems = sum(-(-n // D) * D for a in back for n in a)
         if elems:
-            big = max(b for calls in _ds_backward_calls(sc, st, D) for b in calls)
+            dg = ds_gathers(sc, st, D, g)
             out.append(Collective("all-gather (backward)", "all_gather", elems, p.param, D, scope, A,
-                                  sum(_ds_backward_seconds(sc, st, D, g)), 0.0, g, big,
-                                  "the largest parameter" if _module_calls(sc, st) else "the largest unit"))
+                                  sum(dg.backward_s), 0.0, g, dg.largest_backward_bytes,
+                                  "the largest fetch or prefetch"))
     again = [u for u in units if gathers_for_recompute(sc, st, u)]
     if again:  # block units all: one gather dtype
         dt = gather_dtype(sc, again[0])

@@ -118,6 +118,19 @@ class Coordination(NamedTuple):
     # nothing), and how many such calls begin with one of its parameters
     coalesced: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     coalesced_calls: tuple[tuple[int, int], ...] = ()
+    # every parameter gathered in the micro-batch, in order: its unit, its elements, whether for
+    # backward; and where each all-gather call (a module's own fetch, or one prefetch) begins
+    gathered_units: tuple[int, ...] = ()
+    gathered_elems: tuple[int, ...] = ()
+    gathered_backward: tuple[bool, ...] = ()
+    call_starts: tuple[int, ...] = ()
+
+    @property
+    def calls(self) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+        """Each call's parameters, (unit, elements, for backward), in order."""
+        ends = self.call_starts[1:] + (len(self.gathered_units),)
+        z = list(zip(self.gathered_units, self.gathered_elems, self.gathered_backward))
+        return tuple(tuple(z[a:b]) for a, b in zip(self.call_starts, ends))
 
 
 def backward_gathers(units: tuple[tuple[tuple[int, ...], bool], ...],
@@ -180,10 +193,8 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     trace, no_release = module_trace(units, containers, reentrant)
     size = {(e[0], e[1]): e[2] for e in trace if e}
     persistent = {k for k, n in size.items() if n <= persistence_threshold}
-    if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
-        # (zplan's export without resharding): every parameter gathered by the forward's end
-        empty = tuple(((), ()) for _ in units)
-        return Coordination(tuple(() for _ in units), sum(size.values()), empty, tuple((0, 0) for _ in units))
+    # every next use within reach (zplan's export without resharding): nothing is released, and
+    # the loop below finds every parameter gathered by the forward's end, none again
     # parameters as integers in trace order (the loop below runs per module of a whole step, in
     # recommend's search once per candidate: lists, not dicts of tuples)
     pid: dict[tuple[int, int], int] = {}
@@ -202,22 +213,25 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     stop = [False] * len(trace)
     for k in no_release:
         stop[k] = True
-    # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,
-    # until the walk has reached the distance; the parameters seen before are kept
-    prefix = [0]
-    for e in trace:
-        prefix.append(prefix[-1] + (e[2] if e else 0))
-    nxt = [-1] * len(trace)
-    seen = [-1] * len(pid)
-    for k in range(len(trace) - 1, -1, -1):
-        p = tp[k]
-        if p >= 0:
-            nxt[k] = seen[p]
-            seen[p] = k
-    # per step, whether its release is skipped whatever the marks: persistent, no release there,
-    # or the next use within the reuse distance
-    keep = [p < 0 or stop[k] or pers[p] or (nxt[k] >= 0 and prefix[nxt[k]] - prefix[k + 1] < reuse_distance)
-            for k, p in enumerate(tp)]
+    if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
+        keep = [True] * len(trace)
+    else:
+        # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,
+        # until the walk has reached the distance; the parameters seen before are kept
+        prefix = [0]
+        for e in trace:
+            prefix.append(prefix[-1] + (e[2] if e else 0))
+        nxt = [-1] * len(trace)
+        seen = [-1] * len(pid)
+        for k in range(len(trace) - 1, -1, -1):
+            p = tp[k]
+            if p >= 0:
+                nxt[k] = seen[p]
+                seen[p] = k
+        # per step, whether its release is skipped whatever the marks: persistent, no release
+        # there, or the next use within the reuse distance
+        keep = [p < 0 or stop[k] or pers[p] or (nxt[k] >= 0 and prefix[nxt[k]] - prefix[k + 1] < reuse_distance)
+                for k, p in enumerate(tp)]
     qp = [p for p in tp if p >= 0]  # the parameter trace: each use, with the step it serves
     qk = [k for k, p in enumerate(tp) if p >= 0]
     nq, head = len(qp), 0
@@ -227,13 +241,17 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     again: list[list[int]] = [[] for _ in units]
     coalesced: list[tuple[list[int], list[int]]] = [([], []) for _ in units]
     calls = [[0, 0] for _ in units]
+    iq: list[int] = []  # every parameter gathered, in order: 2 x its id + 1 if gathered for backward
+    starts: list[int] = []  # where in iq each call begins
+    never_released = all(keep)
+    everything = sum(n for n, kept in zip(sz, pers) if not kept)
     for k, p in enumerate(tp):
         if p >= 0:
             if not avail[p]:  # gather it (the prefetch below gathers alike)
                 avail[p] = True
                 n_available += sz[p]
-                if back[k]:
-                    again[unit_of[p]].append(sz[p])
+                starts.append(len(iq))
+                iq.append(2 * p + back[k])
             if fetched_for[p] < k:  # its own use, first in the queue
                 fetched_for[qp[head]] = qk[head]
                 head += 1
@@ -241,31 +259,40 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
         if budget > prefetch_bucket:
             budget = prefetch_bucket
         numel = 0
-        batch = []
         while numel < budget and head < nq:
             q, qs = qp[head], qk[head]
             head += 1
             if fetched_for[q] < qs:
                 fetched_for[q] = qs
             if not avail[q]:  # a repeat in the queue is not gathered twice
+                if not numel:  # the prefetch is one call
+                    starts.append(len(iq))
                 numel += sz[q]
                 avail[q] = True
                 n_available += sz[q]
-                batch.append((q, back[qs]))
-                if back[qs]:
-                    again[unit_of[q]].append(sz[q])
-        if len(batch) > 1:  # one all_gather_coalesced call of several parameters
-            for q, b in batch:
-                coalesced[unit_of[q]][b].append(sz[q])
-            calls[unit_of[batch[0][0]]][batch[0][1]] += 1
+                iq.append(2 * q + back[qs])
         if n_available > peak:  # gathered only rises before the release below
             peak = n_available
+            if never_released and peak == everything:  # all gathered, none to release: done
+                break
         if keep[k] or fetched_for[p] > k + 1:
             continue
         avail[p] = False
         n_available -= sz[p]
+    iu = tuple(unit_of[q >> 1] for q in iq)
+    isz = tuple(sz[q >> 1] for q in iq)
+    ib = tuple(bool(q & 1) for q in iq)
+    for u, n, for_backward in zip(iu, isz, ib):
+        if for_backward:
+            again[u].append(n)
+    for a, b in zip(starts, starts[1:] + [len(iq)]):
+        if b - a > 1:  # one all_gather_coalesced call of several parameters
+            for j in range(a, b):
+                coalesced[iu[j]][ib[j]].append(isz[j])
+            calls[iu[a]][ib[a]] += 1
     return Coordination(tuple(tuple(a) for a in again), peak + sum(size[k] for k in persistent),
-                        tuple((tuple(f), tuple(b)) for f, b in coalesced), tuple((f, b) for f, b in calls))
+                        tuple((tuple(f), tuple(b)) for f, b in coalesced), tuple((f, b) for f, b in calls),
+                        iu, isz, ib, tuple(starts))
 
 
 def reduce_scatter_copy_elems(backward_sizes: tuple[int, ...], world: int) -> int:

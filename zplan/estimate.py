@@ -309,7 +309,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
     if zero3 and a.overlap and sc.n > 1:
         out["overlap"]["meaning"] += (
             "; eager ZeRO-3 under HF's reentrant checkpointing overlaps less: DeepSpeed's published "
-            "runs on 32 H100 measured 11-30% slower than overlap predicts, though DeepSpeed gathers "
+            "runs on 32 H100 measured 11-31% slower than overlap predicts, though DeepSpeed gathers "
             "what zplan prices (held against its own ZeRO-3 on gloo ranks): the time is not the traffic "
             "(docs/accuracy-notes.md 9aa, 9af, 9cf)")
     if zero3:

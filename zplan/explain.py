@@ -140,7 +140,7 @@ def explain_lines(sc: Scenario, name: str) -> list[str]:
     out.append("")
     out.append("## 6. Communication per step, as NCCL runs it (zplan/nccl.py): per call t = latency + "
                "S(n-1)/(n busbw), twice the volume for all-reduce, S/busbw for a reduce; FSDP one call per unit, "
-               "DDP and DeepSpeed's ZeRO-1/2 per bucket")
+               "DeepSpeed's ZeRO-3 each fetch and prefetch of its coordinator, DDP and DeepSpeed's ZeRO-1/2 per bucket")
     for c in r.collectives:
         if c.op in ("h2d", "d2h"):
             out.append(f"{c.name}: {c.elements:,} x {c.dtype}, {c.calls_per_step} per step, {fmt_s(c.seconds_per_call)} each")
