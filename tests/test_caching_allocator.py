@@ -125,7 +125,8 @@ def test_the_planner_reserves_the_loss_hole_on_the_default_stream():
     releases before failing; the holes the forward leaves beside what its blocks keep
     (allocator.forward_holes) are not."""
     from zplan.estimate import estimate_one
-    from zplan.memory import _forward_holes, timeline
+    from zplan.memory import timeline
+    from zplan.memory_reserve import forward_holes
     from zplan.strategies import effective
 
     E = 2 * 8192 * 128256
@@ -136,7 +137,7 @@ def test_the_planner_reserves_the_loss_hole_on_the_default_stream():
                              micro_batch=2, logits_kept=kept, fragmentation=None,
                              embed_head_unit="root-kept", checkpointing="selective"))
         m = estimate_one(sc, "zero3").memory
-        free, largest, whole = _forward_holes(sc.for_strategy(st.fsdp), st)
+        free, largest, whole = forward_holes(sc.for_strategy(st.fsdp), st)
         # the last block's working set at least (SwiGLU's three unkept MLP-wide tensors, each
         # s·b·f·2 bytes, its own segment), and holes beside it; the loss's tensors fit none
         assert whole >= 3 * sb * f * 2 and free > whole and largest < E
@@ -261,11 +262,12 @@ def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable,
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head) == want_mib * MiB
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable) == (3520 if expandable else 3508) * MiB
     # the planner reads these sizes from the head unit as FSDP2 shards it
-    from zplan.memory import _head_tail, model_state
+    from zplan.memory import model_state
+    from zplan.memory_reserve import head_tail
     from zplan.strategies import effective
 
     st = effective("zero3", "torch")
-    planned = _head_tail(sc, st, model_state(sc, st))
+    planned = head_tail(sc, st, model_state(sc, st))
     assert replace(planned, last_weights_bytes=0, last_grad_bytes=0, last_reduce_in_bytes=0,
                    freed_block_bytes=0) == head
     # the embedding, reduced last (gathered again: 1002 MiB weights, then a 1002 MiB gradient,
@@ -277,7 +279,7 @@ def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable,
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, planned) == \
         allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(planned, last_reduce_in_bytes=0))
     kept = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="head-kept"))
-    assert _head_tail(kept, st, model_state(kept, st)).weights_bytes == 0  # not gathered again
+    assert head_tail(kept, st, model_state(kept, st)).weights_bytes == 0  # not gathered again
 
 
 @pytest.mark.parametrize("expandable,want_mib", [(False, 7518), (True, 6544)])
@@ -302,7 +304,8 @@ def test_a_held_roots_reduce_scatter_input_fits_no_block_at_the_end_of_backward(
     head, whose G is a transpose's view, so autograd adds out of place: the sum S takes [2577,
     3579), G and E go, R extends the 1 MiB left at the end by 201 pages: 3580 + 4020 - 56 = 7544;
     classic: S takes the third 1002 MiB segment, 7518 as before."""
-    from zplan.memory import _head_tail, model_state
+    from zplan.memory import model_state
+    from zplan.memory_reserve import head_tail
     from zplan.strategies import effective
 
     sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="root-kept",
@@ -313,7 +316,7 @@ def test_a_held_roots_reduce_scatter_input_fits_no_block_at_the_end_of_backward(
                               freed_block_bytes=2048 * 14336 * 2, held_root=True)
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head) == want_mib * MiB
     st = effective("zero3", "torch")
-    assert _head_tail(sc, st, model_state(sc, st)) == head
+    assert head_tail(sc, st, model_state(sc, st)) == head
     # without the end of backward, the loss and the head's backward alone (with A: 3524 = 3580 - 56)
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(head, last_reduce_in_bytes=0)) == \
         (3524 if expandable else 3508) * MiB
@@ -339,7 +342,8 @@ def test_under_a_linear_loss_the_head_and_the_end_of_backward_are_simulated(expa
     free at the end by 49 pages to 2060, R by 201 more: 6080 - 56 - 1002 = 5022 MiB. Before,
     a linear loss priced no hole at all (Llama 3.1 8B, root kept, seq 2048: -15% and -18%
     against the replay of traced steps with and without checkpointing, now -5% and -9%)."""
-    from zplan.memory import _head_tail, model_state
+    from zplan.memory import model_state
+    from zplan.memory_reserve import head_tail
     from zplan.strategies import effective
 
     sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="root-kept",
@@ -349,7 +353,7 @@ def test_under_a_linear_loss_the_head_and_the_end_of_backward_are_simulated(expa
                               last_reduce_in_bytes=(2 * 128256 + 1) * 4096 * 4,
                               freed_block_bytes=2048 * 14336 * 2, held_root=True)
     st = effective("zero3", "torch")
-    assert _head_tail(sc, st, model_state(sc, st)) == head
+    assert head_tail(sc, st, model_state(sc, st)) == head
     assert allocator.loss_reserved_bytes(0, sc.train, True, expandable, head) == want_mib * MiB
     assert allocator.loss_reserved_bytes(0, sc.train, True, expandable, None) == 0
 
@@ -362,13 +366,14 @@ def test_a_resharding_roots_weights_stay_gathered_to_its_own_reshard():
     log_softmax, then nll's gradient); logits 502; log_softmax's gradient 1002; W again in its
     own 2006; the input gradient splits the 1002, G a new 1002; at the end E takes that 1002, W
     is freed and R takes 4010: 56 + 2006 + 502 + 1002 + 1002 + 4010 - 56 = 8522 MiB."""
-    from zplan.memory import _head_tail, model_state
+    from zplan.memory import model_state
+    from zplan.memory_reserve import head_tail
     from zplan.strategies import effective
 
     sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="root",
                          logits_kept=False))
     st = effective("zero3", "torch")
-    head = _head_tail(sc, st, model_state(sc, st))
+    head = head_tail(sc, st, model_state(sc, st))
     assert head.held_root and head.weights_bytes == (2 * 128256 + 1) * 4096 * 2
     assert allocator.loss_reserved_bytes(2048 * 128256, sc.train, True, False, head) == 8522 * MiB
 
@@ -403,12 +408,13 @@ def test_a_held_roots_head_gradient_is_the_head_weights_alone():
     """Embedding and head in one held root (untied): at the head's backward only the head's
     weight gradient exists (the embedding's comes at the end of backward), as the timeline's
     `backward head` event counts it; the whole root is what is gathered again."""
-    from zplan.memory import _head_tail, model_state
+    from zplan.memory import model_state
+    from zplan.memory_reserve import head_tail
     from zplan.strategies import effective
 
     st = effective("zero3", "torch")
     sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, embed_head_unit="root"))
-    tail = _head_tail(sc, st, model_state(sc, st))
+    tail = head_tail(sc, st, model_state(sc, st))
     head_w = 128256 * 4096 * 2
     assert tail.grad_bytes == head_w and tail.reduce_in_bytes == 0
     assert tail.weights_bytes == 2 * head_w + 4096 * 2  # embedding, norm and head
@@ -423,18 +429,19 @@ def test_the_planner_prices_the_end_of_backward_where_freed_activations_do_not_h
     Expandable: the planner frees all the activations alive at the loss as one region -- 20 GB
     without checkpointing hold it, the 0.6 GB of block inputs under full checkpointing do not."""
     from zplan import memory as mem
+    from zplan import memory_reserve as reserve
     from zplan.strategies import effective
 
     sc = build(cpu_ranks(model="llama-3.1-8b", gpu="h100-sxm", gpus="8", seq_len=2048,
                          embed_head_unit="root-kept", logits_kept=False, checkpointing=checkpointing,
                          fragmentation=None, expandable_segments=expandable))
     st = effective("zero3", "torch")
-    mem._loss_reserve.cache_clear()
+    reserve.loss_reserve.cache_clear()
     with_end = mem.memory(sc, st).reserved_bytes
     monkeypatch.setattr(allocator, "_backward_end", lambda sim, head: None)
-    mem._loss_reserve.cache_clear()
+    reserve.loss_reserve.cache_clear()
     without = mem.memory(sc, st).reserved_bytes
-    mem._loss_reserve.cache_clear()
+    reserve.loss_reserve.cache_clear()
     assert (with_end > without + (1 << 30)) if adds else with_end == without
 
 
@@ -444,6 +451,7 @@ def test_a_linear_losss_weight_gradient_is_not_counted_among_the_freed_activatio
     3.1 8B) is alive then too -- a held root keeps it to its reduce-scatter -- so it is not in
     that region: it is simulated on its own (5022 MiB by hand, above)."""
     from zplan import memory as mem
+    from zplan import memory_reserve as reserve
     from zplan.memory_timeline import activations
     from zplan.strategies import effective
 
@@ -453,9 +461,9 @@ def test_a_linear_losss_weight_gradient_is_not_counted_among_the_freed_activatio
     seen = []
     real = allocator.loss_reserve
     monkeypatch.setattr(allocator, "loss_reserve", lambda *a: seen.append(a[-1]) or real(*a))
-    mem._loss_reserve.cache_clear()
+    reserve.loss_reserve.cache_clear()
     m = mem.memory(sc, st)
-    mem._loss_reserve.cache_clear()
+    reserve.loss_reserve.cache_clear()
     fsdp = sc.for_strategy(True)
     start = next(e for e in mem.timeline(fsdp, st) if e.label == "loss forward")
     kept = activations(fsdp).linear_loss["kept"]

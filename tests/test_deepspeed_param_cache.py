@@ -88,23 +88,23 @@ def test_one_group_reserves_the_unused_cache_and_releases_its_free_segments():
     assert one.reserved_bytes == _zero2_default().reserved_bytes  # one group is the default
     sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200",
                   deepspeed_param_groups="one")
-    from zplan.memory import _param_block_cache
-    unused, free = _param_block_cache(sc.for_strategy(False), effective("zero2", "zero"))
+    from zplan.memory_reserve import param_block_cache
+    unused, free = param_block_cache(sc.for_strategy(False), effective("zero2", "zero"))
     assert 5 * 2**30 < unused < 2 * 8_030_261_248  # a part of the 2 Psi cached (6.1 GiB here)
     assert one.reserved_bytes - split.reserved_bytes == unused
     assert one.releasable_bytes - split.releasable_bytes == free
     z3 = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", deepspeed_param_groups="one")
-    assert _param_block_cache(z3, effective("zero3", "zero")) == (0, 0)
+    assert param_block_cache(z3, effective("zero3", "zero")) == (0, 0)
 
 
 def test_no_room_to_flatten_on_the_gpu_keeps_nothing():
     """Where the GPU cannot hold a second copy of the parameters DeepSpeed flattens on the host
     and empties the cache first."""
-    from zplan.memory import _param_block_cache
+    from zplan.memory_reserve import param_block_cache
     def cache(model):
         sc = scenario(model=model, gpus=8, seq_len=2048, layout="zero", gpu="a100-40gb",
                       cluster="dgx-a100", deepspeed_param_groups="one", checkpointing="full")
-        return _param_block_cache(sc.for_strategy(False), effective("zero2", "zero"))
+        return param_block_cache(sc.for_strategy(False), effective("zero2", "zero"))
     assert cache("llama-3.1-8b")[0] > 0  # 2 x 16.1 GB of bf16 parameters within 42.3 GB less the context
     assert cache("llama-2-13b") == (0, 0)  # 2 x 26.0 GB: not
 
@@ -120,15 +120,15 @@ def test_zero1_gradients_held_whole_take_the_blocks():
     """ZeRO-1 holds each parameter's gradient whole between accumulation boundaries (no overlap,
     or accumulation): gradients of exactly the parameters' sizes take their blocks, so no unused
     cache is priced there; at one micro-batch with overlap it is ZeRO-2's."""
-    from zplan.memory import _param_block_cache
+    from zplan.memory_reserve import param_block_cache
 
     def cache(**kw):
         sc = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200",
                       cluster="hgx-h200", **kw)
-        return _param_block_cache(sc.for_strategy(False), effective("zero1", "zero"))
+        return param_block_cache(sc.for_strategy(False), effective("zero1", "zero"))
     assert cache(grad_accum=4) == (0, 0)
     z2 = scenario(model="llama-3.1-8b", gpus=8, seq_len=8192, layout="zero", gpu="h200", cluster="hgx-h200")
-    assert cache() == _param_block_cache(z2.for_strategy(False), effective("zero2", "zero")) != (0, 0)
+    assert cache() == param_block_cache(z2.for_strategy(False), effective("zero2", "zero")) != (0, 0)
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -198,7 +198,7 @@ def test_recommends_headroom_does_not_count_the_cache_released_once():
     90% of the GPU) leaves them out (Memory.released_once_bytes), so ZeRO-2 without
     checkpointing is not refused for 2 Psi of blocks it would release once."""
     from zplan.estimate import fits
-    from zplan.memory import _param_block_cache_at_step
+    from zplan.memory_reserve import param_block_cache_at_step
 
     sc = scenario(model="llama-2-13b", gpus=8, seq_len=2048, layout="zero", checkpointing="none")
     st = effective("zero2", "zero")
@@ -206,7 +206,7 @@ def test_recommends_headroom_does_not_count_the_cache_released_once():
     usable = int(0.9 * sc.hw.gpu.memory_bytes)
     assert m.total_bytes > usable  # the whole reserve would not be within the headroom
     assert 0 < m.released_once_bytes <= min(m.releasable_bytes,
-                                            _param_block_cache_at_step(sc.for_strategy(False), st)[1])
+                                            param_block_cache_at_step(sc.for_strategy(False), st)[1])
     assert fits(sc, "zero2", usable) == (m.total_bytes - m.released_once_bytes <= usable) is True
     # FSDP2 (torch layout) keeps no such cache: nothing released once
     assert memory(scenario(model="llama-2-13b", gpus=8, seq_len=2048), effective("zero2", "torch")).released_once_bytes == 0

@@ -130,13 +130,39 @@ deepspeed.init_distributed(dist_backend="gloo")
 
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+from deepspeed.runtime.zero import partition_parameters as PP
+import weakref
+
+handles = weakref.WeakSet()  # the calls of several parameters alive: each holds its flat buffer
+PP_init, PP_wait = PP.AllGatherCoalescedHandle.__init__, PP.AllGatherCoalescedHandle.wait
+
+def held(extra=0):  # elements held for the parameters: their own storages and the flat buffers
+    seen = {}
+    for p in model.parameters():
+        if p.data.numel() == p.ds_numel:  # whole: gathered, or its call of one in flight
+            seen[p.data.untyped_storage().data_ptr()] = p.data.untyped_storage().nbytes()
+    for h in list(handles):
+        if h.partitions:
+            seen[h.partitions[0].untyped_storage().data_ptr()] = h.partitions[0].untyped_storage().nbytes()
+    return sum(seen.values()) // 4 + extra
+
+def init(self, *a, **k):
+    PP_init(self, *a, **k)
+    handles.add(self)
+
+def wait(self, *a, **k):  # after it has copied its parameters out of the flat buffer
+    PP_wait(self, *a, **k)
+    mode.held = max(mode.held, held())
+
+PP.AllGatherCoalescedHandle.__init__, PP.AllGatherCoalescedHandle.wait = init, wait
+
 class Gathers(TorchDispatchMode):  # elements all-gathered; the most gathered or in flight at a gather;
     # and the elements of calls that gathered several parameters: their send buffer is a slice of
     # the receive buffer, into which the shards were copied (_all_gather_dtype); a call of one
     # sends the shard itself (_all_gather_sequential)
     def __init__(self):
         super().__init__()
-        self.elems = self.peak = self.coalesced = 0
+        self.elems = self.peak = self.coalesced = self.held = 0
         self.calls = []  # the elements of each call, in order
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -147,6 +173,7 @@ class Gathers(TorchDispatchMode):  # elements all-gathered; the most gathered or
             self.calls.append(n)
             if isinstance(t, torch.Tensor) and args[1].untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 self.coalesced += t.numel()
+            self.held = max(self.held, held(t.numel()))  # its receive buffer is no one's storage yet
             self.peak = max(self.peak, sum(p.ds_numel for p in model.parameters()
                                            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE))
         return func(*args, **(kwargs or {}))
@@ -189,10 +216,11 @@ engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters
 x = torch.randn(2, 8, H, requires_grad=True)
 per_step = []
 for step in range(4):  # the trace is recorded in the first two; then it runs as recorded
-    with Gathers() as g:
+    with Gathers() as mode:
+        g = mode
         engine.backward(engine(x).pow(2).mean())
     engine.step()
-    per_step.append([g.elems, g.peak, g.coalesced, g.calls])
+    per_step.append([g.elems, g.peak, g.coalesced, g.calls, g.held])
 if rank == 0:
     print("GATHERED", json.dumps(per_step), flush=True)
 torch.distributed.barrier()
@@ -211,6 +239,7 @@ TIGHT = (167_116, 200, 10_444, 208_896)
 # zplan's export (deepspeed.stage3_settings, resharded): every parameter sharded and released
 # after use, a unit (here a block) prefetched, two units live; EXPORT_NO_PREFETCH: --no-prefetch
 EXPORT, EXPORT_NO_PREFETCH = "export", "export-no-prefetch"
+EXPORT_KEPT = "export-kept"  # zero3-noreshard's export: nothing released (reuse distance 1e12)
 B70, B8 = (128, 16, 448), (64, 16, 224)
 
 
@@ -219,7 +248,8 @@ B70, B8 = (128, 16, 448), (64, 16, 224)
 @pytest.mark.parametrize("shape,blocks,settings,reentrant,checkpointed", [
     (B70, 6, DEFAULTS, True, True), (B8, 6, DEFAULTS, False, True), (B8, 4, DEFAULTS, True, True),
     (B70, 4, TIGHT, True, True), (B70, 4, TIGHT, False, True),
-    (B70, 6, EXPORT, False, True), (B8, 4, EXPORT, True, False), (B70, 4, EXPORT_NO_PREFETCH, True, True)])
+    (B70, 6, EXPORT, False, True), (B8, 4, EXPORT, True, False), (B70, 4, EXPORT_NO_PREFETCH, True, True),
+    (B8, 4, EXPORT_KEPT, False, True)])
 def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks, settings, reentrant, checkpointed):
     """DeepSpeed's ZeRO-3 (partitioned_param_coordinator.py: its trace, release rule and
     prefetcher) on two gloo ranks, checkpointed blocks (or not), its settings scaled with the model: the
@@ -230,8 +260,12 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     parameter, move the prefetcher). Where the other checkpoint order, or no prefetch, would
     gather otherwise, the test says so: it would catch either. Also at the settings zplan's
     export writes (reuse distance and persistence 0, a unit prefetched or none, two units live),
-    with and without checkpoints: there DeepSpeed gathers neither FSDP's once more per unit
-    (what zplan priced an export at) nor its defaults' pattern."""
+    with and without checkpoints, and without resharding (nothing released): there DeepSpeed
+    gathers neither FSDP's once more per unit (what zplan priced an export at) nor its defaults'
+    pattern. In every configuration also the calls it issues, in order (comm.ds_gathers prices
+    them), the elements of its calls of several parameters (which copy: unit_ops.fsdp_copies)
+    and what it holds for the parameters, their storages and the calls' flat buffers
+    (deepspeed.coordinate's peak_held, which memory prices)."""
     pytest.importorskip("deepspeed")
     from zplan.netutil import free_port
 
@@ -241,6 +275,8 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     named = settings
     if named in (EXPORT, EXPORT_NO_PREFETCH):  # export.deepspeed_config's keys for blocks as units
         settings = (0, 0, sum(block) if named == EXPORT else 0, 2 * sum(block))
+    if named == EXPORT_KEPT:  # deepspeed.stage3_settings without resharding
+        settings = (10**12, 0, sum(block), 10**12)
     reuse, persist, prefetch, live = settings
 
     def priced(reentrant: bool, prefetch: int = prefetch) -> int:
@@ -259,22 +295,27 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     (line,) = [x for x in outs[0][0].splitlines() if x.startswith("GATHERED ")]
-    per_step, peaks, coalesced, calls = zip(*json.loads(line.split(" ", 1)[1]))
+    per_step, peaks, coalesced, calls, held = zip(*json.loads(line.split(" ", 1)[1]))
     assert per_step[1] == per_step[2] == per_step[3]  # the trace recorded in the first step
     assert per_step[3] == priced(reentrant)
     # the most it holds gathered (persistent parameters always): what memory prices it at
     sim = coordinate(units, reuse, persist, prefetch, live, reentrant=reentrant)
     assert peaks[3] == sim.peak_gathered, (peaks, sim.peak_gathered)
+    # and what it holds for them: beside the gathered parameters, each call of several
+    # parameters' flat buffer from its first wait until the last of them is fetched
+    assert held[3] == sim.peak_held, (held, sim.peak_held)
     # what it gathers in calls of several parameters, which copy (unit_ops.fsdp_copies)
     assert coalesced[3] == sum(sum(f) + sum(b) for f, b in sim.coalesced), (coalesced, sim.coalesced)
-    if prefetch:
-        assert 0 < coalesced[3] < per_step[3]  # some calls of one parameter, some of several
+    if prefetch:  # calls of several parameters (and, but where nothing is released, of one)
+        assert 0 < coalesced[3] < per_step[3] or named == EXPORT_KEPT and coalesced[3] == per_step[3]
     # and the calls it issues, in order, each fetch and each prefetch one (comm.ds_gathers times
     # them; every shape here divides by the two ranks, so no padding)
     assert calls[3] == [sum(n for _, n, _ in c) for c in sim.calls], (calls[3], sim.calls)
-    if prefetch:
+    if prefetch and named != EXPORT_KEPT:
         assert priced(reentrant, prefetch=0) != per_step[3]  # the prefetcher's marks count
-    if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant):
+    if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant and named != EXPORT_KEPT):
         assert priced(not reentrant) != per_step[3]  # and so does the order
     if named in (EXPORT, EXPORT_NO_PREFETCH):  # not every unit once more, as FSDP (zplan's price
         assert per_step[3] != 2 * blocks * sum(block)  # of an export until 2026-12: 0.81-1.5 x off)
+    if named == EXPORT_KEPT:  # every parameter once, and all of them held by the forward's end
+        assert per_step[3] == blocks * sum(block) and peaks[3] == blocks * sum(block)

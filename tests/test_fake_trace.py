@@ -333,7 +333,8 @@ def test_the_all_gather_streams_reserve_is_the_replays(tmp_path, monkeypatch, em
     block kept gathered after forward (`last_block_kept`), one gather fewer in backward."""
     pytest.importorskip("torch")
     from zplan.caching_allocator import CachingAllocator
-    from zplan.memory import _all_gather_reserved, model_state
+    from zplan.memory import model_state
+    from zplan.memory_reserve import all_gather_reserved
     from zplan.trainer import fake_trace
 
     allocations, fsdp, st = _small_traced_and_planned(tmp_path, monkeypatch, embed_head_unit, last_block_kept,
@@ -347,7 +348,7 @@ def test_the_all_gather_streams_reserve_is_the_replays(tmp_path, monkeypatch, em
             sim.malloc(n, now, "all-gather")
             held[id(winfo)] = n
     assert sim.peak_reserved_bytes > 0
-    assert _all_gather_reserved(fsdp, st, model_state(fsdp, st)) == sim.peak_reserved_bytes
+    assert all_gather_reserved(fsdp, st, model_state(fsdp, st)) == sim.peak_reserved_bytes
 
 
 @pytest.mark.slow

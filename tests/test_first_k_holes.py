@@ -11,7 +11,7 @@ first-125."""
 
 import pytest
 
-from zplan import memory, strategies
+from zplan import memory, memory_reserve, strategies
 from zplan.activation_memory import forward_tensor_steps
 from zplan.scenario_options import ScenarioOptions, build, cpu_ranks
 
@@ -114,12 +114,12 @@ def _scenario(k, model="llama-3.1-405b", gpus="512", seq=4096, mb=1):
 @pytest.mark.parametrize("k", ["none", 1, 63, 125, 126])
 def test_first_k_forward_leaves_what_the_oracle_allocator_leaves(k):
     """The free cached bytes when the forward ends, first-k of 405B's 126 blocks: the planner's
-    simulation (memory._forward_holes) equals the oracle's, the mixed forward included (before:
+    simulation (memory_reserve.forward_holes) equals the oracle's, the mixed forward included (before:
     one block's working set, 1.44 GB, where the allocator leaves 6.6-8.1 GB; none: nothing
     priced, where the last unit's freed weights and temporaries leave 6.8 GB)."""
     st = strategies.get("zero3")
     sc = _scenario(k).for_strategy(st.fsdp)
-    free = memory._forward_holes(sc, st)[0]
+    free = memory_reserve.forward_holes(sc, st)[0]
     assert free == _oracle_free_at_forward_end(4096, 0 if k == "none" else k)
 
 

@@ -95,7 +95,7 @@ def test_planned_reserve_against_the_allocator_replayed_over_a_traced_step(tmp_p
     last block kept; docs/accuracy-notes.md 9aq) with 8 blocks: the planner's reserved bytes
     within `tolerance` of PyTorch's caching allocator replayed over every storage of a traced
     step; under selective the forward's holes are what closes it (without them, > 2.5% low)."""
-    import zplan.memory as zm
+    import zplan.memory_reserve as zm
     from zplan.trainer.fake_trace import fake_cell, planned_cell
 
     model = tmp_path / "shape.toml"
@@ -105,13 +105,13 @@ def test_planned_reserve_against_the_allocator_replayed_over_a_traced_step(tmp_p
     planned, replayed = c.reserved_by_allocator["classic"]
     assert abs(planned - replayed) / replayed <= tolerance, (planned, replayed)
     if mode == "selective":
-        holes = zm._forward_holes
-        zm._forward_holes = lambda sc, st: None
+        holes = zm.forward_holes
+        zm.forward_holes = lambda sc, st: None
         try:
             without = planned_cell(str(model), 8, 2048, 8, mode, "zero3", fragmentation=None,
                                    expandable_segments=False, **kw)[1].memory.reserved_bytes
         finally:
-            zm._forward_holes = holes
+            zm.forward_holes = holes
         assert (without - replayed) / replayed < -0.025
 
 

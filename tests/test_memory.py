@@ -158,11 +158,16 @@ def test_deepspeed_default_buckets_hold_modules_not_units():
     embedding-sized gradient on its way."""
     from zplan.memory import static_buffers
 
+    from zplan.comm import ds_coordination
+
     sc = _sc(model="llama-3.1-70b", gpus="32", layout="zero", deepspeed_defaults=True, reduce_dtype="bf16")
     padded = [sc.padded_elems(u, 32) for u in sc.units]
     gather, reduce = static_buffers(sc, effective("zero3", "zero"), padded, 2, 2)
     emb = 128256 * 8192
-    assert 10**9 * 2 <= gather <= (10**9 + emb) * 2 and reduce == 500_000_000 * 2 + emb * 2
+    c = ds_coordination(sc, effective("zero3", "zero"))
+    assert 10**9 <= c.peak_gathered <= 10**9 + emb and reduce == 500_000_000 * 2 + emb * 2
+    # what it holds: a prefetch of several keeps its flat buffer beside them (peak_held)
+    assert gather == c.peak_held * 2 and c.peak_gathered <= c.peak_held <= c.peak_gathered + emb
     small = _sc(model="tiny", gpus="8", layout="zero", deepspeed_defaults=True)
     psi = sum(math.prod(s) for u in small.units for s in u.shapes)
     assert static_buffers(small, effective("zero3", "zero"), [0], 2, 4)[0] == psi * 2
@@ -464,7 +469,7 @@ def test_ligers_loss_tensors_fit_none_of_the_forwards_freed_blocks_below_64k():
     chunk's logits take two of them; at 64k the 1002 MiB ones fit the 1792 MiB blocks too. Either
     way the replay (CachingAllocator, classic segments: the forward's tensors made and freed,
     then Liger's in order) reserves exactly forward_residue_bytes beside the live bytes, which
-    memory._forward_residue adds to the default stream's reserve at the loss, on top of the
+    memory_reserve.forward_residue adds to the default stream's reserve at the loss, on top of the
     head's and the end of backward's (allocator.default_stream_floor: either reserve alone
     raises the floor)."""
     from zplan import activation_memory as am, presets

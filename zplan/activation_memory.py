@@ -691,7 +691,7 @@ def liger_loss_tensors(m: ModelSpec, train: TrainSpec) -> tuple[int, ...]:
     bytes (linear_loss_bytes' liger terms, one by one): the input gradient B·T·h, the weight
     gradient B·V·h, a chunk's logits B·c·V, and at the weight gradient's update the product
     B·V·h and its fp32 copy 4·V·h (none where B = 4). Liger-Kernel v0.8.0
-    ops/fused_linear_cross_entropy.py; the allocator places them (memory._forward_residue)."""
+    ops/fused_linear_cross_entropy.py; the allocator places them (memory_reserve.forward_residue)."""
     T, V, h, B = train.seq_len * train.micro_batch, m.vocab_size, m.hidden, act_dtype_bytes(train)
     c = policy.loss_chunk_tokens(T, V, h)
     return (B * T * h, B * V * h, B * c * V, B * V * h) + ((4 * V * h,) if B != 4 else ())

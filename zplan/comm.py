@@ -260,16 +260,19 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
         rs = reduce_seconds(sc, st, u, D, g)
         if st.hsdp and R > 1:
             rs += call_seconds(sc, "all_reduce", nbytes(full // D, p.reduce), R, g_rep)
-        bag = ds_back[i] if ds_back is not None else (ag if regathered(sc, st, u) else 0.0)
+        # whether it is gathered again for backward, from what is gathered (on one rank a gather
+        # takes no time, but an offloaded shard is still copied in)
+        again = bool(_ds_again(sc, st)[i]) if ds_back is not None else regathered(sc, st, u)
+        bag = ds_back[i] if ds_back is not None else (ag if again else 0.0)
         h2d = h2d_back = 0.0
         if st.offload_params:
             store = p.master if sc.train.layout == "torch" else p.param
             link = sc.hw.gpu.host_link_bytes_per_s
             h2d = nbytes(full // D, store) / link
-            h2d_back = h2d if bag > 0 else 0.0
+            h2d_back = h2d if again else 0.0
             if ds_back is not None:  # each fetch copies its parameters' shards (_all_gather_dtype)
                 h2d_back = nbytes(sum(-(-n // D) for n in _ds_again(sc, st)[i]), store) / link
-        out.append(UnitComm(u.name, full, ag, rs, h2d, bag > 0, gathers_for_recompute(sc, st, u), bag,
+        out.append(UnitComm(u.name, full, ag, rs, h2d, again, gathers_for_recompute(sc, st, u), bag,
                             h2d_back))
     return out
 
@@ -302,11 +305,25 @@ def ds_coordination(sc: Scenario, st: Strategy):
     def make():
         s3 = stage3_settings(sc, st.hsdp, st.reshard_after_forward)
         blocks = policy.wrapped_blocks(t, sc.model.num_layers)
-        return coordinate(tuple((tuple(math.prod(s) for s in u.shapes), _wrapped(sc, u, blocks)) for u in sc.units),
+        return coordinate(tuple((_ds_parameters(sc, u), _wrapped(sc, u, blocks)) for u in sc.units),
                           *s3, reentrant=not t.checkpoint_early_stop,
                           containers=tuple(bool(u.blocks) for u in sc.units))
 
     return _DS_COORDINATION.get(_ds_key(sc, st), sc.hw, make)
+
+
+def _ds_parameters(sc: Scenario, u) -> tuple[int, ...]:
+    """A unit's parameters as DeepSpeed's coordinator fetches them, elements each. A synthetic
+    model's unit (bare --params: one flat tensor per block, arch.units) is the decoder block its
+    spec describes (arch.synthetic: GELU MLP of 4h, so 12 h^2): four attention matrices of a
+    twelfth of it and two MLP matrices of a third, the remainder on the last: DeepSpeed fetches
+    and prefetches parameter by parameter, and a unit of one billion-element tensor is no
+    model's."""
+    if sc.model.total_params is not None and len(u.shapes) == 1:
+        n = math.prod(u.shapes[0])
+        a, f = n // 12, n // 3
+        return (a, a, a, a, f, n - 4 * a - f)
+    return tuple(math.prod(s) for s in u.shapes)
 
 
 def _ds_key(sc: Scenario, st: Strategy) -> tuple:
@@ -349,14 +366,20 @@ def ds_gathers(sc: Scenario, st: Strategy, D: int, g: int) -> DsGathers:
         c = ds_coordination(sc, st)
         us, ns, bs = c.gathered_units, c.gathered_elems, c.gathered_backward
         for a, e in zip(c.call_starts, c.call_starts[1:] + (len(us),)):
-            b = sum(-(-ns[j] // D) * D * bits[us[j]] for j in range(a, e)) // 8
+            one = e - a == 1
+            b = (-(-ns[a] // D) * D * bits[us[a]] if one
+                 else sum(-(-ns[j] // D) * D * bits[us[j]] for j in range(a, e))) // 8
             t = timed.get(b)
             if t is None:
                 t = timed[b] = call_seconds(sc, "all_gather", b, D, g)
-            total = sum(ns[a:e])
-            for j in range(a, e):
-                (back if bs[j] else fwd)[us[j]] += t * ns[j] / total
-            big[bs[a]] = max(big[bs[a]], b)
+            if one:
+                (back if bs[a] else fwd)[us[a]] += t
+            else:
+                total = sum(ns[a:e])
+                for j in range(a, e):
+                    (back if bs[j] else fwd)[us[j]] += t * ns[j] / total
+            if b > big[bs[a]]:
+                big[bs[a]] = b
         return DsGathers(tuple(fwd), tuple(back), big[0], big[1], {u.name: i for i, u in enumerate(units)})
 
     t = sc.train  # gather_dtype reads the param dtype and float8 gathers

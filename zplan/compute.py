@@ -9,7 +9,6 @@ gather of unit i-1 and the reduce-scatter of unit i+1 run beside the backward of
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
 from . import arch

@@ -6,6 +6,7 @@ reduce stream holds). zplan's own export writes a unit for the buckets instead
 by unit, and what it gathers again is the same simulation at those settings."""
 
 import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -124,6 +125,10 @@ class Coordination(NamedTuple):
     gathered_elems: tuple[int, ...] = ()
     gathered_backward: tuple[bool, ...] = ()
     call_starts: tuple[int, ...] = ()
+    # the most elements held at once for them, beside the gathered ones: each call of several
+    # parameters' flat buffer, from its first wait (which copies them all out) until the last of
+    # them is fetched (persistent parameters included)
+    peak_held: int = 0
 
     @property
     def calls(self) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
@@ -191,38 +196,29 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     if containers is None:
         containers = tuple(len(params) > 1 for params, _ in units)
     trace, no_release = module_trace(units, containers, reentrant)
-    size = {(e[0], e[1]): e[2] for e in trace if e}
-    persistent = {k for k, n in size.items() if n <= persistence_threshold}
-    # every next use within reach (zplan's export without resharding): nothing is released, and
-    # the loop below finds every parameter gathered by the forward's end, none again
-    # parameters as integers in trace order (the loop below runs per module of a whole step, in
-    # recommend's search once per candidate: lists, not dicts of tuples)
-    pid: dict[tuple[int, int], int] = {}
-    for e in trace:
-        if e and e[:2] not in pid:
-            pid[e[:2]] = len(pid)
-    sz = [0] * len(pid)
-    unit_of = [0] * len(pid)
-    for key, i in pid.items():
-        sz[i], unit_of[i] = size[key], key[0]
-    pers = [False] * len(pid)
-    for key in persistent:
-        pers[pid[key]] = True
-    tp = [pid[e[:2]] if e else -1 for e in trace]
+    # parameters as integers in trace order, which is the units' order (the loop below runs per
+    # module of a whole step, in recommend's search once per candidate: lists, not dicts)
+    offset, o = [], 0
+    for params, _ in units:
+        offset.append(o)
+        o += len(params)
+    sz = [n for params, _ in units for n in params]
+    unit_of = [i for i, (params, _) in enumerate(units) for _ in params]
+    pers = [n <= persistence_threshold for n in sz]
+    tp = [offset[e[0]] + e[1] if e else -1 for e in trace]
     back = [bool(e and e[3]) for e in trace]
     stop = [False] * len(trace)
     for k in no_release:
         stop[k] = True
-    if reuse_distance >= sum(e[2] for e in trace if e):  # every next use within reach: all kept
+    prefix = list(itertools.accumulate((e[2] if e else 0 for e in trace), initial=0))
+    if reuse_distance >= prefix[-1]:  # every next use within reach: all kept (zplan's export
+        # without resharding): nothing is released, every parameter gathered by the forward's end
         keep = [True] * len(trace)
     else:
         # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,
         # until the walk has reached the distance; the parameters seen before are kept
-        prefix = [0]
-        for e in trace:
-            prefix.append(prefix[-1] + (e[2] if e else 0))
         nxt = [-1] * len(trace)
-        seen = [-1] * len(pid)
+        seen = [-1] * len(sz)
         for k in range(len(trace) - 1, -1, -1):
             p = tp[k]
             if p >= 0:
@@ -237,7 +233,7 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     nq, head = len(qp), 0
     avail = list(pers)
     n_available = peak = 0
-    fetched_for = [-1] * len(pid)
+    fetched_for = [-1] * len(sz)
     again: list[list[int]] = [[] for _ in units]
     coalesced: list[tuple[list[int], list[int]]] = [([], []) for _ in units]
     calls = [[0, 0] for _ in units]
@@ -245,6 +241,12 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     starts: list[int] = []  # where in iq each call begins
     never_released = all(keep)
     everything = sum(n for n, kept in zip(sz, pers) if not kept)
+    # what is held beside the gathered parameters: a call of several copies each parameter out of
+    # its flat buffer at its first wait, and the buffer lives until the last of them is fetched
+    pending = [-1] * len(sz)  # the coalesced call a parameter's module has still to wait on
+    flat: list[int] = []  # per coalesced call, its elements
+    left: list[int] = []  # and its parameters not yet fetched (-1: not waited on yet)
+    extra = physical = 0
     for k, p in enumerate(tp):
         if p >= 0:
             if not avail[p]:  # gather it (the prefetch below gathers alike)
@@ -252,6 +254,19 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                 n_available += sz[p]
                 starts.append(len(iq))
                 iq.append(2 * p + back[k])
+            c = pending[p]
+            if n_available + extra > physical:
+                physical = n_available + extra
+            if c >= 0:  # its module waits on its call: the first wait copies every parameter out
+                pending[p] = -1
+                if left[c] < 0:
+                    left[c] = -left[c]
+                    extra += flat[c]
+                    if n_available + extra > physical:
+                        physical = n_available + extra
+                left[c] -= 1
+                if not left[c]:  # the last fetched: the flat buffer is freed
+                    extra -= flat[c]
             if fetched_for[p] < k:  # its own use, first in the queue
                 fetched_for[qp[head]] = qk[head]
                 head += 1
@@ -271,10 +286,17 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                 avail[q] = True
                 n_available += sz[q]
                 iq.append(2 * q + back[qs])
+        if numel and len(iq) - starts[-1] > 1:
+            for j in range(starts[-1], len(iq)):
+                pending[iq[j] >> 1] = len(flat)
+            flat.append(numel)
+            left.append(starts[-1] - len(iq))
+        if n_available + extra > physical:
+            physical = n_available + extra
         if n_available > peak:  # gathered only rises before the release below
             peak = n_available
-            if never_released and peak == everything:  # all gathered, none to release: done
-                break
+        if never_released and peak == everything and not extra:  # all gathered, none to release: done
+            break
         if keep[k] or fetched_for[p] > k + 1:
             continue
         avail[p] = False
@@ -290,9 +312,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
             for j in range(a, b):
                 coalesced[iu[j]][ib[j]].append(isz[j])
             calls[iu[a]][ib[a]] += 1
-    return Coordination(tuple(tuple(a) for a in again), peak + sum(size[k] for k in persistent),
+    held = sum(n for n, kept in zip(sz, pers) if kept)
+    return Coordination(tuple(tuple(a) for a in again), peak + held,
                         tuple((tuple(f), tuple(b)) for f, b in coalesced), tuple((f, b) for f, b in calls),
-                        iu, isz, ib, tuple(starts))
+                        iu, isz, ib, tuple(starts), physical + held)
 
 
 def reduce_scatter_copy_elems(backward_sizes: tuple[int, ...], world: int) -> int:

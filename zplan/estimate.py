@@ -321,7 +321,7 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                         "first moves it whole to each GPU, a peak of its own (memory 'setup')")}
     if sc.train.layout == "zero" and any(effective(n, "zero").optim_sharded and not effective(n, "zero").params_sharded
                                          for n in strategies):
-        from .memory import param_block_cache_priced
+        from .memory_reserve import param_block_cache_priced
         one = sc.train.deepspeed_param_groups == "one"
         why_not = param_block_cache_priced(sc)
         out["deepspeed_param_groups"] = {
