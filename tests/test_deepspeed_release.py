@@ -119,6 +119,7 @@ _DS_RUN = r"""
 import json, os, sys
 rank, port, reentrant, checkpointed = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[3] != "none"
 H, KV, F, NB = (int(a) for a in sys.argv[4:8])
+BIAS = sys.argv[12] == "1"  # q with a bias: a module of two parameters, fetched in one call
 reuse, persist, prefetch, live = (int(a) for a in sys.argv[8:12])
 os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
                   WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -182,7 +183,7 @@ class Block(torch.nn.Module):  # one parameter a module, Llama's order: norm, q,
     def __init__(self):
         super().__init__()
         self.n1 = torch.nn.LayerNorm(H, bias=False)
-        self.q = torch.nn.Linear(H, H, bias=False)
+        self.q = torch.nn.Linear(H, H, bias=BIAS)
         self.k = torch.nn.Linear(H, KV, bias=False)
         self.v = torch.nn.Linear(H, KV, bias=False)
         self.o = torch.nn.Linear(H, H, bias=False)
@@ -241,6 +242,7 @@ TIGHT = (167_116, 200, 10_444, 208_896)
 EXPORT, EXPORT_NO_PREFETCH = "export", "export-no-prefetch"
 EXPORT_KEPT = "export-kept"  # zero3-noreshard's export: nothing released (reuse distance 1e12)
 B70, B8 = (128, 16, 448), (64, 16, 224)
+B8_BIAS = (64, 16, 224, True)  # 8B-shaped, its q with a bias (a review: one call of both, which copies)
 
 
 @pytest.mark.slow  # two processes importing deepspeed: seconds each
@@ -249,7 +251,7 @@ B70, B8 = (128, 16, 448), (64, 16, 224)
     (B70, 6, DEFAULTS, True, True), (B8, 6, DEFAULTS, False, True), (B8, 4, DEFAULTS, True, True),
     (B70, 4, TIGHT, True, True), (B70, 4, TIGHT, False, True),
     (B70, 6, EXPORT, False, True), (B8, 4, EXPORT, True, False), (B70, 4, EXPORT_NO_PREFETCH, True, True),
-    (B8, 4, EXPORT_KEPT, False, True)])
+    (B8, 4, EXPORT_KEPT, False, True), (B8_BIAS, 4, EXPORT, False, True), (B8_BIAS, 4, EXPORT_NO_PREFETCH, True, True)])
 def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks, settings, reentrant, checkpointed):
     """DeepSpeed's ZeRO-3 (partitioned_param_coordinator.py: its trace, release rule and
     prefetcher) on two gloo ranks, checkpointed blocks (or not), its settings scaled with the model: the
@@ -269,26 +271,28 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     pytest.importorskip("deepspeed")
     from zplan.netutil import free_port
 
-    H, KV, F = shape
-    block = (H, H * H, H * KV, H * KV, H * H, H, H * F, H * F, H * F)
+    H, KV, F, *bias = shape
+    q = (H * H, H) if bias else H * H  # a module of two parameters: one entry, a tuple
+    block = (H, q, H * KV, H * KV, H * H, H, H * F, H * F, H * F)
+    flat = [n for m in block for n in (m if isinstance(m, tuple) else (m,))]
     units = tuple((block, checkpointed) for _ in range(blocks))
     named = settings
     if named in (EXPORT, EXPORT_NO_PREFETCH):  # export.deepspeed_config's keys for blocks as units
-        settings = (0, 0, sum(block) if named == EXPORT else 0, 2 * sum(block))
+        settings = (0, 0, sum(flat) if named == EXPORT else 0, 2 * sum(flat))
     if named == EXPORT_KEPT:  # deepspeed.stage3_settings without resharding
-        settings = (10**12, 0, sum(block), 10**12)
+        settings = (10**12, 0, sum(flat), 10**12)
     reuse, persist, prefetch, live = settings
 
     def priced(reentrant: bool, prefetch: int = prefetch) -> int:
         again = backward_gathers(units, reuse, persist, prefetch, live, reentrant=reentrant)
-        return blocks * sum(n for n in block if n > persist) + sum(map(sum, again))
+        return blocks * sum(n for n in flat if n > persist) + sum(map(sum, again))
 
     script = tmp_path / "ds_zero3.py"
     script.write_text(_DS_RUN)
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     mode = int(reentrant) if checkpointed else "none"
-    args = [str(a) for a in (port, mode, H, KV, F, blocks, reuse, persist, prefetch, live)]
+    args = [str(a) for a in (port, mode, H, KV, F, blocks, reuse, persist, prefetch, live, int(bool(bias)))]
     procs = [subprocess.Popen([sys.executable, str(script), str(r), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
@@ -316,6 +320,36 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(tmp_path, shape, blocks,
     if checkpointed and (named in (TIGHT, EXPORT) or shape is B8 and not reentrant and named != EXPORT_KEPT):
         assert priced(not reentrant) != per_step[3]  # and so does the order
     if named in (EXPORT, EXPORT_NO_PREFETCH):  # not every unit once more, as FSDP (zplan's price
-        assert per_step[3] != 2 * blocks * sum(block)  # of an export until 2026-12: 0.81-1.5 x off)
+        assert per_step[3] != 2 * blocks * sum(flat)  # of an export until 2026-12: 0.81-1.5 x off)
     if named == EXPORT_KEPT:  # every parameter once, and all of them held by the forward's end
-        assert per_step[3] == blocks * sum(block) and peaks[3] == blocks * sum(block)
+        assert per_step[3] == blocks * sum(flat) and peaks[3] == blocks * sum(flat)
+
+
+def test_a_units_modules_are_its_parameters_grouped():
+    """What DeepSpeed's coordinator fetches in one call each (comm._ds_parameters): every preset
+    model's units, as modules, hold exactly their parameters; a Linear with a bias is one
+    module of two (Qwen2.5's q, k and v; GPT-2's every Linear and LayerNorm), an MoE block's
+    experts one module of all their tensors (transformers 5.x's experts module), a bias-free
+    Llama block nine modules of one."""
+    import math
+
+    from zplan import arch, presets
+    from zplan.comm import _ds_parameters
+
+    def flat(mods):
+        return sorted(n for e in mods for n in (e if isinstance(e, tuple) else (e,)))
+
+    for name in presets.names("models"):
+        sc = scenario(model=name, gpus=8, layout="zero")
+        for u in sc.units:
+            mods = _ds_parameters(sc, u)
+            assert flat(mods) == sorted(math.prod(s) for s in u.shapes), (name, u.name)
+            if u.blocks and sc.model.total_params is None:  # grouped, not the by-parameter fallback
+                assert len(mods) == len(arch.block_modules(sc.model, "zero")) * u.blocks, (name, u.name)
+    sc = scenario(model="qwen2.5-7b", gpus=8, layout="zero")
+    block = _ds_parameters(sc, sc.units[1])
+    assert block[1] == (3584 * 3584, 3584) and block[2] == (512 * 3584, 512) and len(block) == 9
+    llama = scenario(model="llama-3.1-8b", gpus=8, layout="zero")
+    assert all(isinstance(n, int) for n in _ds_parameters(llama, llama.units[1]))
+    moe = scenario(model="mixtral-8x7b", gpus=8, layout="zero")
+    assert _ds_parameters(moe, moe.units[1])[-1] == (8 * 2 * 14336 * 4096, 8 * 4096 * 14336)

@@ -115,6 +115,30 @@ def block_shapes(m: ModelSpec, layout: str = "zero") -> list[Shape]:
     return shapes
 
 
+@lru_cache(maxsize=256)
+def block_modules(m: ModelSpec, layout: str = "zero") -> tuple[tuple[Shape, ...], ...]:
+    """block_shapes grouped by the module that holds them, in forward order: a Linear with its
+    bias, a LayerNorm with its bias, an MoE block's experts module with all its tensors. What
+    DeepSpeed's ZeRO-3 fetches in one call each (comm.ds_coordination)."""
+    h, q, kv = m.hidden, m.q_hidden, m.kv_hidden
+    mods: list[tuple[Shape, ...]] = [tuple(_norm(m))]
+    if m.qkv_fused:
+        mods.append(((q + 2 * kv, h),) + (((q + 2 * kv,),) if m.qkv_bias else ()))
+    else:
+        mods += [((o, h),) + (((o,),) if m.qkv_bias else ()) for o in (q, kv, kv)]
+    if m.qk_norm:
+        mods += [((m.head_dim,),), ((m.head_dim,),)]
+    mods.append(((h, q),) + (((h,),) if m.linear_bias else ()))
+    mods.append(tuple(_norm(m)))
+    if m.num_experts:
+        return tuple(mods + [((m.num_experts, h),), tuple(expert_shapes(m, layout))])
+    f = m.ffn_hidden
+    bias: tuple[tuple[Shape, ...], ...] = (((f,),), (), ((h,),)) if m.linear_bias else ((), (), ())
+    if m.mlp == "swiglu":  # _mlp's two biases on the gate and down projections
+        return tuple(mods + [((f, h),) + bias[0], ((f, h),) + bias[1], ((h, f),) + bias[2]])
+    return tuple(mods + [((f, h),) + bias[0], ((h, f),) + bias[2]])
+
+
 def _blockmatmul_params(m: ModelSpec) -> int:
     h, q, kv, f = m.hidden, m.q_hidden, m.kv_hidden, m.ffn_hidden
     attn = 2 * q * h + 2 * kv * h

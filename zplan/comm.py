@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import NamedTuple
 
-from . import muon, policy
+from . import arch, muon, policy
 from .deepspeed import ALLREDUCE_FALLBACK_ELEMS, reduces_after_backward
 from .nccl import collective_time, contiguous_shape, strided_shape
 from .scenario import PinnedMemo, Scenario
@@ -312,18 +313,37 @@ def ds_coordination(sc: Scenario, st: Strategy):
     return _DS_COORDINATION.get(_ds_key(sc, st), sc.hw, make)
 
 
-def _ds_parameters(sc: Scenario, u) -> tuple[int, ...]:
-    """A unit's parameters as DeepSpeed's coordinator fetches them, elements each. A synthetic
-    model's unit (bare --params: one flat tensor per block, arch.units) is the decoder block its
-    spec describes (arch.synthetic: GELU MLP of 4h, so 12 h^2): four attention matrices of a
-    twelfth of it and two MLP matrices of a third, the remainder on the last: DeepSpeed fetches
-    and prefetches parameter by parameter, and a unit of one billion-element tensor is no
-    model's."""
-    if sc.model.total_params is not None and len(u.shapes) == 1:
-        n = math.prod(u.shapes[0])
+def _ds_parameters(sc: Scenario, u) -> tuple:
+    """A unit's modules as DeepSpeed's coordinator fetches them, in forward order: a module of
+    one parameter as its elements, of several as a tuple of theirs (one call gathers them:
+    arch.block_modules; embeddings one module each, the final norm one). A synthetic model's
+    unit (bare --params: one flat tensor per block, arch.units) is the decoder block its spec
+    describes (arch.synthetic: GELU MLP of 4h, so 12 h^2): four attention matrices of a twelfth
+    of it and two MLP matrices of a third, the remainder on the last: DeepSpeed fetches and
+    prefetches parameter by parameter, and a unit of one billion-element tensor is no model's.
+    Units given by the user (custom units) are one module a parameter."""
+    if sc.custom_units is not None:
+        return tuple(math.prod(s) for s in u.shapes)
+    return _unit_modules(sc.model, sc.train.layout, u.blocks, u.name, u.shapes)
+
+
+@lru_cache(maxsize=1024)
+def _unit_modules(m, layout: str, blocks: int, name: str, shapes: tuple) -> tuple:
+    """_ds_parameters of a unit arch.units made (recommend asks once per candidate)."""
+    flat = tuple(math.prod(s) for s in shapes)
+    if m.total_params is not None and len(shapes) == 1:
+        n = flat[0]
         a, f = n // 12, n // 3
         return (a, a, a, a, f, n - 4 * a - f)
-    return tuple(math.prod(s) for s in u.shapes)
+    if blocks:
+        mods = list(arch.block_modules(m, layout)) * blocks
+    else:
+        norm = arch.head_shapes(m)[:len(arch.head_shapes(m)) - (0 if m.tied_embeddings else 1)]
+        mods = ([(s,) for s in arch.embed_shapes(m)] if "embed" in name else []) + (
+            [tuple(norm)] + [(s,) for s in arch.head_shapes(m)[len(norm):]] if "head" in name else [])
+    out = tuple(math.prod(mod[0]) if len(mod) == 1 else tuple(math.prod(s) for s in mod) for mod in mods)
+    grouped = sorted(n for e in out for n in (e if isinstance(e, tuple) else (e,)))
+    return out if grouped == sorted(flat) else flat  # a unit arch.units makes otherwise: by parameter
 
 
 def _ds_key(sc: Scenario, st: Strategy) -> tuple:

@@ -161,7 +161,8 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     forward and the backward itself), one micro-batch in the steady state (its module trace
     recorded).
 
-    `units`: per unit in forward order, its parameters' element counts and whether a checkpoint
+    `units`: per unit in forward order, its modules (a module of one parameter as its element
+    count, of several as a tuple of theirs: one fetch gathers them) and whether a checkpoint
     wraps it (its forward runs again in backward); `containers`: per unit, whether a module
     without parameters of its own holds it (a block; default: every unit of more than one
     parameter). The step's fetches: module_trace. On them,
@@ -195,16 +196,25 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     `_all_gather_sequential`, which copies nothing; unit_ops.fsdp_copies)."""
     if containers is None:
         containers = tuple(len(params) > 1 for params, _ in units)
+    # a module of several parameters (a tuple) is fetched in one call of those not persistent:
+    # one entry of the trace, its elements theirs; its persistent ones (at most
+    # stage3_param_persistence_threshold elements) stay whole on every rank
+    mods = [[m if isinstance(m, tuple) else (m,) for m in params] for params, _ in units]
+    live = [[sum(n for n in m if n > persistence_threshold) for m in ms] for ms in mods]
+    units = tuple((tuple(lv or sum(m) for lv, m in zip(lvs, ms)), w)
+                  for lvs, ms, (_, w) in zip(live, mods, units))
     trace, no_release = module_trace(units, containers, reentrant)
-    # parameters as integers in trace order, which is the units' order (the loop below runs per
-    # module of a whole step, in recommend's search once per candidate: lists, not dicts)
+    # parameters (modules) as integers in trace order, which is the units' order (the loop below
+    # runs per module of a whole step, in recommend's search once per candidate: lists)
     offset, o = [], 0
     for params, _ in units:
         offset.append(o)
         o += len(params)
     sz = [n for params, _ in units for n in params]
     unit_of = [i for i, (params, _) in enumerate(units) for _ in params]
-    pers = [n <= persistence_threshold for n in sz]
+    pers = [not lv for lvs in live for lv in lvs]
+    cnt = [sum(1 for n in m if n > persistence_threshold) for ms in mods for m in ms]  # parameters a fetch gathers
+    held = sum(sum(m) - lv for lvs, ms in zip(live, mods) for lv, m in zip(lvs, ms) if lv)  # whole beside them
     tp = [offset[e[0]] + e[1] if e else -1 for e in trace]
     back = [bool(e and e[3]) for e in trace]
     stop = [False] * len(trace)
@@ -254,6 +264,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                 n_available += sz[p]
                 starts.append(len(iq))
                 iq.append(2 * p + back[k])
+                if cnt[p] > 1:  # a module of several: a call that copies, waited on at once
+                    pending[p] = len(flat)
+                    flat.append(sz[p])
+                    left.append(-1)
             c = pending[p]
             if n_available + extra > physical:
                 physical = n_available + extra
@@ -286,7 +300,7 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                 avail[q] = True
                 n_available += sz[q]
                 iq.append(2 * q + back[qs])
-        if numel and len(iq) - starts[-1] > 1:
+        if numel and (len(iq) - starts[-1] > 1 or cnt[iq[-1] >> 1] > 1):
             for j in range(starts[-1], len(iq)):
                 pending[iq[j] >> 1] = len(flat)
             flat.append(numel)
@@ -308,11 +322,11 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
         if for_backward:
             again[u].append(n)
     for a, b in zip(starts, starts[1:] + [len(iq)]):
-        if b - a > 1:  # one all_gather_coalesced call of several parameters
+        if b - a > 1 or cnt[iq[a] >> 1] > 1:  # one all_gather_coalesced call of several parameters
             for j in range(a, b):
                 coalesced[iu[j]][ib[j]].append(isz[j])
             calls[iu[a]][ib[a]] += 1
-    held = sum(n for n, kept in zip(sz, pers) if kept)
+    held += sum(n for n, kept in zip(sz, pers) if kept)
     return Coordination(tuple(tuple(a) for a in again), peak + held,
                         tuple((tuple(f), tuple(b)) for f, b in coalesced), tuple((f, b) for f, b in calls),
                         iu, isz, ib, tuple(starts), physical + held)
