@@ -125,9 +125,11 @@ def block_modules(m: ModelSpec, layout: str = "zero") -> tuple[tuple[Shape, ...]
     if m.qkv_fused:
         mods.append(((q + 2 * kv, h),) + (((q + 2 * kv,),) if m.qkv_bias else ()))
     else:
-        mods += [((o, h),) + (((o,),) if m.qkv_bias else ()) for o in (q, kv, kv)]
-    if m.qk_norm:
-        mods += [((m.head_dim,),), ((m.head_dim,),)]
+        qkv = [((o, h),) + (((o,),) if m.qkv_bias else ()) for o in (q, kv, kv)]
+        if m.qk_norm:  # q_norm right after q_proj, k_norm after k_proj (Qwen3's forward)
+            qkv[1:1] = [((m.head_dim,),)]
+            qkv[3:3] = [((m.head_dim,),)]
+        mods += qkv
     mods.append(((h, q),) + (((h,),) if m.linear_bias else ()))
     mods.append(tuple(_norm(m)))
     if m.num_experts:

@@ -331,10 +331,13 @@ def _ds_parameters(sc: Scenario, u) -> tuple:
 def _unit_modules(m, layout: str, blocks: int, name: str, shapes: tuple) -> tuple:
     """_ds_parameters of a unit arch.units made (recommend asks once per candidate)."""
     flat = tuple(math.prod(s) for s in shapes)
-    if m.total_params is not None and len(shapes) == 1:
-        n = flat[0]
-        a, f = n // 12, n // 3
-        return (a, a, a, a, f, n - 4 * a - f)
+    if m.total_params is not None and len(shapes) == 1:  # a decoder block's six matrices each block
+        out = []
+        for b in range(max(blocks, 1)):
+            n = flat[0] // max(blocks, 1) + (flat[0] % max(blocks, 1) if b == 0 else 0)
+            a, f = n // 12, n // 3
+            out += [a, a, a, a, f, n - 4 * a - f]
+        return tuple(out)
     if blocks:
         mods = list(arch.block_modules(m, layout)) * blocks
     else:
@@ -374,7 +377,8 @@ def ds_gathers(sc: Scenario, st: Strategy, D: int, g: int) -> DsGathers:
     """DeepSpeed ZeRO-3's all-gather calls as its coordinator issues them (ds_coordination's
     `calls`: each module's own fetch, one call of its parameters; each prefetch, one call of all
     it gathers; partitioned_param_coordinator.py `__all_gather_params_` -> all_gather_coalesced),
-    each timed as NCCL runs it (its parameters each padded to D, in their gather dtype). A call's
+    each timed as NCCL runs it (its modules each padded to D, where DeepSpeed pads each
+    parameter: under D elements a parameter apart, in their gather dtype). A call's
     time is shared among the parameters it gathers by their elements, each charged to its unit,
     forward or backward by the use it is gathered for."""
     def make() -> DsGathers:

@@ -220,7 +220,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     stop = [False] * len(trace)
     for k in no_release:
         stop[k] = True
-    prefix = list(itertools.accumulate((e[2] if e else 0 for e in trace), initial=0))
+    # the reuse walk counts every parameter of the modules it passes, persistent ones too
+    # (__params_to_release; a review ran DeepSpeed at the edge of the window)
+    whole = [sum(m) for ms in mods for m in ms]
+    prefix = list(itertools.accumulate((whole[offset[e[0]] + e[1]] if e else 0 for e in trace), initial=0))
     if reuse_distance >= prefix[-1]:  # every next use within reach: all kept (zplan's export
         # without resharding): nothing is released, every parameter gathered by the forward's end
         keep = [True] * len(trace)
