@@ -190,7 +190,9 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     runs' peak of gathered elements, measured in DeepSpeed (ds_status), agrees.
 
     And which parameters are gathered in calls of several (`coalesced`): a module's own fetch is
-    one call of its parameters (one here), each prefetch one call of all it gathers
+    one call of its parameters not gathered (a tuple's, or one), each prefetch one call of all
+    the modules it gathers (whole modules here, where DeepSpeed's queue holds parameters and can
+    stop inside a module: docs/formulas.md section 3)
     (`__all_gather_params_` -> `all_gather_coalesced`), which copies where it holds more than one
     (partition_parameters.py: `_all_gather_coalesced`; one parameter goes through
     `_all_gather_sequential`, which copies nothing; unit_ops.fsdp_copies)."""
