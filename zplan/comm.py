@@ -319,8 +319,9 @@ def _ds_parameters(sc: Scenario, u) -> tuple:
     arch.block_modules; embeddings one module each, the final norm one). A synthetic model's
     unit (bare --params: one flat tensor per block, arch.units) is the decoder block its spec
     describes (arch.synthetic: GELU MLP of 4h, so 12 h^2): four attention matrices of a twelfth
-    of it and two MLP matrices of a third, the remainder on the last: DeepSpeed fetches and
-    prefetches parameter by parameter, and a unit of one billion-element tensor is no model's.
+    of it and two MLP matrices of a third, the remainder on the last: DeepSpeed fetches module
+    by module (and queues its prefetch parameter by parameter), and a unit of one
+    billion-element tensor is no model's.
     Units given by the user (custom units) are one module a parameter."""
     if sc.custom_units is not None:
         return tuple(math.prod(s) for s in u.shapes)
