@@ -20,14 +20,18 @@ CASES = [
     # seq 4096: at 8192 nothing fits 405B on 1024 GPUs in the torch layout the CLI plans for
     # (the all-gather stream and a checkpointed forward's blocks reserved; docs/accuracy-notes.md 9al, 9am)
     dict(model="llama-3.1-405b", gpus="1024", seq_len=4096, global_batch=2048),
+    # DeepSpeed's ZeRO-3 at its defaults: its coordinator simulated per candidate (1.0-1.1 s whole
+    # process before 2026-12-07, when first-k's least k was still found by bisection)
+    dict(model="llama-3.1-70b", gpus="64", global_batch=512, runner="deepspeed"),
 ]
 
 
 def main() -> None:
     for case in CASES:
         gb = case.pop("global_batch")
+        runner = case.pop("runner", None)
         opts = ScenarioOptions(**case)
-        plan_for_runner(opts, None)  # the layout the CLI plans in (zplan's trainer: torch)
+        plan_for_runner(opts, runner)  # the layout the CLI plans in (zplan's trainer: torch)
         sc = build(opts)
         t0 = time.perf_counter()
         try:
@@ -36,7 +40,7 @@ def main() -> None:
             print(f"{case['model']} on {case['gpus']}: {time.perf_counter() - t0:.2f} s, nothing fits: {e}")
             continue
         dt = time.perf_counter() - t0
-        args = ["recommend", "--global-batch", str(gb)]
+        args = ["recommend", "--global-batch", str(gb)] + (["--for", runner] if runner else [])
         for k, v in case.items():
             flag = f"--{k.replace('_', '-')}"
             args += [flag] if v is True else [flag, str(v)]
@@ -46,7 +50,7 @@ def main() -> None:
         proc = time.perf_counter() - t1
         if p.returncode != 0:  # a process that failed early would time nothing
             print(f"zplan {' '.join(args)}: exit {p.returncode}: {p.stderr.strip()[-300:]}")
-        print(f"{case['model']} on {case['gpus']}: {r.evaluated} candidates in {dt * 1e3:.0f} ms = "
+        print(f"{case['model']} on {case['gpus']}{' for ' + runner if runner else ''}: {r.evaluated} candidates in {dt * 1e3:.0f} ms = "
               f"{r.evaluated / dt:,.0f}/s; whole process {proc * 1e3:.0f} ms "
               f"({proc:.2f} of the 1 s budget); winner {r.winner.label()}")
 

@@ -200,3 +200,34 @@ def test_a_fit_that_needs_the_allocator_to_release_free_segments_is_tight_and_no
     exp = build(ScenarioOptions(model="llama-3.1-405b", gpus="1024", seq_len=8192, checkpointing="full",
                                 layout="torch", expandable_segments=True))
     assert estimate_one(exp, "zero3").memory.releasable_bytes < m.releasable_bytes
+
+
+def test_fit_margin_is_the_need_over_the_limit_and_agrees_with_fits():
+    """estimate.fit_margin, which recommend's least first-k aims with: its answer is fits', its
+    margin the steady need (Memory.steady_bytes, the full model) less the usable size, so it
+    moves byte for byte with the limit; where the allocated peak alone is over (no allocator
+    model run) the allocated peak and context less the limit, never above the full margin; on
+    the whole GPU (no usable size) the need less the reserve a failed cudaMalloc releases
+    against its memory."""
+    from zplan.estimate import fit_margin
+    from zplan.memory import memory
+    from zplan.strategies import effective
+
+    base = build(ScenarioOptions(model="llama-3.1-8b", gpus="8", seq_len=8192, layout="torch"))
+    for ckpt in ("none", "full"):
+        sc = replace(base, train=base.train.model_copy(update={"checkpointing": ckpt}))
+        for name in ("zero2", "zero3"):
+            m = memory(sc, effective(name, "torch"))
+            context = sc.assume.cuda_context_bytes
+            for usable in (m.allocated_bytes // 2, m.allocated_bytes + context, m.steady_bytes - 1,
+                           m.steady_bytes, m.steady_bytes + 10**9):
+                ok, over = fit_margin(sc, name, usable)
+                assert ok == fits(sc, name, usable) == (over <= 0)
+                if m.allocated_bytes + context > usable:
+                    assert over == m.allocated_bytes + context - usable <= m.steady_bytes - usable
+                else:
+                    assert over == m.steady_bytes - usable
+            ok, over = fit_margin(sc, name)
+            assert ok == fits(sc, name) and over == m.total_bytes - m.releasable_bytes - sc.hw.gpu.memory_bytes
+    # FSDP2 offloads parameters and optimizer together: optimizer-only offload cannot run, no margin
+    assert fit_margin(base, "offload-opt", 10**12) == (False, None)

@@ -529,24 +529,40 @@ def test_first_k_is_searched_at_the_least_k_that_fits_and_labelled_with_it():
     assert all("ckpt=every-4" in c.label() for c in own.ranked if c.sc.train.checkpointing == "every-k")
 
 
-@pytest.mark.parametrize("layers,threshold", [(2, 1), (32, 1), (32, 17), (32, 31), (32, None), (80, 73)])
-def test_least_first_k_bisects_to_the_first_fitting_k(layers, threshold):
-    """_least_first_k against a scan of every k (a predicate that fits from `threshold` on), in
-    at most 1 + ceil(log2(layers - 1)) probes; None where even layers - 1 does not fit."""
+MARGINS = {  # bytes over the limit at k blocks checkpointed, `t` the least k that fits
+    "linear": lambda k, t, L: (t - k) * 1000 - 1,  # one block's activations per k
+    "curved": lambda k, t, L: (t * t - k * k) * 10 - 1,
+    "flat then steep": lambda k, t, L: (1 if k < t else -1) * (1 + (t - k) ** 4),
+    "unknown": lambda k, t, L: None,
+}
+
+
+@pytest.mark.parametrize("shape", list(MARGINS))
+@pytest.mark.parametrize("layers,threshold", [(2, 1), (32, 1), (32, 2), (32, 17), (32, 31), (32, None),
+                                              (80, 73), (80, 5), (126, 64)])
+def test_least_first_k_finds_the_first_fitting_k(layers, threshold, shape):
+    """_least_first_k against a scan of every k (fits from `threshold` on), its margins of any
+    shape: the same k, in at most 1 + 2 log2(layers - 1) probes, and in three where margins
+    fall in a line (the aim lands, one probe checks the k below); None where even layers - 1
+    does not fit."""
     import math
 
     from zplan.recommend import _least_first_k
 
     calls = []
+    t = threshold if threshold is not None else layers
 
-    def fits_at(k):
+    def probe(k):
         calls.append(k)
-        return threshold is not None and k >= threshold
+        return k >= t, MARGINS[shape](k, t, layers)
 
-    scan = next((k for k in range(1, layers) if fits_at(k)), None)
+    scan = next((k for k in range(1, layers) if probe(k)[0]), None)
     calls.clear()
-    k, probes = _least_first_k(fits_at, layers)
-    assert k == scan and probes == len(calls) <= 1 + math.ceil(math.log2(max(2, layers - 1)))
+    k, probes = _least_first_k(probe, layers, MARGINS[shape](0, t, layers))
+    assert k == scan and probes == len(calls) <= 1 + 2 * math.ceil(math.log2(max(2, layers - 1)))
+    assert 0 < min(calls) and max(calls) < layers
+    if shape == "linear" and scan is not None:
+        assert probes <= 3
 
 
 def test_memory_objective_tries_one_micro_batch_per_step_too():

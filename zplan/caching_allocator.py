@@ -75,20 +75,24 @@ class _Segment:
         self.base, self.mapped, self.last = base, 0, None
 
 
+_KEY_SHIFT = 96  # a free block's key: size << _KEY_SHIFT | address, addresses all below 2^96
+
+
 class _Pool:
-    """The cached free blocks of one (stream, pool), ordered by (size, address)."""
+    """The cached free blocks of one (stream, pool), ordered by (size, address): as one integer
+    each (recommend's search runs the allocator over every block of a forward, per candidate)."""
 
     def __init__(self) -> None:
-        self.keys: list[tuple[int, int]] = []
-        self.blocks: dict[tuple[int, int], _Block] = {}
+        self.keys: list[int] = []
+        self.blocks: dict[int, _Block] = {}
 
     def add(self, b: _Block) -> None:
-        k = (b.size, b.addr)
+        k = b.size << _KEY_SHIFT | b.addr
         bisect.insort(self.keys, k)
         self.blocks[k] = b
 
     def remove(self, b: _Block) -> None:
-        k = (b.size, b.addr)
+        k = b.size << _KEY_SHIFT | b.addr
         del self.keys[bisect.bisect_left(self.keys, k)]
         del self.blocks[k]
 
@@ -114,7 +118,7 @@ class CachingAllocator:
         self.peak_allocated_bytes = self.peak_reserved_bytes = 0
 
     def malloc(self, key: object, nbytes: int, stream: str = "default") -> None:
-        size = round_size(int(nbytes))
+        size = BLOCK_BYTES if nbytes < BLOCK_BYTES else -(-int(nbytes) // BLOCK_BYTES) * BLOCK_BYTES  # round_size
         small = size <= SMALL_BYTES
         pool = self._pools.get((stream, small))
         if pool is None:
@@ -143,7 +147,7 @@ class CachingAllocator:
     def largest_free_block(self, stream: str = "default") -> int:
         """The largest cached free block of the stream's large pool (0 if none)."""
         pool = self._pools.get((stream, False))
-        return pool.keys[-1][0] if pool is not None and pool.keys else 0
+        return pool.keys[-1] >> _KEY_SHIFT if pool is not None and pool.keys else 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._live
@@ -168,7 +172,7 @@ class CachingAllocator:
         pool.add(b)
 
     def _best_fit(self, pool: _Pool, size: int) -> _Block | None:
-        i = bisect.bisect_left(pool.keys, (size, -1))
+        i = bisect.bisect_left(pool.keys, size << _KEY_SHIFT)
         if i == len(pool.keys):
             return None
         b = pool.blocks[pool.keys[i]]

@@ -172,12 +172,27 @@ def _fits(sc: Scenario, mem: Memory, usable_bytes: int | None = None) -> tuple[b
 def fits(sc: Scenario, name: str, usable_bytes: int | None = None) -> bool:
     """estimate_one(sc, name).fits from the memory model alone: no traffic, no timing; within
     `usable_bytes` of GPU memory where given. The one fit test of estimate and recommend."""
+    return fit_margin(sc, name, usable_bytes)[0]
+
+
+def fit_margin(sc: Scenario, name: str, usable_bytes: int | None = None) -> tuple[bool, int | None]:
+    """`fits`, and by how many bytes the GPU's need is over its limit (negative: under), for a
+    search to aim its next probe with (recommend's least first-k); None where the strategy
+    cannot run here. Where the allocated peak alone is over `usable_bytes` (the reserve is
+    never below it) the margin is the allocated peak's, a lower bound, and the reserve is not
+    worked out."""
     if unavailable_reason(sc, name):
-        return False
+        return False, None
     st = effective(name, sc.train.layout)
-    if usable_bytes is not None and allocated_bytes(sc, st) + sc.assume.cuda_context_bytes > usable_bytes:
-        return False  # the whole reserve must fit, and it is never below the allocated peak
-    return _fits(sc, memory(sc, st), usable_bytes)[0]
+    if usable_bytes is not None:
+        over = allocated_bytes(sc, st) + sc.assume.cuda_context_bytes - usable_bytes
+        if over > 0:
+            return False, over  # the whole reserve must fit, and it is never below the allocated peak
+    mem = memory(sc, st)
+    ok = _fits(sc, mem, usable_bytes)[0]
+    if usable_bytes is None:
+        return ok, mem.total_bytes - mem.releasable_bytes - sc.hw.gpu.memory_bytes
+    return ok, mem.steady_bytes - usable_bytes
 
 
 def estimate(sc: Scenario, names: list[str] | None = None) -> list[StrategyEstimate]:

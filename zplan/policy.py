@@ -14,6 +14,8 @@ Torch-free: the planning path imports it.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 # The matmuls of one block in the order the trainer's block runs them (zplan/trainer/model.py:
 # Attention.forward, then FeedForward.forward: w2(silu(w1 x) * w3 x) or w2(gelu(w1 x))).
 BLOCK_MATMULS = {
@@ -86,6 +88,7 @@ def unit_stays_gathered(u, train, num_layers: int) -> bool:
                           holds_kept_last_block(train, u.first_block, u.blocks, num_layers))
 
 
+@lru_cache(maxsize=4096)  # recommend's search asks per unit and per candidate
 def checkpointed_blocks(num_layers: int, mode: str, every: int, first: int = 1) -> tuple[bool, ...]:
     """Which blocks are wrapped whole for recomputation. `attention` recomputes inside each block
     (the attention core only), so it wraps none; every-k wraps blocks k, 2k, ... counting from 1

@@ -21,8 +21,8 @@ from functools import lru_cache
 from . import policy
 from .errors import PlanError, UsageError
 from .parse import check_choice
-from .estimate import (TIGHT_FREE_FRACTION, StrategyEstimate, estimate_one, fits, unaligned_gemm_dims,
-                       unavailable_reason)
+from .estimate import (TIGHT_FREE_FRACTION, StrategyEstimate, estimate_one, fit_margin, fits,
+                       unaligned_gemm_dims, unavailable_reason)
 from .memory import allocated_bytes, memory
 from .scenario import Scenario
 from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
@@ -141,22 +141,45 @@ def _checkpointing(base: Scenario, num_layers: int, pinned: frozenset[str] = fro
     return out
 
 
-def _least_first_k(fits_at, num_layers: int) -> tuple[int | None, int]:
+def _least_first_k(probe, num_layers: int, none_margin: int | None = None) -> tuple[int | None, int]:
     """The least k in 1..num_layers-1 at which checkpointing the first k blocks fits (memory
-    falls as k grows: each block checkpointed keeps only its input), by bisection; None where
-    even num_layers-1 does not fit (full checkpointing is searched on its own). And how many
-    were probed."""
-    lo, hi, probes = 1, num_layers - 1, 1
-    if not fits_at(hi):
-        return None, probes
-    while lo < hi:
-        mid = (lo + hi) // 2
+    falls as k grows: each block checkpointed keeps only its input); None where even
+    num_layers-1 does not fit (full checkpointing is searched on its own). And how many were
+    probed. `probe(k)` is (fits, margin: bytes over the limit, negative under:
+    estimate.fit_margin); `none_margin` the margin with nothing checkpointed (k = 0, which the
+    caller found not to fit).
+    Memory falls by about one block's kept activations per k, so the least k is aimed at where
+    the line through the bracketing probes' margins crosses the limit, and the k across that
+    line is probed beside it: two probes settle an aim one block off. An aim that does not
+    halve the bracket is followed by a bisection, so the probes stay within about twice
+    bisection's 1 + log2(num_layers - 1) whatever the margins; only the fit answers decide k."""
+    ok, m_hi = probe(num_layers - 1)
+    if not ok:
+        return None, 1
+    lo, hi, m_lo, probes = 0, num_layers - 1, none_margin, 1  # k = lo does not fit, k = hi does
+
+    def step(k: int) -> bool:
+        nonlocal lo, hi, m_lo, m_hi, probes
+        ok, m = probe(k)
         probes += 1
-        if fits_at(mid):
-            hi = mid
+        if ok:
+            hi, m_hi = k, m
         else:
-            lo = mid + 1
-    return lo, probes
+            lo, m_lo = k, m
+        return ok
+
+    aim = True
+    while hi - lo > 1:
+        width = hi - lo
+        if aim and m_lo is not None and m_hi is not None and m_lo > 0 >= m_hi:
+            k = min(max(lo + math.ceil(width * m_lo / (m_lo - m_hi)), lo + 1), hi - 1)
+            j = k - 1 if step(k) else k + 1  # across the aimed line
+            if lo < j < hi:
+                step(j)
+        else:
+            step((lo + hi) // 2)
+        aim = hi - lo <= width // 2
+    return hi, probes
 
 
 def _usable(sc: Scenario, headroom: float) -> int:
@@ -314,13 +337,14 @@ def _search(base: Scenario, global_batch: int, objective: str = "throughput",
                             sc = at(mb, prefetch)
                             if first_k:  # the fewest blocks checkpointed that fit
                                 evaluated += 1
-                                if fits(at(mb, prefetch, mode="none"), family, usable):
+                                ok, none_over = fit_margin(at(mb, prefetch, mode="none"), family, usable)
+                                if ok:
                                     # first-k would only recompute more, here and at every
                                     # smaller micro-batch (memory falls with it)
                                     unneeded = True
                                     break
                                 k, probes = _least_first_k(
-                                    lambda k: fits(at(mb, prefetch, k), family, usable), L)
+                                    lambda k: fit_margin(at(mb, prefetch, k), family, usable), L, none_over)
                                 evaluated += probes
                                 if k is None:
                                     continue
