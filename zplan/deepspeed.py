@@ -189,43 +189,56 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     the prefetcher checks the limit before each parameter, so it can pass it by one): the same
     runs' peak of gathered elements, measured in DeepSpeed (ds_status), agrees.
 
+    The queue, the marks, the gathers and the releases are of parameters, as DeepSpeed keeps
+    them: a prefetch pops parameter after parameter and can stop inside a module (an MoE
+    block's experts, a Linear's weight without its bias), whose own fetch then gathers the rest.
+
     And which parameters are gathered in calls of several (`coalesced`): a module's own fetch is
     one call of its parameters not gathered (a tuple's, or one), each prefetch one call of all
-    the modules it gathers (whole modules here, where DeepSpeed's queue holds parameters and can
-    stop inside a module: docs/formulas.md section 3)
+    the parameters it gathers
     (`__all_gather_params_` -> `all_gather_coalesced`), which copies where it holds more than one
     (partition_parameters.py: `_all_gather_coalesced`; one parameter goes through
     `_all_gather_sequential`, which copies nothing; unit_ops.fsdp_copies)."""
     if containers is None:
         containers = tuple(len(params) > 1 for params, _ in units)
-    # a module of several parameters (a tuple) is fetched in one call of those not persistent:
-    # one entry of the trace, its elements theirs; its persistent ones (at most
-    # stage3_param_persistence_threshold elements) stay whole on every rank
+    # a module of several parameters (a tuple) is fetched in one call of those not persistent;
+    # its persistent ones (at most stage3_param_persistence_threshold elements) stay whole on
+    # every rank. The trace is of modules; the queue, the marks and what is gathered and
+    # released are of parameters, as DeepSpeed keeps them (__param_queue holds a __ParamInTrace
+    # per parameter and use: a prefetch can stop inside a module). Persistent parameters are
+    # left out of the queue: a prefetch passes them gathering nothing, and a fetch pops them as
+    # it pops its others, so the parameters gathered are the same.
     mods = [[m if isinstance(m, tuple) else (m,) for m in params] for params, _ in units]
-    live = [[sum(n for n in m if n > persistence_threshold) for m in ms] for ms in mods]
-    units = tuple((tuple(lv or sum(m) for lv, m in zip(lvs, ms)), w)
-                  for lvs, ms, (_, w) in zip(live, mods, units))
-    trace, no_release = module_trace(units, containers, reentrant)
-    # parameters (modules) as integers in trace order, which is the units' order (the loop below
-    # runs per module of a whole step, in recommend's search once per candidate: lists)
+    trace, no_release = module_trace(tuple((tuple(sum(m) for m in ms), w) for ms, (_, w) in zip(mods, units)),
+                                     containers, reentrant)
+    # modules and parameters as integers in trace order, which is the units' order (the loop
+    # below runs per module of a whole step, in recommend's search once per candidate: lists)
     offset, o = [], 0
-    for params, _ in units:
+    for ms in mods:
         offset.append(o)
-        o += len(params)
-    sz = [n for params, _ in units for n in params]
-    unit_of = [i for i, (params, _) in enumerate(units) for _ in params]
-    pers = [not lv for lvs in live for lv in lvs]
-    cnt = [sum(1 for n in m if n > persistence_threshold) for ms in mods for m in ms]  # parameters a fetch gathers
-    held = sum(sum(m) - lv for lvs, ms in zip(live, mods) for lv, m in zip(lvs, ms) if lv)  # whole beside them
+        o += len(ms)
+    whole = [sum(m) for ms in mods for m in ms]  # the reuse walk counts persistent ones too
+    own: list[list[int]] = []  # per module, its parameters not persistent
+    sz: list[int] = []  # per parameter, its elements
+    unit_of: list[int] = []
+    held = 0  # persistent parameters, whole beside the gathered ones
+    for i, ms in enumerate(mods):
+        for m in ms:
+            ids = []
+            for n in m:
+                if n > persistence_threshold:
+                    ids.append(len(sz))
+                    sz.append(n)
+                    unit_of.append(i)
+                else:
+                    held += n
+            own.append(ids)
     tp = [offset[e[0]] + e[1] if e else -1 for e in trace]
     back = [bool(e and e[3]) for e in trace]
     stop = [False] * len(trace)
     for k in no_release:
         stop[k] = True
-    # the reuse walk counts every parameter of the modules it passes, persistent ones too
-    # (__params_to_release; a review ran DeepSpeed at the edge of the window)
-    whole = [sum(m) for ms in mods for m in ms]
-    prefix = list(itertools.accumulate((whole[offset[e[0]] + e[1]] if e else 0 for e in trace), initial=0))
+    prefix = list(itertools.accumulate((whole[m] if m >= 0 else 0 for m in tp), initial=0))
     if reuse_distance >= prefix[-1]:  # every next use within reach: all kept (zplan's export
         # without resharding): nothing is released, every parameter gathered by the forward's end
         keep = [True] * len(trace)
@@ -233,93 +246,107 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
         # release's reuse walk: from step k + 1 on, modules are passed, each adding its elements,
         # until the walk has reached the distance; the parameters seen before are kept
         nxt = [-1] * len(trace)
-        seen = [-1] * len(sz)
+        seen = [-1] * len(whole)
         for k in range(len(trace) - 1, -1, -1):
-            p = tp[k]
-            if p >= 0:
-                nxt[k] = seen[p]
-                seen[p] = k
-        # per step, whether its release is skipped whatever the marks: persistent, no release
-        # there, or the next use within the reuse distance
-        keep = [p < 0 or stop[k] or pers[p] or (nxt[k] >= 0 and prefix[nxt[k]] - prefix[k + 1] < reuse_distance)
-                for k, p in enumerate(tp)]
-    qp = [p for p in tp if p >= 0]  # the parameter trace: each use, with the step it serves
-    qk = [k for k, p in enumerate(tp) if p >= 0]
+            m = tp[k]
+            if m >= 0:
+                nxt[k] = seen[m]
+                seen[m] = k
+        # per step, whether its release is skipped whatever the marks: a module with nothing
+        # sharded, no release there, or the next use within the reuse distance
+        keep = [m < 0 or stop[k] or not own[m] or (nxt[k] >= 0 and prefix[nxt[k]] - prefix[k + 1] < reuse_distance)
+                for k, m in enumerate(tp)]
+    # the parameter queue: each use of each parameter, with the step it serves
+    qp = [q for m in tp if m >= 0 for q in own[m]]
+    qk = [k for k, m in enumerate(tp) if m >= 0 for _ in own[m]]
     nq, head = len(qp), 0
-    avail = list(pers)
+    avail = [False] * len(sz)
     n_available = peak = 0
     fetched_for = [-1] * len(sz)
-    again: list[list[int]] = [[] for _ in units]
-    coalesced: list[tuple[list[int], list[int]]] = [([], []) for _ in units]
-    calls = [[0, 0] for _ in units]
     iq: list[int] = []  # every parameter gathered, in order: 2 x its id + 1 if gathered for backward
     starts: list[int] = []  # where in iq each call begins
     never_released = all(keep)
-    everything = sum(n for n, kept in zip(sz, pers) if not kept)
+    everything = sum(sz)
     # what is held beside the gathered parameters: a call of several copies each parameter out of
     # its flat buffer at its first wait, and the buffer lives until the last of them is fetched
-    pending = [-1] * len(sz)  # the coalesced call a parameter's module has still to wait on
-    flat: list[int] = []  # per coalesced call, its elements
-    left: list[int] = []  # and its parameters not yet fetched (-1: not waited on yet)
+    pending = [-1] * len(sz)  # the call of several a parameter has still to be waited on in
+    flat: list[int] = []  # per call of several, its elements
+    left: list[int] = []  # and its parameters not yet waited on (negative: none waited on yet)
     extra = physical = 0
-    for k, p in enumerate(tp):
-        if p >= 0:
-            if not avail[p]:  # gather it (the prefetch below gathers alike)
-                avail[p] = True
-                n_available += sz[p]
+    for k, m in enumerate(tp):
+        if m >= 0:
+            ps = own[m]
+            get = [q for q in ps if not avail[q]]
+            if get:  # one call of the module's parameters not available (the prefetch gathers alike)
                 starts.append(len(iq))
-                iq.append(2 * p + back[k])
-                if cnt[p] > 1:  # a module of several: a call that copies, waited on at once
-                    pending[p] = len(flat)
-                    flat.append(sz[p])
-                    left.append(-1)
-            c = pending[p]
+                numel = 0
+                for q in get:
+                    avail[q] = True
+                    numel += sz[q]
+                    iq.append(2 * q + back[k])
+                n_available += numel
+                if len(get) > 1:  # a call of several: it copies, and is waited on at once
+                    for q in get:
+                        pending[q] = len(flat)
+                    flat.append(numel)
+                    left.append(-len(get))
             if n_available + extra > physical:
                 physical = n_available + extra
-            if c >= 0:  # its module waits on its call: the first wait copies every parameter out
-                pending[p] = -1
-                if left[c] < 0:
-                    left[c] = -left[c]
-                    extra += flat[c]
-                    if n_available + extra > physical:
-                        physical = n_available + extra
-                left[c] -= 1
-                if not left[c]:  # the last fetched: the flat buffer is freed
-                    extra -= flat[c]
-            if fetched_for[p] < k:  # its own use, first in the queue
+            popped = 0
+            for q in ps:
+                c = pending[q]
+                if c >= 0:  # the first wait on a call copies every parameter out of its buffer
+                    pending[q] = -1
+                    if left[c] < 0:
+                        left[c] = -left[c]
+                        extra += flat[c]
+                        if n_available + extra > physical:
+                            physical = n_available + extra
+                    left[c] -= 1
+                    if not left[c]:  # the last waited on: the flat buffer is freed
+                        extra -= flat[c]
+                if fetched_for[q] < k:  # its own use, first in the queue
+                    popped += 1
+            for _ in range(popped):
                 fetched_for[qp[head]] = qk[head]
                 head += 1
         budget = max_live - n_available
         if budget > prefetch_bucket:
             budget = prefetch_bucket
         numel = 0
+        first = len(iq)
         while numel < budget and head < nq:
             q, qs = qp[head], qk[head]
             head += 1
             if fetched_for[q] < qs:
                 fetched_for[q] = qs
             if not avail[q]:  # a repeat in the queue is not gathered twice
-                if not numel:  # the prefetch is one call
-                    starts.append(len(iq))
                 numel += sz[q]
                 avail[q] = True
-                n_available += sz[q]
                 iq.append(2 * q + back[qs])
-        if numel and (len(iq) - starts[-1] > 1 or cnt[iq[-1] >> 1] > 1):
-            for j in range(starts[-1], len(iq)):
-                pending[iq[j] >> 1] = len(flat)
-            flat.append(numel)
-            left.append(starts[-1] - len(iq))
+        if numel:  # the prefetch is one call
+            starts.append(first)
+            n_available += numel
+            if len(iq) - first > 1:
+                for j in range(first, len(iq)):
+                    pending[iq[j] >> 1] = len(flat)
+                flat.append(numel)
+                left.append(first - len(iq))
         if n_available + extra > physical:
             physical = n_available + extra
         if n_available > peak:  # gathered only rises before the release below
             peak = n_available
         if never_released and peak == everything and not extra:  # all gathered, none to release: done
             break
-        if keep[k] or fetched_for[p] > k + 1:
+        if keep[k]:
             continue
-        avail[p] = False
-        n_available -= sz[p]
+        for q in own[m]:
+            if fetched_for[q] <= k + 1:
+                avail[q] = False
+                n_available -= sz[q]
+    again: list[list[int]] = [[] for _ in units]
+    coalesced: list[tuple[list[int], list[int]]] = [([], []) for _ in units]
+    calls = [[0, 0] for _ in units]
     iu = tuple(unit_of[q >> 1] for q in iq)
     isz = tuple(sz[q >> 1] for q in iq)
     ib = tuple(bool(q & 1) for q in iq)
@@ -327,11 +354,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
         if for_backward:
             again[u].append(n)
     for a, b in zip(starts, starts[1:] + [len(iq)]):
-        if b - a > 1 or cnt[iq[a] >> 1] > 1:  # one all_gather_coalesced call of several parameters
+        if b - a > 1:  # one all_gather_coalesced call of several parameters
             for j in range(a, b):
                 coalesced[iu[j]][ib[j]].append(isz[j])
             calls[iu[a]][ib[a]] += 1
-    held += sum(n for n, kept in zip(sz, pers) if kept)
     return Coordination(tuple(tuple(a) for a in again), peak + held,
                         tuple((tuple(f), tuple(b)) for f, b in coalesced), tuple((f, b) for f, b in calls),
                         iu, isz, ib, tuple(starts), physical + held)
