@@ -254,7 +254,7 @@ def unit_comm(sc: Scenario, st: Strategy) -> list[UnitComm]:
     p = sc.train.precision
     D, g, R, g_rep = _shapes(sc, st)
     out = []
-    ds_back = _ds_backward_seconds(sc, st, D, g) if _ds_zero3(sc, st) else None
+    ds_back = _ds_backward_seconds(sc, st, D, g) if ds_zero3(sc, st) else None
     for i, u in enumerate(sc.units):
         full = sc.padded_elems(u, D)
         ag = gather_seconds(sc, st, u, gather_dtype(sc, u), D, g)
@@ -285,7 +285,7 @@ def _wrapped(sc: Scenario, u, blocks: tuple[bool, ...] | None = None) -> bool:
     return bool(u.blocks) and any(wrapped[u.first_block: u.first_block + u.blocks])
 
 
-def _ds_zero3(sc: Scenario, st: Strategy) -> bool:
+def ds_zero3(sc: Scenario, st: Strategy) -> bool:
     """DeepSpeed ZeRO-3 (the zero layout, parameters sharded), at its defaults or at the settings
     zplan's export writes: what it gathers again in backward is its coordinator's (_ds_again)."""
     return sc.train.layout == "zero" and st.params_sharded
@@ -378,8 +378,8 @@ def ds_gathers(sc: Scenario, st: Strategy, D: int, g: int) -> DsGathers:
     """DeepSpeed ZeRO-3's all-gather calls as its coordinator issues them (ds_coordination's
     `calls`: each module's own fetch, one call of its parameters; each prefetch, one call of all
     it gathers; partitioned_param_coordinator.py `__all_gather_params_` -> all_gather_coalesced),
-    each timed as NCCL runs it (its modules each padded to D, where DeepSpeed pads each
-    parameter: under D elements a parameter apart, in their gather dtype). A call's
+    each timed as NCCL runs it (each parameter padded to D, as DeepSpeed pads each partition,
+    in their gather dtype). A call's
     time is shared among the parameters it gathers by their elements, each charged to its unit,
     forward or backward by the use it is gathered for."""
     def make() -> DsGathers:
@@ -427,7 +427,7 @@ def _module_calls(sc: Scenario, st: Strategy) -> bool:
 def gather_seconds(sc: Scenario, st: Strategy, u, dtype: str, D: int, g: int) -> float:
     """One unit's all-gather for its forward: one call of the unit (FSDP), timed as NCCL runs
     it; DeepSpeed's ZeRO-3, the unit's share of the calls its coordinator issues (ds_gathers)."""
-    if _ds_zero3(sc, st):
+    if ds_zero3(sc, st):
         dg = ds_gathers(sc, st, D, g)
         return dg.forward_s[dg.index[u.name]]
     return call_seconds(sc, "all_gather", nbytes(sc.padded_elems(u, D), dtype), D, g)
@@ -458,7 +458,7 @@ def reduce_seconds(sc: Scenario, st: Strategy, u, D: int, g: int) -> float:
 def _gather_call(sc: Scenario, st: Strategy, us, dtype: str, D: int) -> tuple[int, str]:
     """The largest single all-gather call among units `us` for forward: a unit (FSDP), or
     DeepSpeed's largest fetch or prefetch (ds_gathers)."""
-    if _ds_zero3(sc, st):
+    if ds_zero3(sc, st):
         return ds_gathers(sc, st, D, _shapes(sc, st)[1]).largest_forward_bytes, "the largest fetch or prefetch"
     return max((nbytes(sc.padded_elems(u, D), dtype) for u in us), default=0), "the largest unit"
 
@@ -550,7 +550,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         return out
     D, g, R, g_rep = _shapes(sc, st)
     units = sc.units
-    regather = [u for u in units if regathered(sc, st, u)] if not _ds_zero3(sc, st) else []
+    regather = [u for u in units if regathered(sc, st, u)] if not ds_zero3(sc, st) else []
     gathered = sum(sc.padded_elems(u, D) for u in units)
     scope = "intra-node" if D <= g else "inter-node"
     for label, group in (("forward", units), ("backward", regather)):
@@ -562,7 +562,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
             out.append(Collective(name, "all_gather", sum(sc.padded_elems(u, D) for u in us), dt,
                                   D, scope, A, sum(gather_seconds(sc, st, u, dt, D, g) for u in us),
                                   0.0, g, *_gather_call(sc, st, us, dt, D)))
-    if _ds_zero3(sc, st):  # DeepSpeed: what its coordinator gathers again at the run's settings
+    if ds_zero3(sc, st):  # DeepSpeed: what its coordinator gathers again at the run's settings
         back = _ds_again(sc, st)
         elems = sum(-(-n // D) * D for a in back for n in a)
         if elems:
@@ -597,7 +597,7 @@ def collectives(sc: Scenario, st: Strategy) -> list[Collective]:
         store = p.master if t.layout == "torch" else p.param
         out.append(Collective("host->GPU (sharded weights)", "h2d", shard, store, 1, "pcie",
                               A, nbytes(shard, store) / link_bw))
-        if _ds_zero3(sc, st):
+        if ds_zero3(sc, st):
             back = sum(-(-n // D) for a in _ds_again(sc, st) for n in a)
         else:
             back = sum(sc.padded_elems(u, D) // D * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))

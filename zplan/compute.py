@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from . import arch
 from . import kernels as K
 from . import muon, policy, unit_ops
-from .comm import WHOLE_MATRIX, Collective, UnitComm, ds_coordination, gather_dtype, unit_comm
+from .comm import WHOLE_MATRIX, Collective, UnitComm, ds_coordination, ds_zero3, gather_dtype, unit_comm
 from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_state_bytes, optimizer_tensor_sizes
 from .scenario import PinnedMemo, Scenario
@@ -118,7 +118,7 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
     custom = sc.custom_units is not None
     wrapped = policy.wrapped_blocks(t, m.num_layers) if t.checkpointing in policy.PARTIAL_CHECKPOINTING else None
     # DeepSpeed's ZeRO-3: what its coordinator gathers again differs from unit to unit
-    ds = ds_coordination(sc, st) if (st.params_sharded and sc.train.layout == "zero") else None
+    ds = ds_coordination(sc, st) if ds_zero3(sc, st) else None
     for i, u in enumerate(sc.units):
         copied = (ds.coalesced[i], ds.coalesced_calls[i]) if ds is not None else None
         # blocks with as many layers have the same shapes (custom units may not: key on size)
