@@ -277,7 +277,10 @@ CONFIGS = [  # shape, blocks, settings, reentrant, checkpointed
     # failed while zplan prefetched whole modules: norm and q's weight fill the bucket, q's bias
     # waits for q's own fetch), and inside an MoE block's experts
     (B8_BIAS, 2, (0, 0, 4160, 10**9), False, True), (B8_MOE, 4, DEFAULTS, False, True),
-    (B8_MOE, 2, DEFAULTS, True, False)]
+    (B8_MOE, 2, DEFAULTS, True, False),
+    # nothing released, and a prefetched call not yet waited on when all is gathered: its flat
+    # buffer is held after that (a review's; zplan stopped its walk there and missed it)
+    (B8, 1, (10**12, 0, 100, 10**12), True, True)]
 
 
 def _config(shape, blocks, settings, checkpointed):
@@ -371,9 +374,9 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(deepspeed_runs, index):
     # and the calls it issues, in order, each fetch and each prefetch one (comm.ds_gathers times
     # them; every shape here divides by the two ranks, so no padding)
     assert calls[3] == [sum(n for _, n, _ in c) for c in sim.calls], (calls[3], sim.calls)
-    if prefetch and named != EXPORT_KEPT and (checkpointed or named == EXPORT):
+    if prefetch and reuse < 10**12 and (checkpointed or named == EXPORT):
         # the prefetcher's marks count (without checkpoints at the defaults they gather nothing
-        # more: there its calls, above, tell the two apart)
+        # more, nor where nothing is released: there its calls and what is held, above, tell)
         assert priced(reentrant, prefetch=0) != per_step[3]
     if checkpointed and (named in (TIGHT, EXPORT) or shape == B8 and not reentrant and named != EXPORT_KEPT):
         assert priced(not reentrant) != per_step[3]  # and so does the order

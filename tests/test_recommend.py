@@ -534,12 +534,15 @@ MARGINS = {  # bytes over the limit at k blocks checkpointed, `t` the least k th
     "curved": lambda k, t, L: (t * t - k * k) * 10 - 1,
     "flat then steep": lambda k, t, L: (1 if k < t else -1) * (1 + (t - k) ** 4),
     "unknown": lambda k, t, L: None,
+    # a review's adversarial margins: every probe but k = 0 under the limit, fitting or not
+    "misleading": lambda k, t, L: 10**9 if k == 0 else -5,
+    "a seventh of the truth below t": lambda k, t, L: ((t - k) * 1000 - 1) // (7 if k < t else 1),
 }
 
 
 @pytest.mark.parametrize("shape", list(MARGINS))
 @pytest.mark.parametrize("layers,threshold", [(2, 1), (32, 1), (32, 2), (32, 17), (32, 31), (32, None),
-                                              (80, 73), (80, 5), (126, 64)])
+                                              (80, 73), (80, 5), (126, 64), (126, 3), (1000, 7)])
 def test_least_first_k_finds_the_first_fitting_k(layers, threshold, shape):
     """_least_first_k against a scan of every k (fits from `threshold` on), its margins of any
     shape: the same k, in at most 1 + 2 log2(layers - 1) probes, and in three where margins

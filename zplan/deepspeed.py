@@ -193,6 +193,13 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     them: a prefetch pops parameter after parameter and can stop inside a module (an MoE
     block's experts, a Linear's weight without its bias), whose own fetch then gathers the rest.
 
+    And what is held beside the gathered parameters (`peak_held`): a call of several copies its
+    parameters out of its flat buffer at its first wait, and the buffer lives until the last of
+    them is waited on. A module waits on its parameters in the order of a Python set of them
+    (by address), so where they came in several calls of several, one call's last wait may
+    come before or after another's first: priced in the order that holds most (a review saw
+    DeepSpeed hold either, engine to engine, at a module of three tensors).
+
     And which parameters are gathered in calls of several (`coalesced`): a module's own fetch is
     one call of its parameters not gathered (a tuple's, or one), each prefetch one call of all
     the parameters it gathers
@@ -273,6 +280,7 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     flat: list[int] = []  # per call of several, its elements
     left: list[int] = []  # and its parameters not yet waited on (negative: none waited on yet)
     extra = physical = 0
+    open_calls = 0  # calls of several whose last parameter is not waited on yet
     for k, m in enumerate(tp):
         if m >= 0:
             ps = own[m]
@@ -290,23 +298,32 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                         pending[q] = len(flat)
                     flat.append(numel)
                     left.append(-len(get))
+                    open_calls += 1
             if n_available + extra > physical:
                 physical = n_available + extra
+            # the module waits on its parameters in the order of a Python set of them
+            # (params_to_fetch: by address, not by ds_id), so where they came in calls of
+            # several, a call's last wait may come after another call's first: priced in the
+            # order that holds most, every first wait before any buffer is freed (a review saw
+            # DeepSpeed hold either, engine to engine)
             popped = 0
             for q in ps:
                 c = pending[q]
-                if c >= 0:  # the first wait on a call copies every parameter out of its buffer
+                if c >= 0 and left[c] < 0:  # the first wait on a call copies every parameter out
+                    left[c] = -left[c]
+                    extra += flat[c]
+                if fetched_for[q] < k:  # its own use, first in the queue
+                    popped += 1
+            if n_available + extra > physical:
+                physical = n_available + extra
+            for q in ps:
+                c = pending[q]
+                if c >= 0:
                     pending[q] = -1
-                    if left[c] < 0:
-                        left[c] = -left[c]
-                        extra += flat[c]
-                        if n_available + extra > physical:
-                            physical = n_available + extra
                     left[c] -= 1
                     if not left[c]:  # the last waited on: the flat buffer is freed
                         extra -= flat[c]
-                if fetched_for[q] < k:  # its own use, first in the queue
-                    popped += 1
+                        open_calls -= 1
             for _ in range(popped):
                 fetched_for[qp[head]] = qk[head]
                 head += 1
@@ -332,12 +349,13 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
                     pending[iq[j] >> 1] = len(flat)
                 flat.append(numel)
                 left.append(first - len(iq))
+                open_calls += 1
         if n_available + extra > physical:
             physical = n_available + extra
         if n_available > peak:  # gathered only rises before the release below
             peak = n_available
-        if never_released and peak == everything and not extra:  # all gathered, none to release: done
-            break
+        if never_released and peak == everything and not open_calls:  # all gathered and waited on,
+            break  # none to release: done (a call not yet waited on still copies out of its buffer)
         if keep[k]:
             continue
         for q in own[m]:
