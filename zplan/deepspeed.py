@@ -284,7 +284,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     for k, m in enumerate(tp):
         if m >= 0:
             ps = own[m]
-            get = [q for q in ps if not avail[q]]
+            if len(ps) == 1:  # most modules (a Linear without bias): no list to build
+                get = () if avail[ps[0]] else ps
+            else:
+                get = [q for q in ps if not avail[q]]
             if get:  # one call of the module's parameters not available (the prefetch gathers alike)
                 starts.append(len(iq))
                 numel = 0
