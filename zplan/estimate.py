@@ -180,7 +180,8 @@ def fit_margin(sc: Scenario, name: str, usable_bytes: int | None = None) -> tupl
     search to aim its next probe with (recommend's least first-k); None where the strategy
     cannot run here. Where the allocated peak alone is over `usable_bytes` (the reserve is
     never below it) the margin is the allocated peak's, a lower bound, and the reserve is not
-    worked out."""
+    worked out. The margin is the GPU's alone: where the host's memory is what does not fit
+    (offload), the answer is no and the margin may be under zero."""
     if unavailable_reason(sc, name):
         return False, None
     st = effective(name, sc.train.layout)

@@ -153,7 +153,7 @@ def _least_first_k(probe, num_layers: int, none_margin: int | None = None) -> tu
     line is probed beside it: two probes settle an aim one block off. An aim that does not
     halve the bracket is followed by two bisections, so the probes stay within twice
     bisection's 1 + log2(num_layers - 1) whatever the margins (a review's adversarial margins
-    took 17 at 126 blocks with one); only the fit answers decide k. The margins are the GPU's:
+    took 17 probes at 126 blocks with one bisection owed); only the fit answers decide k. The margins are the GPU's:
     where the host's memory is what does not fit, a margin can be under zero for a k that does
     not fit, and the search bisects."""
     ok, m_hi = probe(num_layers - 1)
