@@ -118,7 +118,7 @@ class CachingAllocator:
         self.peak_allocated_bytes = self.peak_reserved_bytes = 0
 
     def malloc(self, key: object, nbytes: int, stream: str = "default") -> None:
-        size = BLOCK_BYTES if nbytes < BLOCK_BYTES else -(-int(nbytes) // BLOCK_BYTES) * BLOCK_BYTES  # round_size
+        size = round_size(int(nbytes))
         small = size <= SMALL_BYTES
         pool = self._pools.get((stream, small))
         if pool is None:
