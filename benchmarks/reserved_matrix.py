@@ -99,8 +99,10 @@ def main(argv=None) -> int:
              "MiB); where the planner reads above the replay (Llama 3.1 8B at 2048 with separate "
              "embedding and head units), its default stream is over the replay's (0.9 GiB at "
              "full checkpointing), not yet separated. "
-             "Expandable: the planner assumes the freed activations are not at the segment's free "
-             "end, and reads above the replay where they partly are.", "",
+             "Expandable: the forward's blocks are simulated in the stream's one segment too; "
+             "the holes beside what they keep are priced, the free block at the segment's end is "
+             "where the loss grows it (before 2026-12-07 no forward hole was priced here, and the "
+             "planner read below the replay in every cell, -0.5..-3.9%).", "",
              summary("classic") + "; " + summary("expandable") + ".", "",
              *HEADER, *rows, ""]
     print("\n".join(lines))

@@ -240,11 +240,12 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
     segments of their own, block after block, and the loss's vocabulary-sized tensors are
     larger than any of them, so new segments are reserved beside them. The loss's own tensors
     (`loss_tensors`) that do fit such a block take it instead; the head's around the loss are
-    placed by loss_reserved_bytes already. With expandable segments the freed blocks sit in the stream's
-    one segment and the loss extends it: none. Held against the caching allocator replayed over
+    placed by loss_reserved_bytes already. With expandable segments the same, over the holes
+    inside the stream's one segment (forward_holes with `expandable`: the free block at its end
+    is where the loss grows it, not a residue). Held against the caching allocator replayed over
     traced steps (docs/reserved-matrix.md; Llama 2 7B at 16,384 tokens per micro-batch, full
     checkpointing: 1.36 GiB of such blocks free when the loss began, where this gives 1.13)."""
-    if expandable or transient <= 0 or largest < MIN_LARGE_ALLOC_BYTES:
+    if transient <= 0 or largest < MIN_LARGE_ALLOC_BYTES:
         return 0  # tensors under 10 MiB share 20 MiB segments, which later requests reuse
     return max(0, transient - sum(b for b in loss_tensors if 0 < b <= largest))
 
@@ -252,11 +253,11 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
 def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
                   unit_params: tuple[tuple[int, ...], ...], reshard: tuple[bool, ...],
                   blocks_per_unit: tuple[int, ...], freed_first: int = 0,
-                  block_steps: tuple = ()) -> tuple[int, int, int]:
+                  block_steps: tuple = (), expandable: bool = False) -> tuple[int, int, int]:
     """The default stream's free cached bytes when a checkpointed forward ends, its largest free
     block, and of those bytes the segments wholly free (the last block's working set; a hole
     is the rest of a segment a kept tensor holds): the block units' forward run through
-    CachingAllocator (classic segments), every block of it (the holes' increments do not repeat
+    CachingAllocator, every block of it (the holes' increments do not repeat
     regularly enough to extrapolate: a unit kept gathered, a last unit of fewer blocks, weights
     kept by reshard_after_forward=False). First a block of `freed_first` bytes freed (the
     embedding unit's gathered weight, where it is a unit of its own that reshards) and the first
@@ -268,7 +269,11 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
     front of a freed larger block leaves a remainder the next block's larger tensors do not fit:
     holes that grow unit after unit (docs/formulas.md section 3). `block_steps`, where given, is
     each block's own steps, in block order (every-k and first-k: a checkpointed block's and one
-    that keeps its intermediates, activation_memory.block_mode); else every block runs `steps`."""
+    that keeps its intermediates, activation_memory.block_mode); else every block runs `steps`.
+    With `expandable` segments (one segment mapped in 20 MiB pages): the free bytes inside it, not
+    the free block at its end (a later request no hole fits merges with that one and maps only
+    the rest), the largest of them, and the whole pages inside them (what release_cached_blocks
+    unmaps: caching_allocator.CachingAllocator.unmappable_bytes)."""
     def planned(steps):  # "in": the block's input (the previous block's output), index None
         index = {name: i for i, (op, name, _) in enumerate(steps) if op == "+"}
         return [(op == "+", index.get(name) if name != "in" else None, b) for op, name, b in steps], index["out"]
@@ -277,7 +282,7 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
         if st not in variants:
             variants[st] = planned(st)
     width = max(len(st) for st in variants) + 1
-    sim = CachingAllocator()
+    sim = CachingAllocator(expandable)
     if freed_first:
         sim.malloc(-2, freed_first)
     sim.malloc(-1, input_bytes)
@@ -300,6 +305,10 @@ def forward_holes(steps: tuple[tuple[str, str, int], ...], input_bytes: int,
         if drop:
             for j in range(len(params)):
                 sim.free(("param", u, j))
+    if expandable:  # the free block at the segment's end is where the loss grows it
+        tail = sim.free_tail_bytes()
+        return (sim.reserved_bytes - sim.allocated_bytes - tail, sim.largest_free_block(inner=True),
+                sim.unmappable_bytes(inner=True))
     return sim.reserved_bytes - sim.allocated_bytes, sim.largest_free_block(), sim.wholly_free_bytes()
 
 

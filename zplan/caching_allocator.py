@@ -144,10 +144,22 @@ class CachingAllocator:
         if self.allocated_bytes > self.peak_allocated_bytes:
             self.peak_allocated_bytes = self.allocated_bytes
 
-    def largest_free_block(self, stream: str = "default") -> int:
-        """The largest cached free block of the stream's large pool (0 if none)."""
+    def largest_free_block(self, stream: str = "default", inner: bool = False) -> int:
+        """The largest cached free block of the stream's large pool (0 if none); `inner`: not
+        counting an expandable segment's free block at its end."""
         pool = self._pools.get((stream, False))
-        return pool.keys[-1] >> _KEY_SHIFT if pool is not None and pool.keys else 0
+        if pool is None or not pool.keys:
+            return 0
+        if not inner:
+            return pool.keys[-1] >> _KEY_SHIFT
+        return max((b.size for b in pool.blocks.values()
+                    if not (isinstance(b.segment, _Segment) and b.segment.last is b)), default=0)
+
+    def free_tail_bytes(self, stream: str = "default") -> int:
+        """The free block at the end of the stream's expandable large-pool segment (0 if none):
+        a request no other block fits merges with it and maps only the rest."""
+        seg = self._segments.get((stream, False))
+        return seg.last.size if seg is not None and seg.last is not None and seg.last.free else 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._live
@@ -237,7 +249,7 @@ class CachingAllocator:
         return sum(b.size for pool in self._pools.values() for b in pool.blocks.values()
                    if b.prev is None and b.next is None and not isinstance(b.segment, _Segment))
 
-    def unmappable_bytes(self) -> int:
+    def unmappable_bytes(self, inner: bool = False) -> int:
         """The whole pages inside the free blocks of expandable segments now: what
         release_cached_blocks unmaps there (release_blocks -> unmap_block ->
         ExpandableSegment::unmap, segmentRight of the block's start to segmentLeft of its end;
@@ -246,7 +258,7 @@ class CachingAllocator:
         for (_, small), pool in self._pools.items():
             page = SMALL_SEGMENT_BYTES if small else LARGE_SEGMENT_BYTES
             for b in pool.blocks.values():
-                if isinstance(b.segment, _Segment):
+                if isinstance(b.segment, _Segment) and not (inner and b.segment.last is b):
                     lo = b.addr - b.segment.base
                     total += max(0, (lo + b.size) // page * page - -(-lo // page) * page)
         return total

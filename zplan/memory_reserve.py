@@ -93,16 +93,17 @@ def _ag_reserved(forward: tuple[int, ...], backward: tuple[int, ...], expandable
 
 
 def forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
-    """allocator.forward_holes for this scenario and strategy (classic segments, a block order
-    activation_memory.forward_tensor_steps derives): FSDP2 (torch layout) gathers each block
+    """allocator.forward_holes for this scenario and strategy (classic or expandable segments, a
+    block order activation_memory.forward_tensor_steps derives): FSDP2 (torch layout) gathers each block
     unit's weights into per-parameter storages on the default stream and frees them at its
     reshard after forward (not where the unit stays gathered: policy.unit_stays_gathered), as
     it does an embedding unit of its own, freed before the first block. DDP and ZeRO-1 gather
     nothing; DeepSpeed's gathered window is counted apart (static_buffers). None
-    where the block's order is not derived, with expandable segments, and under a flat
-    --fragmentation (which replaces the allocator model)."""
+    where the block's order is not derived, and under a flat --fragmentation (which replaces
+    the allocator model). Expandable segments were None here before 2026-12-07 (no hole priced:
+    the planner read 0.5-3.9% below the replay in every cell of docs/reserved-matrix.md)."""
     t, m = sc.train, sc.model
-    if sc.assume.expandable_segments or sc.assume.fragmentation is not None:
+    if sc.assume.fragmentation is not None:
         return None
     steps, block_steps = activation_memory.forward_tensor_steps(m, t), ()
     if steps is None and policy.uniform_mode(t, m.num_layers) in policy.PARTIAL_CHECKPOINTING:
@@ -127,12 +128,14 @@ def forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
     first = sc.units[0]
     embed = first.numel * pb if gathers and st.reshard_after_forward and not (first.blocks or first.held) else 0
     input_b = activation_memory.stream_dtype_bytes(t) * t.seq_len * t.micro_batch * m.hidden
-    return _holes(steps, input_b, params, reshard, tuple(u.blocks for u in units), embed, block_steps)
+    return _holes(steps, input_b, params, reshard, tuple(u.blocks for u in units), embed, block_steps,
+                  sc.assume.expandable_segments)
 
 
 @lru_cache(maxsize=256)
-def _holes(steps, input_b: int, params, reshard, blocks, embed: int, block_steps=()) -> tuple[int, int, int]:
-    return allocator.forward_holes(steps, input_b, params, reshard, blocks, embed, block_steps)
+def _holes(steps, input_b: int, params, reshard, blocks, embed: int, block_steps=(),
+           expandable: bool = False) -> tuple[int, int, int]:
+    return allocator.forward_holes(steps, input_b, params, reshard, blocks, embed, block_steps, expandable)
 
 
 def forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int, int]:
@@ -144,7 +147,8 @@ def forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int,
     tensors (activation_memory.liger_loss_tensors) fit none below 64k tokens of Llama 3 8B, so
     the freed working set stays reserved beside them. What the forward leaves cached is simulated tensor by
     tensor where the block's order is derived (forward_holes), else one block's freed working
-    set (activation_memory.forward_transient_bytes). Returns (the residue, the part of it in
+    set (activation_memory.forward_transient_bytes; none with expandable segments, where that
+    working set is the segment's free end, which the loss grows). Returns (the residue, the part of it in
     segments wholly free, which the allocator releases before it fails a cudaMalloc): a hole
     shares its segment with a kept tensor and is not released; one block's freed working set is
     its own segments."""
@@ -152,6 +156,8 @@ def forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int,
     if logits_elems <= 0 and not liger:
         return 0, 0
     holes = forward_holes(sc, st)
+    if holes is None and sc.assume.expandable_segments:
+        return 0, 0  # one block's freed working set: at the segment's end, where the loss grows it
     if holes is None:
         transient, largest = activation_memory.forward_transient_bytes(sc.model, sc.train)
         whole = transient
