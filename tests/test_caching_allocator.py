@@ -245,20 +245,26 @@ def test_one_rank_copies_in_on_the_default_stream():
     assert allocator.stream_peaks(timeline(two, effective("zero3", "torch")))["all-gather"] > 0
 
 
-@pytest.mark.parametrize("expandable,want_mib", [(False, 6520), (True, 5040)])
+@pytest.mark.parametrize("expandable,want_mib", [(False, 5516), (True, 5522)])
 def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable, want_mib):
     """Llama 3.1 8B at seq 2048, its head a unit of its own (FSDP2, resharded after forward):
-    logits L = 501 MiB, fp32 copy, log_softmax output and both gradients 1002 MiB; head weights
-    W and weight gradient G 1002 MiB + 8 KiB (the norm), input gradient 16 MiB, reduce-scatter
-    input R 2004 MiB + 16 KiB in fp32. Worked by hand from CUDACachingAllocator's rules:
-    classic -- W's 1004 MiB segment serves F then nll's gradient; P, log_softmax's gradient, G
-    (8 KiB too big for the 1002 MiB blocks the loss freed) and R take segments of their own:
-    1004 + 502 + 1002 + 1002 + 1004 + 2006 = 6520 MiB. Expandable (20 MiB pages) -- the holes
-    the loss leaves are 1002 MiB apiece, apart; W and G fill two of them, R extends the end:
-    5040 MiB. Without the head's tensors: 3508 / 3520 MiB."""
+    logits L = 501 MiB, fp32 copy F, log_softmax output P and both gradients N, Q 1002 MiB; the
+    head's weights W and weight gradient G 1002 MiB, the norm's and its gradient 8 KiB each (one
+    tensor per parameter: FSDP2's all-gather outputs and autograd's gradients; the small pool's
+    one 2 MiB segment), input gradient 16 MiB, reduce-scatter input R 2004 MiB + 16 KiB in fp32
+    (one flat tensor). Worked by hand from CUDACachingAllocator's rules: classic -- W's 1002 MiB
+    segment serves F, then N, then the logits' gradient (501 of it); P's and Q's serve W and G
+    again; R takes a segment of its own: 1002 + 2 + 502 + 1002 + 1002 + 2006 = 5516 MiB.
+    Expandable (20 MiB pages) -- the segment reaches 3520 MiB with Q (W, L, P, Q each extending
+    it); W again takes P's freed 1002 over the growable 1015 at the end, the input gradient the
+    501 the logits' gradient left, G the end's 1015, and R grows the 13 left by 100 pages: 5520
+    + 2 = 5522 MiB. Before 2026-12-07 the head's weights and gradient were one tensor each,
+    8 KiB over the blocks of 1002 MiB the loss frees at this sequence length, so each took a
+    segment of its own: 6520 / 5040 MiB, 0.9 GiB over the allocator replayed over a traced step
+    at full checkpointing (docs/reserved-matrix.md). Without the head's tensors: 3508 / 3520 MiB."""
     sc = build(cpu_ranks(model="llama-3.1-8b", gpus="8", seq_len=2048, micro_batch=1))
-    E, w = 2048 * 128256, 128256 * 4096 * 2 + 4096 * 2
-    head = allocator.HeadTail(w, w, 2048 * 4096 * 2, 2 * w)
+    E, w, n = 2048 * 128256, 128256 * 4096 * 2, 4096 * 2
+    head = allocator.HeadTail((n, w), (n, w), 2048 * 4096 * 2, 2 * (w + n))
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, head) == want_mib * MiB
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable) == (3520 if expandable else 3508) * MiB
     # the planner reads these sizes from the head unit as FSDP2 shards it
@@ -273,8 +279,7 @@ def test_the_heads_reduce_scatter_input_fits_no_block_the_loss_freed(expandable,
     # the embedding, reduced last (gathered again: 1002 MiB weights, then a 1002 MiB gradient,
     # a 2004 MiB fp32 input), takes the blocks the head's own gradient and reduce-scatter input
     # left: the end of backward adds nothing
-    e = w - 8192
-    assert (planned.last_weights_bytes, planned.last_grad_bytes, planned.last_reduce_in_bytes) == (e, e, 2 * e)
+    assert (planned.last_weights_bytes, planned.last_grad_bytes, planned.last_reduce_in_bytes) == ((w,), (w,), 2 * w)
     assert not planned.held_root and planned.freed_block_bytes == 2048 * 14336 * 2
     assert allocator.loss_reserved_bytes(E, sc.train, True, expandable, planned) == \
         allocator.loss_reserved_bytes(E, sc.train, True, expandable, replace(planned, last_reduce_in_bytes=0))
@@ -359,13 +364,16 @@ def test_under_a_linear_loss_the_head_and_the_end_of_backward_are_simulated(expa
 
 
 def test_a_resharding_roots_weights_stay_gathered_to_its_own_reshard():
-    """The same root resharding after forward (embed_head_unit root): gathered again (2004 MiB
-    + 8 KiB in bf16) for the head's backward, it reshards only in its post-backward, after the
-    embedding's gradient, before its reduce-scatter input (FSDPParamGroup.post_backward). By
-    hand, classic: A 56; W 2006 (freed after the forward, it takes the fp32 copy and
-    log_softmax, then nll's gradient); logits 502; log_softmax's gradient 1002; W again in its
-    own 2006; the input gradient splits the 1002, G a new 1002; at the end E takes that 1002, W
-    is freed and R takes 4010: 56 + 2006 + 502 + 1002 + 1002 + 4010 - 56 = 8522 MiB."""
+    """The same root resharding after forward (embed_head_unit root): gathered again (two
+    tensors of 1002 MiB and the norm's 8 KiB in bf16, one per parameter) for the head's
+    backward, it reshards only in its post-backward, after the embedding's gradient, before its
+    reduce-scatter input (FSDPParamGroup.post_backward). By hand, classic: A 56; the embedding
+    weight 1002, the norm's in the small pool's 2, the head's 1002 (freed after the forward,
+    they take the fp32 copy and log_softmax, then nll's gradient); logits 502 (then their
+    gradient); log_softmax's gradient 1002; the weights again in their own two; the input
+    gradient splits the third 1002, G a new 1002; at the end E takes that third one again, the
+    weights are freed and R takes 4010: 56 + 1002 + 2 + 1002 + 502 + 1002 + 1002 + 4010 - 56 =
+    8522 MiB (the total it was with the root's weights one tensor of 2006)."""
     from zplan.memory import model_state
     from zplan.memory_reserve import head_tail
     from zplan.strategies import effective
@@ -374,7 +382,7 @@ def test_a_resharding_roots_weights_stay_gathered_to_its_own_reshard():
                          logits_kept=False))
     st = effective("zero3", "torch")
     head = head_tail(sc, st, model_state(sc, st))
-    assert head.held_root and head.weights_bytes == (2 * 128256 + 1) * 4096 * 2
+    assert head.held_root and head.weights_bytes == (128256 * 4096 * 2, 4096 * 2, 128256 * 4096 * 2)
     assert allocator.loss_reserved_bytes(2048 * 128256, sc.train, True, False, head) == 8522 * MiB
 
 
@@ -417,7 +425,7 @@ def test_a_held_roots_head_gradient_is_the_head_weights_alone():
     tail = head_tail(sc, st, model_state(sc, st))
     head_w = 128256 * 4096 * 2
     assert tail.grad_bytes == head_w and tail.reduce_in_bytes == 0
-    assert tail.weights_bytes == 2 * head_w + 4096 * 2  # embedding, norm and head
+    assert tail.weights_bytes == (head_w, 4096 * 2, head_w)  # embedding, norm and head, one tensor each
 
 
 @pytest.mark.parametrize("checkpointing,expandable,adds", [

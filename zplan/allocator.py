@@ -79,10 +79,16 @@ class HeadTail:
     weights in the param dtype where it is gathered again for backward (0 where it stays
     gathered from its forward), its unsharded weight gradients and its input gradient, and its
     reduce-scatter input where it is reduced as its backward ends (0 for a held root, reduced
-    with everything else at the end of backward)."""
+    with everything else at the end of backward). Weights and gradients are one block per
+    parameter (a tuple; an int is one tensor): FSDP2's all-gather outputs are one storage per
+    parameter (FSDPParam.all_gather_outputs, padded on dim 0), and autograd makes each
+    gradient in its parameter's shape; the reduce-scatter input is one flat tensor
+    (foreach_reduce). Until 2026-12-07 a unit's weights were one block: Llama 3.1 8B's head
+    and norm 8 KiB over the 1002 MiB blocks its loss frees at seq 2048, a segment of their own
+    each, 0.9 GiB over the allocator replayed over a traced step."""
 
-    weights_bytes: int
-    grad_bytes: int
+    weights_bytes: int | tuple[int, ...]
+    grad_bytes: int | tuple[int, ...]
     input_grad_bytes: int
     reduce_in_bytes: int
     # the unit reduced last, as backward ends (the embedding's, or the held root): its weights
@@ -91,8 +97,8 @@ class HeadTail:
     # weight's) and its reduce-scatter input; and the blocks' activations, alive through the
     # loss and freed by then: with classic segments the largest one tensor (each has a segment
     # of its own), with expandable segments all of them (one segment, below the loss's tensors)
-    last_weights_bytes: int = 0
-    last_grad_bytes: int = 0
+    last_weights_bytes: int | tuple[int, ...] = 0
+    last_grad_bytes: int | tuple[int, ...] = 0
     last_reduce_in_bytes: int = 0
     freed_block_bytes: int = 0
     held_root: bool = False  # the head sits in the root, reduced with the embedding at the end
@@ -138,13 +144,13 @@ def loss_reserve(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandabl
         # the blocks' activations, alive through the loss; their bytes are counted with
         # everything else the stream holds then (default_stream_floor), so they are taken off
         # below (the rounding of their block stays: the real ones have it too)
-        sim.malloc("blocks' activations", head.freed_block_bytes)
+        _put(sim, "blocks' activations", head.freed_block_bytes)
         blocks_bytes = round_size(head.freed_block_bytes)
     if logits_elems <= 0:
         return _linear_loss_backward(sim, head) - blocks_bytes, sim.releasable_at_peak_bytes
     w = head.weights_bytes if head else 0
     if w:
-        sim.malloc("head weights", w)
+        _put(sim, "head weights", w)
     live = []
     steps = loss_steps(train, loss_fp32)
     for _, op, name, per_logit in steps:
@@ -152,7 +158,7 @@ def loss_reserve(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandabl
             sim.malloc(name, per_logit * logits_elems)
             live.append(name)
             if name == steps[0][2] and w:  # the head's forward made them: it reshards
-                sim.free("head weights")
+                _drop(sim, "head weights")
         else:
             sim.free(name)
             live.remove(name)
@@ -161,22 +167,40 @@ def loss_reserve(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandabl
             sim.free("logits")  # logits go when its backward ends, where the loop holds none
             live.remove("logits")
         if w:
-            sim.malloc("head weights", w)
+            _put(sim, "head weights", w)
         for name, b in (("head input grad", head.input_grad_bytes), ("head grad", head.grad_bytes)):
-            if b:
-                sim.malloc(name, b)
+            _put(sim, name, b)
         sim.free(live[-1])  # the logits' gradient, consumed by the head's backward
         _head_reduce(sim, head)
     return sim.peak_reserved_bytes - blocks_bytes, sim.releasable_at_peak_bytes
+
+
+def _parts(b: int | tuple[int, ...]) -> tuple[int, ...]:
+    """A HeadTail field as its tensors' bytes: one tensor, or one per parameter."""
+    return (b,) if isinstance(b, int) else b
+
+
+def _put(sim: CachingAllocator, name: str, b: int | tuple[int, ...]) -> None:
+    """Allocate `name`'s tensors (HeadTail's bytes, one block each; none of 0 bytes)."""
+    for j, x in enumerate(x for x in _parts(b) if x):
+        sim.malloc((name, j), x)
+
+
+def _drop(sim: CachingAllocator, name: str) -> None:
+    """Free `name`'s tensors, where live (_put numbers them from 0)."""
+    j = 0
+    while (name, j) in sim:
+        sim.free((name, j))
+        j += 1
 
 
 def _head_reduce(sim: CachingAllocator, head: HeadTail) -> None:
     """The head unit's post-backward: its weights resharded (a held root's only after its own
     backward, at the end), its reduce-scatter input allocated; then the end of backward."""
     if head.weights_bytes and not head.held_root:
-        sim.free("head weights")
+        _drop(sim, "head weights")
     if head.reduce_in_bytes:
-        sim.malloc("reduce-scatter input", head.reduce_in_bytes)
+        _put(sim, "reduce-scatter input", head.reduce_in_bytes)
     if head.last_reduce_in_bytes:
         _backward_end(sim, head)
 
@@ -186,13 +210,11 @@ def _linear_loss_backward(sim: CachingAllocator, head: HeadTail) -> int:
     and counted with what the stream holds at the loss (so taken off again), then the head's
     backward as FSDP2 runs it -- its weights gathered again where it resharded, its input
     gradient, its reduce-scatter input (a held root's waits) -- and the end of backward."""
-    sim.malloc("head grad", head.grad_bytes)
-    if head.weights_bytes:
-        sim.malloc("head weights", head.weights_bytes)
-    if head.input_grad_bytes:
-        sim.malloc("head input grad", head.input_grad_bytes)
+    _put(sim, "head grad", head.grad_bytes)
+    _put(sim, "head weights", head.weights_bytes)
+    _put(sim, "head input grad", head.input_grad_bytes)
     _head_reduce(sim, head)
-    return sim.peak_reserved_bytes - round_size(head.grad_bytes)
+    return sim.peak_reserved_bytes - sum(round_size(b) for b in _parts(head.grad_bytes))
 
 
 def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
@@ -212,24 +234,20 @@ def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
     if not head.held_root:  # a held root's head gradient waits for the root's reduce-scatter
         gone.append("head grad")
     for name in gone:
-        if name in sim:
-            sim.free(name)
-    if head.last_weights_bytes:
-        sim.malloc("last weights", head.last_weights_bytes)
-    if head.last_grad_bytes:
-        sim.malloc("last grad", head.last_grad_bytes)
+        _drop(sim, name)
+    _put(sim, "last weights", head.last_weights_bytes)
+    _put(sim, "last grad", head.last_grad_bytes)
     # FSDPParamGroup.post_backward: the new gradients added into the accumulated ones (or, tied,
     # autograd added the embedding's into the head's in place), the unit resharded, then
     # foreach_reduce allocates the input
     gone = (["last grad", "head grad"] if head.accumulating else ["last grad"] if head.tied else [])
     if head.tied and head.tied_out_of_place:  # autograd's input buffer: head's + embedding's, into
-        sim.malloc("tied sum", head.grad_bytes)  # a new tensor, which becomes .grad
-        sim.free("last grad")
-        sim.free("head grad")
+        _put(sim, "tied sum", sum(_parts(head.grad_bytes)))  # a new tensor, which becomes .grad
+        _drop(sim, "last grad")
+        _drop(sim, "head grad")
         gone = ["tied sum"] if head.accumulating else []
     for name in gone + ["last weights", "head weights"]:
-        if name in sim:
-            sim.free(name)
+        _drop(sim, name)
     sim.malloc("last reduce-scatter input", head.last_reduce_in_bytes)
 
 

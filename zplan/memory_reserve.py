@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from . import activation_memory, allocator, policy
+from . import activation_memory, allocator, arch, policy
 from . import memory as _memory  # the model state and its helpers (read at call time: memory imports this module)
 from . import memory_timeline as mt
 from .comm import gather_dtype, regathered
@@ -32,7 +32,8 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
                start: Event | None = None) -> allocator.HeadTail | None:
     """The head unit's tensors around the loss (allocator.HeadTail) under FSDP2, from the sizes
     timeline's events use: its gathered weights where it is gathered again for backward
-    (comm.regathered), its unsharded gradients in the param dtype, its input gradient, and
+    (comm.regathered; each parameter's all-gather output, dim 0 padded to the shard degree),
+    its unsharded gradients in the param dtype (each parameter's, its own shape), its input gradient, and
     its reduce-scatter input in the reduce dtype unless it is the held root (whose head gradient
     is the head weight's alone in the head's backward, as the timeline's: the embedding's comes
     at the end of backward). The blocks' activations freed by the end of backward: their
@@ -50,21 +51,28 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
     padded, last = ms.unit_shards[i] * degree, ms.unit_shards[0] * degree
     largest = _memory._largest_params(sc, 1)
     pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
+
+    def gathered(unit) -> tuple[int, ...]:  # each parameter's all-gather output, padded
+        return tuple(nbytes(arch.fsdp_shard_elems(s, degree, sc.n) * degree, gather_dtype(sc, unit))
+                     for s in unit.shapes)
+
+    def grads(unit) -> tuple[int, ...]:  # autograd's gradient of each, the parameter's own shape
+        return tuple(math.prod(s) * pb // 8 for s in unit.shapes)
     freed = activation_memory.largest_block_tensor_bytes(sc.model, t)
     if sc.assume.expandable_segments and start is not None:
         acts = mt.activations(sc)
         loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
         freed = max(start.live.get("activations", 0) - loss_b - acts.linear_loss["kept"], 0)
     return allocator.HeadTail(
-        weights_bytes=nbytes(padded, gather_dtype(sc, u)) if regathered(sc, st, u) else 0,
-        grad_bytes=(largest[i] if u.held else padded) * pb // 8,
+        weights_bytes=gathered(u) if regathered(sc, st, u) else 0,
+        grad_bytes=largest[i] * pb // 8 if u.held else grads(u),
         input_grad_bytes=t.seq_len * t.micro_batch * sc.model.hidden * activation_memory.act_dtype_bytes(t),
         reduce_in_bytes=0 if u.held else padded * rb // 8,
         # the unit reduced last: its weights where gathered again (not the head's own unit),
         # the embedding weight's gradient (a held root's other gradients exist already), the
         # whole unit's reduce-scatter input
-        last_weights_bytes=nbytes(last, gather_dtype(sc, first)) if i and regathered(sc, st, first) else 0,
-        last_grad_bytes=(largest[0] if first.held else last) * pb // 8,
+        last_weights_bytes=gathered(first) if i and regathered(sc, st, first) else 0,
+        last_grad_bytes=largest[0] * pb // 8 if first.held else grads(first),
         last_reduce_in_bytes=last * rb // 8,
         freed_block_bytes=freed,
         held_root=u.held, tied=u.held and sc.model.tied_embeddings,
