@@ -549,3 +549,39 @@ def test_unmappable_pages_are_counted_per_segment_and_per_pool():
     ex.free("b")  # stream x's segment wholly free: its 40 MiB, once
     assert ex.unmappable_bytes() == 40 * MiB + 2 * MiB
     assert ex.wholly_free_bytes() == 0
+
+
+def test_the_fragmentation_assumption_quotes_the_reserved_matrix_shipped():
+    """estimate's fragmentation assumption states the planner's error against the allocator
+    replayed over traced steps; the figures are docs/reserved-matrix.md's summary line (the
+    script that writes it, benchmarks/reserved_matrix.py), not a copy left behind by a change."""
+    import re
+    from pathlib import Path
+
+    from zplan.estimate import assumptions
+
+    doc = (Path(__file__).parent.parent / "docs/reserved-matrix.md").read_text()
+    meaning = assumptions(build(cpu_ranks(model="llama-3.1-8b", gpus="8")))["fragmentation"]["meaning"]
+    for name, quoted in (("classic", "classic segments"), ("expandable", "expandable ones")):
+        mean, lo, hi = re.search(name + r" segments: mean error ([+-][0-9.]+%), from ([+-][0-9.]+%) to "
+                                 r"([+-][0-9.]+%)", doc).groups()
+        assert f"from {lo} to {hi} with {quoted}, mean {mean}" in meaning, (name, mean, lo, hi, meaning)
+
+
+def test_each_parameter_is_gathered_padded_to_the_shard_degree():
+    """FSDP2 pads each parameter's dim 0 to the shard degree (FSDPParam: torch.chunk's first
+    chunk, times the degree) and gathers it into a storage of its own: on 6 ranks Llama 3.1 8B's
+    k and v (1024 rows) gather 1026 rows each, the block's other weights divide evenly; the
+    parameters' bytes add up to the unit's padded shard (model_state) times the degree."""
+    from zplan.memory import model_state
+    from zplan.memory_reserve import gathered_param_bytes
+    from zplan.strategies import effective
+
+    sc = build(cpu_ranks(model="llama-3.1-8b", gpus="6", seq_len=2048))
+    st = effective("zero3", "torch")
+    block = next(i for i, u in enumerate(sc.units) if u.blocks)
+    got = gathered_param_bytes(sc, st, sc.units[block])
+    want = {(4096,): 4098 * 2, (4096, 4096): 4098 * 4096 * 2, (1024, 4096): 1026 * 4096 * 2,
+            (14336, 4096): 14340 * 4096 * 2, (4096, 14336): 4098 * 14336 * 2}
+    assert got == tuple(want[s] for s in sc.units[block].shapes)
+    assert sum(got) == model_state(sc, st).unit_shards[block] * 6 * 2

@@ -85,14 +85,17 @@ def _block_tensors(T, h, kv, f, heads, recompute):
     return [x for x in s if not (x[0] == "-" and x[1] in saved)]
 
 
-def _oracle_free_at_forward_end(T, k, L=126, h=16384, kv=1024, f=53248, heads=128, vocab=128256):
+def _oracle_free_at_forward_end(T, k, L=126, h=16384, kv=1024, f=53248, heads=128, vocab=128256, ranks=512):
     """Llama 3.1 405B's forward under FSDP2 (the default stream): the embedding unit's gathered
     weight freed before the first block, then each block's nine weights gathered into storages
     of their own, its tensors, its weights freed at its reshard; the first k blocks checkpointed.
-    The free cached bytes when the forward ends."""
+    Each storage is its parameter's all-gather output, rows padded to a multiple of the ranks
+    (FSDPParam.init_all_gather_outputs: the padded shard times the world): the vocabulary's
+    128,256 rows gather as 128,512 on 512 ranks; the blocks' rows divide evenly. The free cached
+    bytes when the forward ends."""
     shapes = [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (f, h), (f, h), (h, f)]
     a = _Oracle()
-    a.malloc("embed", 2 * vocab * h)
+    a.malloc("embed", 2 * -(-vocab // ranks) * ranks * h)
     a.malloc(("out", -1), 2 * T * h)
     a.free("embed")
     for i in range(L):

@@ -29,7 +29,7 @@ holes in the blocks they freed; forward_residue_bytes), and the default stream r
 least that; the all-gather
 stream is simulated whole (all_gather_stream_reserved). Elsewhere the model assumes cached
 blocks are reused fully (docs/reserved-matrix.md holds it against the allocator replayed over
-every tensor of traced steps: from 1.9% below to 3.5% above with classic segments, mean -0.1%).
+every tensor of traced steps: from -0.9% to +0.6% with classic segments, mean -0.2%).
 `--fragmentation F` replaces all this with the flat assumption reserved = (1 + F) x allocated.
 """
 

@@ -227,8 +227,8 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
                                      "peak packed, the all-gather stream simulated, the holes the loss and "
                                      "the head leave and what a checkpointed forward leaves, simulated "
                                      "tensor by tensor (against the allocator replayed over traced steps: "
-                                     "1.9% below to 3.5% above with classic segments, mean -0.1%; "
-                                     "0.5-3.9% below with expandable ones, "
+                                     "from -0.9% to +0.6% with classic segments, mean -0.2%; "
+                                     "from -0.0% to +1.5% with expandable ones, mean +0.4%: "
                                      "docs/reserved-matrix.md), or a flat fraction if given"},
         "expandable_segments": {"value": a.expandable_segments, "flag": "--expandable-segments",
                                 "meaning": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run"},

@@ -52,10 +52,6 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
     largest = _memory._largest_params(sc, 1)
     pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
 
-    def gathered(unit) -> tuple[int, ...]:  # each parameter's all-gather output, padded
-        return tuple(nbytes(arch.fsdp_shard_elems(s, degree, sc.n) * degree, gather_dtype(sc, unit))
-                     for s in unit.shapes)
-
     def grads(unit) -> tuple[int, ...]:  # autograd's gradient of each, the parameter's own shape
         return tuple(math.prod(s) * pb // 8 for s in unit.shapes)
     freed = activation_memory.largest_block_tensor_bytes(sc.model, t)
@@ -64,20 +60,29 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
         loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
         freed = max(start.live.get("activations", 0) - loss_b - acts.linear_loss["kept"], 0)
     return allocator.HeadTail(
-        weights_bytes=gathered(u) if regathered(sc, st, u) else 0,
+        weights_bytes=gathered_param_bytes(sc, st, u) if regathered(sc, st, u) else 0,
         grad_bytes=largest[i] * pb // 8 if u.held else grads(u),
         input_grad_bytes=t.seq_len * t.micro_batch * sc.model.hidden * activation_memory.act_dtype_bytes(t),
         reduce_in_bytes=0 if u.held else padded * rb // 8,
         # the unit reduced last: its weights where gathered again (not the head's own unit),
         # the embedding weight's gradient (a held root's other gradients exist already), the
         # whole unit's reduce-scatter input
-        last_weights_bytes=gathered(first) if i and regathered(sc, st, first) else 0,
+        last_weights_bytes=gathered_param_bytes(sc, st, first) if i and regathered(sc, st, first) else 0,
         last_grad_bytes=largest[0] * pb // 8 if first.held else grads(first),
         last_reduce_in_bytes=last * rb // 8,
         freed_block_bytes=freed,
         held_root=u.held, tied=u.held and sc.model.tied_embeddings,
         tied_out_of_place=u.held and mt.fsdp_tied_grads_summed_out_of_place(sc),
         accumulating=_memory.accum_grad_bytes(sc, st) > 0)
+
+
+def gathered_param_bytes(sc: Scenario, st: Strategy, unit) -> tuple[int, ...]:
+    """Each of a unit's parameters gathered by FSDP2 (torch layout), bytes: one storage per
+    parameter (FSDPParam.all_gather_outputs), its dim 0 padded to the shard degree
+    (arch.fsdp_shard_elems), in the dtype it is gathered in (comm.gather_dtype)."""
+    degree = sc.shard_degree(st.hsdp)
+    return tuple(nbytes(arch.fsdp_shard_elems(s, degree, sc.n) * degree, gather_dtype(sc, unit))
+                 for s in unit.shapes)
 
 
 def all_gather_reserved(sc: Scenario, st: Strategy, ms: _memory.ModelState) -> int:
@@ -128,13 +133,13 @@ def forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
     if steps is None:
         return None
     units = [u for u in sc.units if u.blocks]
-    pb = DTYPE_BITS[t.precision.param] // 8
     gathers = st.fsdp and t.layout == "torch"
-    params = tuple(tuple(math.prod(shape) * pb for shape in u.shapes) if gathers else () for u in units)
+    params = tuple(gathered_param_bytes(sc, st, u) if gathers else () for u in units)
     reshard = tuple(gathers and st.reshard_after_forward and not policy.unit_stays_gathered(u, t, m.num_layers)
                     for u in units)
     first = sc.units[0]
-    embed = first.numel * pb if gathers and st.reshard_after_forward and not (first.blocks or first.held) else 0
+    embed = (sum(gathered_param_bytes(sc, st, first))
+             if gathers and st.reshard_after_forward and not (first.blocks or first.held) else 0)
     input_b = activation_memory.stream_dtype_bytes(t) * t.seq_len * t.micro_batch * m.hidden
     return _holes(steps, input_b, params, reshard, tuple(u.blocks for u in units), embed, block_steps,
                   sc.assume.expandable_segments)
