@@ -9,6 +9,7 @@ import pytest
 
 from zplan import presets
 from zplan.errors import PlanError, UsageError
+from zplan.estimate import TIGHT_FREE_FRACTION
 from zplan.recommend import search
 from tests.helpers import scenario
 
@@ -617,17 +618,46 @@ def test_when_nothing_fits_expandable_segments_are_the_first_hint_where_they_mak
 
 
 def test_configurations_searched_count_the_expandable_search_too():
-    """recommend searches twice where the plan assumes classic segments (the second time under
-    expandable ones): "N configurations searched" counts both searches, each counted on its own."""
+    """recommend searches again where the plan assumes classic segments, under expandable ones
+    (first relaxed, no forward hole priced; exactly only where the relaxed best beats the
+    winner): "N configurations searched" counts every search, each counted on its own."""
     from dataclasses import replace
+
+    from zplan.memory_reserve import without_forward_holes
 
     sc = scenario(model="llama-3.1-8b", gpus="8")
     assert not sc.assume.expandable_segments and sc.assume.fragmentation is None
     alone = search(sc, 64, alternatives=False).evaluated
     other = replace(sc, assume=sc.assume.model_copy(update={"expandable_segments": True}))
-    second = search(other, 64, alternatives=False).evaluated
-    assert search(sc, 64).evaluated == alone + second and second > 0
-    assert search(other, 64).evaluated == second  # planned under expandable: one search
+    with without_forward_holes():
+        relaxed = search(other, 64, alternatives=False).evaluated
+    assert search(sc, 64).evaluated == alone + relaxed and relaxed > 0  # the gate held: no exact search
+    assert search(other, 64).evaluated == search(other, 64, alternatives=False).evaluated  # planned under expandable: one search
+
+
+@pytest.mark.parametrize("kw, gb", [(dict(model="llama-3.1-8b", gpus="8"), 64),
+                                    (dict(model="llama-3.1-70b", gpus="64", seq_len=8192), 512),
+                                    (dict(model="llama-3.1-70b", gpus="16"), 64),
+                                    (dict(model="llama-3.1-70b", gpus="32"), 64)])  # better here: the exact search runs
+@pytest.mark.parametrize("objective", ["throughput", "memory"])
+def test_the_relaxed_gate_answers_as_the_exact_expandable_search(kw, gb, objective):
+    """The expandable-segments alternative beside a classic winner: the relaxed search (no
+    forward hole priced, never more reserved) skips the exact one where its best is not better;
+    the flag is then exactly the exact search's (better or not; the same configuration where
+    better)."""
+    from dataclasses import replace
+
+    from zplan.recommend import _better, _expandable_alternative
+
+    sc = scenario(**kw)
+    winner = search(sc, gb, objective, alternatives=False).winner
+    other = replace(sc, assume=sc.assume.model_copy(update={"expandable_segments": True}))
+    exact = search(other, gb, objective, alternatives=False).winner
+    gated, _ = _expandable_alternative(sc, gb, objective, TIGHT_FREE_FRACTION, None, frozenset(), winner)
+    better = _better(exact, winner, objective)
+    assert (gated is not None and _better(gated, winner, objective)) == better
+    if better:
+        assert gated.label() == exact.label()
 
 
 @pytest.mark.parametrize("family", ["zero3", "ddp"])

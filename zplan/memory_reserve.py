@@ -9,6 +9,8 @@ section 3.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 
 from . import activation_memory, allocator, arch, policy
@@ -80,9 +82,12 @@ def gathered_param_bytes(sc: Scenario, st: Strategy, unit) -> tuple[int, ...]:
     """Each of a unit's parameters gathered by FSDP2 (torch layout), bytes: one storage per
     parameter (FSDPParam.all_gather_outputs), its dim 0 padded to the shard degree
     (arch.fsdp_shard_elems), in the dtype it is gathered in (comm.gather_dtype)."""
-    degree = sc.shard_degree(st.hsdp)
-    return tuple(nbytes(arch.fsdp_shard_elems(s, degree, sc.n) * degree, gather_dtype(sc, unit))
-                 for s in unit.shapes)
+    return _gathered(unit.shapes, sc.shard_degree(st.hsdp), sc.n, gather_dtype(sc, unit))
+
+
+@lru_cache(maxsize=1024)
+def _gathered(shapes: tuple, degree: int, world: int, dtype: str) -> tuple[int, ...]:
+    return tuple(nbytes(arch.fsdp_shard_elems(s, degree, world) * degree, dtype) for s in shapes)
 
 
 def all_gather_reserved(sc: Scenario, st: Strategy, ms: _memory.ModelState) -> int:
@@ -105,6 +110,20 @@ def _ag_reserved(forward: tuple[int, ...], backward: tuple[int, ...], expandable
     return allocator.all_gather_stream_reserved(list(forward), list(backward), expandable)
 
 
+_HOLES_PRICED = ContextVar("forward_holes_priced", default=True)
+
+
+@contextmanager
+def without_forward_holes():
+    """forward_holes answers None inside (no hole priced): a relaxation, never more reserved
+    than with them, for recommend's gate on its expandable-segments search."""
+    token = _HOLES_PRICED.set(False)
+    try:
+        yield
+    finally:
+        _HOLES_PRICED.reset(token)
+
+
 def forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
     """allocator.forward_holes for this scenario and strategy (classic or expandable segments, a
     block order activation_memory.forward_tensor_steps derives): FSDP2 (torch layout) gathers each block
@@ -116,7 +135,7 @@ def forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
     the allocator model). Expandable segments were None here before 2026-12-07 (no hole priced:
     the planner read 0.5-3.9% below the replay in every cell of docs/reserved-matrix.md)."""
     t, m = sc.train, sc.model
-    if sc.assume.fragmentation is not None:
+    if sc.assume.fragmentation is not None or not _HOLES_PRICED.get():
         return None
     steps, block_steps = activation_memory.forward_tensor_steps(m, t), ()
     if steps is None and policy.uniform_mode(t, m.num_layers) in policy.PARTIAL_CHECKPOINTING:

@@ -400,8 +400,8 @@ def _search(base: Scenario, global_batch: int, objective: str = "throughput",
         best.setdefault(c.family, c)
     lost = {f: _why_lost(c, winner, objective) for f, c in best.items() if c is not winner}
     flags = _flags(base, winner)
-    alt, alt_evaluated = (_expandable_alternative(base, global_batch, objective, headroom, families, pinned)
-                          if alternatives else (None, 0))
+    alt, alt_evaluated = (_expandable_alternative(base, global_batch, objective, headroom, families, pinned,
+                                                  winner) if alternatives else (None, 0))
     evaluated += alt_evaluated  # the second search's configurations are searched too
     if alt is not None and _better(alt, winner, objective):
         if alt.label() == winner.label():
@@ -429,22 +429,39 @@ def _expandable_run(base: Scenario) -> str:
 
 
 def _expandable_alternative(base: Scenario, global_batch: int, objective: str, headroom: float,
-                            families: list[str] | None,
-                            pinned: frozenset[str] = frozenset()) -> tuple[Candidate | None, int]:
+                            families: list[str] | None, pinned: frozenset[str] = frozenset(),
+                            winner: Candidate | None = None) -> tuple[Candidate | None, int]:
     """The winner were the run to use expandable segments, where the plan assumes PyTorch's
     classic ones (and no flat --fragmentation): one segment per stream, grown in 20 MiB pages,
     leaves fewer holes (docs/reserved-matrix.md: 1-15% less reserved than classic segments on
     the same traced steps), which can fit a larger micro-batch or less recomputation. None where
-    it does not apply or nothing fits either way; with the configurations that search tried."""
+    it does not apply or nothing fits either way; with the configurations that search tried.
+    Beside a classic `winner`, a relaxed search goes first (no forward hole priced:
+    memory_reserve.without_forward_holes, never more reserved, so each configuration fits there
+    if it fits at all): where its best is not _better than the winner, neither is the exact
+    search's, which is skipped (its forward simulations doubled the search's time)."""
     a = base.assume
     if a.expandable_segments or a.fragmentation is not None:
         return None, 0
     other = replace(base, assume=a.model_copy(update={"expandable_segments": True}))
+    relaxed = 0
+    if winner is not None:
+        from .memory_reserve import without_forward_holes
+
+        try:
+            with without_forward_holes():
+                r = search(other, global_batch, objective, headroom, families, alternatives=False, pinned=pinned)
+        except (PlanError, UsageError):
+            return None, 0
+        key = (lambda c: c.step_s) if objective == "throughput" else (lambda c: c.total_bytes)
+        if not _better(min(r.ranked, key=key), winner, objective):
+            return None, r.evaluated
+        relaxed = r.evaluated
     try:
         r = search(other, global_batch, objective, headroom, families, alternatives=False, pinned=pinned)
     except (PlanError, UsageError):
-        return None, 0
-    return r.winner, r.evaluated
+        return None, relaxed
+    return r.winner, relaxed + r.evaluated
 
 
 def _better(c: Candidate, w: Candidate, objective: str) -> bool:
