@@ -214,7 +214,7 @@ def _linear_loss_backward(sim: CachingAllocator, head: HeadTail) -> int:
     _put(sim, "head weights", head.weights_bytes)
     _put(sim, "head input grad", head.input_grad_bytes)
     _head_reduce(sim, head)
-    return sim.peak_reserved_bytes - sum(round_size(b) for b in _parts(head.grad_bytes))
+    return sim.peak_reserved_bytes - sum(round_size(b) for b in _parts(head.grad_bytes) if b)
 
 
 def _backward_end(sim: CachingAllocator, head: HeadTail) -> None:
@@ -264,7 +264,9 @@ def forward_residue_bytes(transient: int, largest: int, loss_tensors: list[int],
     traced steps (docs/reserved-matrix.md; Llama 2 7B at 16,384 tokens per micro-batch, full
     checkpointing: 1.36 GiB of such blocks free when the loss began, where this gives 1.13)."""
     if transient <= 0 or largest < MIN_LARGE_ALLOC_BYTES:
-        return 0  # tensors under 10 MiB share 20 MiB segments, which later requests reuse
+        # tensors under 10 MiB share 20 MiB segments, which later requests reuse; with expandable
+        # segments, holes that small inside the one segment are assumed reused the same way
+        return 0
     return max(0, transient - sum(b for b in loss_tensors if 0 < b <= largest))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -24,6 +25,7 @@ from .parse import check_choice
 from .estimate import (TIGHT_FREE_FRACTION, StrategyEstimate, estimate_one, fit_margin, fits,
                        unaligned_gemm_dims, unavailable_reason)
 from .memory import allocated_bytes, memory
+from .memory_reserve import without_forward_holes
 from .scenario import Scenario
 from .specs import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, TE_FLOAT8_UNMODELLED
 from .strategies import STRATEGIES, effective
@@ -246,7 +248,8 @@ def default_per_gpu(base: Scenario, pinned: frozenset[str], fallback: int) -> in
 
 def search(base: Scenario, global_batch: int, objective: str = "throughput",
            headroom: float = TIGHT_FREE_FRACTION, families: list[str] | None = None,
-           alternatives: bool = True, pinned: frozenset[str] = frozenset()) -> Recommendation:
+           alternatives: bool = True, pinned: frozenset[str] = frozenset(),
+           relaxed: bool = False) -> Recommendation:
     """_search with Python's cycle collector paused: the search makes hundreds of thousands of
     short-lived objects (events, allocator blocks, DeepSpeed's simulated trace) and no cycles
     worth collecting, and the collections that its allocations triggered, each walking every
@@ -254,7 +257,8 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _search(base, global_batch, objective, headroom, families, alternatives, pinned)
+        return _search(base, global_batch, objective, headroom, families, alternatives, pinned,
+                       relaxed)
     finally:
         if enabled:
             gc.enable()
@@ -262,11 +266,17 @@ def search(base: Scenario, global_batch: int, objective: str = "throughput",
 
 def _search(base: Scenario, global_batch: int, objective: str = "throughput",
             headroom: float = TIGHT_FREE_FRACTION, families: list[str] | None = None,
-            alternatives: bool = True, pinned: frozenset[str] = frozenset()) -> Recommendation:
+            alternatives: bool = True, pinned: frozenset[str] = frozenset(),
+            relaxed: bool = False) -> Recommendation:
     """Search every configuration; raise PlanError with what would help when nothing fits.
     With `alternatives`, also under expandable segments where the plan assumes classic ones
     (`_expandable_alternative`): a flag, or a hint when nothing fits, where they change the
-    answer. `pinned`: the options of PINNABLE the user gave, kept at the scenario's values."""
+    answer. `pinned`: the options of PINNABLE the user gave, kept at the scenario's values.
+    Each checkpointing mode takes the two largest micro-batches that fit, from the largest
+    that fits with prefetch off. `relaxed`: that largest one found as always, the candidates
+    from it on judged without the forward's holes (memory_reserve.without_forward_holes: never
+    more reserved), so each is at least as fast as the exact search's at the same micro-batch
+    (first-k: no more blocks checkpointed); _expandable_alternative's gate."""
     n = base.n
     pinned = frozenset(pinned) & PINNABLE
     if global_batch % n:
@@ -283,6 +293,7 @@ def _search(base: Scenario, global_batch: int, objective: str = "throughput",
     unavailable: set[str] = set()
     evaluated = 0
     L = base.model.num_layers
+    holes_off = without_forward_holes if relaxed else nullcontext
     for family in families:
         variants = _variants(base, family)
         why = unavailable_reason(variants[0], family) if variants else None
@@ -317,11 +328,12 @@ def _search(base: Scenario, global_batch: int, objective: str = "throughput",
                     if objective == "memory":  # the least memory: the smallest micro-batch, no
                         # prefetch; and one micro-batch per step, which holds no accumulated
                         # gradients (--reduce-last-only) and may need less
-                        for mb in sorted({mbs[-1], per_gpu} & set(mbs)):
-                            sc = at(mb, prefetches[-1])
-                            evaluated += 1
-                            if fits(sc, family, usable):
-                                found.append(Candidate(family, sc, estimate_one(sc, family), usable))
+                        with holes_off():  # relaxed: the forward's holes not priced
+                            for mb in sorted({mbs[-1], per_gpu} & set(mbs)):
+                                sc = at(mb, prefetches[-1])
+                                evaluated += 1
+                                if fits(sc, family, usable):
+                                    found.append(Candidate(family, sc, estimate_one(sc, family), usable))
                         continue
                     # one micro-batch per step (no accumulation) holds no accumulated gradients
                     # (--reduce-last-only) and, under DeepSpeed's ZeRO-1, no whole gradients: it
@@ -336,33 +348,41 @@ def _search(base: Scenario, global_batch: int, objective: str = "throughput",
                             mbs[one:], lambda mb: fits(at(mb, False), family, usable))
                         start = one + rest
                     evaluated += probes
-                    unneeded = False  # first-k: nothing checkpointed fits already
-                    for mb in mbs[start:]:
-                        for prefetch in prefetches:
-                            sc = at(mb, prefetch)
-                            if first_k:  # the fewest blocks checkpointed that fit
-                                evaluated += 1
-                                ok, none_over = fit_margin(at(mb, prefetch, mode="none"), family, usable)
-                                if ok:
-                                    # first-k would only recompute more, here and at every
-                                    # smaller micro-batch (memory falls with it)
-                                    unneeded = True
-                                    break
-                                k, probes = _least_first_k(
-                                    lambda k: fit_margin(at(mb, prefetch, k), family, usable), L, none_over)
-                                evaluated += probes
-                                if k is None:
-                                    continue
-                                sc = at(mb, prefetch, k)
-                            else:
-                                evaluated += 1
-                                if not fits(sc, family, usable):
-                                    continue
-                            found.append(Candidate(family, sc, estimate_one(sc, family), usable))
-                            taken += 1
-                            break  # prefetch off only when prefetch on does not fit
-                        if taken >= 2 or unneeded:
-                            break
+                    with holes_off():  # relaxed: from the exact start on, the forward's holes not priced
+                        unneeded = False  # first-k: nothing checkpointed fits already
+                        for mb in mbs[start:]:
+                            for prefetch in prefetches:
+                                sc = at(mb, prefetch)
+                                if first_k:  # the fewest blocks checkpointed that fit
+                                    evaluated += 1
+                                    ok, none_over = fit_margin(at(mb, prefetch, mode="none"), family, usable)
+                                    if ok and relaxed:  # a bound for the exact search's first-k here:
+                                        # nothing checkpointed, and on to the next micro-batch, which
+                                        # the exact search may reach
+                                        sc = at(mb, prefetch, mode="none")
+                                        found.append(Candidate(family, sc, estimate_one(sc, family), usable))
+                                        taken += 1
+                                        break
+                                    if ok:
+                                        # first-k would only recompute more, here and at every
+                                        # smaller micro-batch (memory falls with it)
+                                        unneeded = True
+                                        break
+                                    k, probes = _least_first_k(
+                                        lambda k: fit_margin(at(mb, prefetch, k), family, usable), L, none_over)
+                                    evaluated += probes
+                                    if k is None:
+                                        continue
+                                    sc = at(mb, prefetch, k)
+                                else:
+                                    evaluated += 1
+                                    if not fits(sc, family, usable):
+                                        continue
+                                found.append(Candidate(family, sc, estimate_one(sc, family), usable))
+                                taken += 1
+                                break  # prefetch off only when prefetch on does not fit
+                            if taken >= 2 or unneeded:
+                                break
         if found:
             feasible += found
         else:
@@ -436,21 +456,25 @@ def _expandable_alternative(base: Scenario, global_batch: int, objective: str, h
     leaves fewer holes (docs/reserved-matrix.md: 1-15% less reserved than classic segments on
     the same traced steps), which can fit a larger micro-batch or less recomputation. None where
     it does not apply or nothing fits either way; with the configurations that search tried.
-    Beside a classic `winner`, a relaxed search goes first (no forward hole priced:
-    memory_reserve.without_forward_holes, never more reserved, so each configuration fits there
-    if it fits at all): where its best is not _better than the winner, neither is the exact
-    search's, which is skipped (its forward simulations doubled the search's time)."""
+    Beside a classic `winner`, a relaxed search goes first (_search's `relaxed`: each mode's
+    largest micro-batch found exactly, the candidates from it on judged with no forward hole
+    priced, memory_reserve.without_forward_holes, never more reserved): at each micro-batch the
+    exact search takes (the largest that fits and the next, memory falling with the
+    micro-batch), the relaxed one has a candidate at least as fast (no more blocks
+    checkpointed; where nothing checkpointed fits relaxed, that one, and on to the next
+    micro-batch; prefetch on where it fits), so where its best is not _better than the winner,
+    neither is the exact search's, which is skipped: pricing the forward's holes in it had
+    doubled the search's time. This holds as far as a step is no slower with fewer blocks
+    checkpointed or with prefetch on, which the time model gives."""
     a = base.assume
     if a.expandable_segments or a.fragmentation is not None:
         return None, 0
     other = replace(base, assume=a.model_copy(update={"expandable_segments": True}))
     relaxed = 0
     if winner is not None:
-        from .memory_reserve import without_forward_holes
-
         try:
-            with without_forward_holes():
-                r = search(other, global_batch, objective, headroom, families, alternatives=False, pinned=pinned)
+            r = search(other, global_batch, objective, headroom, families, alternatives=False, pinned=pinned,
+                       relaxed=True)
         except (PlanError, UsageError):
             return None, 0
         key = (lambda c: c.step_s) if objective == "throughput" else (lambda c: c.total_bytes)
