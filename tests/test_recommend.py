@@ -924,3 +924,29 @@ def test_the_family_heading_comes_only_with_families_to_list(capsys):
     lines = every.stdout.splitlines()
     i = lines.index("Each strategy family:")
     assert every.returncode == 0 and lines[i + 1].startswith("  ")
+
+
+@pytest.mark.parametrize("kw", [dict(model="llama-3.1-8b", gpus=8, layout="torch", micro_batch=2, grad_accum=4),
+                                dict(model="llama-3.1-70b", gpus=64, layout="torch", seq_len=8192),
+                                dict(model="llama-3.1-8b", gpus=32, gpu="a100-40gb", cluster="dgx-a100"),
+                                dict(model="llama-3.1-70b", gpus=64, layout="zero", deepspeed_defaults=True)])
+@pytest.mark.parametrize("family", ["zero2", "zero3", "hsdp"])
+def test_a_step_is_no_slower_with_fewer_blocks_checkpointed_or_with_prefetch_on(kw, family):
+    """What recommend's relaxed gate (_expandable_alternative) rests on, held on the time model
+    itself: a step is no slower with fewer blocks checkpointed (none <= first-1 <= ... <= full)
+    and no slower with prefetch on than off."""
+    from zplan.estimate import estimate_one
+
+    L = scenario(**kw).model.num_layers
+    modes = ([dict(checkpointing="none")] + [dict(checkpointing="first-k", checkpoint_first=k)
+                                              for k in (1, L // 4, L // 2, L - 1)] + [dict(checkpointing="full")])
+    for prefetch in (True, False):
+        steps = [estimate_one(scenario(**kw, **m, prefetch=prefetch), family) for m in modes]
+        if steps[0].timing is None:  # the family does not run here
+            continue
+        times = [e.timing.step_s for e in steps]
+        assert times == sorted(times), (family, prefetch, times)
+    for m in modes:
+        on, off = (estimate_one(scenario(**kw, **m, prefetch=p), family) for p in (True, False))
+        if on.timing is not None:
+            assert on.timing.step_s <= off.timing.step_s * (1 + 1e-12), (family, m)
