@@ -356,24 +356,22 @@ def _search(base: Scenario, global_batch: int, objective: str = "throughput",
                                 if first_k:  # the fewest blocks checkpointed that fit
                                     evaluated += 1
                                     ok, none_over = fit_margin(at(mb, prefetch, mode="none"), family, usable)
-                                    if ok and relaxed:  # a bound for the exact search's first-k here:
-                                        # nothing checkpointed, and on to the next micro-batch, which
-                                        # the exact search may reach
-                                        sc = at(mb, prefetch, mode="none")
-                                        found.append(Candidate(family, sc, estimate_one(sc, family), usable))
-                                        taken += 1
-                                        break
-                                    if ok:
+                                    if ok and not relaxed:
                                         # first-k would only recompute more, here and at every
                                         # smaller micro-batch (memory falls with it)
                                         unneeded = True
                                         break
-                                    k, probes = _least_first_k(
-                                        lambda k: fit_margin(at(mb, prefetch, k), family, usable), L, none_over)
-                                    evaluated += probes
-                                    if k is None:
-                                        continue
-                                    sc = at(mb, prefetch, k)
+                                    if ok:  # relaxed: a bound for the exact search's first-k here,
+                                        # nothing checkpointed, and on to the next micro-batch, which
+                                        # the exact search may reach
+                                        sc = at(mb, prefetch, mode="none")
+                                    else:
+                                        k, probes = _least_first_k(
+                                            lambda k: fit_margin(at(mb, prefetch, k), family, usable), L, none_over)
+                                        evaluated += probes
+                                        if k is None:
+                                            continue
+                                        sc = at(mb, prefetch, k)
                                 else:
                                     evaluated += 1
                                     if not fits(sc, family, usable):
