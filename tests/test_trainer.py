@@ -98,10 +98,13 @@ def test_the_root_reshards_as_the_plan_says(run_zplan, tmp_path):
     gathers it again for backward; `root-kept` keeps it gathered (the trainer passes
     reshard_after_forward=False to the root). The trainer's measured traffic equals the
     prediction for both, and they differ by the root's elements once per micro-batch: the tiny
-    model's 256 x 256 embedding and head and its 256-element norm."""
-    got = _traffic_by_unit(run_zplan, tmp_path, ("root", "root-kept"))
-    (root, accum), (kept, _) = got["root"], got["root-kept"]
+    model's 256 x 256 embedding and head and its 256-element norm. `head-root-kept` (FSDP1's
+    embedding unit beside the decoder layers) keeps norm + head in the root and reshards the
+    embedding's own unit, gathered again for backward: 256 x 256 more than root-kept."""
+    got = _traffic_by_unit(run_zplan, tmp_path, ("root", "root-kept", "head-root-kept"))
+    (root, accum), (kept, _), (head_kept, _) = got["root"], got["root-kept"], got["head-root-kept"]
     assert root - kept == accum * (256 * 256 * 2 + 256)
+    assert head_kept - kept == accum * 256 * 256
 
 
 def test_the_head_unit_stays_gathered_as_the_plan_says(run_zplan, tmp_path):

@@ -175,8 +175,10 @@ def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separa
     """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's order).
 
     Tied embeddings share one weight between the first and the last module, so both sit in one
-    held unit, FSDP's root; `embed_head_unit` root or root-kept puts them there untied too
-    (policy.separate_embed_head, policy.root_reshards). A synthetic model (bare --params)
+    held unit, FSDP's root; `embed_head_unit` root or root-kept puts them there untied too, and
+    head-root-kept norm + head alone, after the embeddings' unit (policy.embed_unit,
+    policy.head_unit, policy.root_reshards). The held root comes first: FSDP gathers it at its
+    pre-forward, before any other unit's. A synthetic model (bare --params)
     is `num_layers` flat units of equal size.
     """
     L = m.num_layers
@@ -199,12 +201,12 @@ def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separa
         blocks.append(Unit(name, bs * g, g, done, bmm * g))
         done += g
     head_mm = m.vocab_size * m.hidden
-    if not policy.separate_embed_head(m.tied_embeddings, embed_head_unit):
-        root = Unit("embed+head", tuple(embed_shapes(m) + head_shapes(m)), 0, 0, head_mm, held=True)
-        return tuple([root] + blocks)
-    return tuple([Unit("embed", tuple(embed_shapes(m)), 0, 0, 0)] + blocks + [
-        Unit("norm+head", tuple(head_shapes(m)), 0, L, head_mm)
-    ])
+    embed = [Unit("embed", tuple(embed_shapes(m)), 0, 0, 0)] if policy.embed_unit(m.tied_embeddings, embed_head_unit) else []
+    if not policy.head_unit(m.tied_embeddings, embed_head_unit):
+        # the root, first in forward order (FSDP gathers it at its pre-forward), last in backward
+        name, shapes = ("norm+head", head_shapes(m)) if embed else ("embed+head", embed_shapes(m) + head_shapes(m))
+        return tuple([Unit(name, tuple(shapes), 0, 0, head_mm, held=True)] + embed + blocks)
+    return tuple(embed + blocks + [Unit("norm+head", tuple(head_shapes(m)), 0, L, head_mm)])
 
 
 # the smallest decoder synthetic() can build, one block of width 128 (12 h^2) with its 32,000-token

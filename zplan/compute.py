@@ -182,7 +182,8 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
              comms: list[UnitComm], with_reduce: bool) -> list[UnitOverlap]:
     """Exposed communication per unit for one micro-batch.
 
-    A held root that holds the head (tied embeddings, `embed_head_unit` root or root-kept) runs
+    A held root that holds the head (tied embeddings, `embed_head_unit` root, root-kept or
+    head-root-kept; there the embedding is unit 1, its lookup no time either) runs
     its compute at the other end of the step from its place as unit 0: its embedding lookup
     (taken as no time) first in forward, its norm + head last; in backward the head first and
     the embedding's gradient last (FSDP2's root; memory_timeline.py orders it the same). So

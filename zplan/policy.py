@@ -1,7 +1,7 @@
 """Modelling decisions the planner and the trainer must make the same way, made once, here.
 
 - Unit grouping: which transformer blocks share one all-gather (`block_groups`), and whether the
-  embeddings and the norm + head are units of their own (`separate_embed_head`).
+  embeddings and the norm + head are units of their own (`embed_unit`, `head_unit`).
 - Activation checkpointing: which blocks are wrapped (`checkpointed_blocks`, including every-k
   and first-k),
   and, for the selective policy, which ops' outputs are kept (`selective_saved_matmuls`,
@@ -36,22 +36,29 @@ def block_groups(num_layers: int, blocks_per_unit: int) -> list[range]:
             for i in range(0, num_layers, blocks_per_unit)]
 
 
-def separate_embed_head(tied_embeddings: bool, embed_head_unit: str = "separate") -> bool:
-    """Embeddings and norm + head are units of their own (torchtitan's order), unless they share
-    one weight or the plan leaves them to the root (`TrainSpec.embed_head_unit` root or
-    root-kept, as auto-wrapping only the decoder layers does): then both are in the root, the
-    held unit, gathered in forward and in backward and, where it does not reshard
-    (`root_reshards`), in between."""
+def embed_unit(tied_embeddings: bool, embed_head_unit: str = "separate") -> bool:
+    """The embeddings are a unit of their own (torchtitan's order; FSDP1's auto-wrap policy
+    naming the embedding module besides the decoder layers, `head-root-kept`), unless they share
+    one weight with the head or the plan leaves them to the root (`TrainSpec.embed_head_unit`
+    root or root-kept, as auto-wrapping only the decoder layers does)."""
+    return not tied_embeddings and embed_head_unit in ("separate", "head-kept", "head-root-kept")
+
+
+def head_unit(tied_embeddings: bool, embed_head_unit: str = "separate") -> bool:
+    """The final norm + head are a unit of their own (`separate`, `head-kept`); otherwise they sit
+    in the root, the held unit, gathered in forward and in backward and, where it does not
+    reshard (`root_reshards`), in between; FSDP reduces its gradients at the end of backward
+    (the root's post-backward)."""
     return not tied_embeddings and embed_head_unit in ("separate", "head-kept")
 
 
 def root_reshards(embed_head_unit: str) -> bool:
     """Whether the root unit reshards after its forward and gathers again for its backward (with
     reshard_after_forward on): FSDP2 honours an explicit reshard_after_forward=True on the root
-    since PyTorch 2.8 (pytorch/pytorch PR 154704), as zplan's trainer passes it; "root-kept" is
-    FSDP1, which never frees the root after forward, and FSDP2 before 2.8 (the trainer passes
-    reshard_after_forward=False to the root for it)."""
-    return embed_head_unit != "root-kept"
+    since PyTorch 2.8 (pytorch/pytorch PR 154704), as zplan's trainer passes it; "root-kept" and
+    "head-root-kept" are FSDP1, which never frees the root after forward, and FSDP2 before 2.8
+    (the trainer passes reshard_after_forward=False to the root for them)."""
+    return embed_head_unit not in ("root-kept", "head-root-kept")
 
 
 def head_unit_reshards(embed_head_unit: str) -> bool:

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_PARAM_GROUPS, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_PARAM_GROUPS, EmbedHeadUnit, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 from .validated import ValidationError
@@ -60,7 +60,7 @@ class ScenarioOptions:
     optimizer_dtype: str = "fp32"
     layout: Optional[str] = None  # None: zero for estimate; recommend plans for its runner (--for)
     blocks_per_unit: int = 1
-    embed_head_unit: str = "separate"  # FSDP: separate | head-kept | root | root-kept (TrainSpec)
+    embed_head_unit: str = "separate"  # FSDP: separate | head-kept | root | root-kept | head-root-kept (TrainSpec)
     prefetch: bool = True
     fused_norm: Optional[bool] = None
     norm_output_fp32: bool = True
@@ -272,7 +272,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.optimizer_kernels != "fused" and o.optimizer not in ("adamw", "sgd"):
         raise UsageError(f"--optimizer-kernels {o.optimizer_kernels} is one of torch's AdamW and SGD "
                          f"implementations; --optimizer {o.optimizer} is priced as its own: drop --optimizer-kernels")
-    check_choice(o.embed_head_unit, "--embed-head-unit", ("separate", "head-kept", "root", "root-kept"))
+    check_choice(o.embed_head_unit, "--embed-head-unit", typing.get_args(EmbedHeadUnit))
     if layout == "zero" and o.embed_head_unit != "separate":
         raise UsageError(f"--embed-head-unit {o.embed_head_unit} is how FSDP groups its units; DeepSpeed "
                          "(the zero layout) gathers module by module: plan FSDP (--layout torch, or "

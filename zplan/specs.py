@@ -33,7 +33,7 @@ DEEPSPEED_PARAM_GROUPS: tuple[str, ...] = DeepSpeedParamGroups.__args__  # type:
 TE_FLOAT8_UNMODELLED = ("selective", "attention")  # checkpointing modes whose TE saves zplan does not know
 OptimizerName = Literal["adamw", "sgd", "adam8bit", "muon"]
 Layout = Literal["zero", "torch"]
-EmbedHeadUnit = Literal["separate", "head-kept", "root", "root-kept"]
+EmbedHeadUnit = Literal["separate", "head-kept", "root", "root-kept", "head-root-kept"]
 
 
 # Bounds on every number a spec holds. Generic (the base class checks every field, so fields
@@ -559,7 +559,9 @@ class TrainSpec(Spec):
         "FSDP2 on PyTorch >= 2.8 given reshard_after_forward, the loss computed outside the "
         "model); root-kept (left to the root, which stays gathered from its forward to its "
         "backward: FSDP1, e.g. HF Trainer / accelerate / Composer, and FSDP2 before PyTorch 2.8, "
-        "e.g. torchtitan until 2025-07). Tied embeddings are always in the root")
+        "e.g. torchtitan until 2025-07); head-root-kept (the embeddings a unit of their own, norm + "
+        "head left to the kept root: FSDP1 auto-wrapping the embedding module besides the decoder "
+        "layers). Tied embeddings are always in the root")
     reshard_after_forward: bool = True
     last_block_kept: bool = Field(
         False, description="FSDP: the unit of the last block stays gathered from its forward to "

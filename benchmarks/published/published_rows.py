@@ -96,7 +96,7 @@ class Row:
     loss_shifted_copy: bool = False  # the loss on a shifted copy of the fp32 logits (HF transformers 4.31)
     outputs_until_next_forward: bool = False  # the loop holds each output into the next forward
     last_block_kept: bool = False  # FSDP2 keeps the last block gathered after forward (torchtitan 2024-03..2025-07)
-    embed_head_unit: str = "separate"  # FSDP: separate | head-kept | root | root-kept (TrainSpec.embed_head_unit)
+    embed_head_unit: str = "separate"  # FSDP: separate | head-kept | root | root-kept | head-root-kept (TrainSpec.embed_head_unit)
     checkpoint_early_stop: bool = True  # non-reentrant checkpoint on PyTorch >= 2.1 (False: the whole block reruns)
     checkpoint_wraps_unit: bool = False  # FSDP: the checkpoint wraps each unit from outside (HF's gradient_checkpointing_enable)
     checkpoint_first: int | None = None  # first-k: how many leading blocks are checkpointed (required with it)
@@ -153,7 +153,7 @@ CHOICES = {"strategy": STRATEGIES, "checkpointing": CHECKPOINTING, "float8": FLO
            "reduce_dtype": DTYPES, "master_dtype": DTYPES, "optimizer_dtype": DTYPES, "memory_unit": tuple(MEMORY_UNITS), "memory_kind": MEMORY_KINDS,
            "gpu": tuple(GPU_KINDS), "attention_kernel": ATTENTION_KERNELS,
            "compile_scope": COMPILE_SCOPES, "layout": ("torch", "zero"), "deepspeed_param_groups": ("one", "split"),
-           "embed_head_unit": ("separate", "head-kept", "root", "root-kept"),
+           "embed_head_unit": ("separate", "head-kept", "root", "root-kept", "head-root-kept"),
            "optimizer_kernels": ("fused", "foreach", "single"), "linear_loss": ("none", "chunked", "liger"),
            "optimizer": ("adamw", "muon")}
 

@@ -82,7 +82,7 @@ def verify(
     reserved: Annotated[bool, typer.Option(help="--fake: also reserved memory, planned against PyTorch's caching allocator simulated over three traced steps (three times as long)")] = False,
     expandable_segments: Annotated[bool, typer.Option(help="--fake --reserved: the allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")] = False,
     logits_kept: Annotated[bool, typer.Option(help="--fake: the loop holds the logits until backward returns (--no-logits-kept: dropped first, as torchtitan's `del pred`)")] = True,
-    embed_head_unit: Annotated[str, typer.Option(help="--fake: where embedding and head sit: separate | head-kept | root | root-kept (torchtitan 2024: root-kept)")] = "separate",
+    embed_head_unit: Annotated[str, typer.Option(help="--fake: where embedding and head sit: separate | head-kept | root | root-kept | head-root-kept (torchtitan 2024: root-kept)")] = "separate",
     logits_fp32: Annotated[bool, typer.Option(help="--fake: the model returns fp32 logits (torchtitan until 2024-10)")] = False,
     last_block_kept: Annotated[bool, typer.Option(help="--fake: the last block stays gathered from its forward to its backward (torchtitan 2024-03..2025-07)")] = False,
     kv_cache: Annotated[bool, typer.Option(help="--fake: the model returns every layer's keys and values (Hugging Face's use_cache in training)")] = False,

@@ -153,15 +153,15 @@ def kept_last_block_group(model: nn.Module, groups: list[list[nn.Module]], t) ->
 def unit_groups(model: nn.Module, t) -> list[list[nn.Module]]:
     """The modules fully_shard takes together, in forward order, as arch.units prices them:
     embeddings and norm + head on their own unless tied or left to the root
-    (policy.separate_embed_head), the blocks `blocks_per_unit` at a time; the root, sharded
+    (policy.embed_unit, policy.head_unit), the blocks `blocks_per_unit` at a time; the root, sharded
     last, holds whatever is left."""
     groups: list[list[nn.Module]] = []
-    separate = policy.separate_embed_head(model.spec.tied_embeddings, t.embed_head_unit)
-    if separate:
+    tied = model.spec.tied_embeddings
+    if policy.embed_unit(tied, t.embed_head_unit):
         groups.append([model.tok_embeddings])
     blocks = list(model.layers)
     groups += [[blocks[i] for i in g] for g in policy.block_groups(len(blocks), t.blocks_per_unit)]
-    if separate:
+    if policy.head_unit(tied, t.embed_head_unit):
         groups.append([model.norm, model.output])
     return groups
 
