@@ -60,6 +60,7 @@ SCENARIO = {
     "--optimizer-dtype": choice_or_hostile(["fp32", "bf16", "int8"]),
     "--layout": choice_or_hostile(["zero", "torch"]),
     "--blocks-per-unit": number(["1", "2", "4", "10000"]),
+    "--embed-head-unit": choice_or_hostile(["separate", "head-kept", "root", "root-kept", "head-root-kept"]),
     "--shard-size": number(["1", "2", "8", "16"]),
     "--efficiency": number(["0.5", "1", "0.01"]),
     "--context-gib": number(["0", "0.5", "1024"]),

@@ -172,7 +172,8 @@ def param_count(m: ModelSpec) -> int:
 @lru_cache(maxsize=256)
 def units(m: ModelSpec, blocks_per_unit: int = 1, embed_head_unit: str = "separate",
           layout: str = "zero") -> tuple[Unit, ...]:
-    """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's order).
+    """Embeddings, blocks grouped `blocks_per_unit` at a time, then norm + head (torchtitan's
+    order), FSDP's units in forward order; a held root (below) first.
 
     Tied embeddings share one weight between the first and the last module, so both sit in one
     held unit, FSDP's root; `embed_head_unit` root or root-kept puts them there untied too, and

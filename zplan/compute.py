@@ -183,13 +183,14 @@ def _overlap(sc: Scenario, fwd: list[float], bwd: list[float],
     """Exposed communication per unit for one micro-batch.
 
     A held root that holds the head (tied embeddings, `embed_head_unit` root, root-kept or
-    head-root-kept; there the embedding is unit 1, its lookup no time either) runs
-    its compute at the other end of the step from its place as unit 0: its embedding lookup
-    (taken as no time) first in forward, its norm + head last; in backward the head first and
-    the embedding's gradient last (FSDP2's root; memory_timeline.py orders it the same). So
-    the first block's gather has nothing to hide behind, the last block's re-gather hides behind
+    head-root-kept) runs its compute at the other end of the step from its place as unit 0: its
+    embedding lookup (taken as no time) first in forward, its norm + head last; in backward the
+    head first and the embedding's gradient last (FSDP2's root; memory_timeline.py orders it the
+    same). So unit 1's gather has nothing to hide behind, the last block's re-gather hides behind
     the head's backward (the root's own re-gather, where it reshards, is exposed instead), and
-    the first block's reduce-scatter is exposed beside the embedding's backward."""
+    unit 1's reduce-scatter is exposed beside the embedding's backward. Unit 1 is the first
+    block's, or under head-root-kept the embeddings' own unit (its lookup no time either: the
+    first block's gather and reduce-scatter go bare beside it)."""
     k = len(fwd)
     ov = sc.assume.overlap and sc.train.prefetch
     root_head = sc.units[0].held and k > 1

@@ -173,7 +173,8 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
     seconds by kind of op."""
     m, t, hw = sc.model, sc.train, sc.hw
     us, tm = sc.units, r.timing
-    u = us[1] if len(us) > 2 else us[0]
+    b0 = next((i for i, x in enumerate(us) if x.blocks), 0)  # the first block's unit
+    u = us[b0]
     if not uses_kernel_model(sc):
         eff = sc.assume.compute_efficiency or 1.0
         rate = hw.gpu.flops(t.precision.param) * eff
@@ -233,7 +234,7 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
                    f"shared by {min(sc.n, sc.hw.cluster.gpus_per_node)} ranks; with the host-link copies: "
                    f"offload {fmt_s(tm.offload_s)} per step")
     if tm.units:
-        o = tm.units[1 if len(tm.units) > 2 else 0]
+        o = tm.units[b0]
         out.append(f"  its all-gather {fmt_s(o.all_gather_s)} vs the previous unit's forward: "
                    f"{'hidden' if o.forward_hidden else 'exposed ' + fmt_s(o.forward_exposed_s)}")
     if tm.breakdown_s:

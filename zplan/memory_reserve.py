@@ -49,7 +49,8 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
         return None
     u, t = sc.units[i], sc.train
     degree = sc.shard_degree(st.hsdp)
-    first = sc.units[0]
+    # the embedding's unit, where it has one (else the held root, which holds it)
+    first = next((x for x in sc.units if "embed" in x.name), sc.units[0])
     padded, last = ms.unit_shards[i] * degree, ms.unit_shards[0] * degree
     largest = _memory._largest_params(sc, 1)
     pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
@@ -69,7 +70,7 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
         # the unit reduced last: its weights where gathered again (not the head's own unit),
         # the embedding weight's gradient (a held root's other gradients exist already), the
         # whole unit's reduce-scatter input
-        last_weights_bytes=gathered_param_bytes(sc, st, first) if i and regathered(sc, st, first) else 0,
+        last_weights_bytes=gathered_param_bytes(sc, st, first) if first is not u and regathered(sc, st, first) else 0,
         last_grad_bytes=largest[0] * pb // 8 if first.held else grads(first),
         last_reduce_in_bytes=last * rb // 8,
         freed_block_bytes=freed,
@@ -156,7 +157,7 @@ def forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
     params = tuple(gathered_param_bytes(sc, st, u) if gathers else () for u in units)
     reshard = tuple(gathers and st.reshard_after_forward and not policy.unit_stays_gathered(u, t, m.num_layers)
                     for u in units)
-    first = sc.units[0]
+    first = next((u for u in sc.units if not u.held), sc.units[0])  # the embeddings' own unit, if any
     embed = (sum(gathered_param_bytes(sc, st, first))
              if gathers and st.reshard_after_forward and not (first.blocks or first.held) else 0)
     input_b = activation_memory.stream_dtype_bytes(t) * t.seq_len * t.micro_batch * m.hidden

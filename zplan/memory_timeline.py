@@ -444,6 +444,10 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
                       activations=loss_grad + acts.backward_temp[head]))
     for j in reversed(ends):
         name = sc.units[j].name
+        # a held root of norm + head alone (head-root-kept: the embeddings a unit of their own)
+        # has nothing left to run at backward's end: its head's backward was priced at
+        # backward's start; only its reduce-scatter remains
+        runs = not (root_head and j == head and "embed" not in name)
         gath = held_b + moving[j] + (0 if reshard else moving_upto[j]) + kept_last(j)
         before = saved_upto[j] - (head_saved if j > head else 0) + logits_ref
         # the held root's own backward is its embedding's: the head's saved tensors, counted with
@@ -475,7 +479,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
         # beside every block's kept tensors with that block's own recompute (not the largest)
         mixed = len(per) == k and _blocks_differ(per, rec)
         start = act - acts.recompute[j] + rec[-1] if mixed else act
-        for grads_j, acc_j, when, fresh in variants:
+        for grads_j, acc_j, when, fresh in variants if runs else ():
             # at its largest, early in the unit's backward: one weight's gradient so far
             ev.append(_ev("backward", f"backward {name}{when}", state=state_b,
                           grads=grads_j, gathered=gath, all_gather=prv(j),
