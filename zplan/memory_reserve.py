@@ -49,8 +49,7 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
         return None
     u, t = sc.units[i], sc.train
     degree = sc.shard_degree(st.hsdp)
-    # the embedding's unit, where it has one (else the held root, which holds it)
-    first = next((x for x in sc.units if "embed" in x.name), sc.units[0])
+    first = embedding_unit(sc)
     padded, last = ms.unit_shards[i] * degree, ms.unit_shards[0] * degree
     largest = _memory._largest_params(sc, 1)
     pb, rb = DTYPE_BITS[t.precision.param], DTYPE_BITS[t.precision.reduce]
@@ -77,6 +76,12 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
         held_root=u.held, tied=u.held and sc.model.tied_embeddings,
         tied_out_of_place=u.held and mt.fsdp_tied_grads_summed_out_of_place(sc),
         accumulating=_memory.accum_grad_bytes(sc, st) > 0)
+
+
+def embedding_unit(sc: Scenario):
+    """The unit that holds the embeddings: their own (separate, head-kept, head-root-kept) or the
+    held root (root, root-kept, tied); the first unit where none is named for them."""
+    return next((u for u in sc.units if "embed" in u.name), sc.units[0])
 
 
 def gathered_param_bytes(sc: Scenario, st: Strategy, unit) -> tuple[int, ...]:
@@ -157,7 +162,7 @@ def forward_holes(sc: Scenario, st: Strategy) -> tuple[int, int, int] | None:
     params = tuple(gathered_param_bytes(sc, st, u) if gathers else () for u in units)
     reshard = tuple(gathers and st.reshard_after_forward and not policy.unit_stays_gathered(u, t, m.num_layers)
                     for u in units)
-    first = next((u for u in sc.units if not u.held), sc.units[0])  # the embeddings' own unit, if any
+    first = embedding_unit(sc)  # freed after its forward where it is a unit of its own
     embed = (sum(gathered_param_bytes(sc, st, first))
              if gathers and st.reshard_after_forward and not (first.blocks or first.held) else 0)
     input_b = activation_memory.stream_dtype_bytes(t) * t.seq_len * t.micro_batch * m.hidden
