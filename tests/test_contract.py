@@ -107,6 +107,7 @@ def test_node_problem_for_the_launcher():
     (dict(checkpointing="full", layout="torch", checkpoint_wraps_unit=True), "without --checkpoint-wraps-unit"),
     (dict(params="1e7", model=None), "bare parameter count"),
     (dict(qkv_fused=True), "with --no-qkv-fused"),
+    (dict(attention_heads_first=True), "without --attention-heads-first"),
 ])
 def test_trainer_refuses_what_it_cannot_apply(kw, needle):
     why = trainer_refusal(plan_for("zero3", **kw))

@@ -186,6 +186,11 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
         return (f"fp32 attention with grouped KV heads ({m.num_kv_heads} of {m.num_heads}) runs "
                 f"PyTorch's math kernel on CUDA (flash takes bf16/fp16 only), which keeps every "
                 f"s x s score, not the flash kernel the plan prices: plan again with --param-dtype bf16")
+    if t.attention_heads_first:
+        return ("--attention-heads-first describes a model whose q reaches the attention heads-first "
+                "in memory (litgpt's); the trainer's applies RoPE before the heads move, so the kernel's "
+                "output is read as a view: plan again without --attention-heads-first, or run your "
+                "own model (zplan.trainer.api) or export the plan")
     if t.linear_loss == "liger" or t.fused_swiglu:
         flag = "--linear-loss liger" if t.linear_loss == "liger" else "--fused-swiglu"
         return (f"{flag} is Liger-Kernel's (Triton); the trainer runs torch ops: plan again "

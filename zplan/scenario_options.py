@@ -84,6 +84,7 @@ class ScenarioOptions:
     logits_fp32: bool = False  # the model returns fp32 logits (TrainSpec)
     kv_cache: bool = False  # the model returns its keys and values (TrainSpec)
     attention_expands_kv: bool = False  # keys and values copied to every query head (TrainSpec)
+    attention_heads_first: bool = False  # q heads-first in memory before the kernel (TrainSpec)
     loss_shifted_copy: bool = False  # the loss on a shifted copy of the fp32 logits (TrainSpec)
     outputs_until_next_forward: bool = False  # the loop holds an output into the next forward (TrainSpec)
     last_block_kept: bool = False  # FSDP keeps the last block gathered after forward (TrainSpec)
@@ -262,6 +263,14 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                          f"query head, and {model.name} groups {model.num_heads} query heads over "
                          f"{model.num_kv_heads}: such a run copies them first (Hugging Face's repeat_kv); "
                          f"add --attention-expands-kv")
+    if o.attention_heads_first and (o.compile or o.attention_kernel != "flash2"):
+        # SDPA's flash kernel allocates its output like q; what the partitioner keeps of the
+        # copy under compile is not modelled
+        raise UsageError("--attention-heads-first prices an uncompiled FlashAttention-2 kernel (SDPA's flash, "
+                         "which allocates its output like q), not "
+                         + ("--compile: drop --compile or --attention-heads-first" if o.compile else
+                            f"--attention-kernel {o.attention_kernel}: use --attention-kernel flash2, or drop "
+                            "--attention-heads-first"))
     if o.attention_kernel == "flex" and K.flex_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel flex (FlexAttention) has published kernel rates for A100, "
                          f"Hopper and Blackwell GPUs, not {gpu.name}: use flash2")
@@ -399,7 +408,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             sac_saves_attention=o.sac_saves_attention,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_bucket_allreduce=o.deepspeed_bucket_allreduce, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, ddp_bucket_view=o.ddp_bucket_view, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_bucket_allreduce=o.deepspeed_bucket_allreduce, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, ddp_bucket_view=o.ddp_bucket_view, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, attention_heads_first=o.attention_heads_first, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

@@ -499,6 +499,16 @@ class TrainSpec(Spec):
         "sliding-window layers; an all-ones mask is dropped first; HF's eager attention always), so "
         "the kernel saves keys and values q heads wide; False: grouped keys and values reach the "
         "kernel (SDPA's enable_gqa, flash-attn, the trainer's default). Uncompiled attention only")
+    attention_heads_first: bool = Field(
+        False, description="q reaches the attention kernel (b, heads, s, d)-contiguous in memory "
+        "(litgpt's CausalSelfAttention: the fused projection's heads reshaped into copies, RoPE and "
+        "a cat, all heads-first, before SDPA), so the flash kernel, which allocates its output like "
+        "q (torch/_meta_registrations.py, meta__scaled_dot_product_flash_attention: "
+        "`empty_like(query.transpose(1, 2))`), writes it heads-first and the output projection "
+        "keeps a contiguous (b, s, heads x d) copy: the attention's width in the activation dtype "
+        "more a token a block; False: q (b, s, heads, d) in memory (Hugging Face, torchtitan, the "
+        "trainer: RoPE before the heads move), the projection reads a view of the kernel's output. "
+        "FlashAttention-2 (flash2) uncompiled only")
     loss_shifted_copy: bool = Field(
         False, description="the loss runs on a shifted contiguous copy of the model's fp32 logits "
         "(`shift_logits = logits[..., :-1, :].contiguous()`: Hugging Face transformers' causal-LM "
@@ -640,6 +650,10 @@ class TrainSpec(Spec):
                              "layout) gathers module by module")
         if self.logits_fp32 and self.linear_loss != "none":
             raise ValueError(f"logits_fp32: linear_loss {self.linear_loss} never makes the logits whole")
+        if self.attention_heads_first and (self.compile or self.attention_kernel != "flash2"):
+            raise ValueError("attention_heads_first prices an uncompiled FlashAttention-2 kernel (SDPA's "
+                             "flash, which allocates its output like q), not "
+                             + ("a compiled block" if self.compile else f"attention_kernel {self.attention_kernel}"))
         if self.loss_shifted_copy and not (self.logits_fp32 and not self.loss_fused):
             raise ValueError("loss_shifted_copy prices Hugging Face's eager loss on the model's fp32 "
                              "logits: it needs logits_fp32 and no compiled or fused loss")
@@ -692,8 +706,9 @@ class TrainSpec(Spec):
         kernel's wherever q is (b, s, h, d) in memory (it allocates its output like q:
         `empty_like(query)`, torch/_meta_registrations.py), as in HF's and torchtitan's
         attention and the trainer's (RoPE before the heads move). Without flash attention the
-        math path's (b, heads, s, d) output is transposed into a contiguous copy first."""
-        return self.flash_attention
+        math path's (b, heads, s, d) output is transposed into a contiguous copy first, as is
+        the flash kernel's where q is heads-first in memory (`attention_heads_first`)."""
+        return self.flash_attention and not self.attention_heads_first
 
     @property
     def loss_fused(self) -> bool:

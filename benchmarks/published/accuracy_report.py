@@ -31,6 +31,7 @@ def _shape(r) -> str:
         (" ac:no-early-stop" if not row.checkpoint_early_stop and row.checkpointing in ("full", "every-k", "first-k", "selective") else "") + \
         (" ac:around-unit" if row.checkpoint_wraps_unit else "") + \
         (" kv:copied" if row.attention_expands_kv else "") + \
+        (" attn:heads-first" if row.attention_heads_first else "") + \
         (f" opt:{row.optimizer}" if row.optimizer != "adamw" else "")
     return (f"{row.model} {row.num_gpus}x{row.gpu} {par} mb{row.micro_batch}x{row.grad_accum} "
             f"s{row.seq_len} ac:{row.checkpointing}{kernels}")

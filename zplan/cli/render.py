@@ -111,6 +111,7 @@ _RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", No
               ("logits_fp32", "--logits-fp32", None), ("last_block_kept", "--last-block-kept", None),
               ("kv_cache", "--kv-cache", None), ("loss_shifted_copy", "--loss-shifted-copy", None),
               ("attention_expands_kv", "--attention-expands-kv", None),
+              ("attention_heads_first", "--attention-heads-first", None),
               ("outputs_until_next_forward", "--outputs-until-next-forward", None),
               ("linear_loss", "--linear-loss", None), ("fused_loss", "--fused-loss", None),
               ("fused_swiglu", "--fused-swiglu", None), ("attention_kernel", "--attention-kernel", None),
