@@ -77,7 +77,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         deepspeed_defaults=row.deepspeed_defaults, deepspeed_param_groups=row.deepspeed_param_groups,
         logits_kept=row.logits_kept, ddp_bucket_view=row.ddp_bucket_view,
         logits_fp32=row.logits_fp32, last_block_kept=row.last_block_kept,
-        kv_cache=row.kv_cache, attention_expands_kv=row.attention_expands_kv, attention_heads_first=row.attention_heads_first, loss_shifted_copy=row.loss_shifted_copy, outputs_until_next_forward=row.outputs_until_next_forward,
+        kv_cache=row.kv_cache, attention_expands_kv=row.attention_expands_kv, attention_heads_first=row.attention_heads_first, loss_chunks=row.loss_chunks, loss_shifted_copy=row.loss_shifted_copy, outputs_until_next_forward=row.outputs_until_next_forward,
         expandable_segments=row.expandable_segments,
     )
     if row.bucket_mib is not None:

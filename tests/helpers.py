@@ -140,3 +140,20 @@ def torchrun_probe(tmp_path, body: str, *args: str, nproc: int = 2, timeout: flo
     done = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     assert done.returncode == 0, err[-3000:]
     return done
+
+
+def storage_log(step) -> list[tuple[str, int, int]]:
+    """Every storage PyTorch's MemTracker sees made and freed while `step()` runs, in order:
+    (ADD or DEL, the storage's key, its bytes)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    log: list[tuple[str, int, int]] = []
+
+    class Recorder(MemTracker):
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            log.append((u_type.name, id(winfo), winfo.mem_consumed))
+            return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    with Recorder():
+        step()
+    return log

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from tests.helpers import storage_log
 from zplan import activation_memory, allocator
 from zplan.caching_allocator import CachingAllocator
 from zplan.scenario_options import build, cpu_ranks
@@ -156,8 +157,6 @@ def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_p
     logits, are activation_memory.loss_steps, logits dropped or kept, from the head's dtype or
     upcast by the model (`logits_fp32`)."""
     torch = pytest.importorskip("torch")
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from zplan import presets
     from zplan.trainer.micro_batch import forward_loss
     from zplan.trainer.model import Transformer
@@ -175,16 +174,11 @@ def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_p
         model = Transformer(presets.model(str(path))).to(torch.bfloat16)
         p = Parallelized(model, model, False, [], None)
         x = torch.randint(0, 8192, (2, 64))
-        log: list[tuple[str, int, int]] = []
-
-        class Recorder(MemTracker):
-            def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-                log.append((u_type.name, id(winfo), winfo.mem_consumed))
-                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-
-        with Recorder():
-            loss, logits = forward_loss(p, sc.train, x, x, sync=True)
+        def step():
+            loss, _ = forward_loss(p, sc.train, x, x, sync=True)
             loss.backward()
+
+        log = storage_log(step)
         names, seq = {}, []
         for op, key, b in log:
             if b >= 2 * E and op in ("ADD", "DEL"):
@@ -197,7 +191,6 @@ def test_loss_steps_are_the_order_pytorch_makes_and_frees_the_loss_tensors(tmp_p
         # and the same tensors: each one freed is the one made under that name
         for (_, op, tname, _), (_, idx, _) in zip(expected, seq):
             assert order.setdefault(tname, idx) == idx
-        del logits
 
 
 def test_reserved_flags_go_with_fake(capsys):

@@ -611,6 +611,67 @@ def loss_steps(train: TrainSpec, loss_fp32: bool = True) -> tuple[tuple[str, str
     return tuple(steps)
 
 
+def loss_tensor_steps(train: TrainSpec, loss_fp32: bool, logits_elems: int) -> tuple[tuple[str, str, str, int], ...]:
+    """The loss's tensors in the order they are made (+) and freed (-), in bytes over
+    `logits_elems` logits: `loss_steps` scaled, or, with `train.loss_chunks` k > 1, torchtitan's
+    chunked cross-entropy (components/loss.py chunked_cross_entropy_loss at e23bb70, after
+    torchtune's CEWithChunkedOutputLoss; zplan/trainer/micro_batch.py runs the same), whose k
+    sequence chunks of the whole logits (torch.chunk on the sequence: views) each run
+    `F.cross_entropy(chunk.flatten(0, 1).float(), labels)` in turn, c = E/k logits each:
+
+    forward, per chunk: the flattened copy (B·c: only where micro_batch > 1, the chunk then not
+    viewable as rows), its fp32 copy (4·c, the copy freed once made), log_softmax's output (L·c,
+    kept), the fp32 copy freed; the logits freed after the loss where the loop drops them (no
+    chunk is saved). backward, the last chunk first (autograd runs the highest sequence number):
+    nll_loss's gradient and log_softmax's input gradient (L·c each), the first and the chunk's
+    saved output freed, the upcast's backward casting the gradient to B·c; then torch.chunk's
+    backward concatenates the k chunk gradients into the logits' gradient (B·E) and frees them.
+    The order FSDPMemTracker records on the trainer (tests/test_caching_allocator.py)."""
+    k = train.loss_chunks
+    if k == 1:
+        return tuple((ph, op, name, per * logits_elems) for ph, op, name, per in loss_steps(train, loss_fp32))
+    B = act_dtype_bytes(train)
+    L = 4 if loss_fp32 else B
+    upcast = 4 if loss_fp32 and B != 4 else 0
+    c = logits_elems // k
+    flat = B * c if train.micro_batch > 1 else 0
+    steps: list[tuple[str, str, str, int]] = [("forward", "+", "logits", B * logits_elems)]
+    for i in range(k):
+        if flat:
+            steps.append(("forward", "+", f"flattened chunk {i}", flat))
+        if upcast:
+            steps.append(("forward", "+", f"fp32 chunk {i}", upcast * c))
+            if flat:
+                steps.append(("forward", "-", f"flattened chunk {i}", flat))
+        steps.append(("forward", "+", f"log_softmax {i}", L * c))
+        if upcast:
+            steps.append(("forward", "-", f"fp32 chunk {i}", upcast * c))
+        elif flat:
+            steps.append(("forward", "-", f"flattened chunk {i}", flat))
+    if train.logits_dropped:
+        steps.append(("forward", "-", "logits", B * logits_elems))
+    grads = []
+    for i in reversed(range(k)):
+        steps += [("backward", "+", f"nll grad {i}", L * c), ("backward", "+", f"log_softmax grad {i}", L * c),
+                  ("backward", "-", f"nll grad {i}", L * c), ("backward", "-", f"log_softmax {i}", L * c)]
+        if upcast:
+            steps += [("backward", "+", f"chunk grad {i}", B * c), ("backward", "-", f"log_softmax grad {i}", L * c)]
+        grads.append((f"chunk grad {i}", B * c) if upcast else (f"log_softmax grad {i}", L * c))
+    steps.append(("backward", "+", "logits grad", B * logits_elems))
+    steps += [("backward", "-", name, b) for name, b in reversed(grads)]  # the input buffer's order
+    return tuple(steps)
+
+
+def loss_peak_bytes(train: TrainSpec, loss_fp32: bool, logits_elems: int) -> dict[str, int]:
+    """Bytes alive in the loss at its largest over `logits_elems` logits, forward and backward:
+    the running sum of `loss_tensor_steps` (`loss_bytes_per_logit` x logits without chunks)."""
+    live, peak = 0, {"forward": 0, "backward": 0}
+    for phase, op, _, b in loss_tensor_steps(train, loss_fp32, logits_elems):
+        live += b if op == "+" else -b
+        peak[phase] = max(peak[phase], live)
+    return peak
+
+
 def _model_upcast_loss_steps(train: TrainSpec, B: int) -> tuple[tuple[str, str, str, int], ...]:
     """`loss_steps` where the model returns fp32 logits (`TrainSpec.logits_fp32`, torchtitan's
     `self.output(h).float()`): the head's output in the param dtype, its fp32 copy -- the logits
@@ -736,7 +797,7 @@ def logits_bytes(m: ModelSpec, train: TrainSpec, loss_fp32: bool = True) -> int:
     if train.linear_loss != "none":
         return linear_loss_bytes(m, train)["forward"]
     sbv = train.seq_len * train.micro_batch * m.vocab_size
-    return sbv * max(loss_bytes_per_logit(train, loss_fp32).values())
+    return max(loss_peak_bytes(train, loss_fp32, sbv).values())
 
 
 @lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@
 So the reserved peak is at least the sum over streams of each stream's own peak, each rounded
 to the segment size: memory one stream has cached cannot serve another. Within the default
 stream the loss leaves a hole no later request fits: its vocabulary-sized tensors are made and
-freed in an order (activation_memory.loss_steps) the allocator can only partly reuse -- where
+freed in an order (activation_memory.loss_tensor_steps) the allocator can only partly reuse -- where
 the loop drops the logits, the logits and their fp32 copy free a block one and a half times the
 size of the two fp32 gradients of the backward, which take it and fresh memory beside it; and
 under FSDP2 the head unit's reduce-scatter input, at short sequences larger than any block the
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activation_memory import loss_steps
+from .activation_memory import loss_tensor_steps
 from .caching_allocator import (LARGE_SEGMENT_BYTES, MIN_LARGE_ALLOC_BYTES, SMALL_BYTES, CachingAllocator,
                                 allocation_size, round_size)
 from .memory_timeline import STREAM, Event
@@ -111,7 +111,7 @@ class HeadTail:
 
 def loss_reserved_bytes(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandable: bool,
                         head: HeadTail | None = None) -> int:
-    """What the allocator reserves for the loss's own tensors (activation_memory.loss_steps, each
+    """What the allocator reserves for the loss's own tensors (activation_memory.loss_tensor_steps, each
     `logits_elems` logits), run through caching_allocator.CachingAllocator from nothing cached:
     their peak plus the holes none of them fits. With `head`, the head unit's tensors around it,
     in FSDP2's order: its weights gathered for its forward and freed after it (reshard after
@@ -152,10 +152,10 @@ def loss_reserve(logits_elems: int, train: TrainSpec, loss_fp32: bool, expandabl
     if w:
         _put(sim, "head weights", w)
     live = []
-    steps = loss_steps(train, loss_fp32)
-    for _, op, name, per_logit in steps:
+    steps = loss_tensor_steps(train, loss_fp32, logits_elems)
+    for _, op, name, nbytes in steps:
         if op == "+":
-            sim.malloc(name, per_logit * logits_elems)
+            sim.malloc(name, nbytes)
             live.append(name)
             if name == steps[0][2] and w:  # the head's forward made them: it reshards
                 _drop(sim, "head weights")

@@ -644,7 +644,7 @@ def memory(sc: Scenario, st: Strategy) -> Memory:
     ms, top = alloc.state, alloc.top
     allocated = top.total_bytes
     acts = mt.activations(sc)
-    loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
+    loss_b = acts.loss_bytes["forward"]
     start = alloc.loss_start
     head = reserve.head_tail(sc, st, ms, start)
     loss_reserved, loss_releasable = reserve.loss_reserve(acts.logits_elems, sc.train, sc.assume.loss_fp32,

@@ -59,7 +59,7 @@ def head_tail(sc: Scenario, st: Strategy, ms: _memory.ModelState,
     freed = activation_memory.largest_block_tensor_bytes(sc.model, t)
     if sc.assume.expandable_segments and start is not None:
         acts = mt.activations(sc)
-        loss_b = acts.logits_elems * acts.loss_per_logit["forward"]
+        loss_b = acts.loss_bytes["forward"]
         freed = max(start.live.get("activations", 0) - loss_b - acts.linear_loss["kept"], 0)
     return allocator.HeadTail(
         weights_bytes=gathered_param_bytes(sc, st, u) if regathered(sc, st, u) else 0,
@@ -178,7 +178,7 @@ def _holes(steps, input_b: int, params, reshard, blocks, embed: int, block_steps
 
 def forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int, int]:
     """allocator.forward_residue_bytes for this scenario: the loss's requests are its own
-    tensors (activation_memory.loss_steps); the head's around it are not: the loss simulation
+    tensors (activation_memory.loss_tensor_steps); the head's around it are not: the loss simulation
     places them already (the input gradient in a block the loss freed; the weights and their
     gradients, vocabulary-sized, fit no block a block unit's weights left). A linear loss: the
     trainer's chunked one, none (its chunks fit the freed blocks); Liger's, its weight-sized
@@ -206,7 +206,7 @@ def forward_residue(sc: Scenario, st: Strategy, logits_elems: int) -> tuple[int,
     if liger:
         loss = list(activation_memory.liger_loss_tensors(sc.model, sc.train))
     else:
-        loss = [per * logits_elems for _, op, _, per in activation_memory.loss_steps(sc.train, sc.assume.loss_fp32)
+        loss = [b for _, op, _, b in activation_memory.loss_tensor_steps(sc.train, sc.assume.loss_fp32, logits_elems)
                 if op == "+"]
     residue = allocator.forward_residue_bytes(transient, largest, loss, sc.assume.expandable_segments)
     return residue, min(whole, residue)

@@ -97,7 +97,7 @@ class Activations:
     recompute: tuple[int, ...]  # extra, while one of the unit's blocks is recomputed in backward
     backward_temp: tuple[int, ...]  # gradients of activations alive inside the unit's backward
     logits_elems: int  # logits the head materialises (0 under a linear loss)
-    loss_per_logit: dict[str, int]
+    loss_bytes: dict[str, int]  # the loss over the logits at its largest, by phase (activation_memory.loss_peak_bytes)
     linear_loss: dict[str, int]  # a linear loss's bytes by phase (activation_memory.linear_loss_bytes)
     act_bytes: int  # bytes per activation element (the param dtype)
     kept_logit_bytes: int  # bytes per logit the loop keeps (activation_memory.kept_logit_bytes)
@@ -206,7 +206,7 @@ def _unit_activations(m, t: TrainSpec, loss_fp32: bool, units) -> Activations:
     linear = activation_memory.linear_loss_bytes(m, t)
     logits = 0 if t.linear_loss != "none" else t.seq_len * t.micro_batch * m.vocab_size
     return Activations(tuple(saved), tuple(extra), tuple(temp), logits,
-                       activation_memory.loss_bytes_per_logit(t, loss_fp32), linear, B,
+                       activation_memory.loss_peak_bytes(t, loss_fp32, logits), linear, B,
                        activation_memory.kept_logit_bytes(t), S * sbh, tuple(cache), tuple(cache_saved),
                        tuple(first), activation_memory.batch_ids_bytes(t), tuple(block_saved),
                        tuple(block_rec))
@@ -416,7 +416,7 @@ def fsdp_events(sc: Scenario, acts: Activations, state_b: int, gathered: list[in
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", state=state_b, grads=all_grads, gathered=at_loss,
                       all_gather=last_ag if phase == "forward" else 0, unsharded_grads=accum_b,
-                      activations=saved_upto[n] + acts.logits_elems * acts.loss_per_logit[phase]
+                      activations=saved_upto[n] + acts.loss_bytes[phase]
                       + acts.linear_loss[phase] + out.loss(phase)))
     if linear and root_head and reshard and not kept_at_loss[head]:
         # the held root's pre-backward (a hook on the loss) gathers it again: its all-gather
@@ -608,7 +608,7 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
               + out.forward(n - 1), **made)]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
-                      + acts.logits_elems * acts.loss_per_logit[phase] + acts.linear_loss[phase]
+                      + acts.loss_bytes[phase] + acts.linear_loss[phase]
                       + out.loss(phase),
                       **(made if phase == "forward" else {**kw, "gathered": static_b + kept_upto[n] + casts.until_head,
                                                           "unsharded_grads": kw["unsharded_grads"] + tied_graph})))

@@ -70,6 +70,7 @@ class ScenarioOptions:
     loss_fp32: bool = True
     fused_loss: bool = False
     linear_loss: str = "none"  # none | chunked | liger (TrainSpec.linear_loss)
+    loss_chunks: int = 1  # the eager cross-entropy over this many sequence chunks (TrainSpec)
     fused_swiglu: bool = False
     qkv_fused: Optional[bool] = None  # q, k and v run as one linear (ModelSpec.qkv_fused); None: the model's layout
     optimizer_kernels: str = "fused"  # fused | foreach | single (TrainSpec.optimizer_kernels)
@@ -365,6 +366,18 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if o.linear_loss != "none" and not o.loss_fp32:
         raise UsageError(f"--no-loss-fp32 describes the logits' upcast; --linear-loss {o.linear_loss} "
                          "computes each chunk in fp32 itself: drop --no-loss-fp32")
+    if not 1 <= o.loss_chunks <= 64:
+        raise UsageError(f"--loss-chunks {o.loss_chunks}: the loss runs over 1 to 64 sequence chunks")
+    if o.loss_chunks > 1:
+        other = ("--linear-loss " + o.linear_loss if o.linear_loss != "none" else "--fused-loss" if o.fused_loss
+                 else "--compile (which compiles the loss; add --eager-loss)" if o.compile and not o.eager_loss
+                 else "--logits-fp32" if o.logits_fp32 else "--loss-shifted-copy" if o.loss_shifted_copy else None)
+        if other:
+            raise UsageError(f"--loss-chunks {o.loss_chunks} prices an eager cross-entropy over the head's "
+                             f"logits, chunk by chunk, not {other}: drop one")
+        if seq % o.loss_chunks:
+            raise UsageError(f"--loss-chunks {o.loss_chunks} does not divide the sequence length {seq}: "
+                             "pick a divisor")
     if o.fused_swiglu and model.mlp != "swiglu":
         raise UsageError(f"--fused-swiglu fuses SwiGLU; {model.name} has a {model.mlp} MLP: drop it")
     check_choice(o.float8_recipe, "--float8-recipe", FLOAT8_RECIPES)
@@ -414,7 +427,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             reduce_every_microbatch=not o.reduce_last_only,
             compile=o.compile, compile_loss=o.compile and not o.eager_loss,
             compile_scope=o.compile_scope, fused_loss=o.fused_loss, linear_loss=o.linear_loss,
-            fused_swiglu=o.fused_swiglu, float8=o.float8,
+            fused_swiglu=o.fused_swiglu, loss_chunks=o.loss_chunks, float8=o.float8,
             float8_recipe=o.float8_recipe, float8_all_gather=o.float8_all_gather,
         )
         assume = Assumptions(

@@ -599,6 +599,13 @@ class TrainSpec(Spec):
         False, description="the loss is one fused cross-entropy kernel without torch.compile "
         "(flash-attn's, as llm-foundry's default loss_fn fused_crossentropy): logits kept, their "
         "gradient written in their dtype, as a compiled loss")
+    loss_chunks: int = Field(
+        1, ge=1, le=64, description="the eager cross-entropy runs over the whole logits in this "
+        "many sequence chunks in turn (torchtitan's chunked_cross_entropy_loss, PR 996, after "
+        "torchtune's CEWithChunkedOutputLoss): each chunk flattened, upcast and reduced on its own, "
+        "so one chunk's fp32 copy and gradients are alive at a time beside every chunk's saved "
+        "log-softmax output; the logits' gradient is gathered from the chunks' at the end "
+        "(torch.chunk's backward). 1: one cross-entropy over all the logits")
     linear_loss: LinearLoss = Field(
         "none", description="the output projection and the cross-entropy computed together, "
         "chunk by chunk of tokens, the gradients of the head's input and weight made in the "
@@ -650,6 +657,13 @@ class TrainSpec(Spec):
                              "layout) gathers module by module")
         if self.logits_fp32 and self.linear_loss != "none":
             raise ValueError(f"logits_fp32: linear_loss {self.linear_loss} never makes the logits whole")
+        if self.loss_chunks > 1 and (self.loss_fused or self.linear_loss != "none" or self.logits_fp32
+                                     or self.loss_shifted_copy):
+            raise ValueError(f"loss_chunks {self.loss_chunks} prices an eager cross-entropy over the "
+                             "head's logits, chunk by chunk; not a compiled, fused or linear loss, fp32 "
+                             "logits from the model or a shifted copy")
+        if self.seq_len % self.loss_chunks:
+            raise ValueError(f"loss_chunks {self.loss_chunks} does not divide seq_len {self.seq_len}")
         if self.attention_heads_first and (self.compile or self.attention_kernel != "flash2"):
             raise ValueError("attention_heads_first prices an uncompiled FlashAttention-2 kernel (SDPA's "
                              "flash, which allocates its output like q), not "

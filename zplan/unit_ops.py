@@ -303,7 +303,12 @@ def _head(sc: Scenario, backward: bool) -> Ops:
     # (its backward is one pointwise kernel: the copy rate)
     compiled = t.compile_loss and not t.fused_loss and not t.logits_fp32 and not backward
     pace = K.compiled_row_pace(gpu, "cross-entropy", V) if compiled else 1.0
-    ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern, pace))
+    k = t.loss_chunks  # chunked (activation_memory.loss_tensor_steps): the same passes chunk by chunk
+    ops.append(K.memory(gpu, "cross-entropy" + (" backward" if backward else ""), per * T, kern * k, pace))
+    if k > 1 and backward:  # torch.chunk's backward: the chunks' gradients concatenated
+        ops.append(K.memory(gpu, "chunk gradients concatenated", 2 * B * V * T, 1))
+    elif k > 1 and t.micro_batch > 1:  # each chunk flattened into a copy before its upcast
+        ops.append(K.memory(gpu, "chunks flattened (copies)", 2 * B * V * T, k))
     if t.loss_shifted_copy:  # HF's shift: a contiguous fp32 copy; backward, a zero fill and the copy back in
         ops.append(K.memory(gpu, "shifted logits" + (" backward" if backward else " (copy)"),
                             (12 if backward else 8) * V * T, 2 if backward else 1))

@@ -27,7 +27,7 @@ def _shape(r) -> str:
         (" loss:eager" if row.compile and row.compile_loss is False else "") + \
         (f" compile:{row.compile_scope}" if row.compile_scope != "block" else "") + \
         (" loss:bf16" if not row.loss_fp32 else "") + (" loss:fused" if row.fused_loss else "") + \
-        (f" loss:{row.linear_loss}" if row.linear_loss != "none" else "") + (" swiglu:fused" if row.fused_swiglu else "") + \
+        (f" loss:{row.linear_loss}" if row.linear_loss != "none" else "") + (f" loss:chunks{row.loss_chunks}" if row.loss_chunks > 1 else "") + (" swiglu:fused" if row.fused_swiglu else "") + \
         (" ac:no-early-stop" if not row.checkpoint_early_stop and row.checkpointing in ("full", "every-k", "first-k", "selective") else "") + \
         (" ac:around-unit" if row.checkpoint_wraps_unit else "") + \
         (" kv:copied" if row.attention_expands_kv else "") + \

@@ -93,6 +93,7 @@ class Row:
     logits_fp32: bool = False  # the model returns fp32 logits (torchtitan until e10cb94, 2024-10)
     kv_cache: bool = False  # the model returns its keys and values (Hugging Face's use_cache in training)
     attention_expands_kv: bool = False  # keys and values copied to every query head ahead of SDPA (HF repeat_kv)
+    loss_chunks: int = 1  # the eager cross-entropy over this many sequence chunks (torchtitan PR 996)
     attention_heads_first: bool = False  # q heads-first in memory before SDPA (litgpt): the kernel's output copied for the projection
     loss_shifted_copy: bool = False  # the loss on a shifted copy of the fp32 logits (HF transformers 4.31)
     outputs_until_next_forward: bool = False  # the loop holds each output into the next forward
@@ -144,7 +145,7 @@ FIELD_TYPES = {
     "id": str, "model": str, "gpu": str, "num_gpus": int, "gpus_per_node": int, "parallelism": str,
     "strategy": str, "micro_batch": int, "grad_accum": int, "seq_len": int, "checkpointing": str,
     "compile": bool, "float8": str, "param_dtype": str, "reduce_dtype": str, "table": str,
-    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "attention_heads_first": bool, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "checkpoint_first": int, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "qkv_fused": bool, "optimizer_kernels": str, "optimizer": str, "layout": str, "grad_clip": bool, "sac_saves_attention": bool, "zero_init": bool, "deepspeed_defaults": bool, "deepspeed_param_groups": str, "logits_kept": bool, "ddp_bucket_view": bool, "logits_fp32": bool, "kv_cache": bool, "attention_expands_kv": bool, "loss_shifted_copy": bool, "outputs_until_next_forward": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "cluster": str, "float8_all_gather": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
+    "shard_size": int, "master_dtype": str, "optimizer_dtype": str, "reduce_last_only": bool, "gpu_variant": str, "attention_kernel": str, "attention_heads_first": bool, "loss_chunks": int, "fused_norm": bool, "norm_output_fp32": bool, "compile_loss": bool, "compile_scope": str, "checkpoint_early_stop": bool, "checkpoint_wraps_unit": bool, "checkpoint_first": int, "fused_loss": bool, "linear_loss": str, "fused_swiglu": bool, "qkv_fused": bool, "optimizer_kernels": str, "optimizer": str, "layout": str, "grad_clip": bool, "sac_saves_attention": bool, "zero_init": bool, "deepspeed_defaults": bool, "deepspeed_param_groups": str, "logits_kept": bool, "ddp_bucket_view": bool, "logits_fp32": bool, "kv_cache": bool, "attention_expands_kv": bool, "loss_shifted_copy": bool, "outputs_until_next_forward": bool, "last_block_kept": bool, "embed_head_unit": str, "loss_fp32": bool, "expandable_segments": bool, "cluster": str, "float8_all_gather": bool, "bucket_mib": float, "tp": int, "pp": int, "cp": int, "expressible": bool, "why_not": str,
     "memory": float, "memory_unit": str, "memory_kind": str, "tokens_per_s_per_gpu": float,
     "tokens_per_s_global": float, "mfu_pct": float, "published_params": int, "notes": str,
 }

@@ -68,6 +68,7 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "logits_fp32": ((), "The model returns fp32 logits, upcast after the head (torchtitan's model until October 2024): the loop and the loss hold them in fp32 (default: the head's dtype, the loss upcasts a copy)"),
     "fused_loss": ((), "The loss is a fused cross-entropy kernel (flash-attn's, e.g. llm-foundry's default): logits kept, their gradient in their dtype"),
     "linear_loss": ((), "The head's matmul and the loss together, chunk by chunk, logits never kept whole: none | chunked (zplan's trainer, torch ops) | liger (Liger-Kernel's fused linear cross-entropy)"),
+    "loss_chunks": ((), "The eager cross-entropy runs over the whole logits in this many sequence chunks in turn (torchtitan's chunked_cross_entropy_loss, 2025-03; torchtune's chunked output loss): one chunk's fp32 copy and gradients at a time beside every chunk's saved log-softmax (default 1: all at once)"),
     "fused_swiglu": ((), "SwiGLU as one kernel that saves its two inputs and recomputes silu in backward (Liger-Kernel's)"),
     "qkv_fused": ((), "q, k and v run as one linear, as torchtitan builds Llama 3 and Qwen3 since 2026-06 (FusedQKVLinear): one weight, one output that selective checkpointing keeps whole; --no-qkv-fused: three (default: the model's layout, fused for MPT, GPT-2, GPT-NeoX, Phi-3)"),
     "float8": ((), "float8 linears (tensorwise scaling) and float8 all-gather of their weights"),

@@ -114,6 +114,7 @@ _RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", No
               ("attention_heads_first", "--attention-heads-first", None),
               ("outputs_until_next_forward", "--outputs-until-next-forward", None),
               ("linear_loss", "--linear-loss", None), ("fused_loss", "--fused-loss", None),
+              ("loss_chunks", "--loss-chunks", None),
               ("fused_swiglu", "--fused-swiglu", None), ("attention_kernel", "--attention-kernel", None),
               ("sac_saves_attention", None, "--no-sac-saves-attention"),
               ("optimizer_kernels", "--optimizer-kernels", None), ("compile", "--compile", None),

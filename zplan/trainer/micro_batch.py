@@ -44,6 +44,11 @@ def forward_loss(p: Parallelized, train, x: torch.Tensor, y: torch.Tensor,
             shifted = logits[:, :-1].contiguous()
             loss = F.cross_entropy(shifted.view(-1, shifted.shape[-1]), y[:, :-1].reshape(-1)) / A
             del shifted
+        elif train.loss_chunks > 1:  # torchtitan's chunked_cross_entropy_loss (components/loss.py,
+            # e23bb70): each sequence chunk flattened, upcast and reduced in turn, the chunks' means averaged
+            k = train.loss_chunks
+            loss = sum(F.cross_entropy(c.flatten(0, 1).float(), t.flatten(0, 1))
+                       for c, t in zip(logits.chunk(k, dim=1), y.chunk(k, dim=1))) / k / A
         else:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1)) / A
     if not train.logits_kept:
