@@ -235,9 +235,11 @@ for index, (ck, H, KV, F, NB, reuse, persist, prefetch, live, BIAS, MOE) in enum
     for step in range(4):  # the trace is recorded in the first two; then it runs as recorded
         with Gathers() as mode:
             g = mode
-            engine.backward(engine(x).pow(2).mean())
+            out = engine(x)
+            at_loss = held()  # what is held while the loss runs: after forward, before backward
+            engine.backward(out.pow(2).mean())
         engine.step()
-        per_step.append([g.elems, g.peak, g.coalesced, g.calls, g.held])
+        per_step.append([g.elems, g.peak, g.coalesced, g.calls, g.held, at_loss])
     if rank == 0:
         print("GATHERED", index, json.dumps(per_step), flush=True)
     torch.distributed.barrier()
@@ -353,7 +355,8 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(deepspeed_runs, index):
     pattern. In every configuration also the calls it issues, in order (comm.ds_gathers prices
     them), the elements of its calls of several parameters (which copy: unit_ops.fsdp_copies)
     and what it holds for the parameters, their storages and the calls' flat buffers
-    (deepspeed.coordinate's peak_held, which memory prices)."""
+    (deepspeed.coordinate's peak_held, which memory prices), at its most and while the loss runs
+    (held_at_loss)."""
     shape, blocks, named, reentrant, checkpointed = CONFIGS[index]
     block, flat, units, settings = _config(shape, blocks, named, checkpointed)
     reuse, persist, prefetch, live = settings
@@ -362,7 +365,7 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(deepspeed_runs, index):
         again = backward_gathers(units, reuse, persist, prefetch, live, reentrant=reentrant)
         return blocks * sum(n for n in flat if n > persist) + sum(map(sum, again))
 
-    per_step, peaks, coalesced, calls, held = zip(*deepspeed_runs[index])
+    per_step, peaks, coalesced, calls, held, at_loss = zip(*deepspeed_runs[index])
     assert per_step[1] == per_step[2] == per_step[3]  # the trace recorded in the first step
     assert per_step[3] == priced(reentrant)
     # the most it holds gathered (persistent parameters always): what memory prices it at
@@ -371,6 +374,9 @@ def test_deepspeeds_own_zero3_gathers_what_zplan_prices(deepspeed_runs, index):
     # and what it holds for them: beside the gathered parameters, each call of several
     # parameters' flat buffer from its first wait until the last of them is fetched
     assert held[3] == sim.peak_held, (held, sim.peak_held)
+    # and while the loss runs, between the forward and the backward (memory prices the loss's
+    # events at it: memory.deepspeed_loss_buffers)
+    assert at_loss[3] == sim.held_at_loss, (at_loss, sim.held_at_loss)
     # what it gathers in calls of several parameters, which copy (unit_ops.fsdp_copies)
     assert coalesced[3] == sum(sum(f) + sum(b) for f, b in sim.coalesced), (coalesced, sim.coalesced)
     if prefetch and named in (DEFAULTS, TIGHT, EXPORT, EXPORT_KEPT):

@@ -129,6 +129,9 @@ class Coordination(NamedTuple):
     # parameters' flat buffer, from its first wait (which copies them all out) until the last of
     # them is fetched (persistent parameters included)
     peak_held: int = 0
+    # what is gathered and held when the loss runs (between the forward's last release and the
+    # root's pre-backward fetch), persistent parameters included
+    held_at_loss: int = 0
 
     @property
     def calls(self) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
@@ -281,7 +284,12 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
     left: list[int] = []  # and its parameters not yet waited on (negative: none waited on yet)
     extra = physical = 0
     open_calls = 0  # calls of several whose last parameter is not waited on yet
+    # the root's pre-backward fetch: the step after the forward's modules (module_trace)
+    loss_step = 1 + sum(containers[i] + len(params) for i, (params, _) in enumerate(units))
+    at_loss = -1
     for k, m in enumerate(tp):
+        if k == loss_step:
+            at_loss = n_available + extra
         if m >= 0:
             ps = own[m]
             if len(ps) == 1:  # most modules (a Linear without bias): no list to build
@@ -381,7 +389,10 @@ def coordinate(units: tuple[tuple[tuple[int, ...], bool], ...],
             calls[iu[a]][ib[a]] += 1
     return Coordination(tuple(tuple(a) for a in again), peak + held,
                         tuple((tuple(f), tuple(b)) for f, b in coalesced), tuple((f, b) for f, b in calls),
-                        iu, isz, ib, tuple(starts), physical + held)
+                        iu, isz, ib, tuple(starts), physical + held,
+                        # the loop stops early where nothing is ever released: all gathered and
+                        # waited on from there, no flat buffer left
+                        (at_loss if at_loss >= 0 else n_available + extra) + held)
 
 
 def reduce_scatter_copy_elems(backward_sizes: tuple[int, ...], world: int) -> int:

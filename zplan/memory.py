@@ -404,6 +404,7 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
     unit_grads = [nbytes(u.numel, p.master) for u in sc.units]
     return setup_events(sc, st) + mt.replicated_events(
         sc, acts, ms.total_bytes, static, reduce_b, opt_temp, compiled_graphs(sc, st),
+        loss_buffers=deepspeed_loss_buffers(sc, st, padded, pb, rb),
         step_gathered_b=0 if released else None, casts=autocast_copies(sc),
         accum=unit_grads if accum_b else None,
         late=unit_grads if grads_made_in_backward(sc, st) else None,
@@ -536,6 +537,27 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
         return (0 if one else gather * pb), deepspeed_default_reduce_bytes(sc, pb, rb)
     biggest = max((g for g, u in zip(padded, sc.units) if not u.held), default=0)
     return (0 if one else gather * pb), biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
+
+
+def deepspeed_loss_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int] | None:
+    """DeepSpeed ZeRO-3's buffers (zero layout, resharded) from the forward's end through the
+    loss, where `static_buffers` holds the step's largest: what its coordinator has gathered then
+    (deepspeed.coordinate's held_at_loss: the head, kept for its backward within the reuse
+    distance, and what the last prefetch took), and of the reduce side only the persistent
+    bucket (stage3.py allocates its flat buffer at init): no parameter's gradient exists before
+    the head's backward, the hooks on each AccumulateGrad copying one in as autograd makes it.
+    None where the static buffers stand for the loss too."""
+    t = sc.train
+    if t.layout != "zero" or not (st.fsdp and st.reshard_after_forward):
+        return None
+    one = sc.shard_degree(st.hsdp) == 1 and not st.offload_params
+    gather = 0 if one else ds_coordination(sc, st).held_at_loss * pb
+    if t.deepspeed_defaults:
+        from .deepspeed import REDUCE_BUCKET_ELEMS
+
+        return gather, REDUCE_BUCKET_ELEMS * rb
+    biggest = max((g for g, u in zip(padded, sc.units) if not u.held), default=0)
+    return gather, biggest * rb
 
 
 def autocast_copies(sc: Scenario) -> mt.AutocastCopies | None:

@@ -549,11 +549,15 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                       step_gathered_b: int | None = None,
                       casts: AutocastCopies | None = None, accum: list[int] | None = None,
                       late: list[int] | None = None, new_weight_grad: list[int] | None = None,
-                      own_grads: list[int] | None = None) -> list[Event]:
+                      own_grads: list[int] | None = None,
+                      loss_buffers: tuple[int, int] | None = None) -> list[Event]:
     """DDP and ZeRO-1 (and every strategy of the zero layout, whose buffers are modelled as
     static): gradients and buffers held throughout; activations follow the step. At the
     optimizer step the gathered weights are `step_gathered_b` (default: the static buffer):
-    DeepSpeed ZeRO-3 has released its live window at the end of backward.
+    DeepSpeed ZeRO-3 has released its live window at the end of backward. From the forward's
+    end through the loss, `loss_buffers` (gathered, reduce side) where given stand for the
+    static buffers: DeepSpeed ZeRO-3's coordinator then holds what it has gathered at that
+    point, and no gradient exists yet beside its persistent bucket (memory.deepspeed_loss_buffers).
 
     Compiled backward graphs hold the new gradients they make until they return: a unit's
     backward holds those of the later units of its graph (at most `cap_bytes`), and the graph's
@@ -598,6 +602,12 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
                    unsharded_grads=reduce_b + own_from[0])
     kw = dict(state=state_b - absent_upto[n], gathered=static_b, unsharded_grads=reduce_b + accum_upto[n] + own_all)
     made = {**kw, "gathered": static_b + sum(casts.made)}
+    at_loss, loss_back = made, {**kw, "gathered": static_b + kept_upto[n] + casts.until_head}
+    if loss_buffers is not None:
+        lg, lr = loss_buffers
+        at_loss = {**made, "gathered": lg + sum(casts.made), "unsharded_grads": made["unsharded_grads"] - reduce_b + lr}
+        loss_back = {**loss_back, "gathered": lg + kept_upto[n] + casts.until_head,
+                     "unsharded_grads": kw["unsharded_grads"] - reduce_b + lr}
     if compiled is None:  # eager: every gradient accumulated as soon as it is made
         compiled = CompiledGraphs((0,) * n, (), 0, (0,) * n)
     # a compiled graph's tied head gradient: made right after the loss's backward, beside the
@@ -605,13 +615,13 @@ def replicated_events(sc: Scenario, acts: Activations, state_b: int, static_b: i
     tied_graph = compiled.tied_head
     out = HeldOutputs(sc.train, acts)  # the model's cache, the previous output (kv_cache)
     ev = [_ev("forward", "forward end", activations=total_saved + acts.logits_elems * acts.kept_logit_bytes
-              + out.forward(n - 1), **made)]
+              + out.forward(n - 1), **at_loss)]
     for phase in ("forward", "backward"):
         ev.append(_ev("loss", f"loss {phase}", activations=total_saved
                       + acts.loss_bytes[phase] + acts.linear_loss[phase]
                       + out.loss(phase),
-                      **(made if phase == "forward" else {**kw, "gathered": static_b + kept_upto[n] + casts.until_head,
-                                                          "unsharded_grads": kw["unsharded_grads"] + tied_graph})))
+                      **(at_loss if phase == "forward" else
+                         {**loss_back, "unsharded_grads": loss_back["unsharded_grads"] + tied_graph})))
     saved_upto = [0, *accumulate(acts.saved)]
     new, end_temp, cap = compiled.new_grads, compiled.end_temp, compiled.cap_bytes
     graph_of: list[range | None] = [None] * n
