@@ -144,7 +144,8 @@ def test_planned_reserve_against_the_allocator_replayed_over_a_traced_step(tmp_p
     assert (without_holes(True) - replayed) / replayed < -0.004
 
 
-def _traced_block_forward(mode: str, mlp: str, kv_heads: int, head_dim=None) -> list[tuple[str, int, int]]:
+def _traced_block_forward(mode: str, mlp: str, kv_heads: int, head_dim=None,
+                          expand: bool = False) -> list[tuple[str, int, int]]:
     """The storages the trainer's Block (bf16, CPU) makes and frees in a checkpointed first
     forward (mode "none": a forward without recomputation), in order: ("+", id, bytes) and ("-", id, 0), from a dispatch mode that sees every
     op's outputs and a weak reference to each new storage."""
@@ -182,6 +183,7 @@ def _traced_block_forward(mode: str, mlp: str, kv_heads: int, head_dim=None) -> 
         hidden=h, num_heads=heads, num_kv_heads=kv_heads, ffn_hidden=704, mlp=mlp, attention_head_dim=head_dim))
     torch.manual_seed(0)
     block = Block(spec).to(torch.bfloat16)
+    block.attention.expand_kv = expand  # TrainSpec.attention_expands_kv (Transformer.expand_kv)
     x = torch.randn(2, 64, h, dtype=torch.bfloat16, requires_grad=True)
     kw = {}
     if mode == "selective":
@@ -193,15 +195,17 @@ def _traced_block_forward(mode: str, mlp: str, kv_heads: int, head_dim=None) -> 
     return made
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-@pytest.mark.parametrize("mlp, kv_heads, head_dim", [("swiglu", 1, None), ("gelu", 4, None), ("swiglu", 1, 96)])
-def test_the_steps_are_the_trainers_block_in_order(mode, mlp, kv_heads, head_dim):
+@pytest.mark.parametrize("mode", ["full", "selective", "none"])
+@pytest.mark.parametrize("mlp, kv_heads, head_dim, expand", [("swiglu", 1, None, False), ("gelu", 4, None, False),
+                                                             ("swiglu", 1, 96, False), ("swiglu", 1, None, True)])
+def test_the_steps_are_the_trainers_block_in_order(mode, mlp, kv_heads, head_dim, expand):
     """forward_tensor_steps against the trainer's own Block traced tensor by tensor (CPU: the
     composite fp32 norm F.rms_norm falls back to, norm_output_fp32): the same sizes made and
     freed in the same order, leaving out what the steps leave out (storages of 8 KiB or less:
     the norm's statistics, the logsumexp at this size; RoPE's tables and half-size
-    temporaries), the block's output last. head_dim 96: 4 heads of 96 on a hidden of 256."""
-    log = _traced_block_forward(mode, mlp, kv_heads, head_dim)
+    temporaries), the block's output last. head_dim 96: 4 heads of 96 on a hidden of 256; with
+    `expand`, keys and values copied to the 4 query heads (--attention-expands-kv)."""
+    log = _traced_block_forward(mode, mlp, kv_heads, head_dim, expand)
     h, s, b = 256, 64, 2
     d = head_dim or h // 4
     half_q, half_k = 4 * d * s * b, d * kv_heads * s * b  # bf16 halves of q and k, in bytes
@@ -210,7 +214,7 @@ def test_the_steps_are_the_trainers_block_in_order(mode, mlp, kv_heads, head_dim
     rope_half = {i for i, n in sizes.items() if n in (half_q, half_k) + tables}
     traced = [(op, sizes[i]) for op, i, _ in log if sizes[i] > 8192 and i not in rope_half]
     sc = build(cpu_ranks(model="llama-3.2-1b", gpus="1", seq_len=s, micro_batch=b, checkpointing=mode,
-                         fused_norm=False))
+                         fused_norm=False, attention_expands_kv=expand))
     m = sc.model.model_copy(update=dict(hidden=h, num_heads=4, num_kv_heads=kv_heads, ffn_hidden=704, mlp=mlp,
                                         attention_head_dim=head_dim))
     steps, made = [], {}

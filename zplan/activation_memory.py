@@ -126,7 +126,9 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
     is not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
     projection, q/k norms, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
     without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
-    other than full, selective or none, and attention fed copied keys and values (expands_kv).
+    other than full, selective or none. Keys and values copied to the query heads (expands_kv):
+    the copies made in the attention core and freed when it returns, kept under "none" in place
+    of RoPE's k and the value projection's output.
 
     "none" is a block without recomputation, which frees only what autograd saves nothing of
     (RoPE's inputs, the output projections' outputs, an unfused norm's temporaries) and keeps the
@@ -138,8 +140,9 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
         mode = policy.uniform_mode(train, m.num_layers)  # every-1 and first-L are full, block for block
     if (mode not in ("full", "selective", "none") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
             or m.qk_norm or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
-            or train.te_float8 or train.fused_swiglu or train.autocast or expands_kv(m, train)):
+            or train.te_float8 or train.fused_swiglu or train.autocast):
         return None
+    copies = expands_kv(m, train)
     sb, B = train.seq_len * train.micro_batch, act_dtype_bytes(train)
     H, KV, F = B * sb * m.hidden, B * sb * m.kv_hidden, B * sb * m.ffn_hidden
     Q = B * sb * m.q_hidden  # q and the attention output (H unless the heads are set wider)
@@ -156,6 +159,8 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
         kept = norm("norm1") | norm("norm2") | {"q", "k", "wv", "attn", "lse"}
         kept |= {"h"} if train.fused_norm else set()
         kept |= {"w1", "silu", "w3", "mul"} if m.mlp == "swiglu" else {"w1", "gelu"}
+        if copies:  # the kernel saves the copies; RoPE's k and the value projection's output go
+            kept = (kept - {"k", "wv"}) | {"kc", "vc"}
     if train.kv_cache:  # the cache the block returns keeps RoPE's k and the value projection's output
         kept |= {"k", "wv"}
     steps = _norm_steps("norm1", train, sb * m.hidden, B)
@@ -163,8 +168,13 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
     # RoPE's rotated q and k (trainer/model.py apply_rope); its half-size temporaries, made and
     # freed in turn, move no simulated figure (the reserved matrix's cells and PR #165's, checked)
     steps += [("+", "q", Q), ("+", "k", KV)]
-    steps += [("-", "wk", 0), ("-", "wq", 0), ("+", "attn", Q), ("+", "lse", 4 * m.num_heads * sb),
-              ("-", "lse", 0), ("+", "wo", H), ("-", "q", 0), ("-", "k", 0), ("-", "wv", 0),
+    steps += [("-", "wk", 0), ("-", "wq", 0)]
+    # expands_kv: k and v copied q wide inside the attention core (the trainer's repeat_interleave,
+    # HF's repeat_kv), freed with the logsumexp when it returns unless the kernel's saved inputs keep them
+    steps += [("+", "kc", Q), ("+", "vc", Q)] if copies else []
+    steps += [("+", "attn", Q), ("+", "lse", 4 * m.num_heads * sb), ("-", "lse", 0)]
+    steps += [("-", "kc", 0), ("-", "vc", 0)] if copies else []
+    steps += [("+", "wo", H), ("-", "q", 0), ("-", "k", 0), ("-", "wv", 0),
               ("-", "attn", 0), ("-", "norm1", 0), ("+", "h", H), ("-", "wo", 0)]
     steps += _norm_steps("norm2", train, sb * m.hidden, B)
     if m.mlp == "swiglu":

@@ -496,9 +496,11 @@ class TrainSpec(Spec):
         False, description="the attention copies each key/value head to every query head that shares "
         "it before the kernel (Hugging Face's repeat_kv ahead of SDPA: transformers before 4.54, or "
         "torch before 2.5, and later releases wherever a 4-D mask reaches SDPA: padded batches, "
-        "sliding-window layers; an all-ones mask is dropped first; HF's eager attention always), so "
+        "sliding-window layers; an all-ones mask is dropped first; HF's eager attention always; "
+        "torchtitan's repeat_kv until ff0829c, 2026-01-27; KempnerForge's repeat_interleave), so "
         "the kernel saves keys and values q heads wide; False: grouped keys and values reach the "
-        "kernel (SDPA's enable_gqa, flash-attn, the trainer's default). Uncompiled attention only")
+        "kernel (SDPA's enable_gqa, flash-attn, the trainer's default). Compiled too: torch.compile's "
+        "partitioner keeps the copies (tests/test_memory.py)")
     attention_heads_first: bool = Field(
         False, description="q reaches the attention kernel (b, heads, s, d)-contiguous in memory "
         "(litgpt's CausalSelfAttention: the fused projection's heads reshaped into copies, RoPE and "
