@@ -69,6 +69,7 @@ SCENARIO = {
     "--attention-kernel": choice_or_hostile(["flash2", "flash-triton", "flash3", "flash4", "flex", "cudnn",
                                              "flash1", "efficient"]),
     "--linear-loss": choice_or_hostile(["none", "chunked", "liger"]),
+    "--loss-chunks": number(["1", "8", "3", "0", "65"]),
     "--compile-scope": choice_or_hostile(["block", "model"]),
     "--optimizer-kernels": choice_or_hostile(["fused", "foreach", "single"]),
     "--float8-recipe": choice_or_hostile(["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]),
@@ -76,7 +77,8 @@ SCENARIO = {
 SWITCHES = ["--reduce-last-only", "--no-flash", "--no-prefetch", "--fused-norm", "--no-fused-norm",
             "--no-overlap", "--compile", "--eager-loss", "--float8", "--no-loss-fp32",
             "--no-checkpoint-early-stop", "--fused-loss", "--fused-swiglu", "--no-grad-clip", "--no-float8-all-gather",
-            "--no-norm-output-fp32", "--logits-fp32", "--last-block-kept"]
+            "--no-norm-output-fp32", "--logits-fp32", "--last-block-kept", "--attention-heads-first",
+            "--attention-expands-kv"]
 OWN = {
     "estimate": {"--strategy": choice_or_hostile(STRATEGIES), "--unit": choice_or_hostile(["GB", "GiB"])},
     "recommend": {"--global-batch": number(["8", "64", "1e13", "1000000", "7"]),
