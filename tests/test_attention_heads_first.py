@@ -71,7 +71,8 @@ def test_the_copy_is_in_the_peak_and_in_the_step():
 
 
 @pytest.mark.parametrize("extra,needle", [(("--compile",), "--compile"),
-                                          (("--attention-kernel", "cudnn"), "--attention-kernel cudnn")])
+                                          (("--attention-kernel", "cudnn"), "--attention-kernel cudnn"),
+                                          (("--no-flash",), "--no-flash")])
 def test_refused_where_the_layout_is_not_modelled(capsys, extra, needle):
     r = cli(capsys, "estimate", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "h100-sxm",
             "--attention-heads-first", *extra)

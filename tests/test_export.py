@@ -528,6 +528,7 @@ def test_zeropp_is_said_and_refused_where_its_groups_do_not_divide(tmp_path, cap
     (dict(compile=True), "torch.compile"),
     (dict(linear_loss="chunked"), "the chunked linear loss"),
     (dict(fused_loss=True), "a fused cross-entropy kernel"),
+    (dict(loss_chunks=8), "over 8 sequence chunks"),
     (dict(), None),
 ])
 def test_exports_say_what_the_script_must_do_that_the_config_cannot(tmp_path, capsys, to, kw, said):

@@ -431,7 +431,7 @@ def test_a_given_shard_size_is_kept_and_odd_ones_are_not_searched():
 
     assert {v.hsdp_shard for v in _variants(scenario(model="llama-3.1-8b", gpus=6), "hsdp")} == {2, 3}
     six = search(scenario(model="llama-3.1-8b", gpus=6), 48, families=["hsdp"])
-    assert 3 in {c.sc.hsdp_shard for c in six.ranked}
+    assert 3 in {c.sc.hsdp_shard for c in six.ranked}  # (2 fits too since DeepSpeed's loss buffers, 2026-12-07)
 
 
 def test_strategies_deepspeed_cannot_run_are_one_line(run_zplan):

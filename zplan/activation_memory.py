@@ -126,7 +126,8 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
     is not derived: blocks unlike the trainer's (LayerNorm, learned positions, a fused q/k/v
     projection, q/k norms, dropout's masks, MoE), compiled blocks (inductor's kernels decide), attention
     without a flash kernel, float8 linears (their casts), Liger's SwiGLU, autocast, and modes
-    other than full, selective or none. Keys and values copied to the query heads (expands_kv):
+    other than full, selective or none, and a heads-first q (attention_heads_first: the output's
+    copy, which the trainer does not make). Keys and values copied to the query heads (expands_kv):
     the copies made in the attention core and freed when it returns, kept under "none" in place
     of RoPE's k and the value projection's output.
 
@@ -140,7 +141,7 @@ def forward_tensor_steps(m: ModelSpec, train: TrainSpec,
         mode = policy.uniform_mode(train, m.num_layers)  # every-1 and first-L are full, block for block
     if (mode not in ("full", "selective", "none") or m.norm != "rmsnorm" or m.position != "rope" or m.qkv_fused
             or m.qk_norm or m.dropout or m.num_experts or train.compile or not train.flash_attention or train.float8
-            or train.te_float8 or train.fused_swiglu or train.autocast):
+            or train.te_float8 or train.fused_swiglu or train.autocast or train.attention_heads_first):
         return None
     copies = expands_kv(m, train)
     sb, B = train.seq_len * train.micro_batch, act_dtype_bytes(train)
@@ -636,7 +637,8 @@ def loss_tensor_steps(train: TrainSpec, loss_fp32: bool, logits_elems: int) -> t
     nll_loss's gradient and log_softmax's input gradient (L·c each), the first and the chunk's
     saved output freed, the upcast's backward casting the gradient to B·c; then torch.chunk's
     backward concatenates the k chunk gradients into the logits' gradient (B·E) and frees them.
-    The order FSDPMemTracker records on the trainer (tests/test_caching_allocator.py)."""
+    The order PyTorch's MemTracker records on the trainer's loss, storage by storage
+    (tests/test_loss_chunks.py; FSDPMemTracker over a whole step there too)."""
     k = train.loss_chunks
     if k == 1:
         return tuple((ph, op, name, per * logits_elems) for ph, op, name, per in loss_steps(train, loss_fp32))

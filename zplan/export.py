@@ -306,6 +306,8 @@ def script_applies(plan: Plan, checkpointing: bool) -> list[str]:
     what += [f"the {t.linear_loss} linear loss (the head and loss over chunks, never the whole logits)"] \
         if t.linear_loss != "none" else []
     what += ["a fused cross-entropy kernel"] if t.fused_loss else []
+    what += [f"the cross-entropy over {t.loss_chunks} sequence chunks of the logits in turn (torchtitan's "
+             "chunked_cross_entropy_loss)"] if t.loss_chunks > 1 else []
     if checkpointing and t.checkpointing != "none":
         what.append(f"activation checkpointing ({t.checkpointing})")
     return what

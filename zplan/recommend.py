@@ -635,8 +635,8 @@ def _longest_fitting_seq(base: Scenario, full, usable_fraction: float) -> tuple[
 
     s = 1 << ((base.train.seq_len - 1).bit_length() - 1) if base.train.seq_len > 1 else 0
     while s >= 1:
-        n = smallest_n(base, full.model_copy(update={"seq_len": s}), include_current=True,
-                       usable_fraction=usable_fraction)
+        n = None if s % base.train.loss_chunks else smallest_n(  # --loss-chunks must divide it
+            base, full.model_copy(update={"seq_len": s}), include_current=True, usable_fraction=usable_fraction)
         if n is not None:
             return s, n
         s //= 2
@@ -700,7 +700,7 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
     if (t.linear_loss == "none" and t.layout == "torch" and not t.fused_loss and not t.logits_fp32
             and t.logits_kept and not t.outputs_until_next_forward and not (t.compile and t.compile_loss)):
         # the trainer's chunked loss never holds the whole logits and their gradients
-        chunked = full.model_copy(update={"linear_loss": "chunked"})
+        chunked = full.model_copy(update={"linear_loss": "chunked", "loss_chunks": 1})
         usable = int((1 - headroom) * base.hw.gpu.memory_bytes)
         searched = list(rejected) or list(STRATEGIES)  # the families asked for, as _fewest_gpus
         here = next((f for f in ("zero3", "offload-opt", "offload-all")
@@ -709,7 +709,8 @@ def _nothing_fits(base: Scenario, global_batch: int, headroom: float, rejected: 
         at, who = (base.n, here) if here else (later[0], later[1]) if later else (None, None)
         if at is not None and (n is None or at < n):
             where = ("this GPU" if at == 1 else f"these {at} GPUs") if here else f"it on {at} GPUs"
-            hints.insert(1 if expandable is not None else 0, f"--linear-loss chunked (the loss in chunks, never the whole logits: "
+            hints.insert(1 if expandable is not None else 0, f"--linear-loss chunked ("
+                         f"{'in place of --loss-chunks; ' if t.loss_chunks > 1 else ''}the loss in chunks, never the whole logits: "
                             f"{who} fits {where}, micro-batch 1, full checkpointing)")
     searched = list(rejected) or list(STRATEGIES)
     if n is None and "ddp" in searched and len(searched) == 1:

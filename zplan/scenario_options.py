@@ -264,13 +264,14 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
                          f"query head, and {model.name} groups {model.num_heads} query heads over "
                          f"{model.num_kv_heads}: such a run copies them first (Hugging Face's repeat_kv); "
                          f"add --attention-expands-kv")
-    if o.attention_heads_first and (o.compile or o.attention_kernel != "flash2"):
+    if o.attention_heads_first and (o.compile or o.attention_kernel != "flash2" or not o.flash):
         # SDPA's flash kernel allocates its output like q; what the partitioner keeps of the
-        # copy under compile is not modelled
+        # copy under compile is not modelled; the math path copies its output anyway
         raise UsageError("--attention-heads-first prices an uncompiled FlashAttention-2 kernel (SDPA's flash, "
                          "which allocates its output like q), not "
                          + ("--compile: drop --compile or --attention-heads-first" if o.compile else
-                            f"--attention-kernel {o.attention_kernel}: use --attention-kernel flash2, or drop "
+                            "--no-flash, whose output is copied anyway: drop --attention-heads-first" if not o.flash
+                            else f"--attention-kernel {o.attention_kernel}: use --attention-kernel flash2, or drop "
                             "--attention-heads-first"))
     if o.attention_kernel == "flex" and K.flex_speed(gpu.family) is None:
         raise UsageError(f"--attention-kernel flex (FlexAttention) has published kernel rates for A100, "

@@ -666,10 +666,12 @@ class TrainSpec(Spec):
                              "logits from the model or a shifted copy")
         if self.seq_len % self.loss_chunks:
             raise ValueError(f"loss_chunks {self.loss_chunks} does not divide seq_len {self.seq_len}")
-        if self.attention_heads_first and (self.compile or self.attention_kernel != "flash2"):
+        if self.attention_heads_first and (self.compile or self.attention_kernel != "flash2"
+                                           or not self.flash_attention):
             raise ValueError("attention_heads_first prices an uncompiled FlashAttention-2 kernel (SDPA's "
                              "flash, which allocates its output like q), not "
-                             + ("a compiled block" if self.compile else f"attention_kernel {self.attention_kernel}"))
+                             + ("a compiled block" if self.compile else "the math path (copied anyway)"
+                                if not self.flash_attention else f"attention_kernel {self.attention_kernel}"))
         if self.loss_shifted_copy and not (self.logits_fp32 and not self.loss_fused):
             raise ValueError("loss_shifted_copy prices Hugging Face's eager loss on the model's fp32 "
                              "logits: it needs logits_fp32 and no compiled or fused loss")
