@@ -74,7 +74,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         norm_output_fp32=row.norm_output_fp32, optimizer_kernels=row.optimizer_kernels,
         optimizer=row.optimizer,
         grad_clip=row.grad_clip, sac_saves_attention=row.sac_saves_attention, zero_init=row.zero_init, embed_head_unit=row.embed_head_unit,
-        deepspeed_defaults=row.deepspeed_defaults, deepspeed_param_groups=row.deepspeed_param_groups,
+        deepspeed_defaults=row.deepspeed_defaults, deepspeed_param_groups=row.deepspeed_param_groups, deepspeed_sub_group=row.deepspeed_sub_group,
         logits_kept=row.logits_kept, ddp_bucket_view=row.ddp_bucket_view,
         logits_fp32=row.logits_fp32, last_block_kept=row.last_block_kept,
         kv_cache=row.kv_cache, attention_expands_kv=row.attention_expands_kv, attention_heads_first=row.attention_heads_first, loss_chunks=row.loss_chunks, loss_shifted_copy=row.loss_shifted_copy, outputs_until_next_forward=row.outputs_until_next_forward,

@@ -1103,14 +1103,18 @@ def test_accumulated_gradients_are_reported_once():
 def test_deepspeed_step_makes_an_fp32_gradient_partition(strategy):
     """DeepSpeed's step turns the 16-bit gradient partition into fp32 through a flat copy:
     `flatten(averaged_gradients).to(fp32)` (stage_1_and_2.py step; stage3.py
-    _prepare_fp32_grad_for_sub_group, a sub-group of at most 1e9 elements at a time): 2 + 4 bytes
+    _prepare_fp32_grad_for_sub_group, a sub-group of 1e9 elements or a little more at a time): 2 + 4 bytes
     per local element alive at the optimizer step (FusedAdam itself works in place)."""
     sc = _sc(layout="zero", checkpointing="full", seq_len=2048)
     psi = arch.param_count(sc.model)
     step = next(e for e in timeline(sc, effective(strategy, "zero")) if e.phase == "optimizer")
-    local = psi / 8  # 1.004e9 on each of 8 GPUs: ZeRO-3 takes a sub-group of 1e9 at a time
-    expected = 6 * (10**9 if strategy == "zero3" else local)
-    assert step.live.get("step_temps", 0) == pytest.approx(expected, rel=1e-3)
+    local = psi / 8  # 1.004e9 on each of 8 GPUs: ZeRO-3 takes a sub-group at a time, closed once it
+    # holds 1e9 elements or more (stage3.py _create_fp16_sub_groups): 1e9 up to one partition more
+    if strategy == "zero3":
+        largest = max(math.prod(s) for u in sc.units for s in u.shapes) / 8
+        assert 6 * 10**9 <= step.live.get("step_temps", 0) <= 6 * min(10**9 + largest, local + 8)
+    else:
+        assert step.live.get("step_temps", 0) == pytest.approx(6 * local, rel=1e-3)
     if strategy == "zero3":  # step() begins with _partition_all_parameters: nothing gathered
         back = [e for e in timeline(sc, effective(strategy, "zero")) if e.phase == "backward"]
         assert step.live.get("gathered", 0) == 0 < min(e.live.get("gathered", 0) for e in back)

@@ -79,6 +79,8 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         # has none and refuses unknown keys; deepspeed_reduce_note says so)
     if stage == 3 and t.optimizer == "muon":  # ZeRO-3 refuses Muon beside its reduce-scatter; the plan
         zo["reduce_scatter"] = False  # prices the all-reduce it runs instead (policy.all_reduces_gradients)
+    if stage == 3 and t.deepspeed_sub_group != 1_000_000_000:  # the step's sub-groups, as priced
+        zo["sub_group_size"] = t.deepspeed_sub_group
     if t.deepspeed_defaults:
         pass  # the run keeps DeepSpeed's own buckets, as the plan prices them
     elif stage < 3:

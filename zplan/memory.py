@@ -335,22 +335,41 @@ def grads_made_in_backward(sc: Scenario, st: Strategy) -> bool:
     return t.layout == "torch" and not st.fsdp and sc.n == 1 and t.grad_accum == 1
 
 
-def deepspeed_step_temps(local_elems: int, params_sharded: bool, p) -> tuple[int, ...]:
+def deepspeed_sub_groups_largest(partitions: list[int] | tuple[int, ...], sub_group: int) -> int:
+    """The largest of DeepSpeed ZeRO-3's optimizer sub-groups (stage3.py _create_fp16_sub_groups,
+    v0.16-v0.19): the rank's parameter partitions in order, a sub-group closed once it holds
+    `sub_group` elements or more (so it passes that by less than one partition), one group of all
+    where `sub_group` covers them."""
+    total = sum(partitions)
+    if sub_group >= total:
+        return total
+    largest = held = 0
+    for n in partitions:
+        held += n
+        if held >= sub_group:
+            largest, held = max(largest, held), 0
+    return max(largest, held)
+
+
+def deepspeed_step_temps(local_elems: int, params_sharded: bool, p, sub_group_elems: int | None = None) -> tuple[int, ...]:
     """DeepSpeed ZeRO-1/2/3's optimizer step makes its fp32 gradient partition from the 16-bit
     one: `flatten(averaged_gradients).to(fp32)`, both alive for a moment (stage_1_and_2.py step;
-    stage3.py _prepare_fp32_grad_for_sub_group, one sub-group of at most sub_group_size
-    elements at a time, default 1e9: config.py), the fp32 one through the update (FusedAdam
-    works in place). With 16-bit master weights `.to` returns the flat copy itself. Bytes of
-    each tensor."""
+    stage3.py _prepare_fp32_grad_for_sub_group, one sub-group at a time: `sub_group_elems`, the
+    largest, deepspeed_sub_groups_largest; None: at most DeepSpeed's default sub_group_size, 1e9),
+    the fp32 one through the update (FusedAdam works in place). With 16-bit master weights `.to`
+    returns the flat copy itself. Bytes of each tensor."""
     from .deepspeed import SUB_GROUP_ELEMS
 
-    chunk = min(local_elems, SUB_GROUP_ELEMS) if params_sharded else local_elems
+    if not params_sharded:
+        chunk = local_elems
+    else:
+        chunk = min(local_elems, SUB_GROUP_ELEMS) if sub_group_elems is None else sub_group_elems
     return (nbytes(chunk, p.param),) + ((nbytes(chunk, p.master),) if p.master != p.param else ())
 
 
-def deepspeed_step_temp_bytes(local_elems: int, params_sharded: bool, p) -> int:
+def deepspeed_step_temp_bytes(local_elems: int, params_sharded: bool, p, sub_group_elems: int | None = None) -> int:
     """The bytes of deepspeed_step_temps, alive together."""
-    return sum(deepspeed_step_temps(local_elems, params_sharded, p))
+    return sum(deepspeed_step_temps(local_elems, params_sharded, p, sub_group_elems))
 
 
 def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[Event]:
@@ -367,7 +386,11 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
         steps = optimizer_tensor_sizes(sc, D if st.optim_sharded else 1, zero1=st.name == "zero1")
         opt_temp = mt.optimizer_temp_bytes(max(steps, default=0), sum(steps), t, t.layout)
         if t.layout == "zero" and st.optim_sharded:
-            opt_temp = deepspeed_step_temp_bytes(sum(steps), st.params_sharded, p)
+            group = None
+            if st.params_sharded:  # ZeRO-3: each parameter's partition, ceil(n / D), in model order
+                group = deepspeed_sub_groups_largest([-(-math.prod(s) // D) for u in sc.units for s in u.shapes],
+                                                     t.deepspeed_sub_group)
+            opt_temp = deepspeed_step_temp_bytes(sum(steps), st.params_sharded, p, group)
         if t.optimizer == "muon":  # Newton-Schulz's temporaries (AdamW's for the rest: fused, none),
             # on the rank whose state and temporaries together are largest: ms holds the largest state
             gather_b = DTYPE_BITS[p.param] // 8 if policy.optimizer_splits_matrices(st, t.layout) else 0

@@ -79,6 +79,7 @@ class ScenarioOptions:
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_param_groups: str = "one"  # zero layout, ZeRO-1/2: one | split (TrainSpec)
     deepspeed_bucket_allreduce: bool = True  # zero layout, ZeRO-1/2: each gradient bucket all-reduced (TrainSpec)
+    deepspeed_sub_group: int = 1_000_000_000  # zero layout, ZeRO-3: sub_group_size, elements (TrainSpec)
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     ddp_bucket_view: bool = True  # DDP's gradients are views of its buckets (TrainSpec)
@@ -327,6 +328,12 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError("--no-deepspeed-bucket-allreduce with --optimizer muon: DeepSpeed all-reduces every Muon "
                          "matrix its partitions split whatever the key (stage_1_and_2.py average_tensor), which "
                          "zplan does not price: drop --no-deepspeed-bucket-allreduce")
+    if not 1 <= o.deepspeed_sub_group <= 10**15:
+        raise UsageError(f"--deepspeed-sub-group {o.deepspeed_sub_group}: DeepSpeed's sub_group_size is a "
+                         "positive element count (its default 1e9)")
+    if layout == "torch" and o.deepspeed_sub_group != 1_000_000_000:
+        raise UsageError("--deepspeed-sub-group is DeepSpeed's ZeRO-3 sub_group_size (the zero layout): "
+                         "drop it, or plan DeepSpeed (--layout zero)")
     if layout == "torch" and not o.deepspeed_bucket_allreduce:
         raise UsageError("--no-deepspeed-bucket-allreduce is about DeepSpeed's ZeRO-1/2 (the zero layout); "
                          "the torch layout (DDP, FSDP2) runs PyTorch's own reductions: drop "
@@ -422,7 +429,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             sac_saves_attention=o.sac_saves_attention,
             precision=Precision(param=o.param_dtype, reduce=o.reduce_dtype,
                                 master=o.master_dtype, optimizer=o.optimizer_dtype),
-            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_bucket_allreduce=o.deepspeed_bucket_allreduce, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, ddp_bucket_view=o.ddp_bucket_view, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, attention_heads_first=o.attention_heads_first, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
+            layout=layout, zero_init=o.zero_init, deepspeed_param_groups=o.deepspeed_param_groups, deepspeed_bucket_allreduce=o.deepspeed_bucket_allreduce, deepspeed_sub_group=o.deepspeed_sub_group, deepspeed_defaults=o.deepspeed_defaults, logits_kept=o.logits_kept, ddp_bucket_view=o.ddp_bucket_view, logits_fp32=o.logits_fp32, kv_cache=o.kv_cache, attention_expands_kv=o.attention_expands_kv, attention_heads_first=o.attention_heads_first, loss_shifted_copy=o.loss_shifted_copy, outputs_until_next_forward=o.outputs_until_next_forward, last_block_kept=o.last_block_kept, blocks_per_unit=o.blocks_per_unit, embed_head_unit=o.embed_head_unit, prefetch=o.prefetch,
             fused_norm=o.fused_norm if o.fused_norm is not None else gpu.device != "cpu",
             norm_output_fp32=o.norm_output_fp32,
             reduce_every_microbatch=not o.reduce_last_only,

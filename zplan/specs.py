@@ -533,6 +533,11 @@ class TrainSpec(Spec):
         "Trainer, accelerate's zero3_init_flag), so no GPU ever holds it whole; False: built "
         "without it, deepspeed.initialize first moves the whole model to each GPU "
         "(runtime/engine.py _configure_distributed_model) and only then partitions it")
+    deepspeed_sub_group: int = Field(
+        1_000_000_000, gt=0, le=10**15, description="zero layout, ZeRO-3: DeepSpeed's sub_group_size "
+        "(elements, its default 1e9): the optimizer steps the rank's partition in sub-groups, each "
+        "closed once it holds this many elements or more (stage3.py _create_fp16_sub_groups), and "
+        "makes the fp32 gradient of one sub-group at a time")
     deepspeed_bucket_allreduce: bool = Field(
         True, description="zero layout, ZeRO-1/2: DeepSpeed reduces each gradient bucket with one "
         "all-reduce, every rank then keeping its own partition (use_multi_rank_bucket_allreduce, "
@@ -690,6 +695,8 @@ class TrainSpec(Spec):
             raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:
             raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
+        if self.layout == "torch" and self.deepspeed_sub_group != 1_000_000_000:
+            raise ValueError("deepspeed_sub_group is about DeepSpeed's ZeRO-3 optimizer (the zero layout)")
         if self.layout == "torch" and not self.deepspeed_bucket_allreduce:
             raise ValueError("deepspeed_bucket_allreduce false is about DeepSpeed's ZeRO-1/2 (the zero layout)")
         if not self.deepspeed_bucket_allreduce and self.optimizer == "muon":

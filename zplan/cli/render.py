@@ -121,7 +121,8 @@ _RUN_FACTS = (("embed_head_unit", "--embed-head-unit", None), ("logits_kept", No
               ("compile_scope", "--compile-scope", None), ("float8", "--float8", None),
               ("float8_recipe", "--float8-recipe", None),
               ("deepspeed_param_groups", "--deepspeed-param-groups", None),
-              ("deepspeed_bucket_allreduce", None, "--no-deepspeed-bucket-allreduce"))
+              ("deepspeed_bucket_allreduce", None, "--no-deepspeed-bucket-allreduce"),
+              ("deepspeed_sub_group", "--deepspeed-sub-group", None))
 
 
 def run_facts(sc: Scenario) -> list[str]:
