@@ -326,12 +326,14 @@ def test_verify_fake_only_scenario_flags_are_refused_without_fake(capsys, args, 
     assert rc == 2 and shown in one_error(err) and "add --fake" in one_error(err), err
 
 
-@pytest.mark.parametrize("flag", ["--kv-cache", "--outputs-until-next-forward", "--loss-shifted-copy"])
+@pytest.mark.parametrize("flag", ["--kv-cache", "--outputs-until-next-forward", "--loss-shifted-copy",
+                                  "--loss-chunks=8"])
 def test_verify_hugging_face_loop_flags_go_with_fake(capsys, flag):
-    """The real matrix runs zplan's plain loop: the Hugging Face loop's flags trace with --fake."""
+    """The real matrix runs zplan's plain loop: the Hugging Face loop's flags (and the chunked
+    loss) trace with --fake."""
     pytest.importorskip("torch")
-    rc, _, err = cli(capsys, "verify", flag)
-    assert rc == 2 and flag in one_error(err) and "add --fake" in one_error(err)
+    rc, _, err = cli(capsys, "verify", *flag.split("="))
+    assert rc == 2 and flag.split("=")[0] in one_error(err) and "add --fake" in one_error(err)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -89,6 +89,7 @@ def verify(
     outputs_until_next_forward: Annotated[bool, typer.Option(help="--fake: the loop holds each output until the next forward returns (`outputs = model(**batch)`; two steps traced)")] = False,
     loss_shifted_copy: Annotated[bool, typer.Option(help="--fake: the loss on a shifted copy of the fp32 logits (transformers 4.31; with --logits-fp32)")] = False,
     attention_expands_kv: Annotated[bool, typer.Option(help="--fake: keys and values copied to every query head before attention (Hugging Face's repeat_kv ahead of SDPA)")] = False,
+    loss_chunks: Annotated[int, typer.Option(help="--fake: the cross-entropy over this many sequence chunks of the logits (torchtitan's chunked loss)")] = 1,
 ) -> None:
     """Short real trainings, predicted against measured; exit 1 past tolerance.
 
@@ -110,7 +111,7 @@ def verify(
                             last_block_kept=last_block_kept, kv_cache=kv_cache,
                             outputs_until_next_forward=outputs_until_next_forward,
                             loss_shifted_copy=loss_shifted_copy, attention_expands_kv=attention_expands_kv,
-                            **ks)
+                            **({"loss_chunks": loss_chunks} if loss_chunks != 1 else {}), **ks)
     from .options import given_on_command_line
 
     typed = given_on_command_line(("model", "world_size", "seq_len", "micro_batch"))
@@ -123,10 +124,10 @@ def verify(
         raise UsageError("--linear-loss goes with --fake (the real matrix runs the plain loss): add --fake")
     if (reserved or expandable_segments or not logits_kept or embed_head_unit != "separate"
             or logits_fp32 or last_block_kept or kv_cache or outputs_until_next_forward or loss_shifted_copy
-            or attention_expands_kv):
+            or attention_expands_kv or loss_chunks != 1):
         raise UsageError("--reserved, --expandable-segments, --no-logits-kept, --embed-head-unit, "
                          "--logits-fp32, --last-block-kept, --kv-cache, --outputs-until-next-forward, "
-                         "--loss-shifted-copy and --attention-expands-kv go with --fake: add --fake")
+                         "--loss-shifted-copy, --attention-expands-kv and --loss-chunks go with --fake: add --fake")
     import tempfile
     from pathlib import Path
 
@@ -327,7 +328,7 @@ def _verify_fake(strategy, world: int, model: str, seq_len: int, micro_batch: in
     with `reserved`, the planner's reserved bytes against the caching allocator simulated over
     the traced steps' tensors (printed, not judged: the planner packs all but the loss's).
     `options`: further ScenarioOptions the trainer runs too (logits_fp32, last_block_kept,
-    kv_cache, outputs_until_next_forward, loss_shifted_copy, attention_expands_kv)."""
+    kv_cache, outputs_until_next_forward, loss_shifted_copy, attention_expands_kv, loss_chunks)."""
     from ..specs import CHECKPOINTING
     from typing import get_args
 
