@@ -107,6 +107,8 @@ def names_something(case: Case, line: str) -> bool:
     given += ["".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else  # click's escapes
                       c.encode("unicode_escape").decode() for c in a) for a in case.argv[1:]]
     given += [repr(a) for a in case.argv[1:]] + [f"'{a}'" for a in case.argv[1:]]
+    # a long value is shown cut short (presets.py: its first 77 characters and "..."): its start names it
+    given += [shown(a)[:40] for a in case.argv[1:] if len(shown(a)) > 80]
     if case.project is not None:
         given += ["--" + k.replace("_", "-") for k in PROJECT_KEYS]
     if "" in case.argv:
