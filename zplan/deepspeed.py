@@ -18,7 +18,6 @@ MAX_LIVE_ELEMS = 1_000_000_000  # stage3_max_live_parameters
 MAX_REUSE_DISTANCE_ELEMS = 1_000_000_000  # stage3_max_reuse_distance
 REDUCE_BUCKET_ELEMS = 500_000_000  # reduce_bucket_size (ZeRO-3; ZeRO-1/2 the same default)
 ALLGATHER_BUCKET_ELEMS = 500_000_000  # allgather_bucket_size (ZeRO-1/2)
-SUB_GROUP_ELEMS = 1_000_000_000  # sub_group_size: ZeRO-3's optimizer step, one sub-group at a time
 PERSISTENCE_THRESHOLD_ELEMS = 100_000  # stage3_param_persistence_threshold: up to it, kept whole
 # Without ZeRO (stage 0) the engine all-reduces the gradients after backward has returned, at the
 # accumulation boundary only, in buffers of this many elements (engine.py _backward_epilogue ->

@@ -13,6 +13,7 @@ from .comm import bucket_elements
 from .deepspeed import stage3_settings, unit_elements
 from .errors import UsageError
 from .plan import Plan
+from .specs import DEEPSPEED_SUB_GROUP_ELEMS
 
 DS_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-noreshard": 3, "hsdp": 3,
             "offload-opt": 3, "offload-all": 3}
@@ -79,7 +80,7 @@ def deepspeed_config(plan: Plan, zeropp: bool = False) -> dict:
         # has none and refuses unknown keys; deepspeed_reduce_note says so)
     if stage == 3 and t.optimizer == "muon":  # ZeRO-3 refuses Muon beside its reduce-scatter; the plan
         zo["reduce_scatter"] = False  # prices the all-reduce it runs instead (policy.all_reduces_gradients)
-    if stage == 3 and t.deepspeed_sub_group != 1_000_000_000:  # the step's sub-groups, as priced
+    if stage == 3 and t.deepspeed_sub_group != DEEPSPEED_SUB_GROUP_ELEMS:  # the step's sub-groups, as priced
         zo["sub_group_size"] = t.deepspeed_sub_group
     if t.deepspeed_defaults:
         pass  # the run keeps DeepSpeed's own buckets, as the plan prices them

@@ -351,23 +351,18 @@ def deepspeed_sub_groups_largest(partitions: list[int] | tuple[int, ...], sub_gr
     return max(largest, held)
 
 
-def deepspeed_step_temps(local_elems: int, params_sharded: bool, p, sub_group_elems: int | None = None) -> tuple[int, ...]:
+def deepspeed_step_temps(local_elems: int, params_sharded: bool, p, sub_group_elems: int = 0) -> tuple[int, ...]:
     """DeepSpeed ZeRO-1/2/3's optimizer step makes its fp32 gradient partition from the 16-bit
     one: `flatten(averaged_gradients).to(fp32)`, both alive for a moment (stage_1_and_2.py step;
-    stage3.py _prepare_fp32_grad_for_sub_group, one sub-group at a time: `sub_group_elems`, the
-    largest, deepspeed_sub_groups_largest; None: at most DeepSpeed's default sub_group_size, 1e9),
+    stage3.py _prepare_fp32_grad_for_sub_group, one sub-group at a time: ZeRO-3's
+    `sub_group_elems`, the largest, deepspeed_sub_groups_largest),
     the fp32 one through the update (FusedAdam works in place). With 16-bit master weights `.to`
     returns the flat copy itself. Bytes of each tensor."""
-    from .deepspeed import SUB_GROUP_ELEMS
-
-    if not params_sharded:
-        chunk = local_elems
-    else:
-        chunk = min(local_elems, SUB_GROUP_ELEMS) if sub_group_elems is None else sub_group_elems
+    chunk = sub_group_elems if params_sharded else local_elems
     return (nbytes(chunk, p.param),) + ((nbytes(chunk, p.master),) if p.master != p.param else ())
 
 
-def deepspeed_step_temp_bytes(local_elems: int, params_sharded: bool, p, sub_group_elems: int | None = None) -> int:
+def deepspeed_step_temp_bytes(local_elems: int, params_sharded: bool, p, sub_group_elems: int = 0) -> int:
     """The bytes of deepspeed_step_temps, alive together."""
     return sum(deepspeed_step_temps(local_elems, params_sharded, p, sub_group_elems))
 
@@ -386,7 +381,7 @@ def timeline(sc: Scenario, st: Strategy, ms: ModelState | None = None) -> list[E
         steps = optimizer_tensor_sizes(sc, D if st.optim_sharded else 1, zero1=st.name == "zero1")
         opt_temp = mt.optimizer_temp_bytes(max(steps, default=0), sum(steps), t, t.layout)
         if t.layout == "zero" and st.optim_sharded:
-            group = None
+            group = 0
             if st.params_sharded:  # ZeRO-3: each parameter's partition, ceil(n / D), in model order
                 group = deepspeed_sub_groups_largest([-(-math.prod(s) // D) for u in sc.units for s in u.shapes],
                                                      t.deepspeed_sub_group)
@@ -558,8 +553,14 @@ def static_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: i
     gather = c.peak_held if st.reshard_after_forward else max(sum(padded), c.peak_held)
     if t.deepspeed_defaults and st.reshard_after_forward:
         return (0 if one else gather * pb), deepspeed_default_reduce_bytes(sc, pb, rb)
-    biggest = max((g for g, u in zip(padded, sc.units) if not u.held), default=0)
+    biggest = _largest_resharded_unit(sc, padded)
     return (0 if one else gather * pb), biggest * (pb + rb)  # the unit's unsharded grads, then the reduce input
+
+
+def _largest_resharded_unit(sc: Scenario, padded: list[int]) -> int:
+    """Elements of the largest unit not held gathered (the reduce side's bucket at zplan's export
+    settings: one unit)."""
+    return max((g for g, u in zip(padded, sc.units) if not u.held), default=0)
 
 
 def deepspeed_loss_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: int, rb: int) -> tuple[int, int] | None:
@@ -579,7 +580,7 @@ def deepspeed_loss_buffers(sc: Scenario, st: Strategy, padded: list[int], pb: in
         from .deepspeed import REDUCE_BUCKET_ELEMS
 
         return gather, REDUCE_BUCKET_ELEMS * rb
-    biggest = max((g for g, u in zip(padded, sc.units) if not u.held), default=0)
+    biggest = _largest_resharded_unit(sc, padded)
     return gather, biggest * rb
 
 

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_PARAM_GROUPS, EmbedHeadUnit, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_PARAM_GROUPS, DEEPSPEED_SUB_GROUP_ELEMS, EmbedHeadUnit, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 from .validated import ValidationError
@@ -79,7 +79,7 @@ class ScenarioOptions:
     zero_init: bool = True  # zero layout, ZeRO-3: the model built under deepspeed.zero.Init
     deepspeed_param_groups: str = "one"  # zero layout, ZeRO-1/2: one | split (TrainSpec)
     deepspeed_bucket_allreduce: bool = True  # zero layout, ZeRO-1/2: each gradient bucket all-reduced (TrainSpec)
-    deepspeed_sub_group: int = 1_000_000_000  # zero layout, ZeRO-3: sub_group_size, elements (TrainSpec)
+    deepspeed_sub_group: int = DEEPSPEED_SUB_GROUP_ELEMS  # zero layout, ZeRO-3: sub_group_size, elements (TrainSpec)
     deepspeed_defaults: bool = False  # zero layout, ZeRO-3: DeepSpeed's default buckets
     logits_kept: bool = True  # the loop holds the logits until backward returns (TrainSpec)
     ddp_bucket_view: bool = True  # DDP's gradients are views of its buckets (TrainSpec)
@@ -331,7 +331,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
     if not 1 <= o.deepspeed_sub_group <= 10**15:
         raise UsageError(f"--deepspeed-sub-group {o.deepspeed_sub_group}: DeepSpeed's sub_group_size is a "
                          "positive element count (its default 1e9)")
-    if layout == "torch" and o.deepspeed_sub_group != 1_000_000_000:
+    if layout == "torch" and o.deepspeed_sub_group != DEEPSPEED_SUB_GROUP_ELEMS:
         raise UsageError("--deepspeed-sub-group is DeepSpeed's ZeRO-3 sub_group_size (the zero layout): "
                          "drop it, or plan DeepSpeed (--layout zero)")
     if layout == "torch" and not o.deepspeed_bucket_allreduce:

@@ -50,6 +50,7 @@ MIN_RATE = 1e6  # the least FLOP/s, bytes/s or parameters/s a preset may state: 
 # times run to infinity (a typo's 1e-300 printed inf and NaN, and broke --json's finite numbers)
 MAX_PARAMS = 10**13
 MAX_SEQ_LEN = 10**7
+DEEPSPEED_SUB_GROUP_ELEMS = 1_000_000_000  # DeepSpeed's sub_group_size default (runtime/zero/config.py)
 MAX_MICRO_BATCH = 10**5
 MAX_GRAD_ACCUM = 10**6
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
@@ -534,7 +535,7 @@ class TrainSpec(Spec):
         "without it, deepspeed.initialize first moves the whole model to each GPU "
         "(runtime/engine.py _configure_distributed_model) and only then partitions it")
     deepspeed_sub_group: int = Field(
-        1_000_000_000, gt=0, le=10**15, description="zero layout, ZeRO-3: DeepSpeed's sub_group_size "
+        DEEPSPEED_SUB_GROUP_ELEMS, gt=0, le=10**15, description="zero layout, ZeRO-3: DeepSpeed's sub_group_size "
         "(elements, its default 1e9): the optimizer steps the rank's partition in sub-groups, each "
         "closed once it holds this many elements or more (stage3.py _create_fp16_sub_groups), and "
         "makes the fp32 gradient of one sub-group at a time")
@@ -695,7 +696,7 @@ class TrainSpec(Spec):
             raise ValueError("deepspeed_defaults is about DeepSpeed's config (the zero layout)")
         if self.layout == "torch" and not self.zero_init:
             raise ValueError("zero_init false is about DeepSpeed's initialize (the zero layout)")
-        if self.layout == "torch" and self.deepspeed_sub_group != 1_000_000_000:
+        if self.layout == "torch" and self.deepspeed_sub_group != DEEPSPEED_SUB_GROUP_ELEMS:
             raise ValueError("deepspeed_sub_group is about DeepSpeed's ZeRO-3 optimizer (the zero layout)")
         if self.layout == "torch" and not self.deepspeed_bucket_allreduce:
             raise ValueError("deepspeed_bucket_allreduce false is about DeepSpeed's ZeRO-1/2 (the zero layout)")
