@@ -59,11 +59,12 @@ def allocation_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "free", "prev", "next", "segment")
+    __slots__ = ("addr", "size", "free", "prev", "next", "segment", "pool", "grows")
 
-    def __init__(self, addr: int, size: int, segment: object):
-        self.addr, self.size, self.segment = addr, size, segment
+    def __init__(self, addr: int, size: int, segment: object, pool: "_Pool"):
+        self.addr, self.size, self.segment, self.pool = addr, size, segment, pool
         self.free, self.prev, self.next = True, None, None
+        self.grows = isinstance(segment, _Segment)  # in an expandable segment
 
 
 class _Segment:
@@ -86,15 +87,19 @@ class _Pool:
         self.keys: list[int] = []
         self.blocks: dict[int, _Block] = {}
 
-    def add(self, b: _Block) -> None:
-        k = b.size << _KEY_SHIFT | b.addr
-        bisect.insort(self.keys, k)
-        self.blocks[k] = b
 
-    def remove(self, b: _Block) -> None:
-        k = b.size << _KEY_SHIFT | b.addr
-        del self.keys[bisect.bisect_left(self.keys, k)]
-        del self.blocks[k]
+def _merge(pool: _Pool, lo: _Block, hi: _Block, cached: _Block) -> None:
+    """Neighbours `lo` and `hi` of one segment made one block (`lo`); `cached`, the one of them
+    that is a cached free block, leaves the pool (free_block -> try_merge_blocks)."""
+    k = cached.size << _KEY_SHIFT | cached.addr
+    del pool.keys[bisect.bisect_left(pool.keys, k)]
+    del pool.blocks[k]
+    lo.size += hi.size
+    lo.next = hi.next
+    if hi.next is not None:
+        hi.next.prev = lo
+    if lo.grows and lo.segment.last is hi:
+        lo.segment.last = lo
 
 
 _ADDRESS_SPACE = 1 << 48  # apart: no two segments ever touch
@@ -112,34 +117,42 @@ class CachingAllocator:
         self.releasable_at_peak_bytes = 0
         self._pools: dict[tuple[str, bool], _Pool] = {}
         self._segments: dict[tuple[str, bool], _Segment] = {}
-        self._live: dict[object, tuple[_Block, _Pool, bool]] = {}
+        self._live: dict[object, _Block] = {}
         self._next_base = 0
         self.allocated_bytes = self.reserved_bytes = 0
         self.peak_allocated_bytes = self.peak_reserved_bytes = 0
 
     def malloc(self, key: object, nbytes: int, stream: str = "default") -> None:
-        size = round_size(int(nbytes))
+        nbytes = int(nbytes)
+        size = BLOCK_BYTES if nbytes < BLOCK_BYTES else -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES  # round_size
         small = size <= SMALL_BYTES
         pool = self._pools.get((stream, small))
         if pool is None:
             pool = self._pools[(stream, small)] = _Pool()
-        b = self._best_fit(pool, size)
-        if b is not None:
-            pool.remove(b)
-        else:
-            b = self._extend(pool, stream, small, size) if self.expandable else self._segment(size)
+        keys, blocks = pool.keys, pool.blocks
+        i = bisect.bisect_left(keys, size << _KEY_SHIFT)
+        if i == len(keys):  # no cached block fits
+            b = self._extend(pool, stream, small, size) if self.expandable else self._segment(size, pool)
+        elif self.expandable:
+            b = self._best_fit(pool, i)
+            del keys[bisect.bisect_left(keys, b.size << _KEY_SHIFT | b.addr)]
+            del blocks[b.size << _KEY_SHIFT | b.addr]
+        else:  # best fit: the smallest size, then the lowest address (the first key at or above)
+            b = blocks.pop(keys.pop(i))
         remaining = b.size - size
         if remaining >= BLOCK_BYTES if (small or self.expandable) else remaining > SMALL_BYTES:
-            rest = _Block(b.addr + size, remaining, b.segment)
+            rest = _Block(b.addr + size, remaining, b.segment, pool)
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest
             b.next, b.size = rest, size
-            if isinstance(b.segment, _Segment) and b.segment.last is b:
+            if b.grows and b.segment.last is b:
                 b.segment.last = rest
-            pool.add(rest)
+            k = remaining << _KEY_SHIFT | rest.addr
+            bisect.insort(keys, k)
+            blocks[k] = rest
         b.free = False
-        self._live[key] = (b, pool, small)
+        self._live[key] = b
         self.allocated_bytes += b.size
         if self.allocated_bytes > self.peak_allocated_bytes:
             self.peak_allocated_bytes = self.allocated_bytes
@@ -165,42 +178,36 @@ class CachingAllocator:
         return key in self._live
 
     def free(self, key: object) -> None:
-        b, pool, _ = self._live.pop(key)
+        b = self._live.pop(key)
         self.allocated_bytes -= b.size
         b.free = True
-        seg = b.segment if isinstance(b.segment, _Segment) else None
-        for other in (b.prev, b.next):
-            if other is None or not other.free:
-                continue
-            pool.remove(other)
-            lo, hi = (other, b) if other is b.prev else (b, other)
-            lo.size += hi.size
-            lo.next = hi.next
-            if hi.next is not None:
-                hi.next.prev = lo
-            if seg is not None and seg.last is hi:
-                seg.last = lo
+        pool, lo, hi = b.pool, b.prev, b.next
+        if lo is not None and lo.free:  # merge into the free block below
+            _merge(pool, lo, b, lo)
             b = lo
-        pool.add(b)
+        if hi is not None and hi.free:  # and the free block above into it
+            _merge(pool, b, hi, hi)
+        k = b.size << _KEY_SHIFT | b.addr
+        bisect.insort(pool.keys, k)
+        pool.blocks[k] = b
 
-    def _best_fit(self, pool: _Pool, size: int) -> _Block | None:
-        i = bisect.bisect_left(pool.keys, size << _KEY_SHIFT)
-        if i == len(pool.keys):
-            return None
+    def _best_fit(self, pool: _Pool, i: int) -> _Block:
+        """Expandable segments: from the smallest block that fits (keys[i]) on, the free block at a
+        segment's end counts as able to grow (get_free_block's expandable_size)."""
         b = pool.blocks[pool.keys[i]]
-        if self.expandable:  # the free block at a segment's end counts as able to grow
-            def reach(x: _Block) -> int:
-                return x.size + (_ADDRESS_SPACE if x.segment.last is x else 0)
-            for j in range(i + 1, len(pool.keys)):
-                nxt = pool.blocks[pool.keys[j]]
-                if reach(nxt) >= reach(b):
-                    break
-                b = nxt
+
+        def reach(x: _Block) -> int:
+            return x.size + (_ADDRESS_SPACE if x.segment.last is x else 0)
+        for j in range(i + 1, len(pool.keys)):
+            nxt = pool.blocks[pool.keys[j]]
+            if reach(nxt) >= reach(b):
+                break
+            b = nxt
         return b
 
-    def _segment(self, size: int) -> _Block:
+    def _segment(self, size: int, pool: _Pool) -> _Block:
         n = allocation_size(size)
-        b = _Block(self._next_base, n, object())
+        b = _Block(self._next_base, n, object(), pool)
         self._next_base += n + _ADDRESS_SPACE
         self._grow(n)
         return b
@@ -216,12 +223,14 @@ class CachingAllocator:
         grow = -(-(size - have) // page) * page
         seg.mapped += grow
         if have:  # taken before the reserve grows: the new peak's free pages are not its
-            pool.remove(last)
+            k = last.size << _KEY_SHIFT | last.addr
+            del pool.keys[bisect.bisect_left(pool.keys, k)]
+            del pool.blocks[k]
             self._grow(grow)
             last.size += grow
             return last
         self._grow(grow)
-        b = _Block(seg.base + seg.mapped - grow, grow, seg)
+        b = _Block(seg.base + seg.mapped - grow, grow, seg, pool)
         b.prev = last
         if last is not None:
             last.next = b
@@ -241,7 +250,7 @@ class CachingAllocator:
 
     def live_bytes_below(self, mark: int) -> int:
         """Bytes of the live blocks in segments made before `mark` was taken."""
-        return sum(b.size for b, _, _ in self._live.values() if b.addr < mark)
+        return sum(b.size for b in self._live.values() if b.addr < mark)
 
     def wholly_free_bytes(self) -> int:
         """The classic segments wholly free now (one free block, no neighbour): what
