@@ -4,6 +4,7 @@ scanning ahead, marked them fetched for a later use (deepspeed.backward_gathers)
 rule alone is worked here by hand; with the prefetcher, DeepSpeed's own ZeRO-3 on two gloo ranks
 is the oracle, its settings scaled with the model."""
 
+import fcntl
 import json
 import math
 import os
@@ -306,11 +307,28 @@ def _config(shape, blocks, settings, checkpointed):
 
 
 @pytest.fixture(scope="module")
-def deepspeed_runs(tmp_path_factory):
+def deepspeed_runs(tmp_path_factory, worker_id):
     """Every configuration of CONFIGS run by DeepSpeed's own ZeRO-3, one engine after another in
     one pair of gloo ranks: per configuration, per step, (elements gathered, the most gathered
-    or in flight, elements in calls of several, each call's elements, the most held)."""
+    or in flight, elements in calls of several, each call's elements, the most held). Once per
+    session: under pytest-xdist the first worker to need them runs them and leaves them in the
+    session's shared temporary folder for the other (which waits on the lock), rather than each
+    worker that draws one of these tests running every engine itself."""
     pytest.importorskip("deepspeed")
+    if worker_id == "master":  # not distributed
+        return _deepspeed_runs(tmp_path_factory)
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+    with open(shared / "deepspeed_runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "deepspeed_runs.json"
+        if done.exists():
+            return {int(k): v for k, v in json.loads(done.read_text()).items()}
+        runs = _deepspeed_runs(tmp_path_factory)
+        done.write_text(json.dumps(runs))
+        return runs
+
+
+def _deepspeed_runs(tmp_path_factory) -> dict[int, list]:
     from zplan.netutil import free_port
 
     script = tmp_path_factory.mktemp("ds") / "ds_zero3.py"
