@@ -71,6 +71,8 @@ SCENARIO = {
     "--linear-loss": choice_or_hostile(["none", "chunked", "liger"]),
     "--loss-chunks": number(["1", "8", "3", "0", "65"]),
     "--deepspeed-sub-group": number(["100000000", "1", "0", "1e9"]),
+    "--deepspeed-hook-forward-ms": number(["0", "0.24", "100"]),
+    "--deepspeed-hook-backward-ms": number(["0", "0.57", "100"]),
     "--compile-scope": choice_or_hostile(["block", "model"]),
     "--optimizer-kernels": choice_or_hostile(["fused", "foreach", "single"]),
     "--float8-recipe": choice_or_hostile(["tensorwise", "rowwise", "rowwise-gw-hp", "te-delayed"]),

@@ -313,6 +313,13 @@ def ds_coordination(sc: Scenario, st: Strategy):
     return _DS_COORDINATION.get(_ds_key(sc, st), sc.hw, make)
 
 
+def ds_hooked_modules(sc: Scenario, u) -> tuple[int, int]:
+    """One unit's modules in DeepSpeed ZeRO-3's trace, each pass (its blocks' own modules and
+    its modules with parameters: deepspeed.module_trace), and how many times its forward runs
+    again in backward (1 where a checkpoint wraps it)."""
+    return u.blocks + len(_ds_parameters(sc, u)), int(_wrapped(sc, u))
+
+
 def _ds_parameters(sc: Scenario, u) -> tuple:
     """A unit's modules as DeepSpeed's coordinator fetches them, in forward order: a module of
     one parameter as its elements, of several as a tuple of theirs (one call gathers them:

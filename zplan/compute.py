@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 from . import arch
 from . import kernels as K
 from . import muon, policy, unit_ops
-from .comm import WHOLE_MATRIX, Collective, UnitComm, ds_coordination, ds_zero3, gather_dtype, unit_comm
+from .comm import (WHOLE_MATRIX, Collective, UnitComm, ds_coordination, ds_hooked_modules, ds_zero3, gather_dtype,
+                   unit_comm)
 from .deepspeed import reduces_after_backward
 from .memory import Memory, optimizer_state_bytes, optimizer_tensor_sizes
 from .scenario import PinnedMemo, Scenario
@@ -132,6 +133,8 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
                 k["memory"] = k.get("memory", 0.0) + K.total(cf) + K.total(cb)
                 f, b = f + K.total(cf), b + K.total(cb)
                 c += K.total_contended(cf + cb)
+            if ds is not None:  # the host paces what its hooks take longer for than the kernels
+                f, b, k, c = _host_paced(sc, u, f, b, k, c)
             memo[key] = (f, b, k, c)
         f, b, k, c = memo[key]
         fwd.append(f)
@@ -140,6 +143,28 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
         for name, v in k.items():
             kinds[name] = kinds.get(name, 0.0) + v
     return fwd, bwd, kinds, beside
+
+
+def _host_paced(sc: Scenario, u, f: float, b: float, k: dict[str, float], c: float):
+    """DeepSpeed ZeRO-3's hooks on the host, one unit: each module of its coordinator's trace
+    costs the host Assumptions.deepspeed_hook_forward_s in forward (and again in a checkpointed
+    unit's recompute) and deepspeed_hook_backward_s in backward, beyond the model's own work
+    (benchmarks/deepspeed_host.py), and the coordinator lets the host run at most two fetch
+    events ahead of the GPU (partitioned_param_coordinator.py, `__max_ongoing_fetch_events = 2`,
+    then `event.synchronize()`), so the unit takes the longer of its kernels and its hooks, in
+    forward and in backward; the time the kernels wait is a kind of its own ("host") and runs
+    beside no collective's contention. Per unit, not per module: a unit whose kernels outlast
+    its hooks hides them all, which is optimistic where its modules differ (docs/formulas.md
+    section 6)."""
+    a = sc.assume
+    n, again = ds_hooked_modules(sc, u)
+    f_host = n * a.deepspeed_hook_forward_s
+    b_host = n * a.deepspeed_hook_backward_s + again * n * a.deepspeed_hook_forward_s
+    wait = max(0.0, f_host - f) + max(0.0, b_host - b)
+    if not wait:
+        return f, b, k, c
+    k = {**k, "host": k.get("host", 0.0) + wait}
+    return max(f, f_host), max(b, b_host), k, c + wait
 
 
 _OPS_CACHE = PinnedMemo()

@@ -239,6 +239,14 @@ def assumptions(sc: Scenario, strategies: tuple[str, ...] = ()) -> dict:
         "cpu_adam_params_per_s": {"value": sc.hw.cluster.cpu_adam_params_per_s, "flag": "cluster preset",
                                   "meaning": "CPU optimizer throughput per node (offload), at fp32 master weights and states; other dtypes by the bytes the step moves (bf16: twice as fast)"},
     }
+    if sc.train.layout == "zero" and any(effective(n, "zero").params_sharded for n in strategies or STRATEGIES):
+        out["deepspeed_hooks"] = {
+            "value": f"{a.deepspeed_hook_forward_s * 1e3:g} ms forward, {a.deepspeed_hook_backward_s * 1e3:g} ms "
+                     f"backward a module",
+            "flag": "--deepspeed-hook-forward-ms, --deepspeed-hook-backward-ms",
+            "meaning": "DeepSpeed ZeRO-3's hooks on the host per module, beyond the model's own work "
+                       "(benchmarks/deepspeed_host.py, measured on a CPU): a unit whose kernels take "
+                       "less waits on them (docs/formulas.md section 6)"}
     from .presets import home_cluster
 
     g = sc.hw.gpu

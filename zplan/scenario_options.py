@@ -17,7 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
-from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_PARAM_GROUPS, DEEPSPEED_SUB_GROUP_ELEMS, EmbedHeadUnit, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
+from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_HOOK_BACKWARD_S, DEEPSPEED_HOOK_FORWARD_S, DEEPSPEED_PARAM_GROUPS, DEEPSPEED_SUB_GROUP_ELEMS, EmbedHeadUnit, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
 from .validated import ValidationError
@@ -100,6 +100,9 @@ class ScenarioOptions:
     expandable_segments: bool = False  # the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     bucket_mib: float = 25.0
     overlap: bool = True
+    # DeepSpeed ZeRO-3's hooks on the host, ms per module (Assumptions.deepspeed_hook_*_s)
+    deepspeed_hook_forward_ms: float = DEEPSPEED_HOOK_FORWARD_S * 1e3
+    deepspeed_hook_backward_ms: float = DEEPSPEED_HOOK_BACKWARD_S * 1e3
     presets_dir: Optional[list[str]] = None
 
 
@@ -235,6 +238,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         check_range(fragmentation, "--fragmentation", 0.0, 0.9)
     check_range(context_gib, "--context-gib", 0.0, 1024)
     check_range(o.bucket_mib, "--bucket-mib", 0.0, 1e6)
+    check_range(o.deepspeed_hook_forward_ms, "--deepspeed-hook-forward-ms", 0.0, 100.0)
+    check_range(o.deepspeed_hook_backward_ms, "--deepspeed-hook-backward-ms", 0.0, 100.0)
     check_choice(o.checkpointing, "--checkpointing", CHECKPOINTING)
     check_choice(o.attention_kernel, "--attention-kernel", ATTENTION_KERNELS)
     if o.attention_kernel == "flash3" and not gpu.family.startswith(HOPPER_PRESETS):
@@ -442,6 +447,8 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             compute_efficiency=efficiency, cuda_context_bytes=int(context_gib * GiB),
             fragmentation=fragmentation, ddp_bucket_bytes=int(o.bucket_mib * MiB),
             overlap=o.overlap, loss_fp32=o.loss_fp32, expandable_segments=o.expandable_segments,
+            deepspeed_hook_forward_s=o.deepspeed_hook_forward_ms / 1e3,
+            deepspeed_hook_backward_s=o.deepspeed_hook_backward_ms / 1e3,
         )
         hw = Hardware(gpu=gpu, cluster=cluster, num_gpus=n)
     except ValidationError as e:

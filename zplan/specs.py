@@ -407,6 +407,14 @@ class Precision(Spec):
         return self
 
 
+# DeepSpeed ZeRO-3's hooks, host seconds per module of its coordinator's trace beyond the model's
+# own work: benchmarks/deepspeed_host.py (DeepSpeed 0.19.8, torch 2.13, 2 gloo ranks of the CPU
+# accelerator on a 2-core 2.3 GHz AMD EPYC VM, gloo's own collective time left out): forward
+# 0.24 ms, backward 0.57 ms (one rank, no collective path: 0.24 and 0.51); docs/accuracy-notes.md 9cr
+DEEPSPEED_HOOK_FORWARD_S = 0.24e-3
+DEEPSPEED_HOOK_BACKWARD_S = 0.57e-3
+
+
 class Assumptions(Spec):
     """Figures zplan cannot derive; every one is printed and can be changed."""
 
@@ -426,6 +434,14 @@ class Assumptions(Spec):
     ddp_bucket_bytes: int = Field(25 * 2**20, ge=0, le=MAX_MEMORY_BYTES, description="DDP gradient bucket size")
     loss_fp32: bool = Field(True, description="logits upcast to fp32 for the loss")
     overlap: bool = Field(True, description="communication runs concurrently with compute")
+    deepspeed_hook_forward_s: float = Field(
+        DEEPSPEED_HOOK_FORWARD_S, ge=0, le=0.1, description="DeepSpeed ZeRO-3: the host's time in "
+        "its hooks per module of the coordinator's trace in forward (fetch and release), beyond the "
+        "model's own work; the host runs at most two fetch events ahead of the GPU, so a module "
+        "whose kernels take less is paced by it. Measured on a CPU (benchmarks/deepspeed_host.py)")
+    deepspeed_hook_backward_s: float = Field(
+        DEEPSPEED_HOOK_BACKWARD_S, ge=0, le=0.1, description="the same in backward (fetch, release "
+        "and each parameter's gradient hook)")
 
 
 class TrainSpec(Spec):

@@ -82,6 +82,8 @@ OPTION_ARGS: dict[str, tuple[tuple[str, ...], str]] = {
     "expandable_segments": ((), "The run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the allocator maps each stream's pool in 20 MiB pages (PyTorch's default is off)"),
     "bucket_mib": ((), "DDP gradient bucket, MiB"),
     "overlap": ((), "Assume communication overlaps compute"),
+    "deepspeed_hook_forward_ms": ((), "DeepSpeed ZeRO-3: the host's time in its hooks per module in forward, ms (measured on a CPU by benchmarks/deepspeed_host.py); a module whose kernels take less is paced by the host"),
+    "deepspeed_hook_backward_ms": ((), "DeepSpeed ZeRO-3: the same in backward (each parameter's gradient hook included), ms"),
     "presets_dir": (("--presets",), "Folder of your own presets (gpus/, clusters/, models/)"),
 }
 
