@@ -307,7 +307,7 @@ def _config(shape, blocks, settings, checkpointed):
 
 
 @pytest.fixture(scope="module")
-def deepspeed_runs(tmp_path_factory, worker_id):
+def deepspeed_runs(tmp_path_factory):
     """Every configuration of CONFIGS run by DeepSpeed's own ZeRO-3, one engine after another in
     one pair of gloo ranks: per configuration, per step, (elements gathered, the most gathered
     or in flight, elements in calls of several, each call's elements, the most held). Once per
@@ -315,12 +315,13 @@ def deepspeed_runs(tmp_path_factory, worker_id):
     session's shared temporary folder for the other (which waits on the lock), rather than each
     worker that draws one of these tests running every engine itself."""
     pytest.importorskip("deepspeed")
-    if worker_id == "master":  # not distributed
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per session, the same in every worker
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not run:  # not distributed
         return _deepspeed_runs(tmp_path_factory)
-    shared = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
-    with open(shared / "deepspeed_runs.lock", "w") as lock:
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder above each worker's
+    with open(shared / f"deepspeed_runs-{run}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        done = shared / "deepspeed_runs.json"
+        done = shared / f"deepspeed_runs-{run}.json"
         if done.exists():
             return {int(k): v for k, v in json.loads(done.read_text()).items()}
         runs = _deepspeed_runs(tmp_path_factory)

@@ -315,9 +315,14 @@ def ds_coordination(sc: Scenario, st: Strategy):
 
 def ds_hooked_modules(sc: Scenario, u) -> tuple[int, int]:
     """One unit's modules in DeepSpeed ZeRO-3's trace, each pass (its blocks' own modules and
-    its modules with parameters: deepspeed.module_trace), and how many times its forward runs
-    again in backward (1 where a checkpoint wraps it)."""
-    return u.blocks + len(_ds_parameters(sc, u)), int(_wrapped(sc, u))
+    its modules with parameters: deepspeed.module_trace), and of them those whose forward runs
+    again in backward (the checkpointed blocks', policy.wrapped_blocks: under every-k or first-k
+    a unit of several blocks can hold some)."""
+    n = u.blocks + len(_ds_parameters(sc, u))
+    if not u.blocks:
+        return n, 0
+    wrapped = policy.wrapped_blocks(sc.train, sc.model.num_layers)
+    return n, n * sum(wrapped[u.first_block: u.first_block + u.blocks]) // u.blocks
 
 
 def _ds_parameters(sc: Scenario, u) -> tuple:

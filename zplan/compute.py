@@ -133,8 +133,6 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
                 k["memory"] = k.get("memory", 0.0) + K.total(cf) + K.total(cb)
                 f, b = f + K.total(cf), b + K.total(cb)
                 c += K.total_contended(cf + cb)
-            if ds is not None:  # the host paces what its hooks take longer for than the kernels
-                f, b, k, c = _host_paced(sc, u, f, b, k, c)
             memo[key] = (f, b, k, c)
         f, b, k, c = memo[key]
         fwd.append(f)
@@ -145,26 +143,28 @@ def unit_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float], 
     return fwd, bwd, kinds, beside
 
 
-def _host_paced(sc: Scenario, u, f: float, b: float, k: dict[str, float], c: float):
-    """DeepSpeed ZeRO-3's hooks on the host, one unit: each module of its coordinator's trace
-    costs the host Assumptions.deepspeed_hook_forward_s in forward (and again in a checkpointed
-    unit's recompute) and deepspeed_hook_backward_s in backward, beyond the model's own work
-    (benchmarks/deepspeed_host.py), and the coordinator lets the host run at most two fetch
-    events ahead of the GPU (partitioned_param_coordinator.py, `__max_ongoing_fetch_events = 2`,
-    then `event.synchronize()`), so the unit takes the longer of its kernels and its hooks, in
-    forward and in backward; the time the kernels wait is a kind of its own ("host") and runs
-    beside no collective's contention. Per unit, not per module: a unit whose kernels outlast
-    its hooks hides them all, which is optimistic where its modules differ (docs/formulas.md
-    section 6)."""
+def host_seconds(sc: Scenario, st: Strategy) -> tuple[list[float], list[float]]:
+    """Per unit, the host's seconds in DeepSpeed ZeRO-3's hooks for one micro-batch (forward;
+    backward with the recompute's forward hooks), zeros elsewhere: each module of the
+    coordinator's trace costs the host Assumptions.deepspeed_hook_forward_s in forward (and again
+    in a checkpointed block's recompute) and deepspeed_hook_backward_s in backward, beyond the
+    model's own work (benchmarks/deepspeed_host.py). The coordinator lets the host run at most
+    three fetch events ahead of the GPU (partitioned_param_coordinator.py:
+    `__max_ongoing_fetch_events = 2`, then `event.synchronize()` on the oldest), so a unit takes
+    the longer of its kernels and its hooks (`timing`). Per unit, not per module: a unit whose
+    kernels outlast its hooks hides them all, optimistic where its modules differ; modules
+    without parameters (Hugging Face's attention and MLP containers, the activation) are not
+    counted (docs/formulas.md section 6)."""
+    n = len(sc.units)
+    if not ds_zero3(sc, st):
+        return [0.0] * n, [0.0] * n
     a = sc.assume
-    n, again = ds_hooked_modules(sc, u)
-    f_host = n * a.deepspeed_hook_forward_s
-    b_host = n * a.deepspeed_hook_backward_s + again * n * a.deepspeed_hook_forward_s
-    wait = max(0.0, f_host - f) + max(0.0, b_host - b)
-    if not wait:
-        return f, b, k, c
-    k = {**k, "host": k.get("host", 0.0) + wait}
-    return max(f, f_host), max(b, b_host), k, c + wait
+    fwd, bwd = [], []
+    for u in sc.units:
+        mods, again = ds_hooked_modules(sc, u)
+        fwd.append(mods * a.deepspeed_hook_forward_s)
+        bwd.append(mods * a.deepspeed_hook_backward_s + again * a.deepspeed_hook_forward_s)
+    return fwd, bwd
 
 
 _OPS_CACHE = PinnedMemo()
@@ -328,6 +328,14 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     # collectives is with its compute, whose extra time hides what communication it can
     f = K.slowest_rank_factor(k, sc.n) if kernels else 1.0
     fwd, bwd = [x * f for x in fwd], [x * f for x in bwd]
+    # DeepSpeed ZeRO-3's hooks pace a unit whose kernels (the slowest rank's) take less: the
+    # wait, per micro-batch, runs beside no collective's contention (host_seconds)
+    h_fwd, h_bwd = host_seconds(sc, st)
+    wait = (sum(max(0.0, h - x) for h, x in zip(h_fwd, fwd))
+            + sum(max(0.0, h - x) for h, x in zip(h_bwd, bwd)))
+    if wait:
+        fwd, bwd = [max(x, h) for x, h in zip(fwd, h_fwd)], [max(x, h) for x, h in zip(bwd, h_bwd)]
+        beside += wait
     overlaps: list[UnitOverlap] = []
     comm_total = 0.0  # seconds of collectives that run beside compute, per step
     copies = 0.0  # of which host->GPU copies (offload-all): copy engines, no SMs taken
@@ -372,7 +380,7 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     # compute beside a collective runs at mb_compute / beside of its pace (the micro-batch's mix
     # of kernels, each Op's contended_s: GEMMs by their waves over the SMs left, every kernel at
     # least the preset's measured collective_slowdown): that share of the hidden time is lost
-    slow = max(0.0, 1 - mb_compute / beside) if (kernels and beside > 0) else 0.0  # >= 0: rounding
+    slow = max(0.0, 1 - (mb_compute + wait) / beside) if (kernels and beside > 0) else 0.0  # >= 0: rounding
     contention = hidden * slow
     opt_s = _optimizer_s(sc, st, mem)
     offload_s = 0.0
@@ -386,16 +394,18 @@ def timing(sc: Scenario, st: Strategy, mem: Memory, colls: list[Collective]) -> 
     # the slowest rank's compute, optimizer step and contention beyond the median GPU's (the
     # exposed communication above is already what its slower compute leaves exposed)
     slowest = (A * mb_compute + opt_s + contention) * (f - 1)
-    step = A * mb_compute + exposed + opt_s + offload_s + contention + slowest
+    step = A * (mb_compute + wait) + exposed + opt_s + offload_s + contention + slowest
     tokens = t.micro_batch * t.seq_len * A
     flop = arch.model_flop_per_token(m, t.seq_len) * tokens
     peak = mfu_peak_flops(sc)
     breakdown = {name: A * v for name, v in kinds.items()}
+    if wait:
+        breakdown["host"] = A * wait
     breakdown.update(optimizer=opt_s, contention=contention)
     if kernels:
         breakdown["slowest_rank"] = slowest
     return Timing(
-        compute_s=A * mb_compute,
+        compute_s=A * (mb_compute + wait),
         exposed_comm_s=exposed,
         optimizer_s=opt_s,
         offload_s=offload_s,

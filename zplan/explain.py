@@ -234,19 +234,20 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
                    f"{CPU_ADAM_REFERENCE_BYTES} B at which the node's {rate:.3g} parameters/s were measured, "
                    f"shared by {min(sc.n, sc.hw.cluster.gpus_per_node)} ranks; with the host-link copies: "
                    f"offload {fmt_s(tm.offload_s)} per step")
-    if ds_zero3(sc, r.strategy) and uses_kernel_model(sc):
-        a = sc.assume
-        n, again = ds_hooked_modules(sc, u)
-        out.append(f"DeepSpeed ZeRO-3's hooks on the host: unit {u.name}'s {n} modules x "
-                   f"{a.deepspeed_hook_forward_s * 1e3:g} ms forward{' (and again in its recompute)' if again else ''}, "
-                   f"x {a.deepspeed_hook_backward_s * 1e3:g} ms backward (--deepspeed-hook-forward-ms, "
-                   f"--deepspeed-hook-backward-ms; measured on a CPU): the host, two fetches ahead at most, "
-                   f"paces a unit whose kernels take less; over the step "
-                   f"{fmt_s(tm.breakdown_s.get('host', 0.0))} of waiting (kind 'host')")
     if tm.units:
         o = tm.units[b0]
         out.append(f"  its all-gather {fmt_s(o.all_gather_s)} vs the previous unit's forward: "
                    f"{'hidden' if o.forward_hidden else 'exposed ' + fmt_s(o.forward_exposed_s)}")
+    if ds_zero3(sc, r.strategy):
+        a = sc.assume
+        n, again = ds_hooked_modules(sc, u)
+        out.append(f"DeepSpeed ZeRO-3's hooks on the host: unit {u.name}'s {n} modules x "
+                   f"{a.deepspeed_hook_forward_s * 1e3:g} ms forward"
+                   + (f" (and {again} of them again in its recompute)" if again else "")
+                   + f", x {a.deepspeed_hook_backward_s * 1e3:g} ms backward (--deepspeed-hook-forward-ms, "
+                   f"--deepspeed-hook-backward-ms; measured on a CPU): the host, a few fetches ahead at most, "
+                   f"paces a unit whose kernels take less; over the step "
+                   f"{fmt_s(tm.breakdown_s.get('host', 0.0))} of waiting (kind 'host')")
     if tm.breakdown_s:
         out.append("per step by kind: " + ", ".join(f"{k_} {fmt_s(v)}" for k_, v in tm.breakdown_s.items()))
     return out

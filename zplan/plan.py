@@ -309,7 +309,9 @@ def load(path: str | Path) -> Plan:
 # The settings every plan has named since plan_version 1 (zplan/specs.py at e6214e3, the first
 # plan.py): a file without one was edited by hand, and its default would run a configuration
 # nobody chose. Fields added since are read at their defaults, which are what the zplan that
-# wrote an older plan assumed; a field added later never joins this list.
+# wrote an older plan assumed, but for the assumptions that price what it left out (DeepSpeed's
+# hook time, 2026-12-07: 0 then, measured now), which an older plan reads at today's figure and
+# its fresh prediction shows; a field added later never joins this list.
 PLAN_V1_FIELDS = {
     "train": ("seq_len", "micro_batch", "grad_accum", "checkpointing", "checkpoint_every", "flash_attention",
               "optimizer", "precision", "layout", "blocks_per_unit", "reshard_after_forward", "prefetch",
