@@ -1,7 +1,7 @@
-"""DeepSpeed ZeRO-3's hooks pace the host (compute._host_paced): each module of the coordinator's
-trace costs the host a fixed time per pass, and a unit takes the longer of its kernels and its
-hooks. The module count is worked by hand from the model's layout; the premise (the host at most
-two fetch events ahead) is read from DeepSpeed itself."""
+"""DeepSpeed ZeRO-3's hooks pace the host (compute.host_seconds, applied in compute.timing): each
+module of the coordinator's trace costs the host a fixed time per pass, and a unit takes the
+longer of its kernels and its hooks. The module count is worked by hand from the model's layout;
+the premise (the host a few fetch events ahead at most) is read from DeepSpeed itself."""
 
 import inspect
 import re
@@ -13,7 +13,8 @@ from zplan.strategies import effective
 from tests.helpers import cli, est, scenario
 
 # a Llama block as DeepSpeed's coordinator traces it: the decoder layer's own module, q, k, v, o,
-# gate, up, down and the two RMSNorms (the rotary embedding and the activation hold no parameter)
+# gate, up, down and the two RMSNorms; DeepSpeed hooks Hugging Face's parameterless modules too
+# (self_attn, mlp, act_fn), which zplan does not count (docs/formulas.md section 6)
 LLAMA_BLOCK_MODULES = 1 + 7 + 2
 TINY = dict(model="llama-3.1-70b", gpus="32", seq_len=512, micro_batch=1, layout="zero")
 
