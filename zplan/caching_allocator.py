@@ -166,7 +166,7 @@ class CachingAllocator:
         if not inner:
             return pool.keys[-1] >> _KEY_SHIFT
         return max((b.size for b in pool.blocks.values()
-                    if not (isinstance(b.segment, _Segment) and b.segment.last is b)), default=0)
+                    if not (b.grows and b.segment.last is b)), default=0)
 
     def free_tail_bytes(self, stream: str = "default") -> int:
         """The free block at the end of the stream's expandable large-pool segment (0 if none):
@@ -256,7 +256,7 @@ class CachingAllocator:
         """The classic segments wholly free now (one free block, no neighbour): what
         release_cached_blocks would hand back to the driver."""
         return sum(b.size for pool in self._pools.values() for b in pool.blocks.values()
-                   if b.prev is None and b.next is None and not isinstance(b.segment, _Segment))
+                   if b.prev is None and b.next is None and not b.grows)
 
     def unmappable_bytes(self, inner: bool = False) -> int:
         """The whole pages inside the free blocks of expandable segments now: what
@@ -267,7 +267,7 @@ class CachingAllocator:
         for (_, small), pool in self._pools.items():
             page = SMALL_SEGMENT_BYTES if small else LARGE_SEGMENT_BYTES
             for b in pool.blocks.values():
-                if isinstance(b.segment, _Segment) and not (inner and b.segment.last is b):
+                if b.grows and not (inner and b.segment.last is b):
                     lo = b.addr - b.segment.base
                     total += max(0, (lo + b.size) // page * page - -(-lo // page) * page)
         return total
