@@ -69,7 +69,7 @@ def options(row: Row) -> tuple[ScenarioOptions, tuple[str, ...]]:
         optimizer_dtype=row.optimizer_dtype, reduce_last_only=row.reduce_last_only, layout=row.layout, shard_size=row.shard_size,
         attention_kernel=row.attention_kernel, fused_norm=row.fused_norm, loss_fp32=row.loss_fp32,
         checkpoint_early_stop=row.checkpoint_early_stop, fused_loss=row.fused_loss,
-        checkpoint_wraps_unit=row.checkpoint_wraps_unit, checkpoint_first=row.checkpoint_first or 1,
+        checkpoint_wraps_unit=row.checkpoint_wraps_unit, checkpoint_first=row.checkpoint_first or 1, fsdp1=row.fsdp1,
         linear_loss=row.linear_loss, fused_swiglu=row.fused_swiglu, qkv_fused=True if row.qkv_fused else None,
         norm_output_fp32=row.norm_output_fp32, optimizer_kernels=row.optimizer_kernels,
         optimizer=row.optimizer,

@@ -11,7 +11,7 @@ from . import activation_memory, arch
 from . import kernels as K
 from . import nccl, policy
 from . import unit_ops
-from .comm import ds_hooked_modules, ds_zero3
+from .comm import ds_hooked_modules, ds_zero3, gather_dtype
 from .compute import CPU_ADAM_REFERENCE_BYTES, cpu_optimizer_bytes_per_param, optimizer_ops, uses_kernel_model
 from .estimate import TIGHT_FREE_FRACTION, estimate_one
 from .deepspeed import reduce_stream_bytes
@@ -223,6 +223,16 @@ def _compute_lines(sc: Scenario, r) -> list[str]:
         rec, n = unit_ops.recompute_ops(sc, u)
         if n:
             out.append(f"recompute ({t.checkpointing}): {n:g} x {fmt_s(K.total(rec))}")
+        st = r.strategy
+        if st.fsdp and t.layout == "torch":
+            s2 = sc.for_strategy(True)
+            cf, cb = unit_ops.fsdp_copies(s2, st, u, s2.shard_degree(st.hsdp), gather_dtype(s2, u))
+
+            def listed(ops: list) -> str:
+                return ", ".join(f"{o.name} {o.bytes / 1e6:,.1f} MB" for o in ops) or "none"
+            out.append(f"{'FSDP1' if t.fsdp1 else 'FSDP2'}'s copies around unit {u.name}'s collectives "
+                       f"(unit_ops.fsdp_copies): forward {listed(cf)}; backward {listed(cb)} -> "
+                       f"{fmt_s(K.total(cf))} + {fmt_s(K.total(cb))}")
         opt = optimizer_ops(sc, r.strategy)
         if opt:
             out.append("optimizer step, this rank's state: " + "; ".join(

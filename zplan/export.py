@@ -167,6 +167,9 @@ def _accelerate_refusal(plan: Plan) -> str | None:
         return ("accelerate's config file cannot set the plan's float8 linears (torchao's, or "
                 "TransformerEngine's under FSDP as the plan prices them): plan again without --float8")
     if plan.strategy != "ddp":
+        if t.fsdp1:
+            return ("accelerate's config is written for FSDP2 (fsdp_version: 2); the plan prices "
+                    "FSDP1's copies: plan again without --fsdp1")
         if t.blocks_per_unit != 1:
             return (f"accelerate wraps one transformer block per unit, the plan {t.blocks_per_unit}: "
                     f"plan again with --blocks-per-unit 1")

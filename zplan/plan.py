@@ -164,6 +164,9 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
     if t.checkpoint_wraps_unit:
         return ("the trainer checkpoints inside each sharded unit (one gather in backward): plan "
                 "again without --checkpoint-wraps-unit, or export the plan")
+    if t.fsdp1:
+        return ("the trainer shards with fully_shard (FSDP2), not FullyShardedDataParallel: plan "
+                "again without --fsdp1, or export the plan")
     if t.kv_cache and t.linear_loss != "none" and builtin_model:
         return ("the trainer's chunked loss runs inside its head, whose model then returns no keys and "
                 "values: plan again without --kv-cache, or with --linear-loss none")

@@ -51,6 +51,7 @@ class ScenarioOptions:
     checkpoint_first: int = 1
     checkpoint_early_stop: bool = True
     checkpoint_wraps_unit: bool = False  # the checkpoint outside the sharded unit (HF's)
+    fsdp1: bool = False  # PyTorch's FullyShardedDataParallel, not fully_shard
     flash: bool = True
     attention_kernel: str = "flash2"
     optimizer: str = "adamw"
@@ -326,6 +327,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError("--checkpoint-wraps-unit is about FSDP's unshard around a checkpoint; DeepSpeed "
                          "(the zero layout) gathers from module hooks wherever the checkpoint sits: "
                          "plan FSDP (--layout torch), or drop --checkpoint-wraps-unit")
+    if layout == "zero" and o.fsdp1:
+        raise UsageError("--fsdp1 is PyTorch's FullyShardedDataParallel; DeepSpeed (the zero layout) "
+                         "shards otherwise: plan FSDP (--layout torch), or drop --fsdp1")
     if layout == "torch" and o.deepspeed_defaults:
         raise UsageError("--deepspeed-defaults is about DeepSpeed's config (the zero layout); FSDP "
                          "(--layout torch) has no such buckets: drop --deepspeed-defaults")
@@ -404,6 +408,9 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
         raise UsageError(f"--float8 with {model.name}'s experts: torchao's float8 converter leaves "
                          "grouped experts in 16 bits, and zplan does not price a block of float8 and "
                          "16-bit weights; drop --float8 for an MoE model")
+    if o.fsdp1 and o.float8 and o.float8_recipe == "tensorwise" and o.float8_all_gather:
+        raise UsageError("--fsdp1 --float8: torchao's float8 all-gather hooks fully_shard (FSDP2); "
+                         "FSDP1 gathers the param dtype: add --no-float8-all-gather, or drop --fsdp1")
     if o.float8 and o.float8_recipe == "te-delayed":
         if not o.float8_all_gather:
             raise UsageError("--no-float8-all-gather is torchao's switch; TransformerEngine "
@@ -429,6 +436,7 @@ def build(o: ScenarioOptions, need_gpus: bool = True) -> Scenario:
             checkpointing=o.checkpointing, checkpoint_every=o.checkpoint_every,
             checkpoint_first=o.checkpoint_first,
             checkpoint_early_stop=o.checkpoint_early_stop, checkpoint_wraps_unit=o.checkpoint_wraps_unit,
+            fsdp1=o.fsdp1,
             flash_attention=o.flash, attention_kernel=o.attention_kernel, optimizer=o.optimizer,
             optimizer_kernels=o.optimizer_kernels, grad_clip=o.grad_clip,
             sac_saves_attention=o.sac_saves_attention,

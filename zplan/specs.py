@@ -616,6 +616,12 @@ class TrainSpec(Spec):
         "(Hugging Face's gradient_checkpointing_enable before transformers 4.52); with a reentrant "
         "checkpoint the recompute gathers the unit and frees it, and its backward gathers it "
         "again, neither prefetched (policy.regathers_for_recompute)")
+    fsdp1: bool = Field(
+        False, description="PyTorch's FullyShardedDataParallel (FSDP1: flat parameters, the "
+        "parameters views of the gathered buffer, no copy-out; backward concatenates the unit's "
+        "gradients, casts them to the reduce dtype and pre-divides them in place) instead of "
+        "fully_shard (FSDP2, zplan's trainer): only the time of the copies around the collectives "
+        "differs (unit_ops.fsdp_copies); the torch layout's FSDP strategies")
     compile: bool = Field(False, description="torch.compile: elementwise work fused")
     compile_loss: bool = Field(False, description="the loss under torch.compile: the fp32 upcast, "
                                "log-softmax and NLL fused, no vocabulary-sized fp32 buffers "

@@ -423,11 +423,23 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     FSDPParamGroup.unshard / wait_for_unshard and foreach_reduce at `world_size == 1`): each
     parameter's shard, cast to the gather dtype where it differs (a view otherwise), is copied
     into its unsharded parameter, one copy per parameter; the reduce-scatter input is copied
-    into its output (`reduce_output.copy_(...)`)."""
+    into its output (`reduce_output.copy_(...)`).
+
+    FSDP1 (`sc.train.fsdp1`; torch/distributed/fsdp/_flat_param.py and _runtime_utils.py, the same
+    from PyTorch 2.1 to 2.13) gathers into its padded flat parameter, whose views the parameters
+    are: the copy-in (the mixed-precision shard cast into `_mp_shard`) and no copy-out. Its
+    backward is another path: autograd's SplitWithSizesBackward concatenates the unit's gradients
+    into one flat gradient in the param dtype (`aten.cat`, 2P bytes an element), the post-backward
+    hook casts it to the reduce dtype where they differ (P + R) and pre-divides it in place
+    (`_div_if_needed`, 2R: the predivide factor is above 1 from two ranks on), then reduce-scatters
+    it; the shard is kept (FSDP2's accumulate, charged alike). Held against FSDP1's own backward on
+    two gloo ranks (tests/test_fsdp1_copies.py)."""
     gpu, p = sc.hw.gpu, sc.train.precision
     n = sc.padded_elems(u, D)
     g, r, store = _b(gather_dtype), _b(p.reduce), _b(p.master if sc.train.layout == "torch" else p.param)
     one = D == 1
+    if sc.train.fsdp1 and ds_copied is None and not one:
+        return _fsdp1_copies(sc, st, u, n, D, g, r, store)
     per_param = len(u.shapes) if one else 1
     gather = [K.memory(gpu, "all-gather copy-out", 2 * g * n, per_param)]
     if not (one and g == store):
@@ -447,6 +459,22 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     bwd.append(K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1))
     if one:
         bwd.append(K.memory(gpu, "reduce-scatter output copy (one rank)", 2 * r * n, 1))
+    bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1))
+    return gather, bwd
+
+
+def _fsdp1_copies(sc: Scenario, st: Strategy, u: Unit, n: int, D: int, g: int, r: int,
+                  store: int) -> tuple[Ops, Ops]:
+    """fsdp_copies under FSDP1 (its docstring): n the unit's padded elements, g, r, store the
+    gather, reduce and sharded dtypes' bytes."""
+    gpu, P = sc.hw.gpu, _b(sc.train.precision.param)
+    gather = [] if g == store else [K.memory(gpu, "all-gather copy-in (mixed-precision shard)",
+                                             (store + g) * n // D, 1)]
+    bwd = list(gather) * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))
+    bwd.append(K.memory(gpu, "flat gradient (SplitWithSizesBackward cat)", 2 * P * n, 1))
+    if r != P:
+        bwd.append(K.memory(gpu, "flat gradient cast to the reduce dtype", (P + r) * n, 1))
+    bwd.append(K.memory(gpu, "flat gradient pre-divide", 2 * r * n, 1))
     bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1))
     return gather, bwd
 

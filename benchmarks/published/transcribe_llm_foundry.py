@@ -81,7 +81,7 @@ def rows(text: str):
         yield table, dict(
             id=f"foundry-{gpu.replace('_', '-')}-{model}-s{seq}-n{ngpu}-{precision}",
             model=f"mpt-{model}", gpu=GPU[gpu], num_gpus=int(ngpu), gpus_per_node=8,
-            parallelism=f"FSDP1 {sharding}", strategy=STRATEGY[sharding],
+            parallelism=f"FSDP1 {sharding}", strategy=STRATEGY[sharding], fsdp1=True,
             micro_batch=int(mb), grad_accum=int(ga), seq_len=int(seq),
             checkpointing="full" if ac == "True" else "none",
             checkpoint_early_stop=table.startswith("H100 80GB BF16 (Large Scale"), compile=False,
