@@ -12,14 +12,16 @@ import pytest
 
 from tests.helpers import cli
 
-# Two linears in one FSDP1 unit (one flat parameter of N elements), bf16 compute, gradients
+# Two linears in one FSDP1 unit (one flat parameter of N elements) under a root that keeps a head
+# of its own, on four gloo ranks (FSDP1's pre- and post-division both 2), bf16 compute, gradients
 # reduced in fp32 and in bf16; a first step outside the records (lazy init), then one step's
 # forward and backward ops recorded on rank 0 with what each reads and writes.
+WORLD = 4
 N = 64 * 128 * 2
 _FSDP1_RUN = r"""
 import json, os, sys
-rank, port = int(sys.argv[1]), sys.argv[2]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
+rank, port, world = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=world)
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,12 +43,15 @@ dist.init_process_group("gloo")
 res = {}
 for reduce in ("float32", "bfloat16"):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
-    f = FSDP(model, device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD,
-             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce)),
-             use_orig_params=True)
+    kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
+              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce)))
+    # the unit: two linears, resharded after forward and gathered again in backward; the root
+    # keeps a head of its own (64 x 40), gathered from forward to backward as FSDP1's root is
+    unit = FSDP(nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)), **kw)
+    f = FSDP(nn.Sequential(unit, nn.Linear(64, 40, bias=False)), **kw)
     x = torch.randn(4, 64)
-    f(x).float().sum().backward()
+    f(x).float().sum().backward()  # a first step: lazy init outside the records
+    f.zero_grad(set_to_none=True)  # a step as training runs them, nothing accumulated
     fwd, bwd = Ops(), Ops()
     with fwd:
         loss = f(x).float().sum()
@@ -73,13 +78,31 @@ def _fsdp1_ops(tmp_path) -> dict:
     script.write_text(_FSDP1_RUN)
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(WORLD)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(WORLD)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     (line,) = [x for x in outs[0][0].splitlines() if x.startswith("OPS ")]
     return json.loads(line[len("OPS "):])
+
+
+def _without_gloo_chunk_copies(ops: list) -> list:
+    """The trace less what gloo does that NCCL does not: ProcessGroupGloo runs a reduce-scatter as
+    an all-reduce of a copy of its input and copies this rank's chunk into the output when the
+    caller waits (docs/formulas.md section 3: a split of the input and a copy_, right after the
+    collective on the calling thread)."""
+    out, after_rs = [], False
+    for op in ops:
+        if op[0] == "c10d::_reduce_scatter_base_":
+            after_rs = True
+        elif after_rs and op[0] == "aten::copy_":
+            after_rs = False
+            continue
+        elif after_rs and op[0] not in ("aten::split", "aten::slice", "aten::view"):
+            after_rs = False
+        out.append(op)
+    return out
 
 
 def _copies(ops: list, numel: int) -> list[int]:
@@ -89,49 +112,59 @@ def _copies(ops: list, numel: int) -> list[int]:
     def moved(name: str, nbytes: int, outs: list) -> int:  # copy_: its source read, its destination written
         return nbytes if name == "aten::copy_" else nbytes + sum(b for _, b in outs)
     return sorted(moved(name, nbytes, outs)
-                  for name, nbytes, outs in ops
+                  for name, nbytes, outs in _without_gloo_chunk_copies(ops)
                   if not name.startswith("c10d::") and name not in _NOT_COPIES
                   and any(n == numel for n, _ in outs))
 
 
 def _zplan_copies(reduce: str):
-    """The same unit as zplan prices it: one unit of the two weights on 2 ranks, FSDP1."""
+    """The same unit as zplan prices it: the two weights, resharded after forward, on WORLD
+    ranks, FSDP1; the root's head a held unit beside it."""
     from zplan import arch, presets
-    from zplan.comm import gather_dtype
+    from zplan.comm import gather_dtype, regathered
     from zplan.scenario import Scenario
     from zplan.specs import Hardware, TrainSpec
     from zplan.strategies import effective
     from zplan.unit_ops import fsdp_copies
 
     unit = arch.Unit("unit", ((128, 64), (64, 128)), 1, 0, N)
-    hw = Hardware(gpu=presets.gpu("h100-sxm"), cluster=presets.cluster("dgx-h100"), num_gpus=2)
-    sc = Scenario(arch.synthetic(N), hw, TrainSpec(precision={"param": "bf16", "reduce": reduce},
-                                                   layout="torch", fsdp1=True), custom_units=(unit,))
+    head = arch.Unit("head", ((40, 64),), 0, 1, 40 * 64, held=True)
+    hw = Hardware(gpu=presets.gpu("h100-sxm"), cluster=presets.cluster("dgx-h100"), num_gpus=WORLD)
+    sc = Scenario(arch.synthetic(N + 40 * 64), hw, TrainSpec(precision={"param": "bf16", "reduce": reduce},
+                                                            layout="torch", fsdp1=True),
+                  custom_units=(unit, head))
     st = effective("zero3", "torch")
     sc = sc.for_strategy(st.fsdp)
-    return fsdp_copies(sc, st, unit, 2, gather_dtype(sc, unit))
+    assert regathered(sc, st, unit)
+    return fsdp_copies(sc, st, unit, WORLD, gather_dtype(sc, unit))
 
 
 @pytest.mark.slow  # two processes importing torch.distributed
 @pytest.mark.timeout(300)
 def test_fsdp1_copies_are_fullyshardeddataparallels_own(tmp_path):
-    """PyTorch's FullyShardedDataParallel (torch/distributed/fsdp, gloo ranks) is the oracle.
-    Forward: the mixed-precision shard cast (a copy of N/2 elements, 4 + 2 bytes each) and the
-    all-gather, nothing of N elements copied out of it (the parameters are views). Backward: of N
-    elements, the concatenation of the weights' gradients (SplitWithSizesBackward), their cast to
-    the reduce dtype where it differs, and the in-place pre-division before the reduce-scatter.
-    zplan's FSDP1 copies (unit_ops.fsdp_copies) are these ops, byte for byte; FSDP2's would
-    have a copy-out in each pass and one copy-in of N elements in backward."""
+    """PyTorch's FullyShardedDataParallel (torch/distributed/fsdp, four gloo ranks) is the oracle.
+    Forward: the mixed-precision cast of the unit's shard (N/4 elements, 4 + 2 bytes each) and
+    the all-gather, nothing of N elements copied out of it (the parameters are views). Backward:
+    the shard cast again for the gather, then of N elements the concatenation of the weights'
+    gradients (SplitWithSizesBackward), their cast to the reduce dtype where it differs and the
+    in-place pre-division; after the reduce-scatter, on the shard, the post-division and, under a
+    bf16 reduce, the cast back to fp32. zplan's FSDP1 copies (unit_ops.fsdp_copies) are these
+    ops, byte for byte (its sum into an accumulated gradient aside: nothing accumulates here);
+    FSDP2's would have a copy-out in each pass and one copy-in of N elements in backward."""
     pytest.importorskip("torch")
     traced = _fsdp1_ops(tmp_path)
     for reduce, name in (("fp32", "float32"), ("bf16", "bfloat16")):
         fwd, bwd = _zplan_copies(reduce)
-        assert not any("copy-out" in o.name for o in fwd + bwd)
-        assert _copies(traced[name]["forward"], N) == []  # no copy-out
-        assert _copies(traced[name]["forward"], N // 2) == [o.bytes for o in fwd]  # the shard's cast
+        assert not any("copy-out" in o.name or "accumulate" in o.name for o in fwd + bwd)
+        ops = traced[name]
+        assert _copies(ops["forward"], N) == []  # no copy-out
+        assert _copies(ops["forward"], N // WORLD) == [o.bytes for o in fwd]  # the shard's cast
         flat = sorted(o.bytes for o in bwd if o.name.startswith("flat gradient"))
-        assert _copies(traced[name]["backward"], N) == flat
+        assert _copies(ops["backward"], N) == flat
         assert len(flat) == (3 if reduce == "fp32" else 2)
+        on_shard = sorted(o.bytes for o in bwd if not o.name.startswith("flat gradient"))
+        assert _copies(ops["backward"], N // WORLD) == on_shard
+        assert len(on_shard) == (2 if reduce == "fp32" else 3)
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -168,3 +201,41 @@ def test_fsdp1_changes_only_the_copies():
     fits_accelerate = dict(base, reduce_dtype="bf16", embed_head_unit="head-kept")
     assert _accelerate_refusal(make_plan(build(ScenarioOptions(**fits_accelerate)), "zero3", 16)) is None
     assert "--fsdp1" in _accelerate_refusal(make_plan(build(ScenarioOptions(**fits_accelerate, fsdp1=True)), "zero3", 16))
+
+
+def test_fsdp1_divides_as_torch_does():
+    """fsdp1_divide_factors is FSDP1's own pre-division (DefaultState's, which FullyShardedDataParallel
+    reads at init) over the data-parallel world, the post-division the rest of the world."""
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+
+    from zplan.unit_ops import fsdp1_divide_factors
+
+    for world in list(range(1, 130)) + [256, 384, 1000, 1024, 4096]:
+        pre, post = fsdp1_divide_factors(world)
+        assert pre == DefaultState._get_gradient_predivide_factor(world)
+        assert post == world / pre
+
+
+def test_fsdp1_on_one_rank_shards_nothing():
+    """One rank (NO_SHARD): no all-gather copy of any kind, the gradients concatenated, cast to the
+    reduce dtype and back (bf16 reduce, fp32 flat parameter), nothing divided."""
+    from zplan.comm import gather_dtype
+    from zplan.scenario_options import ScenarioOptions, build
+    from zplan.strategies import effective
+    from zplan.unit_ops import fsdp_copies
+
+    sc = build(ScenarioOptions(model="llama-3.1-8b", gpus="1", layout="torch", fsdp1=True, reduce_dtype="bf16"))
+    st = effective("zero3", "torch")
+    sc = sc.for_strategy(st.fsdp)
+    u = next(x for x in sc.units if x.blocks)
+    fwd, bwd = fsdp_copies(sc, st, u, 1, gather_dtype(sc, u))
+    names = [o.name for o in fwd + bwd]
+    assert not any("copy-out" in x or "divide" in x or "reduce-scatter" in x for x in names)
+    assert [o.bytes for o in bwd if "cast" in o.name] == [6 * u.numel]  # bf16 -> fp32 after the all-reduce
+    assert any(x.startswith("flat gradient (SplitWithSizesBackward") for x in names)
+
+
+def test_fsdp1_with_no_sharded_strategy_is_refused(capsys):
+    r = cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "16", "--layout", "torch",
+            "--fsdp1", "--strategy", "ddp")
+    assert r.returncode == 2 and "--fsdp1" in r.stderr and "--strategy zero3" in r.stderr

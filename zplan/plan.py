@@ -14,6 +14,7 @@ from . import __version__
 from .errors import UsageError
 from .files import read_json, write_text as write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .scenario import Scenario
+from .strategies import effective
 from .specs import (Assumptions, ClusterSpec, GPUSpec, Hardware, ModelSpec, StrategyName, TrainSpec,
                     validation_line)
 from .validated import Field, Record, ValidationError, model_validator
@@ -164,7 +165,7 @@ def trainer_refusal(plan: Plan, builtin_model: bool = True) -> str | None:
     if t.checkpoint_wraps_unit:
         return ("the trainer checkpoints inside each sharded unit (one gather in backward): plan "
                 "again without --checkpoint-wraps-unit, or export the plan")
-    if t.fsdp1:
+    if t.fsdp1 and effective(plan.strategy, t.layout).fsdp:
         return ("the trainer shards with fully_shard (FSDP2), not FullyShardedDataParallel: plan "
                 "again without --fsdp1, or export the plan")
     if t.kv_cache and t.linear_loss != "none" and builtin_model:

@@ -17,6 +17,7 @@ from .errors import UsageError
 from .files import read_toml
 from .parse import MAX_GPUS, check_choice, check_range, parse_count
 from .scenario import Scenario
+from .strategies import effective
 from .specs import (ATTENTION_KERNELS, CHECKPOINTING, COMPILE_SCOPES, DEEPSPEED_HOOK_BACKWARD_S, DEEPSPEED_HOOK_FORWARD_S, DEEPSPEED_PARAM_GROUPS, DEEPSPEED_SUB_GROUP_ELEMS, EmbedHeadUnit, FLOAT8_RECIPES, LINEAR_LOSSES, MAX_LAYERS, OPTIMIZER_KERNELS, TE_FLOAT8_UNMODELLED, SLOT_DTYPES, Assumptions, Hardware,
                     Precision, TrainSpec, validation_line)
 from .units import DTYPE_BITS, MiB, GiB
@@ -130,6 +131,9 @@ def check_flag_pairs(o: ScenarioOptions, strategies: list[str] | tuple[str, ...]
     if strategies and not o.ddp_bucket_view and not set(strategies) & {"ddp", "zero1"}:
         raise UsageError(f"--no-ddp-bucket-view describes DDP's gradients, and --strategy "
                          f"{' '.join(strategies)} runs no DDP: add --strategy ddp (or zero1) or drop it")
+    if strategies and o.fsdp1 and not any(effective(x, o.layout or "zero").fsdp for x in strategies):
+        raise UsageError(f"--fsdp1 prices FSDP's copies, and --strategy {' '.join(strategies)} shards no "
+                         f"weights: add --strategy zero3 (or zero2, zero3-noreshard, hsdp, offload-all) or drop --fsdp1")
     if strategies and o.shard_size is not None and "hsdp" not in strategies:
         raise UsageError(f"--shard-size {o.shard_size} sets HSDP's shard group, and --strategy "
                          f"{' '.join(strategies)} has no hsdp: add --strategy hsdp or drop --shard-size")

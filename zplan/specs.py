@@ -620,8 +620,9 @@ class TrainSpec(Spec):
         False, description="PyTorch's FullyShardedDataParallel (FSDP1: flat parameters, the "
         "parameters views of the gathered buffer, no copy-out; backward concatenates the unit's "
         "gradients, casts them to the reduce dtype and pre-divides them in place) instead of "
-        "fully_shard (FSDP2, zplan's trainer): only the time of the copies around the collectives "
-        "differs (unit_ops.fsdp_copies); the torch layout's FSDP strategies")
+        "fully_shard (FSDP2, zplan's trainer): the copies around the collectives priced as FSDP1 "
+        "runs them (unit_ops.fsdp_copies); its memory is priced as FSDP2's, and what it keeps "
+        "gathered (its root) is --embed-head-unit's; the torch layout's FSDP strategies")
     compile: bool = Field(False, description="torch.compile: elementwise work fused")
     compile_loss: bool = Field(False, description="the loss under torch.compile: the fp32 upcast, "
                                "log-softmax and NLL fused, no vocabulary-sized fp32 buffers "

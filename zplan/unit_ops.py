@@ -431,15 +431,15 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     backward is another path: autograd's SplitWithSizesBackward concatenates the unit's gradients
     into one flat gradient in the param dtype (`aten.cat`, 2P bytes an element), the post-backward
     hook casts it to the reduce dtype where they differ (P + R) and pre-divides it in place
-    (`_div_if_needed`, 2R: the predivide factor is above 1 from two ranks on), then reduce-scatters
-    it; the shard is kept (FSDP2's accumulate, charged alike). Held against FSDP1's own backward on
-    two gloo ranks (tests/test_fsdp1_copies.py)."""
+    (`_div_if_needed`, 2R: fsdp1_divide_factors, above 1 from two ranks on), then reduce-scatters
+    it; on the shard it post-divides and casts back to the sharded dtype (_fsdp1_copies). Held op
+    for op against FullyShardedDataParallel on four gloo ranks (tests/test_fsdp1_copies.py)."""
     gpu, p = sc.hw.gpu, sc.train.precision
     n = sc.padded_elems(u, D)
     g, r, store = _b(gather_dtype), _b(p.reduce), _b(p.master if sc.train.layout == "torch" else p.param)
     one = D == 1
-    if sc.train.fsdp1 and ds_copied is None and not one:
-        return _fsdp1_copies(sc, st, u, n, D, g, r, store)
+    if sc.train.fsdp1 and ds_copied is None:
+        return _fsdp1_copies(sc, st, u, D, g, r, store)
     per_param = len(u.shapes) if one else 1
     gather = [K.memory(gpu, "all-gather copy-out", 2 * g * n, per_param)]
     if not (one and g == store):
@@ -463,19 +463,53 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     return gather, bwd
 
 
-def _fsdp1_copies(sc: Scenario, st: Strategy, u: Unit, n: int, D: int, g: int, r: int,
-                  store: int) -> tuple[Ops, Ops]:
-    """fsdp_copies under FSDP1 (its docstring): n the unit's padded elements, g, r, store the
-    gather, reduce and sharded dtypes' bytes."""
-    gpu, P = sc.hw.gpu, _b(sc.train.precision.param)
+def fsdp1_divide_factors(world: int) -> tuple[int, float]:
+    """FSDP1's gradient pre- and post-division over a data-parallel world of `world` ranks
+    (shard group x replicas under HSDP; torch/distributed/fsdp/_init_utils.py, DefaultState.
+    _get_gradient_predivide_factor): f doubles from 1 while `world` is a multiple of f and
+    world / f > f; the post-division is world / f (1, 2: 2 and 1; 4: 2 and 2; 8: 4 and 2;
+    64: 8 and 8; 3: 2 and 1.5). A factor of 1 divides nothing (`_div_if_needed`)."""
+    f = 1
+    while world % f == 0 and world / f > f:
+        f *= 2
+    return f, world / f
+
+
+def _fsdp1_copies(sc: Scenario, st: Strategy, u: Unit, D: int, g: int, r: int, store: int) -> tuple[Ops, Ops]:
+    """fsdp_copies under FSDP1 (its docstring), torch 2.1-2.13 _runtime_utils.py: g, r, store the
+    gather, reduce and sharded dtypes' bytes; the unit's flat parameter of u.numel elements,
+    padded to a multiple of D. Forward: the mixed-precision cast of the padded shard
+    (`_use_low_precision_shard`). Backward: each gather again, the gradients' concatenation
+    (SplitWithSizesBackward), the cast to the reduce dtype, the padding (`F.pad`, where the
+    flat parameter does not divide), the pre-division; then on the shard the post-division,
+    the cast back to the sharded dtype (`_cast_grad_to_param_dtype`) and, accumulating
+    micro-batches, the sum into the saved shard. One rank per shard group (NO_SHARD): the
+    whole gradient all-reduced over the replicas, divided before and after, cast back."""
+    gpu, t = sc.hw.gpu, sc.train
+    P, n = _b(t.precision.param), u.numel
+    padded = -(-n // D) * D
+    shard = padded // D
+    pre, post = fsdp1_divide_factors(sc.n)
     gather = [] if g == store else [K.memory(gpu, "all-gather copy-in (mixed-precision shard)",
-                                             (store + g) * n // D, 1)]
+                                             (store + g) * shard, 1)]
     bwd = list(gather) * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))
     bwd.append(K.memory(gpu, "flat gradient (SplitWithSizesBackward cat)", 2 * P * n, 1))
     if r != P:
         bwd.append(K.memory(gpu, "flat gradient cast to the reduce dtype", (P + r) * n, 1))
-    bwd.append(K.memory(gpu, "flat gradient pre-divide", 2 * r * n, 1))
-    bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1))
+    if D == 1:  # NO_SHARD: all-reduced whole, if across replicas
+        reduced = n
+    else:
+        if padded != n:
+            bwd.append(K.memory(gpu, "flat gradient padded (F.pad)", r * (n + padded), 1))
+        reduced = shard
+    if pre > 1:
+        bwd.append(K.memory(gpu, "flat gradient pre-divide", 2 * r * (padded if D > 1 else n), 1))
+    if post > 1:
+        bwd.append(K.memory(gpu, "gradient post-divide", 2 * r * reduced, 1))
+    if r != store:
+        bwd.append(K.memory(gpu, "gradient cast to the sharded dtype", (r + store) * reduced, 1))
+    if t.grad_accum > 1 and D > 1:
+        bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * store * shard, 1))
     return gather, bwd
 
 
