@@ -406,8 +406,10 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
                 ds_copied: tuple | None = None) -> tuple[Ops, Ops]:
     """FSDP2's copies around one unit's collectives (forward ops, backward ops): all-gather
     copy-in (the fp32 shard cast into the send buffer) and copy-out (the gathered flat buffer
-    split into parameters), reduce-scatter copy-in (gradients cast to the reduce dtype) and the
-    sharded result accumulated into the gradient.
+    split into parameters), reduce-scatter copy-in (gradients cast to the reduce dtype), and on
+    the reduced shard the cast back to the sharded dtype and the sum into an accumulated
+    gradient (_shard_tail). Held op for op against fully_shard on four gloo ranks
+    (tests/test_fsdp_copies.py).
 
     DeepSpeed's ZeRO-3 copies otherwise (deepspeed/runtime/zero/partition_parameters.py, 0.19):
     a call gathering several parameters (`_all_gather_coalesced` -> `_all_gather_dtype`) copies
@@ -433,7 +435,7 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     hook casts it to the reduce dtype where they differ (P + R) and pre-divides it in place
     (`_div_if_needed`, 2R: fsdp1_divide_factors, above 1 from two ranks on), then reduce-scatters
     it; on the shard it post-divides and casts back to the sharded dtype (_fsdp1_copies). Held op
-    for op against FullyShardedDataParallel on four gloo ranks (tests/test_fsdp1_copies.py)."""
+    for op against FullyShardedDataParallel on four gloo ranks (tests/test_fsdp_copies.py)."""
     gpu, p = sc.hw.gpu, sc.train.precision
     n = sc.padded_elems(u, D)
     g, r, store = _b(gather_dtype), _b(p.reduce), _b(p.master if sc.train.layout == "torch" else p.param)
@@ -459,8 +461,32 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     bwd.append(K.memory(gpu, "reduce-scatter copy-in", (_b(p.param) + r) * n, 1))
     if one:
         bwd.append(K.memory(gpu, "reduce-scatter output copy (one rank)", 2 * r * n, 1))
-    bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1))
+    if ds_copied is not None:
+        bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * r * n // D, 1))
+        return gather, bwd
+    # FSDP2 (foreach_reduce): fp32 and bf16 reduce-scatters average in NCCL (ReduceOp.AVG, no
+    # division kernel); fp16 ones divide before and after (_get_gradient_divide_factors)
+    pre, post = fsdp1_divide_factors(sc.n) if p.reduce == "fp16" else (1, 1)
+    if pre > 1:
+        bwd.append(K.memory(gpu, "reduce-scatter input pre-divide", 2 * r * n, 1))
+    bwd += _shard_tail(sc, n // D, r, store, post)
     return gather, bwd
+
+
+def _shard_tail(sc: Scenario, shard: int, r: int, store: int, post: float) -> Ops:
+    """What FSDP1 and FSDP2 do to a unit's reduced shard of `shard` elements: the post-division
+    where it is above 1, the cast back to the sharded dtype where the reduce dtype differs, and,
+    accumulating micro-batches, the sum into the gradient already there (every micro-batch
+    but the first; a step's first assigns it)."""
+    gpu, A = sc.hw.gpu, sc.train.grad_accum
+    ops = []
+    if post > 1:
+        ops.append(K.memory(gpu, "gradient post-divide", 2 * r * shard, 1))
+    if r != store:
+        ops.append(K.memory(gpu, "gradient cast to the sharded dtype", (r + store) * shard, 1))
+    if A > 1:
+        ops.append(K.memory(gpu, "gradient accumulate (shard)", 3 * store * shard * (A - 1) // A, 1))
+    return ops
 
 
 def fsdp1_divide_factors(world: int) -> tuple[int, float]:
@@ -504,13 +530,8 @@ def _fsdp1_copies(sc: Scenario, st: Strategy, u: Unit, D: int, g: int, r: int, s
         reduced = shard
     if pre > 1:
         bwd.append(K.memory(gpu, "flat gradient pre-divide", 2 * r * (padded if D > 1 else n), 1))
-    if post > 1:
-        bwd.append(K.memory(gpu, "gradient post-divide", 2 * r * reduced, 1))
-    if r != store:
-        bwd.append(K.memory(gpu, "gradient cast to the sharded dtype", (r + store) * reduced, 1))
-    if t.grad_accum > 1 and D > 1:
-        bwd.append(K.memory(gpu, "gradient accumulate (shard)", 3 * store * shard, 1))
-    return gather, bwd
+    tail = _shard_tail(sc, reduced, r, store, post)
+    return gather, bwd + [o for o in tail if D > 1 or "accumulate" not in o.name]
 
 
 def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, backward: bool,

@@ -1,5 +1,6 @@
-"""FSDP1's copies around its collectives (unit_ops.fsdp_copies with TrainSpec.fsdp1) against
-PyTorch's own FullyShardedDataParallel, run on two gloo ranks, and --fsdp1's checks on the CLI."""
+"""FSDP's copies around its collectives (unit_ops.fsdp_copies) against PyTorch's own: FSDP2
+(fully_shard) and FSDP1 (FullyShardedDataParallel, TrainSpec.fsdp1) on four gloo ranks, op for
+op; and --fsdp1's checks on the CLI."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ import pytest
 
 from tests.helpers import cli
 
-# Two linears in one FSDP1 unit (one flat parameter of N elements) under a root that keeps a head
-# of its own, on four gloo ranks (FSDP1's pre- and post-division both 2), bf16 compute, gradients
-# reduced in fp32 and in bf16; a first step outside the records (lazy init), then one step's
-# forward and backward ops recorded on rank 0 with what each reads and writes.
+# Two linears in one unit (N elements) under a root that keeps a head of its own (64 x 40,
+# gathered from forward to backward as both FSDPs keep a root), on four gloo ranks (FSDP1's pre-
+# and post-division both 2), bf16 compute, gradients reduced in fp32 and in bf16; a first step
+# outside the records (lazy init), then one step's forward and backward ops recorded on rank 0:
+# each op's name, the sizes of the tensors it takes, the bytes it takes and makes.
 WORLD = 4
 N = 64 * 128 * 2
-_FSDP1_RUN = r"""
+_FSDP_RUN = r"""
 import json, os, sys
-rank, port, world = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, port, world, impl = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=world)
 import torch, torch.distributed as dist, torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (FullyShardedDataParallel as FSDP, MixedPrecision, MixedPrecisionPolicy,
+                                    ShardingStrategy, fully_shard)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 class Ops(TorchDispatchMode):
@@ -35,20 +38,26 @@ class Ops(TorchDispatchMode):
         def flat(xs):
             return [t for x in xs for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
         ins, outs = flat(list(args) + list((kwargs or {}).values())), flat([out])
-        self.ops.append((func._schema.name, sum(t.numel() * t.element_size() for t in ins),
-                         [(t.numel(), t.numel() * t.element_size()) for t in outs]))
+        self.ops.append((func._schema.name, [t.numel() for t in ins], sum(t.numel() * t.element_size() for t in ins),
+                         sum(t.numel() * t.element_size() for t in outs)))
         return out
 
 dist.init_process_group("gloo")
 res = {}
 for reduce in ("float32", "bfloat16"):
     torch.manual_seed(0)
-    kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
-              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce)))
-    # the unit: two linears, resharded after forward and gathered again in backward; the root
-    # keeps a head of its own (64 x 40), gathered from forward to backward as FSDP1's root is
-    unit = FSDP(nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)), **kw)
-    f = FSDP(nn.Sequential(unit, nn.Linear(64, 40, bias=False)), **kw)
+    dtype = getattr(torch, reduce)
+    # the unit: two linears, resharded after forward and gathered again in backward
+    unit = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
+    if impl == "fsdp1":
+        kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
+                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=dtype))
+        f = FSDP(nn.Sequential(FSDP(unit, **kw), nn.Linear(64, 40, bias=False)), **kw)
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=dtype)
+        f = nn.Sequential(unit, nn.Linear(64, 40, bias=False))
+        fully_shard(unit, mp_policy=mp)
+        fully_shard(f, mp_policy=mp)
     x = torch.randn(4, 64)
     f(x).float().sum().backward()  # a first step: lazy init outside the records
     f.zero_grad(set_to_none=True)  # a step as training runs them, nothing accumulated
@@ -65,20 +74,25 @@ sys.stdout.flush()
 os._exit(0)
 """
 
-# ops that move no bytes (views, allocations) or are the collectives themselves
+# ops that move no bytes (views, allocations) or are not copies (matmuls, the loss); FSDP2's
+# all_gather_copy_in wraps its _foreach_copy_, which the trace shows on its own
 _NOT_COPIES = ("aten::view", "aten::_unsafe_view", "aten::expand", "aten::t", "aten::slice", "aten::split",
                "aten::split_with_sizes", "aten::detach", "aten::alias", "aten::as_strided", "aten::empty",
-               "aten::empty_like", "aten::mm", "aten::ones_like", "aten::sum")
+               "aten::empty_like", "aten::mm", "aten::ones_like", "aten::sum", "fsdp::all_gather_copy_in")
+# ops whose destination is an argument: it is written, not read (their inputs are what they move)
+_INTO = ("aten::copy_", "aten::_foreach_copy_", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
+# the unit's tensors: its flat parameter, shard, weights and weight shards (no activation has these sizes)
+UNIT_SIZES = {N, N // WORLD, N // 2, N // 2 // WORLD}
 
 
-def _fsdp1_ops(tmp_path) -> dict:
+def _fsdp_ops(tmp_path, impl: str) -> dict:
     from zplan.netutil import free_port
 
-    script = tmp_path / "fsdp1_run.py"
-    script.write_text(_FSDP1_RUN)
+    script = tmp_path / "fsdp_run.py"
+    script.write_text(_FSDP_RUN)
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(WORLD)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(WORLD), impl], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(WORLD)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -105,21 +119,17 @@ def _without_gloo_chunk_copies(ops: list) -> list:
     return out
 
 
-def _copies(ops: list, numel: int) -> list[int]:
-    """Bytes read and written by each op of the trace that makes a tensor of `numel` elements
-    and is neither a view, an allocation, a matmul nor a collective (copy_'s destination, an
-    argument, is written, not read; an in-place op's is both)."""
-    def moved(name: str, nbytes: int, outs: list) -> int:  # copy_: its source read, its destination written
-        return nbytes if name == "aten::copy_" else nbytes + sum(b for _, b in outs)
-    return sorted(moved(name, nbytes, outs)
-                  for name, nbytes, outs in _without_gloo_chunk_copies(ops)
-                  if not name.startswith("c10d::") and name not in _NOT_COPIES
-                  and any(n == numel for n, _ in outs))
+def _unit_copies(ops: list) -> list[int]:
+    """Bytes read and written by each copy of the trace that touches the unit's tensors (not a
+    view, an allocation, a matmul or a collective)."""
+    return sorted(nbytes if name in _INTO else nbytes + made
+                  for name, sizes, nbytes, made in _without_gloo_chunk_copies(ops)
+                  if not name.startswith("c10d::") and name not in _NOT_COPIES and UNIT_SIZES & set(sizes))
 
 
-def _zplan_copies(reduce: str):
+def _zplan_copies(reduce: str, fsdp1: bool):
     """The same unit as zplan prices it: the two weights, resharded after forward, on WORLD
-    ranks, FSDP1; the root's head a held unit beside it."""
+    ranks; the root's head a held unit beside it."""
     from zplan import arch, presets
     from zplan.comm import gather_dtype, regathered
     from zplan.scenario import Scenario
@@ -131,7 +141,7 @@ def _zplan_copies(reduce: str):
     head = arch.Unit("head", ((40, 64),), 0, 1, 40 * 64, held=True)
     hw = Hardware(gpu=presets.gpu("h100-sxm"), cluster=presets.cluster("dgx-h100"), num_gpus=WORLD)
     sc = Scenario(arch.synthetic(N + 40 * 64), hw, TrainSpec(precision={"param": "bf16", "reduce": reduce},
-                                                            layout="torch", fsdp1=True),
+                                                            layout="torch", fsdp1=fsdp1),
                   custom_units=(unit, head))
     st = effective("zero3", "torch")
     sc = sc.for_strategy(st.fsdp)
@@ -139,32 +149,30 @@ def _zplan_copies(reduce: str):
     return fsdp_copies(sc, st, unit, WORLD, gather_dtype(sc, unit))
 
 
-@pytest.mark.slow  # two processes importing torch.distributed
+@pytest.mark.slow  # four processes importing torch.distributed
 @pytest.mark.timeout(300)
-def test_fsdp1_copies_are_fullyshardeddataparallels_own(tmp_path):
-    """PyTorch's FullyShardedDataParallel (torch/distributed/fsdp, four gloo ranks) is the oracle.
-    Forward: the mixed-precision cast of the unit's shard (N/4 elements, 4 + 2 bytes each) and
-    the all-gather, nothing of N elements copied out of it (the parameters are views). Backward:
-    the shard cast again for the gather, then of N elements the concatenation of the weights'
-    gradients (SplitWithSizesBackward), their cast to the reduce dtype where it differs and the
-    in-place pre-division; after the reduce-scatter, on the shard, the post-division and, under a
-    bf16 reduce, the cast back to fp32. zplan's FSDP1 copies (unit_ops.fsdp_copies) are these
-    ops, byte for byte (its sum into an accumulated gradient aside: nothing accumulates here);
-    FSDP2's would have a copy-out in each pass and one copy-in of N elements in backward."""
+@pytest.mark.parametrize("impl", ["fsdp2", "fsdp1"])
+def test_fsdp_copies_are_pytorchs_own(tmp_path, impl):
+    """PyTorch's FSDP on four gloo ranks is the oracle: every copy of the unit's tensors in one
+    step, forward and backward, is one of zplan's ops with the same bytes (unit_ops.fsdp_copies;
+    nothing accumulates here, so no sum into a gradient).
+    FSDP2 (fully_shard): the shard cast into the all-gather buffer (_foreach_copy_, N/4 elements,
+    4 + 2 bytes each) and the gathered buffer split into the parameters (split_with_sizes_copy,
+    2 + 2 bytes of N) in each pass; the gradients cast into the reduce-scatter input (chunk_cat)
+    and, under a bf16 reduce, the shard cast back to fp32; no division (fp32 and bf16 average in
+    the collective).
+    FSDP1 (FullyShardedDataParallel): the shard's cast (copy_ into _mp_shard) in each pass and
+    nothing copied out (the parameters are views); in backward the gradients' concatenation
+    (SplitWithSizesBackward), their cast to the reduce dtype where it differs, the in-place
+    pre-division, and on the shard the post-division and, under bf16, the cast back."""
     pytest.importorskip("torch")
-    traced = _fsdp1_ops(tmp_path)
+    traced = _fsdp_ops(tmp_path, impl)
     for reduce, name in (("fp32", "float32"), ("bf16", "bfloat16")):
-        fwd, bwd = _zplan_copies(reduce)
-        assert not any("copy-out" in o.name or "accumulate" in o.name for o in fwd + bwd)
-        ops = traced[name]
-        assert _copies(ops["forward"], N) == []  # no copy-out
-        assert _copies(ops["forward"], N // WORLD) == [o.bytes for o in fwd]  # the shard's cast
-        flat = sorted(o.bytes for o in bwd if o.name.startswith("flat gradient"))
-        assert _copies(ops["backward"], N) == flat
-        assert len(flat) == (3 if reduce == "fp32" else 2)
-        on_shard = sorted(o.bytes for o in bwd if not o.name.startswith("flat gradient"))
-        assert _copies(ops["backward"], N // WORLD) == on_shard
-        assert len(on_shard) == (2 if reduce == "fp32" else 3)
+        fwd, bwd = _zplan_copies(reduce, impl == "fsdp1")
+        assert not any("accumulate" in o.name for o in fwd + bwd)
+        assert any("copy-out" in o.name for o in fwd) == (impl == "fsdp2")
+        assert _unit_copies(traced[name]["forward"]) == sorted(o.bytes for o in fwd), (impl, reduce)
+        assert _unit_copies(traced[name]["backward"]) == sorted(o.bytes for o in bwd), (impl, reduce)
 
 
 @pytest.mark.parametrize("args,expect", [
