@@ -22,11 +22,12 @@ WORLD = 4
 N = 64 * 128 * 2
 _FSDP_RUN = r"""
 import json, os, sys
-rank, port, world, impl = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+rank, port, world, impls = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4].split(",")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=world)
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.fsdp import (FullyShardedDataParallel as FSDP, MixedPrecision, MixedPrecisionPolicy,
                                     ShardingStrategy, fully_shard)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 class Ops(TorchDispatchMode):
@@ -44,20 +45,25 @@ class Ops(TorchDispatchMode):
 
 dist.init_process_group("gloo")
 res = {}
-for reduce in ("float32", "bfloat16"):
+for impl, reduce in [(i, r) for i in impls for r in ("float32", "bfloat16")]:
     torch.manual_seed(0)
     dtype = getattr(torch, reduce)
     # the unit: two linears, resharded after forward and gathered again in backward
     unit = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
-    if impl == "fsdp1":
-        kw = dict(device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
-                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=dtype))
+    # HSDP: shard groups of 2, replicated twice
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if impl.endswith("hsdp") else None
+    if impl.startswith("fsdp1"):
+        kw = dict(device_id=torch.device("cpu"), use_orig_params=True,
+                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=dtype),
+                  **(dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh) if mesh else
+                     dict(sharding_strategy=ShardingStrategy.FULL_SHARD)))
         f = FSDP(nn.Sequential(FSDP(unit, **kw), nn.Linear(64, 40, bias=False)), **kw)
     else:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=dtype)
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=dtype),
+                  **(dict(mesh=mesh) if mesh else {}))
         f = nn.Sequential(unit, nn.Linear(64, 40, bias=False))
-        fully_shard(unit, mp_policy=mp)
-        fully_shard(f, mp_policy=mp)
+        fully_shard(unit, **kw)
+        fully_shard(f, **kw)
     x = torch.randn(4, 64)
     f(x).float().sum().backward()  # a first step: lazy init outside the records
     f.zero_grad(set_to_none=True)  # a step as training runs them, nothing accumulated
@@ -66,7 +72,7 @@ for reduce in ("float32", "bfloat16"):
         loss = f(x).float().sum()
     with bwd:
         loss.backward()
-    res[reduce] = {"forward": fwd.ops, "backward": bwd.ops}
+    res[f"{impl} {reduce}"] = {"forward": fwd.ops, "backward": bwd.ops}
 if rank == 0:
     print("OPS " + json.dumps(res), flush=True)
 dist.barrier()
@@ -83,6 +89,16 @@ _NOT_COPIES = ("aten::view", "aten::_unsafe_view", "aten::expand", "aten::t", "a
 _INTO = ("aten::copy_", "aten::_foreach_copy_", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
 # the unit's tensors: its flat parameter, shard, weights and weight shards (no activation has these sizes)
 UNIT_SIZES = {N, N // WORLD, N // 2, N // 2 // WORLD}
+
+
+IMPLS = ("fsdp2", "fsdp1", "fsdp2-hsdp", "fsdp1-hsdp")
+
+
+@pytest.fixture(scope="module")
+def fsdp_traces(tmp_path_factory) -> dict:
+    """Every FSDP's trace from one launch of four ranks (the start-up is most of its time)."""
+    pytest.importorskip("torch")
+    return _fsdp_ops(tmp_path_factory.mktemp("fsdp"), ",".join(IMPLS))
 
 
 def _fsdp_ops(tmp_path, impl: str) -> dict:
@@ -127,9 +143,9 @@ def _unit_copies(ops: list) -> list[int]:
                   if not name.startswith("c10d::") and name not in _NOT_COPIES and UNIT_SIZES & set(sizes))
 
 
-def _zplan_copies(reduce: str, fsdp1: bool):
+def _zplan_copies(reduce: str, impl: str):
     """The same unit as zplan prices it: the two weights, resharded after forward, on WORLD
-    ranks; the root's head a held unit beside it."""
+    ranks (HSDP: shard groups of 2); the root's head a held unit beside it."""
     from zplan import arch, presets
     from zplan.comm import gather_dtype, regathered
     from zplan.scenario import Scenario
@@ -141,18 +157,18 @@ def _zplan_copies(reduce: str, fsdp1: bool):
     head = arch.Unit("head", ((40, 64),), 0, 1, 40 * 64, held=True)
     hw = Hardware(gpu=presets.gpu("h100-sxm"), cluster=presets.cluster("dgx-h100"), num_gpus=WORLD)
     sc = Scenario(arch.synthetic(N + 40 * 64), hw, TrainSpec(precision={"param": "bf16", "reduce": reduce},
-                                                            layout="torch", fsdp1=fsdp1),
-                  custom_units=(unit, head))
-    st = effective("zero3", "torch")
+                                                            layout="torch", fsdp1=impl.startswith("fsdp1")),
+                  custom_units=(unit, head), shard_size=2 if impl.endswith("hsdp") else None)
+    st = effective("hsdp" if impl.endswith("hsdp") else "zero3", "torch")
     sc = sc.for_strategy(st.fsdp)
     assert regathered(sc, st, unit)
-    return fsdp_copies(sc, st, unit, WORLD, gather_dtype(sc, unit))
+    return fsdp_copies(sc, st, unit, sc.shard_degree(st.hsdp), gather_dtype(sc, unit))
 
 
 @pytest.mark.slow  # four processes importing torch.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("impl", ["fsdp2", "fsdp1"])
-def test_fsdp_copies_are_pytorchs_own(tmp_path, impl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fsdp_copies_are_pytorchs_own(fsdp_traces, impl):
     """PyTorch's FSDP on four gloo ranks is the oracle: every copy of the unit's tensors in one
     step, forward and backward, is one of zplan's ops with the same bytes (unit_ops.fsdp_copies;
     nothing accumulates here, so no sum into a gradient).
@@ -164,13 +180,14 @@ def test_fsdp_copies_are_pytorchs_own(tmp_path, impl):
     FSDP1 (FullyShardedDataParallel): the shard's cast (copy_ into _mp_shard) in each pass and
     nothing copied out (the parameters are views); in backward the gradients' concatenation
     (SplitWithSizesBackward), their cast to the reduce dtype where it differs, the in-place
-    pre-division, and on the shard the post-division and, under bf16, the cast back."""
-    pytest.importorskip("torch")
-    traced = _fsdp_ops(tmp_path, impl)
-    for reduce, name in (("fp32", "float32"), ("bf16", "bfloat16")):
-        fwd, bwd = _zplan_copies(reduce, impl == "fsdp1")
+    pre-division, and on the shard the post-division and, under bf16, the cast back.
+    HSDP (shard groups of 2, two replicas): the same copies on the larger shard; FSDP1 divides over
+    the whole world (shard x replicas), before the reduce-scatter and after the all-reduce."""
+    for reduce, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        name, traced = f"{impl} {dtype}", fsdp_traces
+        fwd, bwd = _zplan_copies(reduce, impl)
         assert not any("accumulate" in o.name for o in fwd + bwd)
-        assert any("copy-out" in o.name for o in fwd) == (impl == "fsdp2")
+        assert any("copy-out" in o.name for o in fwd) == impl.startswith("fsdp2")
         assert _unit_copies(traced[name]["forward"]) == sorted(o.bytes for o in fwd), (impl, reduce)
         assert _unit_copies(traced[name]["backward"]) == sorted(o.bytes for o in bwd), (impl, reduce)
 
