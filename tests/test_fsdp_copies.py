@@ -228,17 +228,32 @@ def test_fsdp1_changes_only_the_copies():
     assert "--fsdp1" in _accelerate_refusal(make_plan(build(ScenarioOptions(**fits_accelerate, fsdp1=True)), "zero3", 16))
 
 
-def test_fsdp1_divides_as_torch_does():
-    """fsdp1_divide_factors is FSDP1's own pre-division (DefaultState's, which FullyShardedDataParallel
-    reads at init) over the data-parallel world, the post-division the rest of the world."""
+def test_fsdp_divides_as_torch_does():
+    """gradient_divide_factors is FSDP1's own pre-division (DefaultState's, which FullyShardedDataParallel
+    reads at init) over the data-parallel world, the post-division the rest of the world; and
+    FSDP2's under an fp16 reduce (shard group x replicas), where fp32 and bf16 divide nothing."""
+    import torch
     from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
-    from zplan.unit_ops import fsdp1_divide_factors
+    from zplan.unit_ops import gradient_divide_factors
+
+    class Group:  # what _get_gradient_divide_factors asks of a process group
+        def __init__(self, n: int):
+            self.n = n
+
+        def size(self) -> int:
+            return self.n
 
     for world in list(range(1, 130)) + [256, 384, 1000, 1024, 4096]:
-        pre, post = fsdp1_divide_factors(world)
+        pre, post = gradient_divide_factors(world)
         assert pre == DefaultState._get_gradient_predivide_factor(world)
         assert post == world / pre
+        for shard in {1, 2, world} & {d for d in (1, 2, world) if world % d == 0}:
+            replicas = Group(world // shard) if shard < world else None
+            fp16 = _get_gradient_divide_factors(Group(shard), replicas, torch.float16)
+            assert fp16[:2] == (pre, post)
+            assert _get_gradient_divide_factors(Group(shard), replicas, torch.bfloat16)[:2] == (None, None)
 
 
 def test_fsdp1_on_one_rank_shards_nothing():

@@ -433,7 +433,7 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     backward is another path: autograd's SplitWithSizesBackward concatenates the unit's gradients
     into one flat gradient in the param dtype (`aten.cat`, 2P bytes an element), the post-backward
     hook casts it to the reduce dtype where they differ (P + R) and pre-divides it in place
-    (`_div_if_needed`, 2R: fsdp1_divide_factors, above 1 from two ranks on), then reduce-scatters
+    (`_div_if_needed`, 2R: gradient_divide_factors, above 1 from two ranks on), then reduce-scatters
     it; on the shard it post-divides and casts back to the sharded dtype (_fsdp1_copies). Held op
     for op against FullyShardedDataParallel on four gloo ranks (tests/test_fsdp_copies.py)."""
     gpu, p = sc.hw.gpu, sc.train.precision
@@ -466,7 +466,7 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
         return gather, bwd
     # FSDP2 (foreach_reduce): fp32 and bf16 reduce-scatters average in NCCL (ReduceOp.AVG, no
     # division kernel); fp16 ones divide before and after (_get_gradient_divide_factors)
-    pre, post = fsdp1_divide_factors(sc.n) if p.reduce == "fp16" else (1, 1)
+    pre, post = gradient_divide_factors(sc.n) if p.reduce == "fp16" else (1, 1)
     if pre > 1:
         bwd.append(K.memory(gpu, "reduce-scatter input pre-divide", 2 * r * n, 1))
     bwd += _shard_tail(sc, n // D, r, store, post)
@@ -489,10 +489,12 @@ def _shard_tail(sc: Scenario, shard: int, r: int, store: int, post: float) -> Op
     return ops
 
 
-def fsdp1_divide_factors(world: int) -> tuple[int, float]:
-    """FSDP1's gradient pre- and post-division over a data-parallel world of `world` ranks
-    (shard group x replicas under HSDP; torch/distributed/fsdp/_init_utils.py, DefaultState.
-    _get_gradient_predivide_factor): f doubles from 1 while `world` is a multiple of f and
+def gradient_divide_factors(world: int) -> tuple[int, float]:
+    """FSDP's gradient pre- and post-division over a data-parallel world of `world` ranks
+    (shard group x replicas under HSDP): FSDP1's always (torch/distributed/fsdp/_init_utils.py,
+    DefaultState._get_gradient_predivide_factor), FSDP2's under an fp16 reduce
+    (_fsdp_collectives.py _get_gradient_divide_factors; fp32 and bf16 average in the
+    collective): f doubles from 1 while `world` is a multiple of f and
     world / f > f; the post-division is world / f (1, 2: 2 and 1; 4: 2 and 2; 8: 4 and 2;
     64: 8 and 8; 3: 2 and 1.5). A factor of 1 divides nothing (`_div_if_needed`)."""
     f = 1
@@ -515,7 +517,7 @@ def _fsdp1_copies(sc: Scenario, st: Strategy, u: Unit, D: int, g: int, r: int, s
     P, n = _b(t.precision.param), u.numel
     padded = -(-n // D) * D
     shard = padded // D
-    pre, post = fsdp1_divide_factors(sc.n)
+    pre, post = gradient_divide_factors(sc.n)
     gather = [] if g == store else [K.memory(gpu, "all-gather copy-in (mixed-precision shard)",
                                              (store + g) * shard, 1)]
     bwd = list(gather) * (int(regathered(sc, st, u)) + int(gathers_for_recompute(sc, st, u)))
