@@ -249,7 +249,7 @@ def test_fsdp_divides_as_torch_does():
         pre, post = gradient_divide_factors(world)
         assert pre == DefaultState._get_gradient_predivide_factor(world)
         assert post == world / pre
-        for shard in {1, 2, world} & {d for d in (1, 2, world) if world % d == 0}:
+        for shard in {d for d in (1, 2, world) if world % d == 0}:
             replicas = Group(world // shard) if shard < world else None
             fp16 = _get_gradient_divide_factors(Group(shard), replicas, torch.float16)
             assert fp16[:2] == (pre, post)
@@ -257,20 +257,23 @@ def test_fsdp_divides_as_torch_does():
 
 
 def test_fsdp1_on_one_rank_shards_nothing():
-    """One rank (NO_SHARD): no all-gather copy of any kind, the gradients concatenated, cast to the
-    reduce dtype and back (bf16 reduce, fp32 flat parameter), nothing divided."""
+    """One rank (NO_SHARD): the shard's mixed-precision cast and no copy-out, the gradients
+    concatenated and, reduced in bf16 as they are made, cast back to the fp32 flat parameter's
+    dtype; nothing divided, nothing reduce-scattered, no sum into a gradient."""
     from zplan.comm import gather_dtype
     from zplan.scenario_options import ScenarioOptions, build
     from zplan.strategies import effective
     from zplan.unit_ops import fsdp_copies
 
-    sc = build(ScenarioOptions(model="llama-3.1-8b", gpus="1", layout="torch", fsdp1=True, reduce_dtype="bf16"))
+    sc = build(ScenarioOptions(model="llama-3.1-8b", gpus="1", layout="torch", fsdp1=True, reduce_dtype="bf16",
+                               grad_accum=2))
     st = effective("zero3", "torch")
     sc = sc.for_strategy(st.fsdp)
     u = next(x for x in sc.units if x.blocks)
     fwd, bwd = fsdp_copies(sc, st, u, 1, gather_dtype(sc, u))
     names = [o.name for o in fwd + bwd]
-    assert not any("copy-out" in x or "divide" in x or "reduce-scatter" in x for x in names)
+    assert not any(x in n for n in names for x in ("copy-out", "divide", "reduce-scatter", "accumulate"))
+    assert [o.name for o in fwd] == ["all-gather copy-in (mixed-precision shard)"]
     assert [o.bytes for o in bwd if "cast" in o.name] == [6 * u.numel]  # bf16 -> fp32 after the all-reduce
     assert any(x.startswith("flat gradient (SplitWithSizesBackward") for x in names)
 

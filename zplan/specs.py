@@ -438,7 +438,7 @@ class Assumptions(Spec):
     deepspeed_hook_forward_s: float = Field(
         DEEPSPEED_HOOK_FORWARD_S, ge=0, le=0.1, description="DeepSpeed ZeRO-3: the host's time in "
         "its hooks per module of the coordinator's trace in forward (fetch and release), beyond the "
-        "model's own work; the host runs at most two fetch events ahead of the GPU, so a module "
+        "model's own work; the host runs at most three fetch events ahead of the GPU, so a module "
         "whose kernels take less is paced by it. Measured on a CPU (benchmarks/deepspeed_host.py)")
     deepspeed_hook_backward_s: float = Field(
         DEEPSPEED_HOOK_BACKWARD_S, ge=0, le=0.1, description="the same in backward (fetch, release "

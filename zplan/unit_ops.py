@@ -473,12 +473,13 @@ def fsdp_copies(sc: Scenario, st: Strategy, u: Unit, D: int, gather_dtype: str,
     return gather, bwd
 
 
-def _shard_tail(sc: Scenario, shard: int, r: int, store: int, post: float) -> Ops:
+def _shard_tail(sc: Scenario, shard: int, r: int, store: int, post: float, accumulates: bool = True) -> Ops:
     """What FSDP1 and FSDP2 do to a unit's reduced shard of `shard` elements: the post-division
     where it is above 1, the cast back to the sharded dtype where the reduce dtype differs, and,
     accumulating micro-batches, the sum into the gradient already there (every micro-batch
-    but the first; a step's first assigns it)."""
-    gpu, A = sc.hw.gpu, sc.train.grad_accum
+    but the first; a step's first assigns it; none where `accumulates` is false: FSDP1's
+    NO_SHARD, whose gradient autograd accumulates)."""
+    gpu, A = sc.hw.gpu, sc.train.grad_accum if accumulates else 1
     ops = []
     if post > 1:
         ops.append(K.memory(gpu, "gradient post-divide", 2 * r * shard, 1))
@@ -532,8 +533,7 @@ def _fsdp1_copies(sc: Scenario, st: Strategy, u: Unit, D: int, g: int, r: int, s
         reduced = shard
     if pre > 1:
         bwd.append(K.memory(gpu, "flat gradient pre-divide", 2 * r * (padded if D > 1 else n), 1))
-    tail = _shard_tail(sc, reduced, r, store, post)
-    return gather, bwd + [o for o in tail if D > 1 or "accumulate" not in o.name]
+    return gather, bwd + _shard_tail(sc, reduced, r, store, post, accumulates=D > 1)
 
 
 def float8_te_casts(gpu, name: str, T_in: int, T: int, o: int, i: int, B: int, backward: bool,
